@@ -1,0 +1,59 @@
+//! The per-request model state: everything a Qwen3.5 forward pass carries from one token to
+//! the next. It is the unit that prefill hands to decode (and that the bridge moves): it covers
+//! tokens `[0, position)` and holds the logits of token `position - 1`.
+
+use crate::config::{LayerType, Qwen35Config};
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum LayerState {
+    /// Gated DeltaNet layer.
+    Linear {
+        /// The last `K` raw (pre-conv) qkv columns, time-major `[K, conv_dim]`, oldest first;
+        /// zero before the first tokens (the conv's left padding).
+        conv: Vec<f32>,
+        /// `[Hv, Dk, Dv]`, f32.
+        recurrent: Vec<f32>,
+    },
+    /// Full-attention layer: keys (after k_norm and RoPE) and values, `[position, Hkv, D]`.
+    Full { k: Vec<f32>, v: Vec<f32> },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct State {
+    /// Number of tokens applied.
+    pub position: usize,
+    pub layers: Vec<LayerState>,
+    /// Logits of the last applied token (empty before the first token).
+    pub last_logits: Vec<f32>,
+}
+
+impl State {
+    /// The empty state of a fresh request.
+    pub fn new(cfg: &Qwen35Config) -> State {
+        let layers = cfg
+            .layer_types
+            .iter()
+            .map(|t| match t {
+                LayerType::LinearAttention => LayerState::Linear {
+                    conv: vec![0.0; cfg.linear_conv_kernel_dim * cfg.linear_conv_dim()],
+                    recurrent: vec![0.0; cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim],
+                },
+                LayerType::FullAttention => LayerState::Full { k: Vec::new(), v: Vec::new() },
+            })
+            .collect();
+        State { position: 0, layers, last_logits: Vec::new() }
+    }
+
+    /// Bytes of state data (what a transfer has to move).
+    pub fn bytes(&self) -> usize {
+        let layer_bytes: usize = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Linear { conv, recurrent } => conv.len() + recurrent.len(),
+                LayerState::Full { k, v } => k.len() + v.len(),
+            })
+            .sum();
+        4 * (layer_bytes + self.last_logits.len())
+    }
+}

@@ -1,0 +1,223 @@
+//! Weight storage: tensors stay in the dtype and the memory they were loaded into
+//! (a memory-mapped safetensors file, or a buffer of the synthetic generator).
+//! No f32 copy of a weight matrix is ever made: the kernels read bf16 / f16 / f32 directly.
+
+use std::fmt;
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+
+/// Element type of a stored tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    BF16,
+    F16,
+    F32,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::BF16 | DType::F16 => 2,
+            DType::F32 => 4,
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            DType::F32 => "f32",
+        })
+    }
+}
+
+/// Something that owns bytes which never move: a memory map or a heap buffer.
+pub trait Storage: Send + Sync {
+    fn bytes(&self) -> &[u8];
+}
+
+impl Storage for memmap2::Mmap {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+/// A heap buffer of u16 (bf16/f16 bits) or f32 values, kept at its natural alignment.
+pub struct HeapStorage<T: Copy + Send + Sync + 'static>(pub Vec<T>);
+
+impl<T: Copy + Send + Sync + 'static> Storage for HeapStorage<T> {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: T is a plain numeric type (u16, f32, i8, ...); viewing it as bytes is sound.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr() as *const u8, std::mem::size_of_val(&self.0[..])) }
+    }
+}
+
+/// A typed, read-only slice into a `Storage` that the slice keeps alive.
+#[derive(Clone)]
+pub struct Buf<T: Copy + 'static> {
+    // Never read: it keeps the bytes behind `ptr` alive.
+    _owner: Arc<dyn Storage>,
+    ptr: *const T,
+    len: usize,
+}
+
+// SAFETY: the pointee is immutable and owned by `owner`, which is Send + Sync.
+unsafe impl<T: Copy + Sync> Send for Buf<T> {}
+unsafe impl<T: Copy + Sync> Sync for Buf<T> {}
+
+impl<T: Copy + Send + Sync + 'static> Buf<T> {
+    /// A view of `len` elements at byte `offset` of `owner`. When the bytes are not aligned
+    /// for `T` (a safetensors writer is free to do that), they are copied to an aligned buffer.
+    pub fn new(owner: Arc<dyn Storage>, offset: usize, len: usize) -> Result<Self> {
+        let size = std::mem::size_of::<T>();
+        let bytes = owner.bytes();
+        let Some(end) = len.checked_mul(size).and_then(|n| n.checked_add(offset)) else {
+            bail!("tensor size overflows");
+        };
+        if end > bytes.len() {
+            bail!("tensor bytes {offset}..{end} lie past the end of the data ({} bytes): the file is truncated", bytes.len());
+        }
+        let ptr = bytes[offset..].as_ptr();
+        if (ptr as usize) % std::mem::align_of::<T>() == 0 {
+            return Ok(Buf { ptr: ptr as *const T, len, _owner: owner });
+        }
+        let mut copy: Vec<T> = Vec::with_capacity(len);
+        // SAFETY: copying `len * size` bytes into a buffer with that capacity; T is plain data.
+        unsafe {
+            std::ptr::copy_nonoverlapping(ptr, copy.as_mut_ptr() as *mut u8, len * size);
+            copy.set_len(len);
+        }
+        Ok(Buf::from_vec(copy))
+    }
+
+    pub fn from_vec(values: Vec<T>) -> Self {
+        let len = values.len();
+        let storage = Arc::new(HeapStorage(values));
+        let ptr = storage.0.as_ptr();
+        Buf { _owner: storage, ptr, len }
+    }
+
+    pub fn as_slice(&self) -> &[T] {
+        // SAFETY: ptr/len were checked against the owner's bytes, which the Arc keeps alive.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A tensor as found in a checkpoint: name, dtype, shape and its bytes.
+#[derive(Clone)]
+pub struct Tensor {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub storage: Arc<dyn Storage>,
+    pub offset: usize,
+}
+
+impl Tensor {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// All values as f32 (only for small tensors: norms, biases, conv taps).
+    pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
+        let n = self.numel();
+        Ok(match self.dtype {
+            DType::F32 => Buf::<f32>::new(self.storage.clone(), self.offset, n)?.as_slice().to_vec(),
+            DType::BF16 => {
+                Buf::<u16>::new(self.storage.clone(), self.offset, n)?.as_slice().iter().map(|&b| bf16_to_f32(b)).collect()
+            }
+            DType::F16 => {
+                Buf::<u16>::new(self.storage.clone(), self.offset, n)?.as_slice().iter().map(|&b| f16_to_f32(b)).collect()
+            }
+        })
+    }
+}
+
+/// A weight matrix `[rows, cols]` in PyTorch layout (`rows` = output features), row-major,
+/// in its stored dtype.
+#[derive(Clone)]
+pub struct Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: WeightData,
+}
+
+#[derive(Clone)]
+pub enum WeightData {
+    Bf16(Buf<u16>),
+    F16(Buf<u16>),
+    F32(Buf<f32>),
+}
+
+impl Matrix {
+    pub fn from_tensor(t: &Tensor) -> Result<Matrix> {
+        let (rows, cols) = match t.shape[..] {
+            [r, c] => (r, c),
+            _ => bail!("tensor {} has shape {:?}, expected a matrix", t.name, t.shape),
+        };
+        let n = rows * cols;
+        let data = match t.dtype {
+            DType::BF16 => WeightData::Bf16(Buf::new(t.storage.clone(), t.offset, n)?),
+            DType::F16 => WeightData::F16(Buf::new(t.storage.clone(), t.offset, n)?),
+            DType::F32 => WeightData::F32(Buf::new(t.storage.clone(), t.offset, n)?),
+        };
+        Ok(Matrix { rows, cols, data })
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self.data {
+            WeightData::Bf16(_) => DType::BF16,
+            WeightData::F16(_) => DType::F16,
+            WeightData::F32(_) => DType::F32,
+        }
+    }
+
+    /// Bytes this matrix occupies (what a GEMV over it must stream from memory).
+    pub fn bytes(&self) -> usize {
+        self.rows * self.cols * self.dtype().size()
+    }
+
+    /// Row `r` converted to f32 into `out` (embedding lookup).
+    pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        let c = self.cols;
+        match &self.data {
+            WeightData::Bf16(b) => {
+                for (o, &v) in out.iter_mut().zip(&b.as_slice()[r * c..(r + 1) * c]) {
+                    *o = bf16_to_f32(v);
+                }
+            }
+            WeightData::F16(b) => {
+                for (o, &v) in out.iter_mut().zip(&b.as_slice()[r * c..(r + 1) * c]) {
+                    *o = f16_to_f32(v);
+                }
+            }
+            WeightData::F32(b) => out.copy_from_slice(&b.as_slice()[r * c..(r + 1) * c]),
+        }
+    }
+}
+
+#[inline(always)]
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+#[inline(always)]
+pub fn f16_to_f32(bits: u16) -> f32 {
+    half::f16::from_bits(bits).to_f32()
+}
+
+/// Round-to-nearest-even f32 -> bf16 (what PyTorch's `.to(torch.bfloat16)` does).
+pub fn f32_to_bf16(x: f32) -> u16 {
+    half::bf16::from_f32(x).to_bits()
+}
