@@ -1,0 +1,99 @@
+//! Bad input gets a clear error naming the file, tensor or value; never a panic.
+
+mod common;
+
+use std::path::Path;
+
+use tandem_core::load::LoadedModel;
+use tandem_core::model::Logits;
+use tandem_core::state::State;
+
+fn copy_tiny(name: &str) -> std::path::PathBuf {
+    let d = common::scratch(name);
+    for f in ["config.json", "generation_config.json", "model.safetensors"] {
+        std::fs::copy(common::tiny_dir().join(f), d.join(f)).unwrap();
+    }
+    d
+}
+
+fn load_err(dir: &Path) -> String {
+    match LoadedModel::load(dir.to_str().unwrap()) {
+        Ok(_) => panic!("{} loaded but should not", dir.display()),
+        Err(e) => format!("{e:#}"),
+    }
+}
+
+#[test]
+fn missing_directory_and_files() {
+    let e = match LoadedModel::load("/nonexistent/model") {
+        Ok(_) => panic!("loaded"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(e.contains("/nonexistent/model") && e.contains("synthetic"), "{e}");
+
+    let d = copy_tiny("no-weights");
+    std::fs::remove_file(d.join("model.safetensors")).unwrap();
+    let e = load_err(&d);
+    assert!(e.contains("no model.safetensors"), "{e}");
+
+    let d = copy_tiny("no-config");
+    std::fs::remove_file(d.join("config.json")).unwrap();
+    let e = load_err(&d);
+    assert!(e.contains("config.json"), "{e}");
+}
+
+#[test]
+fn truncated_safetensors_is_named() {
+    let d = copy_tiny("truncated");
+    let p = d.join("model.safetensors");
+    let bytes = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &bytes[..bytes.len() / 2]).unwrap();
+    let e = load_err(&d);
+    assert!(e.contains("model.safetensors"), "{e}");
+    assert!(e.contains("truncated") || e.contains("not a valid safetensors"), "{e}");
+}
+
+#[test]
+fn wrong_model_type_and_wrong_shapes() {
+    let d = copy_tiny("wrong-type");
+    let cfg = std::fs::read_to_string(d.join("config.json")).unwrap();
+    std::fs::write(d.join("config.json"), cfg.replace("\"model_type\": \"qwen3_5\"", "\"model_type\": \"llama\"").replace("qwen3_5_text", "llama")).unwrap();
+    let e = load_err(&d);
+    assert!(e.contains("llama") && e.contains("not Qwen3.5"), "{e}");
+
+    let d = copy_tiny("wrong-shape");
+    let cfg = std::fs::read_to_string(d.join("config.json")).unwrap();
+    std::fs::write(d.join("config.json"), cfg.replace("\"intermediate_size\": 256", "\"intermediate_size\": 300")).unwrap();
+    let e = load_err(&d);
+    assert!(e.contains("mlp.gate_proj.weight") && e.contains("[256, 128]") && e.contains("[300, 128]"), "{e}");
+}
+
+#[test]
+fn wrong_dtype_is_named() {
+    // Rewrite one tensor as i32: the loader must name it.
+    let d = copy_tiny("wrong-dtype");
+    let bytes = std::fs::read(d.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let name = "model.language_model.norm.weight";
+    let mut tensors: Vec<(String, safetensors::tensor::TensorView)> = st.tensors().into_iter().filter(|(n, _)| n != name).collect();
+    let ints = vec![0u8; 128 * 4];
+    tensors.push((name.to_string(), safetensors::tensor::TensorView::new(safetensors::Dtype::I32, vec![128], &ints).unwrap()));
+    safetensors::serialize_to_file(tensors, None, &d.join("model.safetensors")).unwrap();
+    let e = load_err(&d);
+    assert!(e.contains(name) && e.contains("I32"), "{e}");
+}
+
+#[test]
+fn unknown_token_and_context_overflow() {
+    let d = copy_tiny("short-context");
+    let cfg = std::fs::read_to_string(d.join("config.json")).unwrap();
+    std::fs::write(d.join("config.json"), cfg.replace("\"max_position_embeddings\": 32768", "\"max_position_embeddings\": 8")).unwrap();
+    let m = LoadedModel::load(d.to_str().unwrap()).unwrap();
+    let mut st = State::new(&m.net.config);
+    let e = m.net.forward(&[1, 2, 5000], &mut st, Logits::Last).unwrap_err().to_string();
+    assert!(e.contains("token id 5000") && e.contains("0..1024"), "{e}");
+    assert_eq!(st.position, 0, "a rejected call leaves the state untouched");
+    let e = m.net.forward(&[1; 9], &mut st, Logits::Last).unwrap_err().to_string();
+    assert!(e.contains("context of 8 tokens"), "{e}");
+    assert_eq!(st.position, 0);
+}
