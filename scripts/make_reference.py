@@ -57,7 +57,11 @@ def snapshot_states(cache, tc, length):
     out = {}
     for i, kind in enumerate(tc.layer_types):
         layer = cache.layers[i]
-        tensors = [v for v in vars(layer).values() if torch.is_tensor(v)]
+        # transformers 5 keeps LinearAttentionLayer.conv_states / recurrent_states as dicts
+        # (one entry per state slot); older versions as tensors.
+        tensors = []
+        for v in vars(layer).values():
+            tensors += [t for t in (v.values() if isinstance(v, dict) else [v]) if torch.is_tensor(t)]
         if kind == "linear_attention":
             conv = [t for t in tensors if t.dim() == 3 and t.shape[1] == conv_dim]
             rec = [t for t in tensors if t.dim() == 4 and t.shape[1] == tc.linear_num_value_heads]
