@@ -22,6 +22,17 @@ fn tiny_checkpoint_matches_the_reference() {
     }
 }
 
+/// A reference written by scripts/make_reference.py (transformers 5.17, f32, on the GPU
+/// machine's CPU): states copied right after the prompt, exact f32 RoPE frequencies.
+#[test]
+fn tiny_checkpoint_matches_a_fresh_transformers_reference() {
+    let mut m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let checks = verify(&mut m.net, &common::tiny_dir().join("reference-transformers-5.17-f32.safetensors")).unwrap();
+    assert_eq!(checks.len(), 95);
+    let failed: Vec<_> = checks.iter().filter(|c| !c.passed()).collect();
+    assert!(failed.is_empty(), "out of tolerance: {failed:#?}");
+}
+
 /// The check is able to fail: claiming the reference used exact f32 RoPE frequencies (it used
 /// bf16-rounded ones) must push the long prompts' keys out of tolerance.
 #[test]
