@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 
 use crate::model::{Logits, Qwen35};
+use crate::pool::Pool;
 use crate::sampling::Sampler;
 use crate::state::State;
 
@@ -38,6 +39,7 @@ impl GenerationStats {
 /// Generate up to `max_tokens` after `prompt`. `on_token` sees each new id as it is sampled
 /// (stop tokens are not passed on and not returned).
 pub fn generate(
+    pool: &Pool,
     net: &Qwen35,
     prompt: &[u32],
     max_tokens: usize,
@@ -55,7 +57,7 @@ pub fn generate(
     let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
     let start = Instant::now();
     let mut state = State::new(&net.config);
-    let mut logits = net.forward(prompt, &mut state, Logits::Last)?;
+    let mut logits = net.forward(pool, prompt, &mut state, Logits::Last)?;
     stats.prefill = start.elapsed();
     let mut out = Vec::new();
     let decode_start = Instant::now();
@@ -73,7 +75,7 @@ pub fn generate(
         if out.len() == max_tokens || state.position >= ctx {
             break;
         }
-        logits = net.forward(&[id], &mut state, Logits::Last)?;
+        logits = net.forward(pool, &[id], &mut state, Logits::Last)?;
     }
     stats.generated_tokens = out.len();
     stats.decode = decode_start.elapsed().saturating_sub(stats.ttft.saturating_sub(stats.prefill));

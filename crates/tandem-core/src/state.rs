@@ -57,3 +57,11 @@ impl State {
         4 * (layer_bytes + self.last_logits.len())
     }
 }
+
+/// Peak resident memory of this process so far (VmHWM), in bytes; None where /proc is absent.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}

@@ -13,11 +13,14 @@ pub enum DType {
     BF16,
     F16,
     F32,
+    /// Weight-only int8 with one f32 scale per output row (`--quant int8`).
+    I8,
 }
 
 impl DType {
     pub fn size(self) -> usize {
         match self {
+            DType::I8 => 1,
             DType::BF16 | DType::F16 => 2,
             DType::F32 => 4,
         }
@@ -30,6 +33,7 @@ impl fmt::Display for DType {
             DType::BF16 => "bf16",
             DType::F16 => "f16",
             DType::F32 => "f32",
+            DType::I8 => "int8",
         })
     }
 }
@@ -140,6 +144,7 @@ impl Tensor {
             DType::F16 => {
                 Buf::<u16>::new(self.storage.clone(), self.offset, n)?.as_slice().iter().map(|&b| f16_to_f32(b)).collect()
             }
+            DType::I8 => bail!("tensor {} is int8; checkpoints hold bf16, f16 or f32", self.name),
         })
     }
 }
@@ -158,6 +163,8 @@ pub enum WeightData {
     Bf16(Buf<u16>),
     F16(Buf<u16>),
     F32(Buf<f32>),
+    /// `value = q · scales[row]`.
+    Int8 { q: Buf<i8>, scales: Buf<f32> },
 }
 
 impl Matrix {
@@ -171,6 +178,7 @@ impl Matrix {
             DType::BF16 => WeightData::Bf16(Buf::new(t.storage.clone(), t.offset, n)?),
             DType::F16 => WeightData::F16(Buf::new(t.storage.clone(), t.offset, n)?),
             DType::F32 => WeightData::F32(Buf::new(t.storage.clone(), t.offset, n)?),
+            DType::I8 => bail!("tensor {} is int8; checkpoints hold bf16, f16 or f32", t.name),
         };
         Ok(Matrix { rows, cols, data })
     }
@@ -180,12 +188,14 @@ impl Matrix {
             WeightData::Bf16(_) => DType::BF16,
             WeightData::F16(_) => DType::F16,
             WeightData::F32(_) => DType::F32,
+            WeightData::Int8 { .. } => DType::I8,
         }
     }
 
     /// Bytes this matrix occupies (what a GEMV over it must stream from memory).
     pub fn bytes(&self) -> usize {
-        self.rows * self.cols * self.dtype().size()
+        let scales = if let WeightData::Int8 { .. } = self.data { self.rows * 4 } else { 0 };
+        self.rows * self.cols * self.dtype().size() + scales
     }
 
     /// Row `r` converted to f32 into `out` (embedding lookup).
@@ -203,6 +213,12 @@ impl Matrix {
                 }
             }
             WeightData::F32(b) => out.copy_from_slice(&b.as_slice()[r * c..(r + 1) * c]),
+            WeightData::Int8 { q, scales } => {
+                let s = scales.as_slice()[r];
+                for (o, &v) in out.iter_mut().zip(&q.as_slice()[r * c..(r + 1) * c]) {
+                    *o = v as f32 * s;
+                }
+            }
         }
     }
 }

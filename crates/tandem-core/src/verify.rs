@@ -18,6 +18,7 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::config::Qwen35Config;
 use crate::model::{Logits, Qwen35};
+use crate::pool::Pool;
 use crate::sampling::argmax;
 use crate::state::{LayerState, State};
 
@@ -78,17 +79,17 @@ fn convention<'a>(meta: &'a HashMap<String, String>, key: &str, default: &'a str
 
 /// Run every prompt of the reference file and return one check per compared item.
 /// `net` is borrowed mutably only to set the RoPE frequency convention; it is restored.
-pub fn verify(net: &mut Qwen35, reference: &Path) -> Result<Vec<Check>> {
+pub fn verify(pool: &Pool, net: &mut Qwen35, reference: &Path) -> Result<Vec<Check>> {
     let (r, meta) = read_reference(reference)?;
     let linear_after_greedy = convention(&meta, "linear_state_at", "prompt+greedy", &["prompt", "prompt+greedy"], reference)? == "prompt+greedy";
     let rope_bf16 = convention(&meta, "rope_inv_freq", "bf16", &["f32", "bf16"], reference)? == "bf16";
     net.set_rope_frequencies_bf16(rope_bf16);
-    let result = run_checks(net, &r, reference, linear_after_greedy);
+    let result = run_checks(pool, net, &r, reference, linear_after_greedy);
     net.set_rope_frequencies_bf16(false);
     result
 }
 
-fn run_checks(net: &Qwen35, r: &BTreeMap<String, RefTensor>, reference: &Path, linear_after_greedy: bool) -> Result<Vec<Check>> {
+fn run_checks(pool: &Pool, net: &Qwen35, r: &BTreeMap<String, RefTensor>, reference: &Path, linear_after_greedy: bool) -> Result<Vec<Check>> {
     let get = |name: &str| r.get(name).with_context(|| format!("{}: tensor {name} is missing", reference.display()));
     let prompts: Vec<String> = r.keys().filter_map(|k| k.strip_suffix(".input_ids")).map(String::from).collect();
     if prompts.is_empty() {
@@ -106,7 +107,7 @@ fn run_checks(net: &Qwen35, r: &BTreeMap<String, RefTensor>, reference: &Path, l
 
         // 1. One forward over the whole prompt, logits at every position.
         let mut state = State::new(&net.config);
-        let logits = net.forward(&ids, &mut state, Logits::All)?;
+        let logits = net.forward(pool, &ids, &mut state, Logits::All)?;
         let want = get(&format!("{p}.prefill_logits"))?;
         if want.shape != [l, vocab] {
             bail!("{p}.prefill_logits has shape {:?}, expected [{l}, {vocab}]", want.shape);
@@ -122,7 +123,7 @@ fn run_checks(net: &Qwen35, r: &BTreeMap<String, RefTensor>, reference: &Path, l
         let mut got_ids = vec![argmax(&state.last_logits) as i64];
         let mut got_logits = Vec::with_capacity(want_logits.len());
         for i in 0..want_ids.len() {
-            let step = net.forward(&[want_ids[i] as u32], &mut state, Logits::Last)?;
+            let step = net.forward(pool, &[want_ids[i] as u32], &mut state, Logits::Last)?;
             got_logits.extend_from_slice(&step);
             if i + 1 < want_ids.len() {
                 got_ids.push(argmax(&step) as i64);

@@ -13,7 +13,7 @@ use tandem_core::state::State;
 fn logits_of(dir: &std::path::Path) -> Vec<f32> {
     let m = LoadedModel::load(dir.to_str().unwrap()).unwrap();
     let mut st = State::new(&m.net.config);
-    m.net.forward(&[5, 77, 901, 3, 64], &mut st, Logits::All).unwrap()
+    m.net.forward(&tandem_core::pool::Pool::new(2), &[5, 77, 901, 3, 64], &mut st, Logits::All).unwrap()
 }
 
 #[test]

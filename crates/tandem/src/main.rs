@@ -1,6 +1,7 @@
 //! `tandem`: generate text with Qwen3.5, verify the engine against reference outputs.
 
 mod args;
+mod bench;
 
 use std::io::Write;
 use std::path::Path;
@@ -12,6 +13,7 @@ use args::Args;
 use tandem_core::chat::Message;
 use tandem_core::generate::generate;
 use tandem_core::load::LoadedModel;
+use tandem_core::pool::Pool;
 use tandem_core::sampling::{Sampler, SamplingParams};
 use tandem_core::tokenizer::StreamDecoder;
 
@@ -21,10 +23,16 @@ tandem: Qwen3.5 inference, prefill and decode on their own engines
 USAGE:
   tandem generate --model PATH|synthetic:NAME (--prompt TEXT [--chat] | --token-ids 1,2,3) [options]
   tandem verify   --model DIR --reference FILE
+  tandem bench    [--model M] [--quant bf16,int8] [--quick] ...   (tandem bench --help)
 
 MODELS:
   a Hugging Face Qwen3.5 checkpoint directory (config.json + safetensors), or
   synthetic:qwen3.5-0.8b | synthetic:qwen3.5-2b | synthetic:qwen3.5-9b (real shapes, random weights)
+
+ENGINE OPTIONS (generate, verify):
+  --threads N            worker threads (default: all cores)
+  --cores 0,1            pin one worker to each listed core instead
+  --quant int8           weight-only int8 (per-row scales), quantized at load; default: as stored
 
 GENERATE OPTIONS:
   --prompt TEXT          prompt text (tokenized with the model's tokenizer.json)
@@ -50,6 +58,7 @@ fn main() -> ExitCode {
     let result = match argv.first().map(String::as_str) {
         Some("generate") => cmd_generate(&argv[1..]),
         Some("verify") => cmd_verify(&argv[1..]),
+        Some("bench") => bench::run(&argv[1..]),
         Some("-h" | "--help" | "help") | None => {
             print!("{USAGE}");
             return ExitCode::SUCCESS;
@@ -80,7 +89,7 @@ fn cmd_generate(argv: &[String]) -> Result<ExitCode> {
     }
     let args = Args::parse(
         argv,
-        &["model", "prompt", "system", "token-ids", "max-tokens", "temperature", "top-k", "top-p", "seed"],
+        &["model", "prompt", "system", "token-ids", "max-tokens", "temperature", "top-k", "top-p", "seed", "threads", "cores", "quant"],
         &["chat", "ids-out", "enable-thinking"],
     )?;
     let params = SamplingParams {
@@ -93,8 +102,9 @@ fn cmd_generate(argv: &[String]) -> Result<ExitCode> {
     let max_tokens: usize = args.get("max-tokens", 128)?;
     let spec = args.required("model")?;
 
+    let pool = make_pool(&args)?;
     let load_start = Instant::now();
-    let model = LoadedModel::load(spec)?;
+    let model = load_model(spec, &args, &pool)?;
     let load_time = load_start.elapsed();
 
     let prompt: Vec<u32> = match (args.str("prompt"), args.str("token-ids")) {
@@ -125,7 +135,7 @@ fn cmd_generate(argv: &[String]) -> Result<ExitCode> {
     let mut stdout = std::io::stdout().lock();
     let mut decoder = StreamDecoder::new();
     let mut first = true;
-    let (_, stats) = generate(&model.net, &prompt, max_tokens, &mut sampler, &model.stop_ids, |id| {
+    let (_, stats) = generate(&pool, &model.net, &prompt, max_tokens, &mut sampler, &model.stop_ids, |id| {
         if ids_out {
             write!(stdout, "{}{id}", if first { "" } else { "," })?;
         } else {
@@ -140,8 +150,9 @@ fn cmd_generate(argv: &[String]) -> Result<ExitCode> {
         write!(stdout, "{}", decoder.finish(tok)?)?;
     }
     writeln!(stdout)?;
+    let peak = tandem_core::state::peak_rss_bytes().map(|b| format!(" | peak RSS {:.2} GB", b as f64 / 1e9)).unwrap_or_default();
     eprintln!(
-        "[{}] load {:.2} s | prompt {} tokens | TTFT {:.1} ms | prefill {:.1} tok/s | decode {:.2} tok/s ({} tokens, {})",
+        "[{}] load {:.2} s | prompt {} tokens | TTFT {:.1} ms | prefill {:.1} tok/s | decode {:.2} tok/s ({} tokens, {}){peak}",
         model.name,
         load_time.as_secs_f64(),
         stats.prompt_tokens,
@@ -152,6 +163,39 @@ fn cmd_generate(argv: &[String]) -> Result<ExitCode> {
         if stats.stopped { "stop token" } else { "length" },
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// The engine's worker pool from `--threads N` or `--cores 0,1,...` (default: all cores).
+pub(crate) fn make_pool(args: &Args) -> Result<Pool> {
+    match (args.str("threads"), args.str("cores")) {
+        (Some(_), Some(_)) => bail!("give either --threads or --cores, not both"),
+        (_, Some(list)) => {
+            let cores = list
+                .split(',')
+                .map(|c| c.trim().parse::<usize>().map_err(|_| anyhow::anyhow!("--cores: {c:?} is not a core number")))
+                .collect::<Result<Vec<_>>>()?;
+            Pool::pinned(&cores)
+        }
+        (Some(_), None) => {
+            let n: usize = args.get("threads", 1)?;
+            if n == 0 {
+                bail!("--threads must be at least 1");
+            }
+            Ok(Pool::new(n))
+        }
+        (None, None) => Ok(Pool::new(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))),
+    }
+}
+
+/// Load a model and apply `--quant`.
+fn load_model(spec: &str, args: &Args, pool: &Pool) -> Result<LoadedModel> {
+    let mut model = LoadedModel::load(spec)?;
+    match args.str("quant") {
+        None | Some("none") => {}
+        Some("int8") => model.net.quantize_int8(pool),
+        Some(other) => bail!("--quant {other:?}: supported are int8 and none"),
+    }
+    Ok(model)
 }
 
 fn parse_ids(s: &str) -> Result<Vec<u32>> {
@@ -167,10 +211,11 @@ fn cmd_verify(argv: &[String]) -> Result<ExitCode> {
         print!("{USAGE}");
         return Ok(ExitCode::SUCCESS);
     }
-    let args = Args::parse(argv, &["model", "reference"], &[])?;
-    let mut model = LoadedModel::load(args.required("model")?)?;
+    let args = Args::parse(argv, &["model", "reference", "threads", "cores", "quant"], &[])?;
+    let pool = make_pool(&args)?;
+    let mut model = load_model(args.required("model")?, &args, &pool)?;
     let reference = Path::new(args.required("reference")?);
-    let checks = tandem_core::verify::verify(&mut model.net, reference)?;
+    let checks = tandem_core::verify::verify(&pool, &mut model.net, reference)?;
     let width = checks.iter().map(|c| c.item.len()).max().unwrap_or(0);
     for c in &checks {
         println!(

@@ -3,39 +3,51 @@
 
 use super::matmul::dot;
 
-/// `q`: `[t, hq, d]` for the `t` new tokens at positions `pos0..pos0 + t`; `k`, `v`: the whole
-/// cache `[pos0 + t, hkv, d]` (new tokens already appended); `out`: `[t, hq, d]`.
-/// Query head `h` reads KV head `h / (hq / hkv)`; the scale is `1/√d`.
+super::multiversion! {
+    /// One query head `h` of causal attention. `q`: `[t, hq, d]` for the `t` new tokens at
+    /// positions `pos0..pos0 + t`; `k`, `v`: the whole cache `[pos0 + t, hkv, d]` (new tokens
+    /// already appended); writes `out[ti * hq * d + h * d ..][..d]` through `out`.
+    /// Query head `h` reads KV head `h / (hq / hkv)`; the scale is `1/√d`.
+    pub fn attention_head(q: &[f32], t: usize, pos0: usize, k: &[f32], v: &[f32], hq: usize, hkv: usize, d: usize, h: usize, scores: &mut Vec<f32>, out: &mut [f32]) => attention_head_body
+}
+
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub fn causal_attention(q: &[f32], t: usize, pos0: usize, k: &[f32], v: &[f32], hq: usize, hkv: usize, d: usize, out: &mut [f32]) {
-    let group = hq / hkv;
+fn attention_head_body(q: &[f32], t: usize, pos0: usize, k: &[f32], v: &[f32], hq: usize, hkv: usize, d: usize, h: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
+    let kvh = h / (hq / hkv);
     let scale = 1.0 / (d as f32).sqrt();
-    let mut scores = vec![0f32; pos0 + t];
+    scores.resize(pos0 + t, 0.0);
     for ti in 0..t {
         let visible = pos0 + ti + 1;
-        for h in 0..hq {
-            let kvh = h / group;
-            let qh = &q[(ti * hq + h) * d..(ti * hq + h + 1) * d];
-            let mut max = f32::NEG_INFINITY;
-            for (p, s) in scores[..visible].iter_mut().enumerate() {
-                *s = dot(qh, &k[(p * hkv + kvh) * d..(p * hkv + kvh + 1) * d]) * scale;
-                max = max.max(*s);
-            }
-            let mut sum = 0f32;
-            for s in scores[..visible].iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            let inv = 1.0 / sum;
-            let o = &mut out[(ti * hq + h) * d..(ti * hq + h + 1) * d];
-            o.iter_mut().for_each(|x| *x = 0.0);
-            for (p, &s) in scores[..visible].iter().enumerate() {
-                let w = s * inv;
-                for (ov, &vv) in o.iter_mut().zip(&v[(p * hkv + kvh) * d..(p * hkv + kvh + 1) * d]) {
-                    *ov += w * vv;
-                }
+        let qh = &q[(ti * hq + h) * d..(ti * hq + h + 1) * d];
+        let mut max = f32::NEG_INFINITY;
+        for (p, s) in scores[..visible].iter_mut().enumerate() {
+            *s = dot(qh, &k[(p * hkv + kvh) * d..(p * hkv + kvh + 1) * d]) * scale;
+            max = max.max(*s);
+        }
+        let mut sum = 0f32;
+        for s in scores[..visible].iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let inv = 1.0 / sum;
+        let o = &mut out[ti * hq * d + h * d..ti * hq * d + (h + 1) * d];
+        o.iter_mut().for_each(|x| *x = 0.0);
+        for (p, &s) in scores[..visible].iter().enumerate() {
+            let w = s * inv;
+            for (ov, &vv) in o.iter_mut().zip(&v[(p * hkv + kvh) * d..(p * hkv + kvh + 1) * d]) {
+                *ov = w.mul_add(vv, *ov);
             }
         }
+    }
+}
+
+/// All heads, one after the other (tests and callers without a pool).
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention(q: &[f32], t: usize, pos0: usize, k: &[f32], v: &[f32], hq: usize, hkv: usize, d: usize, out: &mut [f32]) {
+    let mut scores = Vec::new();
+    for h in 0..hq {
+        attention_head(q, t, pos0, k, v, hq, hkv, d, h, &mut scores, out);
     }
 }
 

@@ -5,13 +5,22 @@
 //! `recurrent_step` is the per-token definition (decode); `chunked` is the WY/UT-transform form
 //! used for multi-token prefill; the test below holds them to each other.
 
-use super::matmul::dot;
 
 /// Chunk length of the chunked algorithm (the reference's, so rounding follows the same grouping).
 pub const CHUNK: usize = 64;
 
-/// One decode step: decay, delta-rule write, read.
-pub fn recurrent_step(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: f32, g: f32, out: &mut [f32]) {
+super::multiversion! {
+    /// One decode step: decay, delta-rule write, read.
+    pub fn recurrent_step(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: f32, g: f32, out: &mut [f32]) => recurrent_step_body
+}
+
+super::multiversion! {
+    /// Process `L = beta.len()` tokens of one head. `q`, `k`: `[L, Dk]`; `v`, `out`: `[L, Dv]`.
+    pub fn chunked(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: &[f32], g: &[f32], out: &mut [f32], scratch: &mut ChunkScratch) => chunked_body
+}
+
+#[inline(always)]
+fn recurrent_step_body(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: f32, g: f32, out: &mut [f32]) {
     let (dk, dv) = (k.len(), v.len());
     debug_assert_eq!(s.len(), dk * dv);
     let alpha = g.exp();
@@ -46,24 +55,36 @@ pub fn recurrent_step(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: f32,
 #[derive(Default)]
 pub struct ChunkScratch {
     g_cum: Vec<f32>,
+    /// exp(G_i − G_j) for j ≤ i, else 0: the decay between two tokens of a chunk.
+    decay: Vec<f32>,
     a: Vec<f32>,
+    p: Vec<f32>,
     u: Vec<f32>,
     w: Vec<f32>,
     kb: Vec<f32>,
+    k_t: Vec<f32>,
+    q_e: Vec<f32>,
+    kd_t: Vec<f32>,
 }
 
-/// Process `L = beta.len()` tokens of one head. `q`, `k`: `[L, Dk]`; `v`, `out`: `[L, Dv]`.
-pub fn chunked(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: &[f32], g: &[f32], out: &mut [f32], scratch: &mut ChunkScratch) {
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn chunked_body(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: &[f32], g: &[f32], out: &mut [f32], scratch: &mut ChunkScratch) {
     let l = beta.len();
     let dk = k.len() / l.max(1);
     let dv = v.len() / l.max(1);
     debug_assert_eq!(s.len(), dk * dv);
     let sc = scratch;
     sc.g_cum.resize(CHUNK, 0.0);
+    sc.decay.resize(CHUNK * CHUNK, 0.0);
     sc.a.resize(CHUNK * CHUNK, 0.0);
+    sc.p.resize(CHUNK * CHUNK, 0.0);
     sc.u.resize(CHUNK * dv, 0.0);
     sc.w.resize(CHUNK * dk, 0.0);
     sc.kb.resize(CHUNK * dk, 0.0);
+    sc.k_t.resize(dk * CHUNK, 0.0);
+    sc.q_e.resize(CHUNK * dk, 0.0);
+    sc.kd_t.resize(dk * CHUNK, 0.0);
 
     let mut c0 = 0;
     while c0 < l {
@@ -81,14 +102,25 @@ pub fn chunked(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: &[f32], g: 
             *gi = acc;
         }
         for i in 0..n {
-            for d in 0..dk {
-                sc.kb[i * dk + d] = bc[i] * kc[i * dk + d];
+            for j in 0..n {
+                sc.decay[i * CHUNK + j] = if j <= i { (gcum[i] - gcum[j]).exp() } else { 0.0 };
             }
         }
-        // A_ij = (kβ_i · k_j) exp(G_i − G_j) for j < i.
         for i in 0..n {
-            for j in 0..i {
-                sc.a[i * CHUNK + j] = dot(&sc.kb[i * dk..(i + 1) * dk], &kc[j * dk..(j + 1) * dk]) * (gcum[i] - gcum[j]).exp();
+            for d in 0..dk {
+                sc.kb[i * dk + d] = bc[i] * kc[i * dk + d];
+                sc.k_t[d * CHUNK + i] = kc[i * dk + d];
+            }
+        }
+        // A = (kβ · kᵀ) ⊙ decay (strictly lower part used); P = (q · kᵀ) ⊙ decay (diagonal too).
+        sc.a[..n * CHUNK].iter_mut().for_each(|x| *x = 0.0);
+        sc.p[..n * CHUNK].iter_mut().for_each(|x| *x = 0.0);
+        gemm_acc(n, n, dk, &sc.kb, dk, &sc.k_t, CHUNK, &mut sc.a, CHUNK, 1.0);
+        gemm_acc(n, n, dk, qc, dk, &sc.k_t, CHUNK, &mut sc.p, CHUNK, 1.0);
+        for i in 0..n {
+            for j in 0..n {
+                sc.a[i * CHUNK + j] *= sc.decay[i * CHUNK + j];
+                sc.p[i * CHUNK + j] *= sc.decay[i * CHUNK + j];
             }
         }
         // (I + A) U = β v  and  (I + A) W = kβ exp(G), by forward substitution.
@@ -109,36 +141,110 @@ pub fn chunked(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: &[f32], g: 
             }
         }
         // V' = U − W S  (stored back into U).
+        gemm_acc(n, dv, dk, &sc.w, dk, s, dv, &mut sc.u, dv, -1.0);
+        // O = (q ⊙ exp(G)) S + P V'
         for i in 0..n {
-            for d in 0..dk {
-                let wid = sc.w[i * dk + d];
-                axpy(-wid, &s[d * dv..(d + 1) * dv], &mut sc.u[i * dv..(i + 1) * dv]);
-            }
-        }
-        // O_i = exp(G_i) q_i S + Σ_{j≤i} (q_i · k_j) exp(G_i − G_j) V'_j
-        for i in 0..n {
-            let o = &mut oc[i * dv..(i + 1) * dv];
-            o.iter_mut().for_each(|x| *x = 0.0);
             let eg = gcum[i].exp();
             for d in 0..dk {
-                axpy(qc[i * dk + d] * eg, &s[d * dv..(d + 1) * dv], o);
-            }
-            for j in 0..=i {
-                let p = dot(&qc[i * dk..(i + 1) * dk], &kc[j * dk..(j + 1) * dk]) * (gcum[i] - gcum[j]).exp();
-                axpy(p, &sc.u[j * dv..(j + 1) * dv], o);
+                sc.q_e[i * dk + d] = qc[i * dk + d] * eg;
             }
         }
-        // S ← exp(G_last) S + Σ_i (k_i exp(G_last − G_i)) ⊗ V'_i
+        oc.iter_mut().for_each(|x| *x = 0.0);
+        gemm_acc(n, dv, dk, &sc.q_e, dk, s, dv, oc, dv, 1.0);
+        gemm_acc(n, dv, n, &sc.p, CHUNK, &sc.u, dv, oc, dv, 1.0);
+        // S ← exp(G_last) S + (k ⊙ exp(G_last − G))ᵀ V'
         let g_last = gcum[n - 1];
         let e_last = g_last.exp();
         s.iter_mut().for_each(|x| *x *= e_last);
         for i in 0..n {
             let e = (g_last - gcum[i]).exp();
             for d in 0..dk {
-                axpy(kc[i * dk + d] * e, &sc.u[i * dv..(i + 1) * dv], &mut s[d * dv..(d + 1) * dv]);
+                sc.kd_t[d * CHUNK + i] = kc[i * dk + d] * e;
             }
         }
+        gemm_acc(dk, dv, n, &sc.kd_t, CHUNK, &sc.u, dv, s, dv, 1.0);
         c0 += n;
+    }
+}
+
+/// `c[i][j] += alpha · Σ_k a[i][k] · b[k][j]` for `i < m`, `j < n`, row-major with leading
+/// dimensions `lda`, `ldb`, `ldc`: the small matrix products of a chunk (64 × 128 × 128 at
+/// most). Called from `chunked_body`, so it is compiled into each of its instruction-set copies.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn gemm_acc(m: usize, n: usize, k: usize, a: &[f32], lda: usize, b: &[f32], ldb: usize, c: &mut [f32], ldc: usize, alpha: f32) {
+    assert!(m == 0 || n == 0 || ((m - 1) * lda + k <= a.len() && (k.max(1) - 1) * ldb + n <= b.len() && (m - 1) * ldc + n <= c.len()));
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: feature checked; bounds asserted above.
+            return unsafe { gemm_acc_avx512(m, n, k, a.as_ptr(), lda, b.as_ptr(), ldb, c.as_mut_ptr(), ldc, alpha) };
+        }
+    }
+    gemm_acc_portable(m, n, k, a, lda, b, ldb, c, ldc, alpha)
+}
+
+/// The plain definition (also the fallback): axpy over rows of `b`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn gemm_acc_portable(m: usize, n: usize, k: usize, a: &[f32], lda: usize, b: &[f32], ldb: usize, c: &mut [f32], ldc: usize, alpha: f32) {
+    for i in 0..m {
+        let crow = &mut c[i * ldc..i * ldc + n];
+        for kk in 0..k {
+            axpy(alpha * a[i * lda + kk], &b[kk * ldb..kk * ldb + n], crow);
+        }
+    }
+}
+
+/// 4 rows × 32 columns of accumulators in registers; partial tiles use masked loads/stores.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_acc_avx512(m: usize, n: usize, k: usize, a: *const f32, lda: usize, b: *const f32, ldb: usize, c: *mut f32, ldc: usize, alpha: f32) {
+    use std::arch::x86_64::*;
+
+    /// One tile of R rows (a const, so the R accumulator pairs stay independent FMA chains
+    /// interleaved in one loop).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile<const R: usize>(k: usize, a: *const f32, lda: usize, b: *const f32, ldb: usize, c: *mut f32, ldc: usize, alpha: __m512, m0: __mmask16, m1: __mmask16) {
+        let mut acc0 = [_mm512_setzero_ps(); R];
+        let mut acc1 = [_mm512_setzero_ps(); R];
+        for kk in 0..k {
+            let bp = b.add(kk * ldb);
+            let b0 = _mm512_maskz_loadu_ps(m0, bp);
+            let b1 = _mm512_maskz_loadu_ps(m1, bp.add(16));
+            for r in 0..R {
+                let av = _mm512_set1_ps(*a.add(r * lda + kk));
+                acc0[r] = _mm512_fmadd_ps(av, b0, acc0[r]);
+                acc1[r] = _mm512_fmadd_ps(av, b1, acc1[r]);
+            }
+        }
+        for r in 0..R {
+            let cp = c.add(r * ldc);
+            _mm512_mask_storeu_ps(cp, m0, _mm512_fmadd_ps(alpha, acc0[r], _mm512_maskz_loadu_ps(m0, cp)));
+            _mm512_mask_storeu_ps(cp.add(16), m1, _mm512_fmadd_ps(alpha, acc1[r], _mm512_maskz_loadu_ps(m1, cp.add(16))));
+        }
+    }
+
+    let alpha_v = _mm512_set1_ps(alpha);
+    let mut j = 0;
+    while j < n {
+        let cols = (n - j).min(32);
+        let m0: __mmask16 = if cols >= 16 { 0xFFFF } else { ((1u32 << cols) - 1) as u16 };
+        let m1: __mmask16 = if cols >= 32 { 0xFFFF } else if cols > 16 { ((1u32 << (cols - 16)) - 1) as u16 } else { 0 };
+        let mut i = 0;
+        while i < m {
+            let (ap, bp, cp) = (a.add(i * lda), b.add(j), c.add(i * ldc + j));
+            match (m - i).min(4) {
+                4 => tile::<4>(k, ap, lda, bp, ldb, cp, ldc, alpha_v, m0, m1),
+                3 => tile::<3>(k, ap, lda, bp, ldb, cp, ldc, alpha_v, m0, m1),
+                2 => tile::<2>(k, ap, lda, bp, ldb, cp, ldc, alpha_v, m0, m1),
+                _ => tile::<1>(k, ap, lda, bp, ldb, cp, ldc, alpha_v, m0, m1),
+            }
+            i += 4;
+        }
+        j += 32;
     }
 }
 
@@ -166,6 +272,23 @@ mod tests {
         for r in x.chunks_exact_mut(d) {
             crate::kernels::norm::l2_normalize(r);
             r.iter_mut().for_each(|v| *v *= scale);
+        }
+    }
+
+    #[test]
+    fn gemm_acc_matches_its_plain_definition() {
+        let mut seed = 3;
+        for &(m, n, k) in &[(1, 1, 1), (5, 17, 9), (64, 128, 128), (3, 40, 64), (64, 64, 128)] {
+            let (lda, ldb, ldc) = (k + 3, n + 5, n + 1);
+            let a = rand_vec(&mut seed, m * lda);
+            let b = rand_vec(&mut seed, k * ldb);
+            let c0 = rand_vec(&mut seed, m * ldc);
+            let (mut c1, mut c2) = (c0.clone(), c0.clone());
+            gemm_acc(m, n, k, &a, lda, &b, ldb, &mut c1, ldc, -0.5);
+            gemm_acc_portable(m, n, k, &a, lda, &b, ldb, &mut c2, ldc, -0.5);
+            let err = c1.iter().zip(&c2).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(err < 1e-4, "{m}x{n}x{k}: {err}");
+            assert_eq!(c1[ldc - 1], c0[ldc - 1], "padding columns untouched");
         }
     }
 

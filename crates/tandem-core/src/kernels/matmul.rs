@@ -1,7 +1,12 @@
-//! `out = x · Wᵀ` for a weight matrix in its stored dtype: the GEMV of decode (t = 1) and the
-//! GEMM of prefill (t > 1). `matmul_ref` is the plain definition; `matmul_rows` is the one the
-//! model uses, compiled once per instruction set and picked at run time.
+//! `out = x · Wᵀ` for a weight matrix in its stored dtype: the GEMV of decode (one token:
+//! bound by how fast the weights stream from memory) and the GEMM of prefill (many tokens:
+//! bound by FMA throughput). `matmul_ref` is the plain definition the fast paths are tested
+//! against. Work is split over the pool by output rows.
+//!
+//! Activations stay f32 and every product is an f32 FMA (weights are widened on the fly), so
+//! the fast paths differ from the reference only in summation order.
 
+use crate::pool::Pool;
 use crate::tensor::{bf16_to_f32, f16_to_f32, Matrix, WeightData};
 
 /// Reference: `out[ti * w.rows + r] = Σ_k x[ti * w.cols + k] · w[r, k]`, summed in f64.
@@ -13,81 +18,113 @@ pub fn matmul_ref(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) {
         for r in 0..n {
             let mut acc = 0f64;
             for i in 0..k {
-                let wv = match &w.data {
-                    WeightData::Bf16(b) => bf16_to_f32(b.as_slice()[r * k + i]),
-                    WeightData::F16(b) => f16_to_f32(b.as_slice()[r * k + i]),
-                    WeightData::F32(b) => b.as_slice()[r * k + i],
-                };
-                acc += x[ti * k + i] as f64 * wv as f64;
+                acc += x[ti * k + i] as f64 * weight(w, r, i) as f64;
             }
             out[ti * n + r] = acc as f32;
         }
     }
 }
 
-/// `out = x · Wᵀ` over all rows of `w`.
-pub fn matmul(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) {
+/// One weight as f32 (int8: dequantized with its row scale).
+pub fn weight(w: &Matrix, r: usize, i: usize) -> f32 {
+    let k = w.cols;
+    match &w.data {
+        WeightData::Bf16(b) => bf16_to_f32(b.as_slice()[r * k + i]),
+        WeightData::F16(b) => f16_to_f32(b.as_slice()[r * k + i]),
+        WeightData::F32(b) => b.as_slice()[r * k + i],
+        WeightData::Int8 { q, scales } => q.as_slice()[r * k + i] as f32 * scales.as_slice()[r],
+    }
+}
+
+/// A raw output pointer that worker threads may write disjoint parts of.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// `out = x · Wᵀ` on the pool: GEMV for one token, packed GEMM for more.
+pub fn matmul(pool: &Pool, x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) {
     assert_eq!(x.len(), t * w.cols, "matmul input has the wrong length");
     assert_eq!(out.len(), t * w.rows, "matmul output has the wrong length");
-    // SAFETY: the row range covers w, and out has t * w.rows elements.
-    unsafe { matmul_rows(x, t, w, 0..w.rows, out.as_mut_ptr(), w.rows) }
+    let o = OutPtr(out.as_mut_ptr());
+    if t == 1 {
+        // Row blocks of 16 keep each worker's rows on whole cache lines of the output.
+        pool.for_ranges(w.rows, 16, &|rows| {
+            let o = o;
+            // SAFETY: ranges are disjoint and inside out.
+            unsafe { gemv_rows(x, w, rows, o.0) }
+        });
+    } else {
+        pool.for_ranges(w.rows, gemm::NR, &|rows| {
+            let o = o;
+            // SAFETY: as above; each worker writes columns `rows` of every output row.
+            unsafe { gemm::gemm_rows(x, t, w, rows, o.0) }
+        });
+    }
 }
 
-/// Rows `rows` of `out = x · Wᵀ`, writing `out[ti * out_stride + r]`. Disjoint row ranges may be
-/// computed by different threads into the same output.
+/// Rows `rows` of the one-token product.
 ///
 /// # Safety
-/// `out` must be valid for writes at `ti * out_stride + r` for all `ti < t`, `r` in `rows`.
-pub unsafe fn matmul_rows(x: &[f32], t: usize, w: &Matrix, rows: std::ops::Range<usize>, out: *mut f32, out_stride: usize) {
+/// `out` must be valid for writes at every index in `rows`.
+pub unsafe fn gemv_rows(x: &[f32], w: &Matrix, rows: std::ops::Range<usize>, out: *mut f32) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            return matmul_rows_avx512(x, t, w, rows, out, out_stride);
+        if std::arch::is_x86_feature_detected!("avx512f") && w.cols % 16 == 0 {
+            return avx512::gemv_rows(x, w, rows, out);
         }
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            return matmul_rows_avx2(x, t, w, rows, out, out_stride);
+            return gemv_rows_avx2(x, w, rows, out);
         }
     }
-    matmul_rows_generic(x, t, w, rows, out, out_stride)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn matmul_rows_avx512(x: &[f32], t: usize, w: &Matrix, rows: std::ops::Range<usize>, out: *mut f32, out_stride: usize) {
-    matmul_rows_generic(x, t, w, rows, out, out_stride)
+    gemv_rows_portable(x, w, rows, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn matmul_rows_avx2(x: &[f32], t: usize, w: &Matrix, rows: std::ops::Range<usize>, out: *mut f32, out_stride: usize) {
-    matmul_rows_generic(x, t, w, rows, out, out_stride)
+unsafe fn gemv_rows_avx2(x: &[f32], w: &Matrix, rows: std::ops::Range<usize>, out: *mut f32) {
+    gemv_rows_portable(x, w, rows, out)
 }
 
-/// Portable body, written so the compiler vectorises it for whatever target feature set the
-/// caller was compiled with: each weight row is widened to f32 once into a buffer that stays
-/// in L1, then dotted with every token.
+/// Portable body (vectorised by the compiler for the caller's target features): widen a row to
+/// f32 into an L1-resident buffer, then dot it with x.
 #[inline(always)]
-unsafe fn matmul_rows_generic(x: &[f32], t: usize, w: &Matrix, rows: std::ops::Range<usize>, out: *mut f32, out_stride: usize) {
+unsafe fn gemv_rows_portable(x: &[f32], w: &Matrix, rows: std::ops::Range<usize>, out: *mut f32) {
     let k = w.cols;
     let mut row = vec![0f32; k];
     for r in rows {
-        let wrow: &[f32] = match &w.data {
-            WeightData::Bf16(b) => {
-                for (d, &s) in row.iter_mut().zip(&b.as_slice()[r * k..(r + 1) * k]) {
-                    *d = bf16_to_f32(s);
-                }
-                &row
+        let scale = widen_row(w, r, &mut row);
+        *out.add(r) = dot(x, &row) * scale;
+    }
+}
+
+/// Row `r` of `w` as f32 into `buf`; returns the factor to apply to a dot with it (the int8
+/// row scale, else 1).
+#[inline(always)]
+fn widen_row(w: &Matrix, r: usize, buf: &mut [f32]) -> f32 {
+    let k = w.cols;
+    match &w.data {
+        WeightData::Bf16(b) => {
+            for (d, &s) in buf.iter_mut().zip(&b.as_slice()[r * k..(r + 1) * k]) {
+                *d = bf16_to_f32(s);
             }
-            WeightData::F16(b) => {
-                for (d, &s) in row.iter_mut().zip(&b.as_slice()[r * k..(r + 1) * k]) {
-                    *d = f16_to_f32(s);
-                }
-                &row
+            1.0
+        }
+        WeightData::F16(b) => {
+            for (d, &s) in buf.iter_mut().zip(&b.as_slice()[r * k..(r + 1) * k]) {
+                *d = f16_to_f32(s);
             }
-            WeightData::F32(b) => &b.as_slice()[r * k..(r + 1) * k],
-        };
-        for ti in 0..t {
-            *out.add(ti * out_stride + r) = dot(&x[ti * k..(ti + 1) * k], wrow);
+            1.0
+        }
+        WeightData::F32(b) => {
+            buf.copy_from_slice(&b.as_slice()[r * k..(r + 1) * k]);
+            1.0
+        }
+        WeightData::Int8 { q, scales } => {
+            for (d, &s) in buf.iter_mut().zip(&q.as_slice()[r * k..(r + 1) * k]) {
+                *d = s as f32;
+            }
+            scales.as_slice()[r]
         }
     }
 }
@@ -118,6 +155,246 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc[0] + s
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use crate::tensor::{Matrix, WeightData};
+
+    /// 16 weights at `p` widened to f32.
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> __m512 {
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i))))
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u16) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    }
+    #[inline(always)]
+    unsafe fn load_i8(p: *const i8) -> __m512 {
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)))
+    }
+
+    /// Four rows at a time: each x chunk is loaded once for four weight streams.
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    pub unsafe fn gemv_rows(x: &[f32], w: &Matrix, rows: std::ops::Range<usize>, out: *mut f32) {
+        let k = w.cols;
+        let xp = x.as_ptr();
+        macro_rules! kernel {
+            ($ptr:expr, $load:ident, $scale:expr) => {{
+                let base = $ptr;
+                let mut r = rows.start;
+                while r + 4 <= rows.end {
+                    let (p0, p1, p2, p3) = (base.add(r * k), base.add((r + 1) * k), base.add((r + 2) * k), base.add((r + 3) * k));
+                    let (mut a0, mut a1, mut a2, mut a3) = (_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps());
+                    let mut i = 0;
+                    while i < k {
+                        let xv = _mm512_loadu_ps(xp.add(i));
+                        a0 = _mm512_fmadd_ps($load(p0.add(i)), xv, a0);
+                        a1 = _mm512_fmadd_ps($load(p1.add(i)), xv, a1);
+                        a2 = _mm512_fmadd_ps($load(p2.add(i)), xv, a2);
+                        a3 = _mm512_fmadd_ps($load(p3.add(i)), xv, a3);
+                        i += 16;
+                    }
+                    *out.add(r) = _mm512_reduce_add_ps(a0) * $scale(r);
+                    *out.add(r + 1) = _mm512_reduce_add_ps(a1) * $scale(r + 1);
+                    *out.add(r + 2) = _mm512_reduce_add_ps(a2) * $scale(r + 2);
+                    *out.add(r + 3) = _mm512_reduce_add_ps(a3) * $scale(r + 3);
+                    r += 4;
+                }
+                while r < rows.end {
+                    let p0 = base.add(r * k);
+                    let mut a0 = _mm512_setzero_ps();
+                    let mut i = 0;
+                    while i < k {
+                        a0 = _mm512_fmadd_ps($load(p0.add(i)), _mm512_loadu_ps(xp.add(i)), a0);
+                        i += 16;
+                    }
+                    *out.add(r) = _mm512_reduce_add_ps(a0) * $scale(r);
+                    r += 1;
+                }
+            }};
+        }
+        let one = |_r: usize| 1.0f32;
+        match &w.data {
+            WeightData::Bf16(b) => kernel!(b.as_slice().as_ptr(), load_bf16, one),
+            WeightData::F16(b) => kernel!(b.as_slice().as_ptr(), load_f16, one),
+            WeightData::F32(b) => kernel!(b.as_slice().as_ptr(), _mm512_loadu_ps, one),
+            WeightData::Int8 { q, scales } => {
+                let s = scales.as_slice();
+                kernel!(q.as_slice().as_ptr(), load_i8, |r: usize| s[r])
+            }
+        }
+    }
+}
+
+/// The prefill GEMM: weights are widened to f32 into packed panels of `NR` output columns ×
+/// `KC` inputs (amortised over all tokens), then a register-blocked micro-kernel computes
+/// `MR` tokens × `NR` outputs with broadcast FMAs.
+pub mod gemm {
+    use super::*;
+
+    pub const NR: usize = 32;
+    pub const MR: usize = 12;
+    pub const KC: usize = 256;
+
+    /// Columns `cols` of `out[t, w.rows] = x · Wᵀ`.
+    ///
+    /// # Safety
+    /// `out` must be valid for writes at `ti * w.rows + c` for `ti < t`, `c` in `cols`.
+    pub unsafe fn gemm_rows(x: &[f32], t: usize, w: &Matrix, cols: std::ops::Range<usize>, out: *mut f32) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return gemm_avx512(x, t, w, cols, out);
+            }
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                return gemm_avx2(x, t, w, cols, out);
+            }
+        }
+        gemm_portable(x, t, w, cols, out)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
+    unsafe fn gemm_avx512(x: &[f32], t: usize, w: &Matrix, cols: std::ops::Range<usize>, out: *mut f32) {
+        gemm_portable(x, t, w, cols, out)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn gemm_avx2(x: &[f32], t: usize, w: &Matrix, cols: std::ops::Range<usize>, out: *mut f32) {
+        gemm_portable(x, t, w, cols, out)
+    }
+
+    /// Written so that the micro-kernel's `MR × NR` accumulator block stays in registers when
+    /// compiled for AVX-512 (24 zmm accumulators, one broadcast and two loads per k).
+    #[inline(always)]
+    unsafe fn gemm_portable(x: &[f32], t: usize, w: &Matrix, cols: std::ops::Range<usize>, out: *mut f32) {
+        let (n, k) = (w.rows, w.cols);
+        let mut panel = vec![0f32; KC * NR];
+        let mut rowbuf = vec![0f32; k];
+        let mut scales = [1f32; NR];
+        let mut c0 = cols.start;
+        while c0 < cols.end {
+            let nc = (cols.end - c0).min(NR);
+            // Zero the output block; k-blocks accumulate into it.
+            for ti in 0..t {
+                for c in 0..nc {
+                    *out.add(ti * n + c0 + c) = 0.0;
+                }
+            }
+            let mut k0 = 0;
+            while k0 < k {
+                let kc = (k - k0).min(KC);
+                // Pack panel[kk][c] = W[c0 + c, k0 + kk] (zero for missing columns).
+                for c in 0..NR {
+                    if c < nc {
+                        scales[c] = widen_row_range(w, c0 + c, k0, kc, &mut rowbuf[..kc]);
+                        for kk in 0..kc {
+                            panel[kk * NR + c] = rowbuf[kk];
+                        }
+                    } else {
+                        for kk in 0..kc {
+                            panel[kk * NR + c] = 0.0;
+                        }
+                    }
+                }
+                let mut t0 = 0;
+                while t0 < t {
+                    let mr = (t - t0).min(MR);
+                    match mr {
+                        MR => micro::<MR>(x, k, t0, k0, kc, &panel, out, n, c0, nc),
+                        _ => micro_dyn(x, k, t0, mr, k0, kc, &panel, out, n, c0, nc),
+                    }
+                    t0 += mr;
+                }
+                k0 += kc;
+            }
+            // Int8 rows: apply each output column's scale once, after all k-blocks.
+            if matches!(w.data, WeightData::Int8 { .. }) {
+                for ti in 0..t {
+                    for c in 0..nc {
+                        *out.add(ti * n + c0 + c) *= scales[c];
+                    }
+                }
+            }
+            c0 += nc;
+        }
+    }
+
+    /// `acc[m][c] += Σ_kk x[t0 + m, k0 + kk] · panel[kk][c]` for M tokens, added to `out`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn micro<const M: usize>(x: &[f32], k: usize, t0: usize, k0: usize, kc: usize, panel: &[f32], out: *mut f32, n: usize, c0: usize, nc: usize) {
+        let mut acc = [[0f32; NR]; M];
+        let xp = x.as_ptr();
+        for kk in 0..kc {
+            let prow: &[f32; NR] = &*(panel.as_ptr().add(kk * NR) as *const [f32; NR]);
+            for m in 0..M {
+                let xv = *xp.add((t0 + m) * k + k0 + kk);
+                for c in 0..NR {
+                    acc[m][c] = xv.mul_add(prow[c], acc[m][c]);
+                }
+            }
+        }
+        for m in 0..M {
+            let o = out.add((t0 + m) * n + c0);
+            for c in 0..nc {
+                *o.add(c) += acc[m][c];
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn micro_dyn(x: &[f32], k: usize, t0: usize, mr: usize, k0: usize, kc: usize, panel: &[f32], out: *mut f32, n: usize, c0: usize, nc: usize) {
+        match mr {
+            1 => micro::<1>(x, k, t0, k0, kc, panel, out, n, c0, nc),
+            2 => micro::<2>(x, k, t0, k0, kc, panel, out, n, c0, nc),
+            3 => micro::<3>(x, k, t0, k0, kc, panel, out, n, c0, nc),
+            4 => micro::<4>(x, k, t0, k0, kc, panel, out, n, c0, nc),
+            5 => micro::<5>(x, k, t0, k0, kc, panel, out, n, c0, nc),
+            6 => micro::<6>(x, k, t0, k0, kc, panel, out, n, c0, nc),
+            7 => micro::<7>(x, k, t0, k0, kc, panel, out, n, c0, nc),
+            8 => micro::<8>(x, k, t0, k0, kc, panel, out, n, c0, nc),
+            9 => micro::<9>(x, k, t0, k0, kc, panel, out, n, c0, nc),
+            10 => micro::<10>(x, k, t0, k0, kc, panel, out, n, c0, nc),
+            _ => micro::<11>(x, k, t0, k0, kc, panel, out, n, c0, nc),
+        }
+    }
+
+    /// Columns `k0..k0 + kc` of row `r` as f32; returns the row's int8 scale (else 1).
+    #[inline(always)]
+    fn widen_row_range(w: &Matrix, r: usize, k0: usize, kc: usize, buf: &mut [f32]) -> f32 {
+        let base = r * w.cols + k0;
+        match &w.data {
+            WeightData::Bf16(b) => {
+                for (d, &s) in buf.iter_mut().zip(&b.as_slice()[base..base + kc]) {
+                    *d = bf16_to_f32(s);
+                }
+                1.0
+            }
+            WeightData::F16(b) => {
+                for (d, &s) in buf.iter_mut().zip(&b.as_slice()[base..base + kc]) {
+                    *d = f16_to_f32(s);
+                }
+                1.0
+            }
+            WeightData::F32(b) => {
+                buf.copy_from_slice(&b.as_slice()[base..base + kc]);
+                1.0
+            }
+            WeightData::Int8 { q, scales } => {
+                for (d, &s) in buf.iter_mut().zip(&q.as_slice()[base..base + kc]) {
+                    *d = s as f32;
+                }
+                scales.as_slice()[r]
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,28 +405,33 @@ mod tests {
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
+    pub fn test_matrices(n: usize, k: usize, seed: &mut u64) -> Vec<Matrix> {
+        let wf: Vec<f32> = (0..n * k).map(|_| lcg(seed)).collect();
+        vec![
+            Matrix { rows: n, cols: k, data: WeightData::F32(Buf::from_vec(wf.clone())) },
+            Matrix { rows: n, cols: k, data: WeightData::Bf16(Buf::from_vec(wf.iter().map(|&v| f32_to_bf16(v)).collect())) },
+            Matrix { rows: n, cols: k, data: WeightData::F16(Buf::from_vec(wf.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect())) },
+            crate::quant::quantize_int8(&Matrix { rows: n, cols: k, data: WeightData::F32(Buf::from_vec(wf)) }),
+        ]
+    }
+
+    /// Every path (GEMV, GEMM with full and partial tiles, AVX-512 or not) against the f64
+    /// reference, for every weight dtype, on one and on three threads.
     #[test]
-    fn matmul_matches_reference_for_every_dtype() {
+    fn matmul_matches_reference_for_every_dtype_and_shape() {
         let mut seed = 7;
-        for &(t, n, k) in &[(1, 5, 3), (1, 33, 100), (3, 17, 257), (7, 64, 1024)] {
-            let x: Vec<f32> = (0..t * k).map(|_| lcg(&mut seed)).collect();
-            let wf: Vec<f32> = (0..n * k).map(|_| lcg(&mut seed)).collect();
-            let mats = [
-                Matrix { rows: n, cols: k, data: WeightData::F32(Buf::from_vec(wf.clone())) },
-                Matrix { rows: n, cols: k, data: WeightData::Bf16(Buf::from_vec(wf.iter().map(|&v| f32_to_bf16(v)).collect())) },
-                Matrix {
-                    rows: n,
-                    cols: k,
-                    data: WeightData::F16(Buf::from_vec(wf.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect())),
-                },
-            ];
-            for w in &mats {
-                let mut want = vec![0f32; t * n];
-                let mut got = vec![0f32; t * n];
-                matmul_ref(&x, t, w, &mut want);
-                matmul(&x, t, w, &mut got);
-                for (a, b) in got.iter().zip(&want) {
-                    assert!((a - b).abs() <= 1e-5 * (k as f32).sqrt(), "{:?} t={t} n={n} k={k}: {a} vs {b}", w.dtype());
+        for threads in [1, 3] {
+            let pool = Pool::new(threads);
+            for &(t, n, k) in &[(1, 5, 16), (1, 33, 96), (1, 70, 1024), (2, 17, 48), (13, 64, 256), (25, 100, 300), (12, 32, 600)] {
+                let x: Vec<f32> = (0..t * k).map(|_| lcg(&mut seed)).collect();
+                for w in &test_matrices(n, k, &mut seed) {
+                    let mut want = vec![0f32; t * n];
+                    let mut got = vec![0f32; t * n];
+                    matmul_ref(&x, t, w, &mut want);
+                    matmul(&pool, &x, t, w, &mut got);
+                    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                        assert!((a - b).abs() <= 2e-6 * (k as f32).sqrt() * 4.0, "{} t={t} n={n} k={k} [{i}]: {a} vs {b}", w.dtype());
+                    }
                 }
             }
         }

@@ -6,14 +6,17 @@ use anyhow::{bail, Context, Result};
 
 use crate::checkpoint::TensorSet;
 use crate::config::{LayerType, Qwen35Config};
-use crate::kernels::attention::causal_attention;
+use crate::kernels::attention::attention_head;
 use crate::kernels::deltanet::{self, ChunkScratch};
 use crate::kernels::matmul::matmul;
+use crate::pool::Pool;
+use crate::quant::quantize_int8_on;
 use crate::kernels::norm::{gated_rms_norm_inplace, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, softplus};
 use crate::kernels::rope::{apply_rope, cos_sin, inv_freq, inv_freq_bf16};
 use crate::state::{LayerState, State};
 use crate::tensor::{Matrix, Tensor};
 
+#[derive(Clone)]
 pub struct Qwen35 {
     pub config: Qwen35Config,
     embed_tokens: Matrix,
@@ -25,6 +28,7 @@ pub struct Qwen35 {
     inv_freq: Vec<f32>,
 }
 
+#[derive(Clone)]
 struct DecoderLayer {
     input_norm: Vec<f32>,
     post_attention_norm: Vec<f32>,
@@ -32,18 +36,21 @@ struct DecoderLayer {
     mlp: Mlp,
 }
 
+#[derive(Clone)]
 enum Mixer {
     DeltaNet(GatedDeltaNet),
     Attention(GatedAttention),
 }
 
+#[derive(Clone)]
 struct GatedDeltaNet {
     in_proj_qkv: Matrix,
     in_proj_z: Matrix,
     in_proj_b: Matrix,
     in_proj_a: Matrix,
-    /// Depthwise conv taps `[conv_dim, K]`, oldest tap first.
-    conv_weight: Vec<f32>,
+    /// Depthwise conv taps, transposed to `[K, conv_dim]` (oldest tap first) so that one tap
+    /// multiplies a whole row of channels.
+    conv_taps: Vec<f32>,
     dt_bias: Vec<f32>,
     /// `−exp(A_log)`, in f32.
     neg_a: Vec<f32>,
@@ -52,6 +59,7 @@ struct GatedDeltaNet {
     out_proj: Matrix,
 }
 
+#[derive(Clone)]
 struct GatedAttention {
     /// Query and gate, interleaved per head: `[h0 query | h0 gate | h1 query | ...]`.
     q_proj: Matrix,
@@ -62,6 +70,7 @@ struct GatedAttention {
     k_norm: Vec<f32>,
 }
 
+#[derive(Clone)]
 struct Mlp {
     gate_proj: Matrix,
     up_proj: Matrix,
@@ -107,7 +116,7 @@ impl Qwen35 {
                         in_proj_z: matrix(ts, &format!("{la}in_proj_z.weight"), &[vd, h])?,
                         in_proj_b: matrix(ts, &format!("{la}in_proj_b.weight"), &[hv, h])?,
                         in_proj_a: matrix(ts, &format!("{la}in_proj_a.weight"), &[hv, h])?,
-                        conv_weight: small(ts, &format!("{la}conv1d.weight"), &[cd, 1, kk])?,
+                        conv_taps: transpose(&small(ts, &format!("{la}conv1d.weight"), &[cd, 1, kk])?, cd, kk),
                         dt_bias: small(ts, &format!("{la}dt_bias"), &[hv])?,
                         neg_a: a_log.iter().map(|a| -a.exp()).collect(),
                         norm: small(ts, &format!("{la}norm.weight"), &[c.linear_value_head_dim])?,
@@ -150,6 +159,68 @@ impl Qwen35 {
         self.inv_freq = if rounded { inv_freq_bf16(c.rope_theta, c.rotary_dim()) } else { inv_freq(c.rope_theta, c.rotary_dim()) };
     }
 
+    /// `--quant int8`: replace every matrix a forward pass multiplies by (the LM head too) with
+    /// its int8 quantization. The embedding table stays as stored (one row is read per token).
+    pub fn quantize_int8(&mut self, pool: &Pool) {
+        let q = |m: &mut Matrix| *m = quantize_int8_on(pool, m);
+        q(&mut self.lm_head);
+        for l in &mut self.layers {
+            q(&mut l.mlp.gate_proj);
+            q(&mut l.mlp.up_proj);
+            q(&mut l.mlp.down_proj);
+            match &mut l.mixer {
+                Mixer::DeltaNet(d) => {
+                    for m in [&mut d.in_proj_qkv, &mut d.in_proj_z, &mut d.in_proj_a, &mut d.in_proj_b, &mut d.out_proj] {
+                        q(m);
+                    }
+                }
+                Mixer::Attention(a) => {
+                    for m in [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj] {
+                        q(m);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Bytes of all weights held (the embedding table included, once even when tied).
+    pub fn weight_bytes(&self) -> usize {
+        let tied = std::ptr::eq(self.lm_head_data_ptr(), self.embed_data_ptr());
+        self.weight_bytes_per_token() + if tied { 0 } else { self.embed_tokens.bytes() }
+    }
+
+    fn lm_head_data_ptr(&self) -> *const u8 {
+        data_ptr(&self.lm_head)
+    }
+    fn embed_data_ptr(&self) -> *const u8 {
+        data_ptr(&self.embed_tokens)
+    }
+
+    /// Floating-point operations (2 per multiply-add) of a prefill of `t` tokens from an empty
+    /// state: the projections, the LM head for the last token, attention over the causal
+    /// prefix, and the chunked delta rule as `kernels::deltanet::chunked` performs it.
+    pub fn prefill_flops(&self, t: usize) -> f64 {
+        let c = &self.config;
+        let t_f = t as f64;
+        let matmul_params = (self.weight_bytes_per_token() - self.lm_head.bytes()) as f64 / self.lm_head.dtype().size() as f64;
+        let mut fma = matmul_params * t_f + (c.vocab_size * c.hidden_size) as f64;
+        let attn_layers = c.num_full_attention_layers() as f64;
+        // q·k and p·v over t(t+1)/2 visible pairs, per query head.
+        fma += attn_layers * 2.0 * (c.num_attention_heads * c.head_dim) as f64 * t_f * (t_f + 1.0) / 2.0;
+        let (dk, dv) = (c.linear_key_head_dim as f64, c.linear_value_head_dim as f64);
+        let gdn_layers = (c.num_hidden_layers - c.num_full_attention_layers()) as f64;
+        let mut per_head = 0.0;
+        let mut left = t;
+        while left > 0 {
+            let n = left.min(deltanet::CHUNK) as f64;
+            // A and P (n×n×dk each), the two substitutions, W·S, q·S, P·V', the state update.
+            per_head += 2.0 * n * n * dk + n * n / 2.0 * (dk + dv) + 3.0 * n * dk * dv + n * n * dv;
+            left -= n as usize;
+        }
+        fma += gdn_layers * c.linear_num_value_heads as f64 * per_head;
+        2.0 * fma
+    }
+
     /// Bytes of weights one decode step streams: every layer matrix plus the LM head
     /// (the embedding lookup reads one row).
     pub fn weight_bytes_per_token(&self) -> usize {
@@ -167,7 +238,7 @@ impl Qwen35 {
     /// Apply `tokens` to `state` (which covers `[0, state.position)`), and return the logits of
     /// the last token (`Logits::Last`) or of every token (`Logits::All`, `[T, vocab]`).
     /// `state.last_logits` always ends up holding the last token's logits.
-    pub fn forward(&self, tokens: &[u32], state: &mut State, which: Logits) -> Result<Vec<f32>> {
+    pub fn forward(&self, pool: &Pool, tokens: &[u32], state: &mut State, which: Logits) -> Result<Vec<f32>> {
         let c = &self.config;
         let (t, h) = (tokens.len(), c.hidden_size);
         if t == 0 {
@@ -197,13 +268,13 @@ impl Qwen35 {
         for (layer, layer_state) in self.layers.iter().zip(state.layers.iter_mut()) {
             rms_norm(&x, &layer.input_norm, c.rms_norm_eps, &mut xn);
             match (&layer.mixer, layer_state) {
-                (Mixer::DeltaNet(m), LayerState::Linear { conv, recurrent }) => self.gated_deltanet(m, &xn, t, conv, recurrent, &mut mixed),
-                (Mixer::Attention(m), LayerState::Full { k, v }) => self.gated_attention(m, &xn, t, state.position, k, v, &mut mixed),
+                (Mixer::DeltaNet(m), LayerState::Linear { conv, recurrent }) => self.gated_deltanet(pool, m, &xn, t, conv, recurrent, &mut mixed),
+                (Mixer::Attention(m), LayerState::Full { k, v }) => self.gated_attention(pool, m, &xn, t, state.position, k, v, &mut mixed),
                 _ => bail!("state layer kinds do not match the model's layer_types"),
             }
             add_inplace(&mut x, &mixed);
             rms_norm(&x, &layer.post_attention_norm, c.rms_norm_eps, &mut xn);
-            self.mlp(&layer.mlp, &xn, t, &mut mixed);
+            self.mlp(pool, &layer.mlp, &xn, t, &mut mixed);
             add_inplace(&mut x, &mixed);
         }
         state.position += t;
@@ -215,7 +286,7 @@ impl Qwen35 {
         rms_norm_inplace(rows, &self.final_norm, c.rms_norm_eps);
         let n = rows.len() / h;
         let mut logits = vec![0f32; n * c.vocab_size];
-        matmul(rows, n, &self.lm_head, &mut logits);
+        matmul(pool, rows, n, &self.lm_head, &mut logits);
         state.last_logits.clear();
         state.last_logits.extend_from_slice(&logits[(n - 1) * c.vocab_size..]);
         Ok(logits)
@@ -223,7 +294,8 @@ impl Qwen35 {
 
     /// Gated DeltaNet (spec §2.4): projections, causal conv over the raw qkv columns, l2-normed
     /// q/k, the gated delta rule per value head, gated RMSNorm, output projection.
-    fn gated_deltanet(&self, m: &GatedDeltaNet, xn: &[f32], t: usize, conv: &mut [f32], recurrent: &mut [f32], out: &mut [f32]) {
+    #[allow(clippy::too_many_arguments)]
+    fn gated_deltanet(&self, pool: &Pool, m: &GatedDeltaNet, xn: &[f32], t: usize, conv: &mut [f32], recurrent: &mut [f32], out: &mut [f32]) {
         let c = &self.config;
         let (hk, hv, dk, dv) = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
         let (kd, vd, cd, kk) = (c.linear_key_dim(), c.linear_value_dim(), c.linear_conv_dim(), c.linear_conv_kernel_dim);
@@ -232,40 +304,18 @@ impl Qwen35 {
         let mut z = vec![0f32; t * vd];
         let mut b = vec![0f32; t * hv];
         let mut a = vec![0f32; t * hv];
-        matmul(xn, t, &m.in_proj_qkv, &mut qkv);
-        matmul(xn, t, &m.in_proj_z, &mut z);
-        matmul(xn, t, &m.in_proj_b, &mut b);
-        matmul(xn, t, &m.in_proj_a, &mut a);
+        matmul(pool, xn, t, &m.in_proj_qkv, &mut qkv);
+        matmul(pool, xn, t, &m.in_proj_z, &mut z);
+        matmul(pool, xn, t, &m.in_proj_b, &mut b);
+        matmul(pool, xn, t, &m.in_proj_a, &mut a);
 
-        // Causal depthwise conv + SiLU. `conv` holds the K raw columns before this call; the
-        // window of token i is the K raw columns ending at i.
+        // Causal depthwise conv + SiLU over the window (K raw columns before this call) ++ qkv.
+        let mut window = Vec::with_capacity((kk + t) * cd);
+        window.extend_from_slice(conv);
+        window.extend_from_slice(&qkv);
         let mut mixed_qkv = vec![0f32; t * cd];
-        let raw = |j: isize, ch: usize| -> f32 {
-            if j >= 0 {
-                qkv[j as usize * cd + ch]
-            } else {
-                conv[(kk as isize + j) as usize * cd + ch]
-            }
-        };
-        for i in 0..t {
-            for ch in 0..cd {
-                let taps = &m.conv_weight[ch * kk..(ch + 1) * kk];
-                let mut acc = 0f32;
-                for (j, &w) in taps.iter().enumerate() {
-                    acc += w * raw(i as isize - (kk as isize - 1) + j as isize, ch);
-                }
-                mixed_qkv[i * cd + ch] = silu(acc);
-            }
-        }
-        // New window: the last K raw columns of (old window ++ this call's columns).
-        let mut window = vec![0f32; kk * cd];
-        for j in 0..kk {
-            let src = t as isize - kk as isize + j as isize;
-            for ch in 0..cd {
-                window[j * cd + ch] = raw(src, ch);
-            }
-        }
-        conv.copy_from_slice(&window);
+        causal_conv_silu(&window, &m.conv_taps, kk, cd, &mut mixed_qkv);
+        conv.copy_from_slice(&window[t * cd..]);
 
         // q, k: l2-normalised per key head, q scaled by 1/√Dk.
         let q_scale = 1.0 / (dk as f32).sqrt();
@@ -279,48 +329,54 @@ impl Qwen35 {
             }
         }
 
-        // Per value head h (key head h / (Hv/Hk)): gather, run the delta rule, scatter.
+        // The delta rule, value heads split over the pool. Value head h reads key head
+        // h / (Hv/Hk); each head owns its slice of the recurrent state and of `core`.
         let group = hv / hk;
         let mut core = vec![0f32; t * vd];
-        let (mut qh, mut kh, mut vh) = (vec![0f32; t * dk], vec![0f32; t * dk], vec![0f32; t * dv]);
-        let (mut beta, mut g, mut oh) = (vec![0f32; t], vec![0f32; t], vec![0f32; t * dv]);
-        let mut scratch = ChunkScratch::default();
-        for head in 0..hv {
-            let kh_idx = head / group;
-            for i in 0..t {
-                let row = &mixed_qkv[i * cd..(i + 1) * cd];
-                qh[i * dk..(i + 1) * dk].copy_from_slice(&row[kh_idx * dk..(kh_idx + 1) * dk]);
-                kh[i * dk..(i + 1) * dk].copy_from_slice(&row[kd + kh_idx * dk..kd + (kh_idx + 1) * dk]);
-                vh[i * dv..(i + 1) * dv].copy_from_slice(&row[2 * kd + head * dv..2 * kd + (head + 1) * dv]);
-                beta[i] = sigmoid(b[i * hv + head]);
-                g[i] = m.neg_a[head] * softplus(a[i * hv + head] + m.dt_bias[head]);
+        let shared = SharedMut(core.as_mut_ptr(), recurrent.as_mut_ptr());
+        pool.for_ranges(hv, 1, &|heads| {
+            let shared = shared;
+            let (mut qh, mut kh, mut vh) = (vec![0f32; t * dk], vec![0f32; t * dk], vec![0f32; t * dv]);
+            let (mut beta, mut g, mut oh) = (vec![0f32; t], vec![0f32; t], vec![0f32; t * dv]);
+            let mut scratch = ChunkScratch::default();
+            for head in heads {
+                let kh_idx = head / group;
+                for i in 0..t {
+                    let row = &mixed_qkv[i * cd..(i + 1) * cd];
+                    qh[i * dk..(i + 1) * dk].copy_from_slice(&row[kh_idx * dk..(kh_idx + 1) * dk]);
+                    kh[i * dk..(i + 1) * dk].copy_from_slice(&row[kd + kh_idx * dk..kd + (kh_idx + 1) * dk]);
+                    vh[i * dv..(i + 1) * dv].copy_from_slice(&row[2 * kd + head * dv..2 * kd + (head + 1) * dv]);
+                    beta[i] = sigmoid(b[i * hv + head]);
+                    g[i] = m.neg_a[head] * softplus(a[i * hv + head] + m.dt_bias[head]);
+                }
+                // SAFETY: head slices of the state and of `core` are disjoint between workers.
+                let s = unsafe { std::slice::from_raw_parts_mut(shared.1.add(head * dk * dv), dk * dv) };
+                if t == 1 {
+                    deltanet::recurrent_step(s, &qh, &kh, &vh, beta[0], g[0], &mut oh);
+                } else {
+                    deltanet::chunked(s, &qh, &kh, &vh, &beta, &g, &mut oh, &mut scratch);
+                }
+                for i in 0..t {
+                    unsafe { std::ptr::copy_nonoverlapping(oh.as_ptr().add(i * dv), shared.0.add(i * vd + head * dv), dv) };
+                }
             }
-            let s = &mut recurrent[head * dk * dv..(head + 1) * dk * dv];
-            if t == 1 {
-                deltanet::recurrent_step(s, &qh, &kh, &vh, beta[0], g[0], &mut oh);
-            } else {
-                deltanet::chunked(s, &qh, &kh, &vh, &beta, &g, &mut oh, &mut scratch);
-            }
-            for i in 0..t {
-                core[i * vd + head * dv..i * vd + (head + 1) * dv].copy_from_slice(&oh[i * dv..(i + 1) * dv]);
-            }
-        }
+        });
         gated_rms_norm_inplace(&mut core, &z, &m.norm, c.rms_norm_eps);
-        matmul(&core, t, &m.out_proj, out);
+        matmul(pool, &core, t, &m.out_proj, out);
     }
 
     /// Gated full attention (spec §2.5): per-head query/gate split, zero-centred q/k norms,
     /// partial NeoX RoPE, KV-cache append, causal GQA softmax, sigmoid output gate.
     #[allow(clippy::too_many_arguments)]
-    fn gated_attention(&self, m: &GatedAttention, xn: &[f32], t: usize, pos0: usize, k_cache: &mut Vec<f32>, v_cache: &mut Vec<f32>, out: &mut [f32]) {
+    fn gated_attention(&self, pool: &Pool, m: &GatedAttention, xn: &[f32], t: usize, pos0: usize, k_cache: &mut Vec<f32>, v_cache: &mut Vec<f32>, out: &mut [f32]) {
         let c = &self.config;
         let (hq, hkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let mut qg = vec![0f32; t * hq * 2 * d];
         let mut k = vec![0f32; t * hkv * d];
         let mut v = vec![0f32; t * hkv * d];
-        matmul(xn, t, &m.q_proj, &mut qg);
-        matmul(xn, t, &m.k_proj, &mut k);
-        matmul(xn, t, &m.v_proj, &mut v);
+        matmul(pool, xn, t, &m.q_proj, &mut qg);
+        matmul(pool, xn, t, &m.k_proj, &mut k);
+        matmul(pool, xn, t, &m.v_proj, &mut v);
 
         let half = c.rotary_dim() / 2;
         let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
@@ -343,25 +399,83 @@ impl Qwen35 {
         k_cache.extend_from_slice(&k);
         v_cache.extend_from_slice(&v);
 
+        // Query heads split over the pool; each writes its own columns of `attn`.
         let mut attn = vec![0f32; t * hq * d];
-        causal_attention(&q, t, pos0, k_cache, v_cache, hq, hkv, d, &mut attn);
+        let shared = SharedMut(attn.as_mut_ptr(), std::ptr::null_mut());
+        let (kc, vc) = (&k_cache[..], &v_cache[..]);
+        pool.for_ranges(hq, 1, &|heads| {
+            let shared = shared;
+            // SAFETY: every head writes only its own d columns of each token's row.
+            let out = unsafe { std::slice::from_raw_parts_mut(shared.0, t * hq * d) };
+            let mut scores = Vec::new();
+            for h in heads {
+                attention_head(&q, t, pos0, kc, vc, hq, hkv, d, h, &mut scores, out);
+            }
+        });
         for (o, &g) in attn.iter_mut().zip(&gate) {
             *o *= sigmoid(g);
         }
-        matmul(&attn, t, &m.o_proj, out);
+        matmul(pool, &attn, t, &m.o_proj, out);
     }
 
     /// SwiGLU: `down(silu(gate(x)) * up(x))`.
-    fn mlp(&self, m: &Mlp, xn: &[f32], t: usize, out: &mut [f32]) {
+    fn mlp(&self, pool: &Pool, m: &Mlp, xn: &[f32], t: usize, out: &mut [f32]) {
         let f = self.config.intermediate_size;
         let mut gate = vec![0f32; t * f];
         let mut up = vec![0f32; t * f];
-        matmul(xn, t, &m.gate_proj, &mut gate);
-        matmul(xn, t, &m.up_proj, &mut up);
+        matmul(pool, xn, t, &m.gate_proj, &mut gate);
+        matmul(pool, xn, t, &m.up_proj, &mut up);
         for (g, &u) in gate.iter_mut().zip(&up) {
             *g = silu(*g) * u;
         }
-        matmul(&gate, t, &m.down_proj, out);
+        matmul(pool, &gate, t, &m.down_proj, out);
+    }
+}
+
+/// Pointers into buffers whose disjoint parts are written by different pool workers.
+#[derive(Clone, Copy)]
+struct SharedMut(*mut f32, *mut f32);
+unsafe impl Send for SharedMut {}
+unsafe impl Sync for SharedMut {}
+
+crate::kernels::multiversion! {
+    /// `out[i] = silu(Σ_j taps[j] ⊙ window[i + j])` for each of the `out.len() / cd` tokens:
+    /// the depthwise causal conv, `window` being the K-1 (+1 stale) previous raw rows
+    /// followed by this call's rows, all `[rows, cd]`.
+    fn causal_conv_silu(window: &[f32], taps: &[f32], kk: usize, cd: usize, out: &mut [f32]) => causal_conv_silu_body
+}
+
+#[inline(always)]
+fn causal_conv_silu_body(window: &[f32], taps: &[f32], kk: usize, cd: usize, out: &mut [f32]) {
+    for (i, o) in out.chunks_exact_mut(cd).enumerate() {
+        // Token i's window is rows i+1 ..= i+K of `window` (row 0 is the oldest stored column).
+        o.iter_mut().for_each(|v| *v = 0.0);
+        for j in 0..kk {
+            let src = &window[(i + 1 + j) * cd..(i + 2 + j) * cd];
+            let w = &taps[j * cd..(j + 1) * cd];
+            for ((ov, &x), &wv) in o.iter_mut().zip(src).zip(w) {
+                *ov = wv.mul_add(x, *ov);
+            }
+        }
+        o.iter_mut().for_each(|v| *v = silu(*v));
+    }
+}
+
+fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0f32; x.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = x[r * cols + c];
+        }
+    }
+    t
+}
+
+fn data_ptr(m: &Matrix) -> *const u8 {
+    match &m.data {
+        crate::tensor::WeightData::Bf16(b) | crate::tensor::WeightData::F16(b) => b.as_slice().as_ptr() as *const u8,
+        crate::tensor::WeightData::F32(b) => b.as_slice().as_ptr() as *const u8,
+        crate::tensor::WeightData::Int8 { q, .. } => q.as_slice().as_ptr() as *const u8,
     }
 }
 

@@ -1,0 +1,253 @@
+//! A persistent worker pool sized to an engine's cores. Every kernel call fans out to the same
+//! threads (no per-op spawn: at decode sizes a thread spawn or a rayon hand-off costs as much
+//! as the work). The calling thread is worker 0. Idle workers spin briefly (ops arrive every
+//! few microseconds during a forward pass), then park.
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::{self, JoinHandle, Thread};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+
+/// How long an idle worker spins before parking.
+const SPIN: Duration = Duration::from_micros(200);
+
+type Job = *const (dyn Fn(usize) + Sync);
+
+struct Shared {
+    job: UnsafeCell<Option<Job>>,
+    generation: AtomicU64,
+    remaining: AtomicUsize,
+    shutdown: AtomicBool,
+    panicked: AtomicBool,
+    sleeping: Vec<AtomicBool>,
+}
+
+// SAFETY: `job` is written only by `run` while no worker reads it (all are idle, `remaining`
+// is 0), and read by workers only between the generation bump and their `remaining` decrement.
+unsafe impl Sync for Shared {}
+unsafe impl Send for Shared {}
+
+pub struct Pool {
+    shared: Arc<Shared>,
+    workers: Vec<(JoinHandle<()>, Thread)>,
+    cores: Vec<usize>,
+}
+
+impl Pool {
+    /// `threads` workers, not pinned.
+    pub fn new(threads: usize) -> Pool {
+        Self::spawn(threads.max(1), Vec::new())
+    }
+
+    /// One worker per listed core, each pinned to it (the caller's thread is pinned to the
+    /// first). Linux only; elsewhere the threads run unpinned.
+    pub fn pinned(cores: &[usize]) -> Result<Pool> {
+        if cores.is_empty() {
+            bail!("a pool needs at least one core");
+        }
+        let available = thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        if let Some(&c) = cores.iter().find(|&&c| c >= available) {
+            bail!("core {c} does not exist: this machine has cores 0..{available}");
+        }
+        pin_current_thread(cores[0])?;
+        Ok(Self::spawn(cores.len(), cores.to_vec()))
+    }
+
+    fn spawn(threads: usize, cores: Vec<usize>) -> Pool {
+        let shared = Arc::new(Shared {
+            job: UnsafeCell::new(None),
+            generation: AtomicU64::new(0),
+            remaining: AtomicUsize::new(0),
+            shutdown: AtomicBool::new(false),
+            panicked: AtomicBool::new(false),
+            sleeping: (0..threads).map(|_| AtomicBool::new(false)).collect(),
+        });
+        let workers = (1..threads)
+            .map(|id| {
+                let s = shared.clone();
+                let core = cores.get(id).copied();
+                let handle = thread::Builder::new()
+                    .name(format!("tandem-worker-{id}"))
+                    .spawn(move || {
+                        if let Some(c) = core {
+                            let _ = pin_current_thread(c);
+                        }
+                        worker_loop(&s, id)
+                    })
+                    .expect("spawning a worker thread");
+                let t = handle.thread().clone();
+                (handle, t)
+            })
+            .collect();
+        Pool { shared, workers, cores }
+    }
+
+    pub fn threads(&self) -> usize {
+        self.workers.len() + 1
+    }
+
+    /// The cores the pool is pinned to (empty when unpinned).
+    pub fn cores(&self) -> &[usize] {
+        &self.cores
+    }
+
+    /// Run `f(worker)` on every worker (0..threads) and wait for all of them.
+    pub fn run(&self, f: &(dyn Fn(usize) + Sync)) {
+        if self.workers.is_empty() {
+            f(0);
+            return;
+        }
+        let s = &*self.shared;
+        // SAFETY: all workers are idle (the previous run waited for remaining == 0), so
+        // nobody reads `job` now; the lifetime is erased but `run` does not return before
+        // every worker is done with `f`.
+        unsafe {
+            let job: Job = std::mem::transmute::<&(dyn Fn(usize) + Sync), &'static (dyn Fn(usize) + Sync)>(f);
+            *s.job.get() = Some(job);
+        }
+        s.remaining.store(self.workers.len(), Ordering::Relaxed);
+        s.generation.fetch_add(1, Ordering::Release);
+        for (i, (_, t)) in self.workers.iter().enumerate() {
+            if s.sleeping[i + 1].load(Ordering::Acquire) {
+                t.unpark();
+            }
+        }
+        let caller = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(0)));
+        while s.remaining.load(Ordering::Acquire) != 0 {
+            std::hint::spin_loop();
+        }
+        if let Err(p) = caller {
+            std::panic::resume_unwind(p);
+        }
+        if s.panicked.swap(false, Ordering::Relaxed) {
+            panic!("a worker thread panicked");
+        }
+    }
+
+    /// Split `0..n` into one contiguous range per worker, boundaries on multiples of `align`,
+    /// and run `f(range)` on each.
+    pub fn for_ranges(&self, n: usize, align: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+        let parts = self.threads();
+        let units = n.div_ceil(align);
+        self.run(&|w| {
+            let (a, b) = (units * w / parts * align, (units * (w + 1) / parts * align).min(n));
+            if a < b {
+                f(a..b);
+            }
+        });
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        self.shared.generation.fetch_add(1, Ordering::Release);
+        for (h, t) in self.workers.drain(..) {
+            t.unpark();
+            let _ = h.join();
+        }
+    }
+}
+
+fn worker_loop(s: &Shared, id: usize) {
+    // Generation 0 is the pool's initial one; a `run` may have bumped it before this thread
+    // got here, and that job must still be picked up.
+    let mut seen = 0;
+    loop {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            let g = s.generation.load(Ordering::Acquire);
+            if g != seen {
+                seen = g;
+                break;
+            }
+            spins += 1;
+            if spins % 1024 == 0 && start.elapsed() > SPIN {
+                s.sleeping[id].store(true, Ordering::Release);
+                // Re-check after announcing sleep: a run that started in between unparks us
+                // (the unpark token is kept if it comes before park).
+                if s.generation.load(Ordering::Acquire) == seen {
+                    thread::park_timeout(Duration::from_millis(50));
+                }
+                s.sleeping[id].store(false, Ordering::Release);
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        if s.shutdown.load(Ordering::Acquire) {
+            return;
+        }
+        // SAFETY: see `Shared`; the job stays valid until `remaining` reaches 0.
+        let job = unsafe { (*s.job.get()).expect("job set before the generation bump") };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { (*job)(id) }));
+        if r.is_err() {
+            s.panicked.store(true, Ordering::Relaxed);
+        }
+        s.remaining.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// Pin the calling thread to one core.
+#[cfg(target_os = "linux")]
+pub fn pin_current_thread(core: usize) -> Result<()> {
+    // SAFETY: cpu_set_t is plain data; sched_setaffinity(0, ...) acts on the calling thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(core, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            bail!("cannot pin a thread to core {core}: {}", std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+pub fn pin_current_thread(_core: usize) -> Result<()> {
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_worker_runs_once_per_call_and_ranges_cover_everything() {
+        let pool = Pool::new(3);
+        let counts: Vec<AtomicUsize> = (0..3).map(|_| AtomicUsize::new(0)).collect();
+        for _ in 0..1000 {
+            pool.run(&|w| {
+                counts[w].fetch_add(1, Ordering::Relaxed);
+            });
+        }
+        assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 1000));
+        let hits: Vec<AtomicUsize> = (0..1000).map(|_| AtomicUsize::new(0)).collect();
+        pool.for_ranges(1000, 16, &|r| {
+            assert!(r.start % 16 == 0);
+            for i in r {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+    }
+
+    #[test]
+    fn parked_workers_wake_up() {
+        let pool = Pool::new(2);
+        std::thread::sleep(Duration::from_millis(20));
+        let n = AtomicUsize::new(0);
+        pool.run(&|_| {
+            n.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(n.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn a_nonexistent_core_is_an_error() {
+        let e = Pool::pinned(&[0, 4096]).err().unwrap().to_string();
+        assert!(e.contains("core 4096"), "{e}");
+    }
+}
