@@ -14,6 +14,7 @@ pub mod limits;
 pub mod load;
 pub mod model;
 pub mod pool;
+pub mod quality;
 pub mod quant;
 pub mod rng;
 pub mod sampling;

@@ -168,6 +168,15 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         )?;
     }
 
+    if nets.len() > 1 {
+        progress("int8 quality against the stored weights");
+        writeln!(report, "\n## int8 against the stored weights ({spec}, a 133-token prompt, 16 greedy tokens)\n")?;
+        writeln!(report, "| prompt | positions | top-1 agreement | largest logit difference | greedy ids identical |")?;
+        writeln!(report, "|---|---|---|---|---|")?;
+        let row = tandem_core::quality::compare(&pool, &nets[0].1, &nets[1].1, "random ids", &prompt_of(133), 16, vocab)?;
+        writeln!(report, "{row}")?;
+    }
+
     progress("peak memory (a generate run per format in a child process)");
     writeln!(report, "\n## Memory (`tandem generate` of a 410-token prompt + 8 tokens, each format in its own process)\n")?;
     writeln!(report, "| weights | weights held | state | peak RSS | peak / (weights + state) |")?;

@@ -162,7 +162,12 @@ impl Qwen35 {
     /// `--quant int8`: replace every matrix a forward pass multiplies by (the LM head too) with
     /// its int8 quantization. The embedding table stays as stored (one row is read per token).
     pub fn quantize_int8(&mut self, pool: &Pool) {
-        let q = |m: &mut Matrix| *m = quantize_int8_on(pool, m);
+        self.map_matrices(|m| quantize_int8_on(pool, m));
+    }
+
+    /// Replace every matrix a forward pass multiplies by with `f(matrix)`.
+    pub fn map_matrices(&mut self, f: impl Fn(&Matrix) -> Matrix) {
+        let q = |m: &mut Matrix| *m = f(m);
         q(&mut self.lm_head);
         for l in &mut self.layers {
             q(&mut l.mlp.gate_proj);
