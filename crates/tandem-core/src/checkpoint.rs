@@ -15,6 +15,9 @@ use crate::tensor::{DType, Storage, Tensor};
 /// `embed_tokens.weight`, `norm.weight`, `lm_head.weight`).
 pub struct TensorSet {
     tensors: HashMap<String, Tensor>,
+    /// Tensors made on first use (synthetic models), so that a loader which quantizes each
+    /// matrix as it goes never holds the whole model in its stored dtype.
+    lazy: HashMap<String, (Vec<usize>, Box<dyn Fn() -> Tensor + Send + Sync>)>,
     /// Where the tensors came from, for error messages.
     pub source: String,
 }
@@ -24,7 +27,25 @@ const PREFIXES: [&str; 3] = ["model.language_model.", "language_model.model.", "
 
 impl TensorSet {
     pub fn new(tensors: HashMap<String, Tensor>, source: String) -> Self {
-        TensorSet { tensors, source }
+        TensorSet { tensors, lazy: HashMap::new(), source }
+    }
+
+    /// A set whose tensors are produced by `make` when taken.
+    pub fn lazy(specs: Vec<(String, Vec<usize>, Box<dyn Fn() -> Tensor + Send + Sync>)>, source: String) -> Self {
+        let lazy = specs.into_iter().map(|(n, shape, f)| (n, (shape, f))).collect();
+        TensorSet { tensors: HashMap::new(), lazy, source }
+    }
+
+    /// Remove and return the tensor `name`, checked against the expected shape.
+    pub fn take(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        if let Some((s, make)) = self.lazy.remove(name) {
+            if s != shape {
+                bail!("{}: tensor {name} has shape {s:?}, expected {shape:?} from config.json", self.source);
+            }
+            return Ok(make());
+        }
+        self.get(name, shape)?;
+        Ok(self.tensors.remove(name).expect("checked by get"))
     }
 
     /// Memory-map every safetensors file of `dir` (following `model.safetensors.index.json`
@@ -63,7 +84,7 @@ impl TensorSet {
             t.name = name;
             tensors.insert(short, t);
         }
-        Ok(TensorSet { tensors, source: dir.display().to_string() })
+        Ok(TensorSet::new(tensors, dir.display().to_string()))
     }
 
     /// The tensor `name`, checked against the expected shape.
@@ -76,15 +97,7 @@ impl TensorSet {
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
-    }
-
-    pub fn len(&self) -> usize {
-        self.tensors.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.tensors.is_empty()
+        self.tensors.contains_key(name) || self.lazy.contains_key(name)
     }
 }
 

@@ -9,6 +9,7 @@ use crate::chat::ChatTemplate;
 use crate::checkpoint::TensorSet;
 use crate::config::Qwen35Config;
 use crate::model::{synthetic, Qwen35};
+use crate::pool::Pool;
 use crate::tokenizer::Tokenizer;
 
 /// The real Qwen3.5 vocabulary, built in for the synthetic models.
@@ -27,13 +28,27 @@ pub struct LoadedModel {
 }
 
 impl LoadedModel {
-    /// Load `spec`: `synthetic:qwen3.5-0.8b|2b|9b` or a Hugging Face checkpoint directory.
+    /// Load `spec`: `synthetic:qwen3.5-0.8b|2b|9b` or a Hugging Face checkpoint directory,
+    /// with the weights as stored.
     pub fn load(spec: &str) -> Result<Self> {
+        Self::load_with(spec, None)
+    }
+
+    /// Load with `--quant int8` (quantized on `pool` while loading).
+    pub fn load_int8(spec: &str, pool: &Pool) -> Result<Self> {
+        Self::load_with(spec, Some(pool))
+    }
+
+    fn load_with(spec: &str, int8: Option<&Pool>) -> Result<Self> {
         if let Some(name) = spec.strip_prefix("synthetic:") {
             let config = synthetic::config(name)?;
-            let tensors = synthetic::tensors(&config, name);
-            let net = Qwen35::load(config, &tensors)?;
+            // The tokenizer first: parsing it peaks at a few hundred MB that are returned
+            // before the weights arrive.
             let tokenizer = Tokenizer::from_bytes(QWEN35_TOKENIZER_JSON).context("built-in Qwen3.5 tokenizer")?;
+            release_freed_memory();
+            release_static(QWEN35_TOKENIZER_JSON);
+            let mut tensors = synthetic::tensors(&config, name);
+            let net = Qwen35::load(config, &mut tensors, int8)?;
             return Ok(LoadedModel {
                 net,
                 tokenizer: Some(tokenizer),
@@ -49,10 +64,11 @@ impl LoadedModel {
         let config_path = dir.join("config.json");
         let text = std::fs::read_to_string(&config_path).with_context(|| format!("reading {}", config_path.display()))?;
         let config = Qwen35Config::from_json_str(&text, &config_path.display().to_string())?;
-        let tensors = TensorSet::open_dir(dir)?;
-        let net = Qwen35::load(config, &tensors)?;
         let tok_path = dir.join("tokenizer.json");
         let tokenizer = if tok_path.exists() { Some(Tokenizer::from_file(&tok_path)?) } else { None };
+        release_freed_memory();
+        let mut tensors = TensorSet::open_dir(dir)?;
+        let net = Qwen35::load(config, &mut tensors, int8)?;
         let chat_template = ChatTemplate::from_checkpoint(dir)?.unwrap_or_else(ChatTemplate::chatml);
         let stop_ids = stop_ids(dir, tokenizer.as_ref())?;
         Ok(LoadedModel { net, tokenizer, chat_template, stop_ids, name: spec.to_string() })
@@ -63,6 +79,34 @@ impl LoadedModel {
         match &self.tokenizer {
             Some(t) => t.vocab_size().min(self.net.config.vocab_size),
             None => self.net.config.vocab_size,
+        }
+    }
+}
+
+/// Give memory freed by parsing back to the OS (glibc keeps it otherwise, and a 33 MB
+/// tokenizer.json leaves ~180 MB behind).
+fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap memory to the OS.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+/// Drop the resident pages of a constant embedded in the executable (read again from the
+/// file if ever touched): the built-in tokenizer.json is parsed once.
+fn release_static(bytes: &'static [u8]) {
+    #[cfg(target_os = "linux")]
+    {
+        let page = 4096;
+        let start = (bytes.as_ptr() as usize).div_ceil(page) * page;
+        let end = (bytes.as_ptr() as usize + bytes.len()) / page * page;
+        if end > start {
+            // SAFETY: the range lies inside a read-only, file-backed mapping of the executable;
+            // MADV_DONTNEED there only drops clean pages.
+            unsafe {
+                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED);
+            }
         }
     }
 }

@@ -41,11 +41,25 @@ impl fmt::Display for DType {
 /// Something that owns bytes which never move: a memory map or a heap buffer.
 pub trait Storage: Send + Sync {
     fn bytes(&self) -> &[u8];
+    /// Tell the OS that bytes `offset..offset + len` will not be read again (their pages leave
+    /// the process's resident set). Used after a tensor was quantized to a new buffer.
+    fn release(&self, _offset: usize, _len: usize) {}
 }
 
 impl Storage for memmap2::Mmap {
     fn bytes(&self) -> &[u8] {
         self
+    }
+    fn release(&self, offset: usize, len: usize) {
+        // Page-align inward: neighbouring tensors may share the edge pages.
+        let page = 4096;
+        let start = offset.div_ceil(page) * page;
+        let end = ((offset + len) / page) * page;
+        if end > start {
+            // SAFETY: the mapping is read-only and file-backed: dropped pages are re-read from
+            // the file if ever touched again, so no data is lost.
+            let _ = unsafe { self.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
+        }
     }
 }
 

@@ -189,13 +189,11 @@ pub(crate) fn make_pool(args: &Args) -> Result<Pool> {
 
 /// Load a model and apply `--quant`.
 fn load_model(spec: &str, args: &Args, pool: &Pool) -> Result<LoadedModel> {
-    let mut model = LoadedModel::load(spec)?;
     match args.str("quant") {
-        None | Some("none") => {}
-        Some("int8") => model.net.quantize_int8(pool),
+        None | Some("none") => LoadedModel::load(spec),
+        Some("int8") => LoadedModel::load_int8(spec, pool),
         Some(other) => bail!("--quant {other:?}: supported are int8 and none"),
     }
-    Ok(model)
 }
 
 fn parse_ids(s: &str) -> Result<Vec<u32>> {

@@ -88,16 +88,23 @@ pub enum Logits {
 
 impl Qwen35 {
     /// Build the model from checkpoint tensors, checking every shape against the config.
-    pub fn load(config: Qwen35Config, ts: &TensorSet) -> Result<Self> {
+    /// With `int8` (the pool to quantize on), every matrix a forward pass multiplies by is
+    /// quantized as soon as it is read, and its stored bytes are released, so the whole model
+    /// never sits in memory twice.
+    pub fn load(config: Qwen35Config, ts: &mut TensorSet, int8: Option<&Pool>) -> Result<Self> {
         let c = &config;
         let (h, v) = (c.hidden_size, c.vocab_size);
-        let embed_tokens = matrix(ts, "embed_tokens.weight", &[v, h])?;
+        // The embedding table is only looked up (one row per token): it stays as stored.
+        let embed_tokens = matrix(ts, None, "embed_tokens.weight", &[v, h])?;
         let lm_head = if ts.contains("lm_head.weight") && !c.tie_word_embeddings {
-            matrix(ts, "lm_head.weight", &[v, h])?
+            matrix(ts, int8, "lm_head.weight", &[v, h])?
         } else {
-            embed_tokens.clone()
+            match int8 {
+                Some(pool) => quantize_int8_on(pool, &embed_tokens),
+                None => embed_tokens.clone(),
+            }
         };
-        let final_norm = zero_centred(ts.get("norm.weight", &[h])?)?;
+        let final_norm = zero_centred(take(ts, "norm.weight", &[h])?)?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for (i, lt) in c.layer_types.iter().enumerate() {
             let p = format!("layers.{i}.");
@@ -112,39 +119,39 @@ impl Qwen35 {
                     let la = format!("{p}linear_attn.");
                     let a_log = small(ts, &format!("{la}A_log"), &[hv])?;
                     Mixer::DeltaNet(GatedDeltaNet {
-                        in_proj_qkv: matrix(ts, &format!("{la}in_proj_qkv.weight"), &[cd, h])?,
-                        in_proj_z: matrix(ts, &format!("{la}in_proj_z.weight"), &[vd, h])?,
-                        in_proj_b: matrix(ts, &format!("{la}in_proj_b.weight"), &[hv, h])?,
-                        in_proj_a: matrix(ts, &format!("{la}in_proj_a.weight"), &[hv, h])?,
+                        in_proj_qkv: matrix(ts, int8, &format!("{la}in_proj_qkv.weight"), &[cd, h])?,
+                        in_proj_z: matrix(ts, int8, &format!("{la}in_proj_z.weight"), &[vd, h])?,
+                        in_proj_b: matrix(ts, int8, &format!("{la}in_proj_b.weight"), &[hv, h])?,
+                        in_proj_a: matrix(ts, int8, &format!("{la}in_proj_a.weight"), &[hv, h])?,
                         conv_taps: transpose(&small(ts, &format!("{la}conv1d.weight"), &[cd, 1, kk])?, cd, kk),
                         dt_bias: small(ts, &format!("{la}dt_bias"), &[hv])?,
                         neg_a: a_log.iter().map(|a| -a.exp()).collect(),
                         norm: small(ts, &format!("{la}norm.weight"), &[c.linear_value_head_dim])?,
-                        out_proj: matrix(ts, &format!("{la}out_proj.weight"), &[h, vd])?,
+                        out_proj: matrix(ts, int8, &format!("{la}out_proj.weight"), &[h, vd])?,
                     })
                 }
                 LayerType::FullAttention => {
                     let (hq, hkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
                     let sa = format!("{p}self_attn.");
                     Mixer::Attention(GatedAttention {
-                        q_proj: matrix(ts, &format!("{sa}q_proj.weight"), &[hq * d * 2, h])?,
-                        k_proj: matrix(ts, &format!("{sa}k_proj.weight"), &[hkv * d, h])?,
-                        v_proj: matrix(ts, &format!("{sa}v_proj.weight"), &[hkv * d, h])?,
-                        o_proj: matrix(ts, &format!("{sa}o_proj.weight"), &[h, hq * d])?,
-                        q_norm: zero_centred(ts.get(&format!("{sa}q_norm.weight"), &[d])?)?,
-                        k_norm: zero_centred(ts.get(&format!("{sa}k_norm.weight"), &[d])?)?,
+                        q_proj: matrix(ts, int8, &format!("{sa}q_proj.weight"), &[hq * d * 2, h])?,
+                        k_proj: matrix(ts, int8, &format!("{sa}k_proj.weight"), &[hkv * d, h])?,
+                        v_proj: matrix(ts, int8, &format!("{sa}v_proj.weight"), &[hkv * d, h])?,
+                        o_proj: matrix(ts, int8, &format!("{sa}o_proj.weight"), &[h, hq * d])?,
+                        q_norm: zero_centred(take(ts, &format!("{sa}q_norm.weight"), &[d])?)?,
+                        k_norm: zero_centred(take(ts, &format!("{sa}k_norm.weight"), &[d])?)?,
                     })
                 }
             };
             let f = c.intermediate_size;
             layers.push(DecoderLayer {
-                input_norm: zero_centred(ts.get(&format!("{p}input_layernorm.weight"), &[h])?)?,
-                post_attention_norm: zero_centred(ts.get(&format!("{p}post_attention_layernorm.weight"), &[h])?)?,
+                input_norm: zero_centred(take(ts, &format!("{p}input_layernorm.weight"), &[h])?)?,
+                post_attention_norm: zero_centred(take(ts, &format!("{p}post_attention_layernorm.weight"), &[h])?)?,
                 mixer,
                 mlp: Mlp {
-                    gate_proj: matrix(ts, &format!("{p}mlp.gate_proj.weight"), &[f, h])?,
-                    up_proj: matrix(ts, &format!("{p}mlp.up_proj.weight"), &[f, h])?,
-                    down_proj: matrix(ts, &format!("{p}mlp.down_proj.weight"), &[h, f])?,
+                    gate_proj: matrix(ts, int8, &format!("{p}mlp.gate_proj.weight"), &[f, h])?,
+                    up_proj: matrix(ts, int8, &format!("{p}mlp.up_proj.weight"), &[f, h])?,
+                    down_proj: matrix(ts, int8, &format!("{p}mlp.down_proj.weight"), &[h, f])?,
                 },
             });
         }
@@ -490,17 +497,26 @@ fn add_inplace(x: &mut [f32], y: &[f32]) {
     }
 }
 
-fn matrix(ts: &TensorSet, name: &str, shape: &[usize]) -> Result<Matrix> {
-    let t = ts.get(name, shape)?;
-    Matrix::from_tensor(t).with_context(|| format!("{}: tensor {}", ts.source, t.name))
+/// Take a matrix out of the set; with `int8`, quantize it and release the stored bytes.
+fn matrix(ts: &mut TensorSet, int8: Option<&Pool>, name: &str, shape: &[usize]) -> Result<Matrix> {
+    let t = ts.take(name, shape)?;
+    let m = Matrix::from_tensor(&t).with_context(|| format!("{}: tensor {}", ts.source, t.name))?;
+    let Some(pool) = int8 else { return Ok(m) };
+    let q = quantize_int8_on(pool, &m);
+    t.storage.release(t.offset, t.numel() * t.dtype.size());
+    Ok(q)
 }
 
-fn small(ts: &TensorSet, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-    let t = ts.get(name, shape)?;
+fn take(ts: &mut TensorSet, name: &str, shape: &[usize]) -> Result<Tensor> {
+    ts.take(name, shape)
+}
+
+fn small(ts: &mut TensorSet, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+    let t = ts.take(name, shape)?;
     t.to_f32_vec().with_context(|| format!("{}: tensor {}", ts.source, t.name))
 }
 
 /// `1 + w` of a zero-centred RMSNorm weight, computed in f32 like the reference.
-fn zero_centred(t: &Tensor) -> Result<Vec<f32>> {
+fn zero_centred(t: Tensor) -> Result<Vec<f32>> {
     Ok(t.to_f32_vec()?.into_iter().map(|w| 1.0 + w).collect())
 }

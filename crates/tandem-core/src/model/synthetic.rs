@@ -3,7 +3,6 @@
 //! Weights are bf16 like the published checkpoints (A_log and the gated-norm weight in f32,
 //! as published), scaled so that activations stay finite through every layer.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
@@ -80,13 +79,19 @@ pub fn tensors(c: &Qwen35Config, name: &str) -> TensorSet {
             }
         }
     }
-    let mut map = HashMap::new();
-    for (tname, shape, init) in specs {
-        let numel: usize = shape.iter().product();
-        let storage = generate(numel, &init, SEED ^ hash_str(&tname));
-        map.insert(tname.clone(), Tensor { name: tname, dtype: init.dtype, shape, storage, offset: 0 });
-    }
-    TensorSet::new(map, format!("synthetic:{name}"))
+    let lazy = specs
+        .into_iter()
+        .map(|(tname, shape, init)| {
+            let (n, s) = (tname.clone(), shape.clone());
+            let make: Box<dyn Fn() -> Tensor + Send + Sync> = Box::new(move || {
+                let numel: usize = s.iter().product();
+                let storage = generate(numel, &init, SEED ^ hash_str(&n));
+                Tensor { name: n.clone(), dtype: init.dtype, shape: s.clone(), storage, offset: 0 }
+            });
+            (tname, shape, make)
+        })
+        .collect();
+    TensorSet::lazy(lazy, format!("synthetic:{name}"))
 }
 
 /// Values in blocks of `BLOCK`, each block from its own stream, filled in parallel.
