@@ -68,21 +68,33 @@ fn sum(x: &[f32]) -> f32 {
     acc.iter().sum()
 }
 
+/// Sums 4 interleaved streams (the 4-row pattern of the GEMV) with software prefetch 4 KB
+/// ahead: on this class of machine that reads ~25% faster than one plain sequential stream, so
+/// anything slower would understate the ceiling the kernels can actually reach.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn sum_avx512(x: &[f32]) -> f32 {
     use std::arch::x86_64::*;
-    let mut a = [_mm512_setzero_ps(); 4];
+    const AHEAD: usize = 1024; // floats = 4 KB
+    let part = x.len() / 4 / 16 * 16;
     let p = x.as_ptr();
-    let n = x.len() / 64 * 64;
+    let mut a = [_mm512_setzero_ps(); 8];
     let mut i = 0;
-    while i < n {
-        for (j, acc) in a.iter_mut().enumerate() {
-            *acc = _mm512_add_ps(*acc, _mm512_loadu_ps(p.add(i + 16 * j)));
+    while i + 32 <= part {
+        for s in 0..4 {
+            let q = p.add(s * part + i);
+            _mm_prefetch::<_MM_HINT_T0>(q.add(AHEAD) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(q.add(AHEAD + 16) as *const i8);
+            a[2 * s] = _mm512_add_ps(a[2 * s], _mm512_loadu_ps(q));
+            a[2 * s + 1] = _mm512_add_ps(a[2 * s + 1], _mm512_loadu_ps(q.add(16)));
         }
-        i += 64;
+        i += 32;
     }
-    _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])))
+    let mut t = _mm512_setzero_ps();
+    for v in a {
+        t = _mm512_add_ps(t, v);
+    }
+    _mm512_reduce_add_ps(t) + x[4 * part..].iter().sum::<f32>()
 }
 
 /// Peak f32 FLOP/s of fused multiply-adds on every worker (the arithmetic the prefill GEMM

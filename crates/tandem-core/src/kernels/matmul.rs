@@ -202,35 +202,46 @@ mod avx512 {
         let WeightData::Int8 { q, scales } = &w.data else { unreachable!("int8 weights only") };
         let k = w.cols;
         let (qp, xp, sc) = (q.as_slice().as_ptr(), x.as_ptr(), scales.as_slice());
-        const BLOCK: usize = 256;
         let mut r = rows.start;
+        while r + 4 <= rows.end {
+            rows_i8::<4>(qp.add(r * k), k, xp, x_scale, &sc[r..r + 4], out.add(r));
+            r += 4;
+        }
         while r < rows.end {
-            let nr = (rows.end - r).min(4);
-            let mut accf = [_mm512_setzero_ps(); 4];
-            let mut k0 = 0;
-            while k0 < k {
-                let kend = (k0 + BLOCK).min(k);
-                let mut acci = [_mm512_setzero_si512(); 4];
-                let mut i = k0;
-                while i < kend {
-                    let xv = _mm512_loadu_si512(xp.add(i) as *const _);
-                    for j in 0..4 {
-                        if j < nr {
-                            let wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(qp.add((r + j) * k + i) as *const __m256i));
-                            acci[j] = _mm512_add_epi32(acci[j], _mm512_madd_epi16(wv, xv));
-                        }
-                    }
-                    i += 32;
+            rows_i8::<1>(qp.add(r * k), k, xp, x_scale, &sc[r..r + 1], out.add(r));
+            r += 1;
+        }
+    }
+
+    /// R rows (a const: the R accumulators stay independent chains of one loop).
+    #[inline(always)]
+    unsafe fn rows_i8<const R: usize>(q: *const i8, k: usize, x: *const i16, x_scale: f32, scales: &[f32], out: *mut f32) {
+        const BLOCK: usize = 256;
+        let mut accf = [_mm512_setzero_ps(); R];
+        let mut k0 = 0;
+        while k0 < k {
+            let kend = (k0 + BLOCK).min(k);
+            let mut acci = [_mm512_setzero_si512(); R];
+            let mut i = k0;
+            while i < kend {
+                let xv = _mm512_loadu_si512(x.add(i) as *const _);
+                // The next row group starts a new page: fetch it ahead of the hardware prefetcher.
+                for j in 0..R {
+                    _mm_prefetch::<_MM_HINT_T0>(q.add((j + R) * k + i) as *const i8);
                 }
-                for j in 0..4 {
-                    accf[j] = _mm512_add_ps(accf[j], _mm512_cvtepi32_ps(acci[j]));
+                for j in 0..R {
+                    let wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(q.add(j * k + i) as *const __m256i));
+                    acci[j] = _mm512_add_epi32(acci[j], _mm512_madd_epi16(wv, xv));
                 }
-                k0 = kend;
+                i += 32;
             }
-            for j in 0..nr {
-                *out.add(r + j) = _mm512_reduce_add_ps(accf[j]) * sc[r + j] * x_scale;
+            for j in 0..R {
+                accf[j] = _mm512_add_ps(accf[j], _mm512_cvtepi32_ps(acci[j]));
             }
-            r += nr;
+            k0 = kend;
+        }
+        for j in 0..R {
+            *out.add(j) = _mm512_reduce_add_ps(accf[j]) * scales[j] * x_scale;
         }
     }
 
@@ -249,6 +260,11 @@ mod avx512 {
                     let mut i = 0;
                     while i < k {
                         let xv = _mm512_loadu_ps(xp.add(i));
+                        // Next row group, ahead of the hardware prefetcher (rows are 1-8 KB).
+                        _mm_prefetch::<_MM_HINT_T0>(p3.add(k + i) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T0>(p3.add(2 * k + i) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T0>(p3.add(3 * k + i) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T0>(p3.add(4 * k + i) as *const i8);
                         a0 = _mm512_fmadd_ps($load(p0.add(i)), xv, a0);
                         a1 = _mm512_fmadd_ps($load(p1.add(i)), xv, a1);
                         a2 = _mm512_fmadd_ps($load(p2.add(i)), xv, a2);
