@@ -121,26 +121,32 @@ unsafe fn gemv_rows_portable(x: &[f32], w: &Matrix, rows: std::ops::Range<usize>
 /// row scale, else 1).
 #[inline(always)]
 fn widen_row(w: &Matrix, r: usize, buf: &mut [f32]) -> f32 {
-    let k = w.cols;
+    widen_row_range(w, r, 0, w.cols, buf)
+}
+
+/// Columns `k0..k0 + kc` of row `r` as f32; returns the row's int8 scale (else 1).
+#[inline(always)]
+fn widen_row_range(w: &Matrix, r: usize, k0: usize, kc: usize, buf: &mut [f32]) -> f32 {
+    let base = r * w.cols + k0;
     match &w.data {
         WeightData::Bf16(b) => {
-            for (d, &s) in buf.iter_mut().zip(&b.as_slice()[r * k..(r + 1) * k]) {
+            for (d, &s) in buf.iter_mut().zip(&b.as_slice()[base..base + kc]) {
                 *d = bf16_to_f32(s);
             }
             1.0
         }
         WeightData::F16(b) => {
-            for (d, &s) in buf.iter_mut().zip(&b.as_slice()[r * k..(r + 1) * k]) {
+            for (d, &s) in buf.iter_mut().zip(&b.as_slice()[base..base + kc]) {
                 *d = f16_to_f32(s);
             }
             1.0
         }
         WeightData::F32(b) => {
-            buf.copy_from_slice(&b.as_slice()[r * k..(r + 1) * k]);
+            buf[..kc].copy_from_slice(&b.as_slice()[base..base + kc]);
             1.0
         }
         WeightData::Int8 { q, scales } => {
-            for (d, &s) in buf.iter_mut().zip(&q.as_slice()[r * k..(r + 1) * k]) {
+            for (d, &s) in buf.iter_mut().zip(&q.as_slice()[base..base + kc]) {
                 *d = s as f32;
             }
             scales.as_slice()[r]
@@ -494,35 +500,6 @@ pub mod gemm {
         }
     }
 
-    /// Columns `k0..k0 + kc` of row `r` as f32; returns the row's int8 scale (else 1).
-    #[inline(always)]
-    fn widen_row_range(w: &Matrix, r: usize, k0: usize, kc: usize, buf: &mut [f32]) -> f32 {
-        let base = r * w.cols + k0;
-        match &w.data {
-            WeightData::Bf16(b) => {
-                for (d, &s) in buf.iter_mut().zip(&b.as_slice()[base..base + kc]) {
-                    *d = bf16_to_f32(s);
-                }
-                1.0
-            }
-            WeightData::F16(b) => {
-                for (d, &s) in buf.iter_mut().zip(&b.as_slice()[base..base + kc]) {
-                    *d = f16_to_f32(s);
-                }
-                1.0
-            }
-            WeightData::F32(b) => {
-                buf.copy_from_slice(&b.as_slice()[base..base + kc]);
-                1.0
-            }
-            WeightData::Int8 { q, scales } => {
-                for (d, &s) in buf.iter_mut().zip(&q.as_slice()[base..base + kc]) {
-                    *d = s as f32;
-                }
-                scales.as_slice()[r]
-            }
-        }
-    }
 }
 
 #[cfg(test)]

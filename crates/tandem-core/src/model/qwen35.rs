@@ -104,7 +104,7 @@ impl Qwen35 {
                 None => embed_tokens.clone(),
             }
         };
-        let final_norm = zero_centred(take(ts, "norm.weight", &[h])?)?;
+        let final_norm = zero_centred(ts.take("norm.weight", &[h])?)?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for (i, lt) in c.layer_types.iter().enumerate() {
             let p = format!("layers.{i}.");
@@ -138,15 +138,15 @@ impl Qwen35 {
                         k_proj: matrix(ts, int8, &format!("{sa}k_proj.weight"), &[hkv * d, h])?,
                         v_proj: matrix(ts, int8, &format!("{sa}v_proj.weight"), &[hkv * d, h])?,
                         o_proj: matrix(ts, int8, &format!("{sa}o_proj.weight"), &[h, hq * d])?,
-                        q_norm: zero_centred(take(ts, &format!("{sa}q_norm.weight"), &[d])?)?,
-                        k_norm: zero_centred(take(ts, &format!("{sa}k_norm.weight"), &[d])?)?,
+                        q_norm: zero_centred(ts.take(&format!("{sa}q_norm.weight"), &[d])?)?,
+                        k_norm: zero_centred(ts.take(&format!("{sa}k_norm.weight"), &[d])?)?,
                     })
                 }
             };
             let f = c.intermediate_size;
             layers.push(DecoderLayer {
-                input_norm: zero_centred(take(ts, &format!("{p}input_layernorm.weight"), &[h])?)?,
-                post_attention_norm: zero_centred(take(ts, &format!("{p}post_attention_layernorm.weight"), &[h])?)?,
+                input_norm: zero_centred(ts.take(&format!("{p}input_layernorm.weight"), &[h])?)?,
+                post_attention_norm: zero_centred(ts.take(&format!("{p}post_attention_layernorm.weight"), &[h])?)?,
                 mixer,
                 mlp: Mlp {
                     gate_proj: matrix(ts, int8, &format!("{p}mlp.gate_proj.weight"), &[f, h])?,
@@ -505,10 +505,6 @@ fn matrix(ts: &mut TensorSet, int8: Option<&Pool>, name: &str, shape: &[usize]) 
     let q = quantize_int8_on(pool, &m);
     t.storage.release(t.offset, t.numel() * t.dtype.size());
     Ok(q)
-}
-
-fn take(ts: &mut TensorSet, name: &str, shape: &[usize]) -> Result<Tensor> {
-    ts.take(name, shape)
 }
 
 fn small(ts: &mut TensorSet, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
