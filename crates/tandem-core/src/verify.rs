@@ -22,9 +22,9 @@ use crate::pool::Pool;
 use crate::sampling::argmax;
 use crate::state::{LayerState, State};
 
-/// Logits: `|err| <= LOGIT_TOL * max(1, max |ref logit| of that position)` (an allclose-style
-/// bound; a purely absolute one is ill-posed where a DeltaNet head output nearly cancels and
-/// f32 rounding alone moves logits by ~3e-4). States: relative to the tensor's largest value.
+/// Logits: absolute. States: relative to the tensor's largest value. (A caution for kernel
+/// work: at a few positions of the fixture a DeltaNet head output nearly cancels, and there a
+/// change of f32 summation order alone moves logits by up to 3e-4; see the README.)
 pub const LOGIT_TOL: f32 = 1e-3;
 pub const STATE_REL_TOL: f32 = 1e-3;
 
@@ -198,27 +198,19 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) })
 }
 
-/// Per row of `vocab` logits: error relative to `max(1, max |ref|)` of that row; the worst row.
+/// Largest absolute logit error, and the position (row of `vocab` logits) where it is.
 fn logit_check(item: String, got: &[f32], want: &[f32], vocab: usize) -> Check {
     if got.len() != want.len() {
         return Check { item, error: f32::INFINITY, tolerance: LOGIT_TOL, relative: false, detail: format!("{} logits vs {} in the reference", got.len(), want.len()) };
     }
-    let (mut worst, mut worst_abs, mut worst_row) = (0f32, 0f32, 0);
+    let (mut worst, mut worst_row) = (0f32, 0);
     for (row, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
         let abs = max_abs_diff(g, w);
-        let scale = w.iter().fold(1f32, |m, v| m.max(v.abs()));
-        if abs / scale > worst || abs.is_nan() {
-            (worst, worst_row) = (abs / scale, row);
+        if abs > worst || abs.is_nan() {
+            (worst, worst_row) = (if abs.is_nan() { f32::INFINITY } else { abs }, row);
         }
-        worst_abs = worst_abs.max(abs);
     }
-    Check {
-        item,
-        error: worst,
-        tolerance: LOGIT_TOL,
-        relative: false,
-        detail: format!("max |err| {worst_abs:.2e}; worst scaled {worst:.2e} at position {worst_row}"),
-    }
+    Check { item, error: worst, tolerance: LOGIT_TOL, relative: false, detail: format!("max |err| {worst:.2e} at position {worst_row}") }
 }
 
 fn rel_check(item: String, got: &[f32], want: &[f32]) -> Check {
