@@ -8,16 +8,11 @@ use crate::pool::Pool;
 
 /// Instruction set the kernels dispatch to on this machine.
 pub fn isa() -> &'static str {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            return "avx512";
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            return "avx2";
-        }
+    match crate::kernels::isa() {
+        crate::kernels::Isa::Avx512 => "avx512",
+        crate::kernels::Isa::Avx2 => "avx2",
+        crate::kernels::Isa::Portable => "portable",
     }
-    "scalar"
 }
 
 pub fn has_avx512_bf16() -> bool {
@@ -131,16 +126,14 @@ fn peak(pool: &Pool, reps: usize, kernel: fn(u64) -> f64) -> f64 {
 }
 
 /// Runs `iters` rounds of 12 independent FMA chains; returns the FLOPs done.
+/// On the instruction set the kernels use (see `kernels::isa`).
 fn fma_flops(iters: u64) -> f64 {
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: feature checked.
-            return unsafe { fma_avx512(iters) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            return unsafe { fma_avx2(iters) };
-        }
+    match crate::kernels::isa() {
+        // SAFETY: isa() only reports features the CPU has.
+        crate::kernels::Isa::Avx512 => return unsafe { fma_avx512(iters) },
+        crate::kernels::Isa::Avx2 => return unsafe { fma_avx2(iters) },
+        crate::kernels::Isa::Portable => {}
     }
     let mut a = [1.0f32; 8];
     for _ in 0..iters {

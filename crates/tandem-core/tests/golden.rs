@@ -9,17 +9,24 @@ use tandem_core::model::Logits;
 use tandem_core::state::State;
 use tandem_core::verify::verify;
 
+/// The whole model against the golden fixture, with the kernels of every instruction set this
+/// CPU has (AVX-512, AVX2+FMA, portable).
 #[test]
-fn tiny_checkpoint_matches_the_reference() {
+fn tiny_checkpoint_matches_the_reference_on_every_isa() {
+    use tandem_core::kernels::{available_isas, set_max_isa, Isa};
     let mut m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
-    let checks = verify(&tandem_core::pool::Pool::new(2), &mut m.net, &common::tiny_dir().join("reference.safetensors")).unwrap();
-    // 5 prompts x (prefill logits, greedy ids, greedy logits, 6 GDN layers x 2, 2 attention layers x 2)
-    assert_eq!(checks.len(), 5 * (3 + 12 + 4));
-    let failed: Vec<_> = checks.iter().filter(|c| !c.passed()).collect();
-    assert!(failed.is_empty(), "out of tolerance: {failed:#?}");
-    for c in checks.iter().filter(|c| c.item.contains("greedy ids")) {
-        assert_eq!(c.detail, "16/16 identical", "{}", c.item);
+    for isa in available_isas() {
+        set_max_isa(isa);
+        let checks = verify(&tandem_core::pool::Pool::new(2), &mut m.net, &common::tiny_dir().join("reference.safetensors")).unwrap();
+        // 5 prompts x (prefill logits, greedy ids, greedy logits, 6 GDN layers x 2, 2 attention layers x 2)
+        assert_eq!(checks.len(), 5 * (3 + 12 + 4));
+        let failed: Vec<_> = checks.iter().filter(|c| !c.passed()).collect();
+        assert!(failed.is_empty(), "{isa:?}: out of tolerance: {failed:#?}");
+        for c in checks.iter().filter(|c| c.item.contains("greedy ids")) {
+            assert_eq!(c.detail, "16/16 identical", "{isa:?}: {}", c.item);
+        }
     }
+    set_max_isa(Isa::Avx512);
 }
 
 /// A reference written by scripts/make_reference.py (transformers 5.17, f32, on the GPU

@@ -20,7 +20,7 @@ use crate::args::Args;
 
 pub const USAGE: &str = "\
 tandem bench [--model M] [--threads N | --cores 0,1] [--quant bf16,int8] [--prompts 13,74,133,410]
-             [--decode-tokens 32] [--reps 3] [--quick] [--json FILE]
+             [--decode-tokens 32] [--reps 3] [--quick] [--json FILE] [--isa avx512|avx2|portable]
 
 Measures the machine (read bandwidth, f32 FMA peak, bf16 dot peak), then prefill tok/s per
 prompt length and decode tok/s for each weight format, as absolute figures and as fractions of
@@ -40,7 +40,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         print!("{USAGE}");
         return Ok(ExitCode::SUCCESS);
     }
-    let args = Args::parse(argv, &["model", "threads", "cores", "quant", "prompts", "decode-tokens", "reps", "json"], &["quick"])?;
+    let args = Args::parse(argv, &["model", "threads", "cores", "quant", "prompts", "decode-tokens", "reps", "json", "isa"], &["quick"])?;
     let quick = args.flag("quick");
     let spec = args.str("model").unwrap_or("synthetic:qwen3.5-0.8b").to_string();
     let quants: Vec<String> = args.str("quant").unwrap_or("bf16,int8").split(',').map(|s| s.trim().to_string()).collect();

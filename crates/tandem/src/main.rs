@@ -33,6 +33,8 @@ ENGINE OPTIONS (generate, verify):
   --threads N            worker threads (default: all cores)
   --cores 0,1            pin one worker to each listed core instead
   --quant int8           weight-only int8 (per-row scales), quantized at load; default: as stored
+  --isa avx512|avx2|portable
+                         cap the kernels' instruction set (default: the best this CPU has)
 
 GENERATE OPTIONS:
   --prompt TEXT          prompt text (tokenized with the model's tokenizer.json)
@@ -89,7 +91,7 @@ fn cmd_generate(argv: &[String]) -> Result<ExitCode> {
     }
     let args = Args::parse(
         argv,
-        &["model", "prompt", "system", "token-ids", "max-tokens", "temperature", "top-k", "top-p", "seed", "threads", "cores", "quant"],
+        &["model", "prompt", "system", "token-ids", "max-tokens", "temperature", "top-k", "top-p", "seed", "threads", "cores", "quant", "isa"],
         &["chat", "ids-out", "enable-thinking"],
     )?;
     let params = SamplingParams {
@@ -167,6 +169,13 @@ fn cmd_generate(argv: &[String]) -> Result<ExitCode> {
 
 /// The engine's worker pool from `--threads N` or `--cores 0,1,...` (default: all cores).
 pub(crate) fn make_pool(args: &Args) -> Result<Pool> {
+    use tandem_core::kernels::{set_max_isa, Isa};
+    match args.str("isa") {
+        None | Some("avx512") => set_max_isa(Isa::Avx512),
+        Some("avx2") => set_max_isa(Isa::Avx2),
+        Some("portable") => set_max_isa(Isa::Portable),
+        Some(other) => bail!("--isa {other:?}: choose avx512, avx2 or portable"),
+    }
     match (args.str("threads"), args.str("cores")) {
         (Some(_), Some(_)) => bail!("give either --threads or --cores, not both"),
         (_, Some(list)) => {
@@ -209,7 +218,7 @@ fn cmd_verify(argv: &[String]) -> Result<ExitCode> {
         print!("{USAGE}");
         return Ok(ExitCode::SUCCESS);
     }
-    let args = Args::parse(argv, &["model", "reference", "threads", "cores", "quant"], &[])?;
+    let args = Args::parse(argv, &["model", "reference", "threads", "cores", "quant", "isa"], &[])?;
     let pool = make_pool(&args)?;
     let mut model = load_model(args.required("model")?, &args, &pool)?;
     let reference = Path::new(args.required("reference")?);

@@ -175,11 +175,9 @@ fn chunked_body(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: &[f32], g:
 fn gemm_acc(m: usize, n: usize, k: usize, a: &[f32], lda: usize, b: &[f32], ldb: usize, c: &mut [f32], ldc: usize, alpha: f32) {
     assert!(m == 0 || n == 0 || ((m - 1) * lda + k <= a.len() && (k.max(1) - 1) * ldb + n <= b.len() && (m - 1) * ldc + n <= c.len()));
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: feature checked; bounds asserted above.
-            return unsafe { gemm_acc_avx512(m, n, k, a.as_ptr(), lda, b.as_ptr(), ldb, c.as_mut_ptr(), ldc, alpha) };
-        }
+    if super::isa() == super::Isa::Avx512 {
+        // SAFETY: feature checked; bounds asserted above.
+        return unsafe { gemm_acc_avx512(m, n, k, a.as_ptr(), lda, b.as_ptr(), ldb, c.as_mut_ptr(), ldc, alpha) };
     }
     gemm_acc_portable(m, n, k, a, lda, b, ldb, c, ldc, alpha)
 }
@@ -275,8 +273,17 @@ mod tests {
         }
     }
 
+    /// On every instruction set: the blocked kernel against the plain definition.
     #[test]
     fn gemm_acc_matches_its_plain_definition() {
+        for isa in crate::kernels::available_isas() {
+            crate::kernels::set_max_isa(isa);
+            gemm_acc_cases();
+        }
+        crate::kernels::set_max_isa(crate::kernels::Isa::Avx512);
+    }
+
+    fn gemm_acc_cases() {
         let mut seed = 3;
         for &(m, n, k) in &[(1, 1, 1), (5, 17, 9), (64, 128, 128), (3, 40, 64), (64, 64, 128)] {
             let (lda, ldb, ldc) = (k + 3, n + 5, n + 1);
@@ -292,9 +299,18 @@ mod tests {
         }
     }
 
-    /// Chunked and recurrent forms agree, across chunk boundaries and from a non-zero state.
+    /// Chunked and recurrent forms agree, across chunk boundaries and from a non-zero state, on
+    /// every instruction set.
     #[test]
     fn chunked_equals_recurrent() {
+        for isa in crate::kernels::available_isas() {
+            crate::kernels::set_max_isa(isa);
+            chunked_vs_recurrent_cases();
+        }
+        crate::kernels::set_max_isa(crate::kernels::Isa::Avx512);
+    }
+
+    fn chunked_vs_recurrent_cases() {
         let mut seed = 42;
         let (dk, dv) = (32, 16);
         for &l in &[1usize, 5, 64, 65, 150] {

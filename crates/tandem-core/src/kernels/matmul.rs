@@ -48,7 +48,7 @@ pub fn matmul(pool: &Pool, x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) {
     assert_eq!(out.len(), t * w.rows, "matmul output has the wrong length");
     let o = OutPtr(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
-    if t == 1 && matches!(w.data, WeightData::Int8 { .. }) && w.cols % 32 == 0 && std::arch::is_x86_feature_detected!("avx512bw") {
+    if t == 1 && matches!(w.data, WeightData::Int8 { .. }) && w.cols % 32 == 0 && super::isa() == super::Isa::Avx512 {
         // int8 weights × x rounded to int16 (one scale per call): integer multiply-adds,
         // half the instructions of widening every weight to f32 (see avx512::gemv_i8_rows).
         let (x16, x_scale) = quantize_i16(x);
@@ -88,13 +88,10 @@ pub fn quantize_i16(x: &[f32]) -> (Vec<i16>, f32) {
 /// `out` must be valid for writes at every index in `rows`.
 pub unsafe fn gemv_rows(x: &[f32], w: &Matrix, rows: std::ops::Range<usize>, out: *mut f32) {
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") && w.cols % 16 == 0 {
-            return avx512::gemv_rows(x, w, rows, out);
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            return gemv_rows_avx2(x, w, rows, out);
-        }
+    match super::isa() {
+        super::Isa::Avx512 if w.cols % 16 == 0 => return avx512::gemv_rows(x, w, rows, out),
+        super::Isa::Avx512 | super::Isa::Avx2 => return gemv_rows_avx2(x, w, rows, out),
+        super::Isa::Portable => {}
     }
     gemv_rows_portable(x, w, rows, out)
 }
@@ -325,13 +322,10 @@ pub mod gemm {
     /// `out` must be valid for writes at `ti * w.rows + c` for `ti < t`, `c` in `cols`.
     pub unsafe fn gemm_rows(x: &[f32], t: usize, w: &Matrix, cols: std::ops::Range<usize>, out: *mut f32) {
         #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                return gemm_avx512(x, t, w, cols, out);
-            }
-            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-                return gemm_avx2(x, t, w, cols, out);
-            }
+        match crate::kernels::isa() {
+            crate::kernels::Isa::Avx512 => return gemm_avx512(x, t, w, cols, out),
+            crate::kernels::Isa::Avx2 => return gemm_avx2(x, t, w, cols, out),
+            crate::kernels::Isa::Portable => {}
         }
         gemm_portable(x, t, w, cols, out)
     }
@@ -385,7 +379,7 @@ pub mod gemm {
                 while t0 < t {
                     let mr = (t - t0).min(MR);
                     #[cfg(target_arch = "x86_64")]
-                    if std::arch::is_x86_feature_detected!("avx512f") {
+                    if crate::kernels::isa() == crate::kernels::Isa::Avx512 {
                         micro_avx512_dyn(x, k, t0, mr, k0, kc, &panel, out, n, c0, nc);
                         t0 += mr;
                         continue;
@@ -522,10 +516,18 @@ mod tests {
         ]
     }
 
-    /// Every path (GEMV, GEMM with full and partial tiles, AVX-512 or not) against the f64
-    /// reference, for every weight dtype, on one and on three threads.
+    /// Every path (GEMV, GEMM with full and partial tiles) on every instruction set this CPU
+    /// has, against the f64 reference, for every weight dtype, on one and on three threads.
     #[test]
-    fn matmul_matches_reference_for_every_dtype_and_shape() {
+    fn matmul_matches_reference_for_every_isa_dtype_and_shape() {
+        for isa in crate::kernels::available_isas() {
+            crate::kernels::set_max_isa(isa);
+            matmul_cases();
+        }
+        crate::kernels::set_max_isa(crate::kernels::Isa::Avx512);
+    }
+
+    fn matmul_cases() {
         let mut seed = 7;
         for threads in [1, 3] {
             let pool = Pool::new(threads);
