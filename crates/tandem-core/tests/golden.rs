@@ -13,10 +13,8 @@ use tandem_core::verify::verify;
 /// CPU has (AVX-512, AVX2+FMA, portable).
 #[test]
 fn tiny_checkpoint_matches_the_reference_on_every_isa() {
-    use tandem_core::kernels::{available_isas, set_max_isa, Isa};
     let mut m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
-    for isa in available_isas() {
-        set_max_isa(isa);
+    tandem_core::kernels::for_each_isa(|isa| {
         let checks = verify(&tandem_core::pool::Pool::new(2), &mut m.net, &common::tiny_dir().join("reference.safetensors")).unwrap();
         // 5 prompts x (prefill logits, greedy ids, greedy logits, 6 GDN layers x 2, 2 attention layers x 2)
         assert_eq!(checks.len(), 5 * (3 + 12 + 4));
@@ -25,8 +23,7 @@ fn tiny_checkpoint_matches_the_reference_on_every_isa() {
         for c in checks.iter().filter(|c| c.item.contains("greedy ids")) {
             assert_eq!(c.detail, "16/16 identical", "{isa:?}: {}", c.item);
         }
-    }
-    set_max_isa(Isa::Avx512);
+    });
 }
 
 /// A reference written by scripts/make_reference.py (transformers 5.17, f32, on the GPU

@@ -276,11 +276,7 @@ mod tests {
     /// On every instruction set: the blocked kernel against the plain definition.
     #[test]
     fn gemm_acc_matches_its_plain_definition() {
-        for isa in crate::kernels::available_isas() {
-            crate::kernels::set_max_isa(isa);
-            gemm_acc_cases();
-        }
-        crate::kernels::set_max_isa(crate::kernels::Isa::Avx512);
+        crate::kernels::for_each_isa(|_| gemm_acc_cases());
     }
 
     fn gemm_acc_cases() {
@@ -303,11 +299,7 @@ mod tests {
     /// every instruction set.
     #[test]
     fn chunked_equals_recurrent() {
-        for isa in crate::kernels::available_isas() {
-            crate::kernels::set_max_isa(isa);
-            chunked_vs_recurrent_cases();
-        }
-        crate::kernels::set_max_isa(crate::kernels::Isa::Avx512);
+        crate::kernels::for_each_isa(|_| chunked_vs_recurrent_cases());
     }
 
     fn chunked_vs_recurrent_cases() {

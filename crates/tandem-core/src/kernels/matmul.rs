@@ -520,11 +520,7 @@ mod tests {
     /// has, against the f64 reference, for every weight dtype, on one and on three threads.
     #[test]
     fn matmul_matches_reference_for_every_isa_dtype_and_shape() {
-        for isa in crate::kernels::available_isas() {
-            crate::kernels::set_max_isa(isa);
-            matmul_cases();
-        }
-        crate::kernels::set_max_isa(crate::kernels::Isa::Avx512);
+        crate::kernels::for_each_isa(|_| matmul_cases());
     }
 
     fn matmul_cases() {

@@ -52,6 +52,16 @@ pub fn available_isas() -> Vec<Isa> {
     v
 }
 
+/// Run `f` at every instruction set this CPU has (lowest first), then lift the cap again. For
+/// tests: every kernel build must give the reference's results.
+pub fn for_each_isa(mut f: impl FnMut(Isa)) {
+    for isa in available_isas() {
+        set_max_isa(isa);
+        f(isa);
+    }
+    set_max_isa(Isa::Avx512);
+}
+
 /// Define `fn name(args) -> R` that runs `body(args)` compiled for AVX-512 or AVX2+FMA when the
 /// CPU has them (picked at run time), else the portable build. `body` must be
 /// `#[inline(always)]` so that each copy is vectorised for its own instruction set.
