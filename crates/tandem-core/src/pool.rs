@@ -146,6 +146,27 @@ impl Pool {
     }
 }
 
+/// Units of work that a pool's workers take in turn (each worker loops on `take` until it is
+/// empty): a worker that finishes early takes more, so nobody waits on a slow neighbour at the
+/// end of a call, whatever else shares the machine.
+pub struct WorkQueue {
+    next: AtomicUsize,
+    len: usize,
+}
+
+impl WorkQueue {
+    pub fn new(len: usize) -> WorkQueue {
+        WorkQueue { next: AtomicUsize::new(0), len }
+    }
+
+    /// The next unit, or None when all were taken.
+    #[inline]
+    pub fn take(&self) -> Option<usize> {
+        let u = self.next.fetch_add(1, Ordering::Relaxed);
+        (u < self.len).then_some(u)
+    }
+}
+
 impl Drop for Pool {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
@@ -275,6 +296,20 @@ mod tests {
             }
         });
         assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+    }
+
+    #[test]
+    fn a_work_queue_hands_out_every_unit_once() {
+        let pool = Pool::new(3);
+        let hits: Vec<AtomicUsize> = (0..500).map(|_| AtomicUsize::new(0)).collect();
+        let queue = WorkQueue::new(hits.len());
+        pool.run(&|_| {
+            while let Some(u) = queue.take() {
+                hits[u].fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+        assert_eq!(queue.take(), None);
     }
 
     #[test]

@@ -16,11 +16,12 @@ pub fn quantize_int8_on(pool: &Pool, w: &Matrix) -> Matrix {
     let (n, k) = (w.rows, w.cols);
     let mut q = vec![0i8; n * k];
     let mut scales = vec![0f32; n];
+    let mut sums = vec![0i32; n];
     #[derive(Clone, Copy)]
-    struct Ptrs(*mut i8, *mut f32);
+    struct Ptrs(*mut i8, *mut f32, *mut i32);
     unsafe impl Send for Ptrs {}
     unsafe impl Sync for Ptrs {}
-    let p = Ptrs(q.as_mut_ptr(), scales.as_mut_ptr());
+    let p = Ptrs(q.as_mut_ptr(), scales.as_mut_ptr(), sums.as_mut_ptr());
     pool.for_ranges(n, 64, &|rows| {
         let p = p;
         let mut row = vec![0f32; k];
@@ -33,13 +34,17 @@ pub fn quantize_int8_on(pool: &Pool, w: &Matrix) -> Matrix {
             // SAFETY: rows are disjoint between workers and inside the buffers.
             unsafe {
                 *p.1.add(r) = scale;
+                let mut sum = 0i32;
                 for (i, v) in row.iter().enumerate() {
-                    *p.0.add(r * k + i) = (v / scale).round().clamp(-127.0, 127.0) as i8;
+                    let qv = (v / scale).round().clamp(-127.0, 127.0) as i8;
+                    *p.0.add(r * k + i) = qv;
+                    sum += qv as i32;
                 }
+                *p.2.add(r) = sum;
             }
         }
     });
-    Matrix { rows: n, cols: k, data: WeightData::Int8 { q: Buf::from_vec(q), scales: Buf::from_vec(scales) } }
+    Matrix { rows: n, cols: k, data: WeightData::Int8 { q: Buf::from_vec(q), scales: Buf::from_vec(scales), sums: Buf::from_vec(sums) } }
 }
 
 #[cfg(test)]
@@ -58,6 +63,10 @@ mod tests {
                 assert!(err <= max / 127.0 * 0.5 + 1e-6, "row {r} col {i}: error {err}");
             }
         }
-        assert_eq!(q.bytes(), 256 + 4 * 4);
+        assert_eq!(q.bytes(), 256 + 4 * 8);
+        let WeightData::Int8 { q: qv, sums, .. } = &q.data else { unreachable!() };
+        for r in 0..4 {
+            assert_eq!(sums.as_slice()[r], qv.as_slice()[r * 64..(r + 1) * 64].iter().map(|&v| v as i32).sum::<i32>());
+        }
     }
 }

@@ -177,8 +177,8 @@ pub enum WeightData {
     Bf16(Buf<u16>),
     F16(Buf<u16>),
     F32(Buf<f32>),
-    /// `value = q · scales[row]`.
-    Int8 { q: Buf<i8>, scales: Buf<f32> },
+    /// `value = q · scales[row]`; `sums[row] = Σ q` (the int8 GEMV's correction term).
+    Int8 { q: Buf<i8>, scales: Buf<f32>, sums: Buf<i32> },
 }
 
 impl Matrix {
@@ -208,8 +208,8 @@ impl Matrix {
 
     /// Bytes this matrix occupies (what a GEMV over it must stream from memory).
     pub fn bytes(&self) -> usize {
-        let scales = if let WeightData::Int8 { .. } = self.data { self.rows * 4 } else { 0 };
-        self.rows * self.cols * self.dtype().size() + scales
+        let per_row = if let WeightData::Int8 { .. } = self.data { 8 } else { 0 };
+        self.rows * self.cols * self.dtype().size() + self.rows * per_row
     }
 
     /// Row `r` converted to f32 into `out` (embedding lookup).
@@ -227,7 +227,7 @@ impl Matrix {
                 }
             }
             WeightData::F32(b) => out.copy_from_slice(&b.as_slice()[r * c..(r + 1) * c]),
-            WeightData::Int8 { q, scales } => {
+            WeightData::Int8 { q, scales, .. } => {
                 let s = scales.as_slice()[r];
                 for (o, &v) in out.iter_mut().zip(&q.as_slice()[r * c..(r + 1) * c]) {
                     *o = v as f32 * s;

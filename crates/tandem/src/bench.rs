@@ -4,7 +4,10 @@
 //! bandwidth / bytes per token; prefill is arithmetic, so its ceiling is the measured f32 FMA
 //! peak / FLOPs per token (the engine computes in f32 FMAs on every instruction set).
 //! Method: one warm-up, then `--reps` repetitions with the compared configurations interleaved
-//! (bf16, int8, bf16, int8, ...), reporting the median with min and max.
+//! (bf16, int8, bf16, int8, ...), reporting the median with min and max. On a shared machine
+//! the limits themselves move from minute to minute (the hypervisor's steal time reaches 50%
+//! here), so the ceilings are measured again just before every run, and each run's fraction is
+//! taken against its own.
 
 use std::fmt::Write as _;
 use std::process::{Command, ExitCode};
@@ -33,6 +36,9 @@ struct Sample {
     kind: &'static str,
     tokens: usize,
     seconds: f64,
+    /// The ceilings measured just before this run's repetition (bytes/s, FLOP/s).
+    bandwidth: f64,
+    fma_peak: f64,
 }
 
 pub fn run(argv: &[String]) -> Result<ExitCode> {
@@ -59,6 +65,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     let threads = pool.threads();
 
     let mut report = String::new();
+    let steal_start = cpu_steal();
     progress("measuring the machine's limits");
     let bw_bytes = if quick { 256 << 20 } else { 1 << 30 };
     let bandwidth = limits::read_bandwidth(&pool, bw_bytes, if quick { 3 } else { 7 });
@@ -74,8 +81,8 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         if pool.cores().is_empty() { String::new() } else { format!(" pinned to cores {:?}", pool.cores()) }
     )?;
     writeln!(report, "| kernels | {} |", limits::isa())?;
-    writeln!(report, "| read bandwidth ({threads} threads) | {:.1} GB/s |", bandwidth / 1e9)?;
-    writeln!(report, "| f32 FMA peak ({threads} threads) | {:.1} GFLOP/s |", fma_peak / 1e9)?;
+    writeln!(report, "| read bandwidth ({threads} threads, at the start) | {:.1} GB/s |", bandwidth / 1e9)?;
+    writeln!(report, "| f32 FMA peak ({threads} threads, at the start) | {:.1} GFLOP/s |", fma_peak / 1e9)?;
     match bf16_peak {
         Some(p) => writeln!(report, "| bf16 dot peak ({threads} threads) | {:.1} GFLOP/s (not used: tandem keeps activations f32) |", p / 1e9)?,
         None => writeln!(report, "| bf16 dot peak | no AVX-512 BF16 on this CPU |")?,
@@ -104,26 +111,30 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     let mut samples = Vec::new();
     let total = reps * nets.len() * (prompts.len() + 1);
     let mut done = 0;
+    // The ceilings again, just before each run (about a quarter of a second).
+    let ceilings = || (limits::read_bandwidth(&pool, 256 << 20, 2), limits::fma_peak(&pool, 2));
     for _ in 0..reps {
         for (q, net) in &nets {
             for &n in &prompts {
+                let (bandwidth, fma_peak) = ceilings();
                 let prompt = prompt_of(n);
                 let mut st = State::new(&net.config);
                 let t = Instant::now();
                 net.forward(&pool, &prompt, &mut st, Logits::Last)?;
-                samples.push(Sample { quant: q.clone(), kind: "prefill", tokens: n, seconds: t.elapsed().as_secs_f64() });
+                samples.push(Sample { quant: q.clone(), kind: "prefill", tokens: n, seconds: t.elapsed().as_secs_f64(), bandwidth, fma_peak });
                 done += 1;
                 progress_bar(done, total);
             }
             // Decode: greedy tokens after a 13-token prompt (whose prefill is not timed).
             let mut st = State::new(&net.config);
             let mut logits = net.forward(&pool, &prompt_of(13), &mut st, Logits::Last)?;
+            let (bandwidth, fma_peak) = ceilings();
             let t = Instant::now();
             for _ in 0..decode_tokens {
                 let id = argmax(&logits[..vocab.min(logits.len())]);
                 logits = net.forward(&pool, &[id], &mut st, Logits::Last)?;
             }
-            samples.push(Sample { quant: q.clone(), kind: "decode", tokens: decode_tokens, seconds: t.elapsed().as_secs_f64() });
+            samples.push(Sample { quant: q.clone(), kind: "decode", tokens: decode_tokens, seconds: t.elapsed().as_secs_f64(), bandwidth, fma_peak });
             done += 1;
             progress_bar(done, total);
         }
@@ -131,40 +142,42 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     eprintln!();
 
     writeln!(report, "\n## Prefill ({spec}, {threads} threads, median of {reps} after a warm-up)\n")?;
-    writeln!(report, "| weights | prompt tokens | tok/s (median) | min - max | GFLOP/token | GFLOP/s | of FMA peak | ceiling tok/s |")?;
+    writeln!(report, "| weights | prompt tokens | tok/s (median) | min - max | GFLOP/token | GFLOP/s | of FMA peak (median) | ceiling tok/s |")?;
     writeln!(report, "|---|---|---|---|---|---|---|---|")?;
     for (q, net) in &nets {
         for &n in &prompts {
-            let mut rates: Vec<f64> = samples.iter().filter(|s| &s.quant == q && s.kind == "prefill" && s.tokens == n).map(|s| n as f64 / s.seconds).collect();
-            let (med, lo, hi) = stats(&mut rates);
+            let runs: Vec<&Sample> = samples.iter().filter(|s| &s.quant == q && s.kind == "prefill" && s.tokens == n).collect();
             let flops_per_token = net.prefill_flops(n) / n as f64;
+            let (med, lo, hi) = stats(&mut runs.iter().map(|s| n as f64 / s.seconds).collect::<Vec<_>>());
+            let fraction = limits::median(&mut runs.iter().map(|s| n as f64 / s.seconds * flops_per_token / s.fma_peak).collect::<Vec<_>>());
+            let ceiling = limits::median(&mut runs.iter().map(|s| s.fma_peak / flops_per_token).collect::<Vec<_>>());
             writeln!(
                 report,
-                "| {q} | {n} | {med:.1} | {lo:.1} - {hi:.1} | {:.2} | {:.1} | {:.0}% | {:.1} |",
+                "| {q} | {n} | {med:.1} | {lo:.1} - {hi:.1} | {:.2} | {:.1} | {:.0}% | {ceiling:.1} |",
                 flops_per_token / 1e9,
                 med * flops_per_token / 1e9,
-                100.0 * med * flops_per_token / fma_peak,
-                fma_peak / flops_per_token
+                100.0 * fraction,
             )?;
         }
     }
     writeln!(report, "\n## Decode ({spec}, one sequence, {decode_tokens} tokens after a 13-token prompt)\n")?;
-    writeln!(report, "| weights | tok/s (median) | min - max | MB read/token | GB/s | of bandwidth | ceiling tok/s |")?;
+    writeln!(report, "| weights | tok/s (median) | min - max | MB read/token | GB/s | of bandwidth (median) | ceiling tok/s |")?;
     writeln!(report, "|---|---|---|---|---|---|---|")?;
     for (q, net) in &nets {
-        let mut rates: Vec<f64> = samples.iter().filter(|s| &s.quant == q && s.kind == "decode").map(|s| s.tokens as f64 / s.seconds).collect();
-        let (med, lo, hi) = stats(&mut rates);
+        let runs: Vec<&Sample> = samples.iter().filter(|s| &s.quant == q && s.kind == "decode").collect();
         // Weights streamed + the state read (at the middle of the decoded span).
         let mut st = State::new(&net.config);
         net.forward(&pool, &prompt_of(13 + decode_tokens / 2), &mut st, Logits::Last)?;
         let bytes = (net.weight_bytes_per_token() + st.bytes()) as f64;
+        let (med, lo, hi) = stats(&mut runs.iter().map(|s| s.tokens as f64 / s.seconds).collect::<Vec<_>>());
+        let fraction = limits::median(&mut runs.iter().map(|s| s.tokens as f64 / s.seconds * bytes / s.bandwidth).collect::<Vec<_>>());
+        let ceiling = limits::median(&mut runs.iter().map(|s| s.bandwidth / bytes).collect::<Vec<_>>());
         writeln!(
             report,
-            "| {q} | {med:.2} | {lo:.2} - {hi:.2} | {:.0} | {:.1} | {:.0}% | {:.1} |",
+            "| {q} | {med:.2} | {lo:.2} - {hi:.2} | {:.0} | {:.1} | {:.0}% | {ceiling:.1} |",
             bytes / 1e6,
             med * bytes / 1e9,
-            100.0 * med * bytes / bandwidth,
-            bandwidth / bytes
+            100.0 * fraction,
         )?;
     }
 
@@ -201,12 +214,19 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         let (w, s) = (net.weight_bytes() as f64 / 1e9, st.bytes() as f64 / 1e9);
         writeln!(report, "| {q} | {w:.2} GB | {:.0} MB | {peak_gb:.2} GB | {:.2} |", s * 1e3, peak_gb / (w + s))?;
     }
+    if let (Some(a), Some(b)) = (steal_start, cpu_steal()) {
+        let (steal, total) = (b.0 - a.0, b.1 - a.1);
+        writeln!(report, "\nCPU time taken by the hypervisor (steal) during this run: {:.0}%.", 100.0 * steal as f64 / total.max(1) as f64)?;
+    }
     print!("{report}");
 
     if let Some(path) = args.str("json") {
         let runs: Vec<serde_json::Value> = samples
             .iter()
-            .map(|s| serde_json::json!({"weights": s.quant, "phase": s.kind, "tokens": s.tokens, "seconds": s.seconds}))
+            .map(|s| {
+                serde_json::json!({"weights": s.quant, "phase": s.kind, "tokens": s.tokens, "seconds": s.seconds,
+                    "read_bandwidth_bytes_per_s": s.bandwidth, "fma_peak_flops": s.fma_peak})
+            })
             .collect();
         let doc = serde_json::json!({
             "model": spec, "threads": threads, "cpu": cpu_model(), "kernels": limits::isa(),
@@ -227,6 +247,13 @@ fn parse_list(s: &str, flag: &str) -> Result<Vec<usize>> {
 fn stats(v: &mut [f64]) -> (f64, f64, f64) {
     let med = limits::median(v);
     (med, v.first().copied().unwrap_or(f64::NAN), v.last().copied().unwrap_or(f64::NAN))
+}
+
+/// (steal, total) jiffies of all CPUs since boot, from /proc/stat; None where it is absent.
+fn cpu_steal() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let fields: Vec<u64> = stat.lines().next()?.split_whitespace().skip(1).filter_map(|f| f.parse().ok()).collect();
+    Some((*fields.get(7)?, fields.iter().sum()))
 }
 
 fn cpu_model() -> String {

@@ -8,10 +8,10 @@ use crate::checkpoint::TensorSet;
 use crate::config::{LayerType, Qwen35Config};
 use crate::kernels::attention::attention_head;
 use crate::kernels::deltanet::{self, ChunkScratch};
-use crate::kernels::matmul::matmul;
+use crate::kernels::matmul::{matmul, matmul_group};
 use crate::pool::Pool;
 use crate::quant::quantize_int8_on;
-use crate::kernels::norm::{gated_rms_norm_inplace, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, softplus};
+use crate::kernels::norm::{gated_rms_norm_inplace, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, softplus, swiglu_inplace};
 use crate::kernels::rope::{apply_rope, cos_sin, inv_freq, inv_freq_bf16};
 use crate::state::{LayerState, State};
 use crate::tensor::{Matrix, Tensor};
@@ -316,10 +316,7 @@ impl Qwen35 {
         let mut z = vec![0f32; t * vd];
         let mut b = vec![0f32; t * hv];
         let mut a = vec![0f32; t * hv];
-        matmul(pool, xn, t, &m.in_proj_qkv, &mut qkv);
-        matmul(pool, xn, t, &m.in_proj_z, &mut z);
-        matmul(pool, xn, t, &m.in_proj_b, &mut b);
-        matmul(pool, xn, t, &m.in_proj_a, &mut a);
+        matmul_group(pool, xn, t, &mut [(&m.in_proj_qkv, &mut qkv), (&m.in_proj_z, &mut z), (&m.in_proj_b, &mut b), (&m.in_proj_a, &mut a)]);
 
         // Causal depthwise conv + SiLU over the window (K raw columns before this call) ++ qkv.
         let mut window = Vec::with_capacity((kk + t) * cd);
@@ -386,9 +383,7 @@ impl Qwen35 {
         let mut qg = vec![0f32; t * hq * 2 * d];
         let mut k = vec![0f32; t * hkv * d];
         let mut v = vec![0f32; t * hkv * d];
-        matmul(pool, xn, t, &m.q_proj, &mut qg);
-        matmul(pool, xn, t, &m.k_proj, &mut k);
-        matmul(pool, xn, t, &m.v_proj, &mut v);
+        matmul_group(pool, xn, t, &mut [(&m.q_proj, &mut qg), (&m.k_proj, &mut k), (&m.v_proj, &mut v)]);
 
         let half = c.rotary_dim() / 2;
         let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
@@ -435,11 +430,14 @@ impl Qwen35 {
         let f = self.config.intermediate_size;
         let mut gate = vec![0f32; t * f];
         let mut up = vec![0f32; t * f];
-        matmul(pool, xn, t, &m.gate_proj, &mut gate);
-        matmul(pool, xn, t, &m.up_proj, &mut up);
-        for (g, &u) in gate.iter_mut().zip(&up) {
-            *g = silu(*g) * u;
-        }
+        matmul_group(pool, xn, t, &mut [(&m.gate_proj, &mut gate), (&m.up_proj, &mut up)]);
+        let g = SharedMut(gate.as_mut_ptr(), std::ptr::null_mut());
+        pool.for_ranges(gate.len(), 16, &|r| {
+            let g = g;
+            // SAFETY: the ranges are disjoint parts of `gate`.
+            let gate = unsafe { std::slice::from_raw_parts_mut(g.0.add(r.start), r.len()) };
+            swiglu_inplace(gate, &up[r]);
+        });
         matmul(pool, &gate, t, &m.down_proj, out);
     }
 }
