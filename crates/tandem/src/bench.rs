@@ -6,8 +6,9 @@
 //! Method: one warm-up, then `--reps` repetitions with the compared configurations interleaved
 //! (bf16, int8, bf16, int8, ...), reporting the median with min and max. On a shared machine
 //! the limits themselves move from minute to minute (the hypervisor's steal time reaches 50%
-//! here), so the ceilings are measured again just before every run, and each run's fraction is
-//! taken against its own.
+//! here), so the ceilings are measured again just before every run, and the fractions are the
+//! median rate over the median of all those measurements (the ceilings of the whole run, not
+//! of one moment).
 
 use std::fmt::Write as _;
 use std::process::{Command, ExitCode};
@@ -141,16 +142,25 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     }
     eprintln!();
 
+    let fma_ceiling = limits::median(&mut samples.iter().map(|s| s.fma_peak).collect::<Vec<_>>());
+    let bandwidth_ceiling = limits::median(&mut samples.iter().map(|s| s.bandwidth).collect::<Vec<_>>());
+    writeln!(
+        report,
+        "\nCeilings during the runs (median of {} measurements, one before each run): read bandwidth {:.1} GB/s, f32 FMA peak {:.1} GFLOP/s.",
+        samples.len(),
+        bandwidth_ceiling / 1e9,
+        fma_ceiling / 1e9
+    )?;
     writeln!(report, "\n## Prefill ({spec}, {threads} threads, median of {reps} after a warm-up)\n")?;
-    writeln!(report, "| weights | prompt tokens | tok/s (median) | min - max | GFLOP/token | GFLOP/s | of FMA peak (median) | ceiling tok/s |")?;
+    writeln!(report, "| weights | prompt tokens | tok/s (median) | min - max | GFLOP/token | GFLOP/s | of FMA peak | ceiling tok/s |")?;
     writeln!(report, "|---|---|---|---|---|---|---|---|")?;
     for (q, net) in &nets {
         for &n in &prompts {
             let runs: Vec<&Sample> = samples.iter().filter(|s| &s.quant == q && s.kind == "prefill" && s.tokens == n).collect();
             let flops_per_token = net.prefill_flops(n) / n as f64;
             let (med, lo, hi) = stats(&mut runs.iter().map(|s| n as f64 / s.seconds).collect::<Vec<_>>());
-            let fraction = limits::median(&mut runs.iter().map(|s| n as f64 / s.seconds * flops_per_token / s.fma_peak).collect::<Vec<_>>());
-            let ceiling = limits::median(&mut runs.iter().map(|s| s.fma_peak / flops_per_token).collect::<Vec<_>>());
+            let fraction = med * flops_per_token / fma_ceiling;
+            let ceiling = fma_ceiling / flops_per_token;
             writeln!(
                 report,
                 "| {q} | {n} | {med:.1} | {lo:.1} - {hi:.1} | {:.2} | {:.1} | {:.0}% | {ceiling:.1} |",
@@ -161,7 +171,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         }
     }
     writeln!(report, "\n## Decode ({spec}, one sequence, {decode_tokens} tokens after a 13-token prompt)\n")?;
-    writeln!(report, "| weights | tok/s (median) | min - max | MB read/token | GB/s | of bandwidth (median) | ceiling tok/s |")?;
+    writeln!(report, "| weights | tok/s (median) | min - max | MB read/token | GB/s | of bandwidth | ceiling tok/s |")?;
     writeln!(report, "|---|---|---|---|---|---|---|")?;
     for (q, net) in &nets {
         let runs: Vec<&Sample> = samples.iter().filter(|s| &s.quant == q && s.kind == "decode").collect();
@@ -170,8 +180,8 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         net.forward(&pool, &prompt_of(13 + decode_tokens / 2), &mut st, Logits::Last)?;
         let bytes = (net.weight_bytes_per_token() + st.bytes()) as f64;
         let (med, lo, hi) = stats(&mut runs.iter().map(|s| s.tokens as f64 / s.seconds).collect::<Vec<_>>());
-        let fraction = limits::median(&mut runs.iter().map(|s| s.tokens as f64 / s.seconds * bytes / s.bandwidth).collect::<Vec<_>>());
-        let ceiling = limits::median(&mut runs.iter().map(|s| s.bandwidth / bytes).collect::<Vec<_>>());
+        let fraction = med * bytes / bandwidth_ceiling;
+        let ceiling = bandwidth_ceiling / bytes;
         writeln!(
             report,
             "| {q} | {med:.2} | {lo:.2} - {hi:.2} | {:.0} | {:.1} | {:.0}% | {ceiling:.1} |",
