@@ -49,6 +49,7 @@ impl LoadedModel {
             release_static(QWEN35_TOKENIZER_JSON);
             let mut tensors = synthetic::tensors(&config, name);
             let net = Qwen35::load(config, &mut tensors, int8)?;
+            release_freed_memory();
             return Ok(LoadedModel {
                 net,
                 tokenizer: Some(tokenizer),
@@ -69,6 +70,7 @@ impl LoadedModel {
         release_freed_memory();
         let mut tensors = TensorSet::open_dir(dir)?;
         let net = Qwen35::load(config, &mut tensors, int8)?;
+        release_freed_memory();
         let chat_template = ChatTemplate::from_checkpoint(dir)?.unwrap_or_else(ChatTemplate::chatml);
         let stop_ids = stop_ids(dir, tokenizer.as_ref())?;
         Ok(LoadedModel { net, tokenizer, chat_template, stop_ids, name: spec.to_string() })
@@ -83,8 +85,8 @@ impl LoadedModel {
     }
 }
 
-/// Give memory freed by parsing back to the OS (glibc keeps it otherwise, and a 33 MB
-/// tokenizer.json leaves ~180 MB behind).
+/// Give memory freed by parsing or by quantizing back to the OS (glibc keeps it otherwise, and
+/// a 33 MB tokenizer.json leaves ~180 MB behind).
 fn release_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only returns free heap memory to the OS.

@@ -44,6 +44,32 @@ impl State {
         State { position: 0, layers, last_logits: Vec::new() }
     }
 
+    /// Whether this state fits the model `cfg`: its layer kinds and sizes, and K/V lengths that
+    /// agree with its position. An error names the first thing that does not.
+    pub fn check_shape(&self, cfg: &Qwen35Config) -> anyhow::Result<()> {
+        if self.layers.len() != cfg.layer_types.len() {
+            anyhow::bail!("state has {} layers but the model has {}", self.layers.len(), cfg.layer_types.len());
+        }
+        let (conv_len, rec_len) = (cfg.linear_conv_kernel_dim * cfg.linear_conv_dim(), cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim);
+        let kv_len = self.position * cfg.num_key_value_heads * cfg.head_dim;
+        for (i, (layer, kind)) in self.layers.iter().zip(&cfg.layer_types).enumerate() {
+            match (layer, kind) {
+                (LayerState::Linear { conv, recurrent }, LayerType::LinearAttention) => {
+                    if conv.len() != conv_len || recurrent.len() != rec_len {
+                        anyhow::bail!("state layer {i}: conv {} / recurrent {} values, the model needs {conv_len} / {rec_len}", conv.len(), recurrent.len());
+                    }
+                }
+                (LayerState::Full { k, v }, LayerType::FullAttention) => {
+                    if k.len() != kv_len || v.len() != kv_len {
+                        anyhow::bail!("state layer {i}: K/V hold {} / {} values, {} tokens need {kv_len}", k.len(), v.len(), self.position);
+                    }
+                }
+                _ => anyhow::bail!("state layer {i} is not of the model's kind ({kind:?})"),
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes of state data (what a transfer has to move).
     pub fn bytes(&self) -> usize {
         let layer_bytes: usize = self

@@ -77,6 +77,9 @@ struct Mlp {
     down_proj: Matrix,
 }
 
+/// The most tokens one pass of `forward` applies (a multiple of the DeltaNet chunk).
+pub const MAX_TOKENS_PER_PASS: usize = 2 * deltanet::CHUNK;
+
 /// Which positions of a forward pass need logits.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Logits {
@@ -250,27 +253,44 @@ impl Qwen35 {
     /// Apply `tokens` to `state` (which covers `[0, state.position)`), and return the logits of
     /// the last token (`Logits::Last`) or of every token (`Logits::All`, `[T, vocab]`).
     /// `state.last_logits` always ends up holding the last token's logits.
+    ///
+    /// Long inputs run in pieces of `MAX_TOKENS_PER_PASS`, which bounds the activations' memory
+    /// and changes no result: the pieces start on DeltaNet chunk boundaries, so every chunk,
+    /// every product and every attention row is computed exactly as in one pass.
     pub fn forward(&self, pool: &Pool, tokens: &[u32], state: &mut State, which: Logits) -> Result<Vec<f32>> {
+        // Everything is checked before the first token is applied: a failed call leaves the
+        // state as it was.
         let c = &self.config;
-        let (t, h) = (tokens.len(), c.hidden_size);
-        if t == 0 {
+        if tokens.is_empty() {
             bail!("forward called with no tokens");
         }
         if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
             bail!("token id {bad} is outside the model's vocabulary (ids 0..{})", c.vocab_size);
         }
-        if state.position + t > c.max_position_embeddings {
+        if state.position + tokens.len() > c.max_position_embeddings {
             bail!(
                 "{} tokens after position {} exceed the model's context of {} tokens (max_position_embeddings)",
-                t,
+                tokens.len(),
                 state.position,
                 c.max_position_embeddings
             );
         }
-        if state.layers.len() != self.layers.len() {
-            bail!("state has {} layers but the model has {}", state.layers.len(), self.layers.len());
+        state.check_shape(c)?;
+        let mut logits = Vec::new();
+        for piece in tokens.chunks(MAX_TOKENS_PER_PASS) {
+            let out = self.forward_pass(pool, piece, state, which)?;
+            if which == Logits::All {
+                logits.extend_from_slice(&out);
+            } else {
+                logits = out;
+            }
         }
+        Ok(logits)
+    }
 
+    fn forward_pass(&self, pool: &Pool, tokens: &[u32], state: &mut State, which: Logits) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let (t, h) = (tokens.len(), c.hidden_size);
         let mut x = vec![0f32; t * h];
         for (i, &id) in tokens.iter().enumerate() {
             self.embed_tokens.row_to_f32(id as usize, &mut x[i * h..(i + 1) * h]);
@@ -282,7 +302,7 @@ impl Qwen35 {
             match (&layer.mixer, layer_state) {
                 (Mixer::DeltaNet(m), LayerState::Linear { conv, recurrent }) => self.gated_deltanet(pool, m, &xn, t, conv, recurrent, &mut mixed),
                 (Mixer::Attention(m), LayerState::Full { k, v }) => self.gated_attention(pool, m, &xn, t, state.position, k, v, &mut mixed),
-                _ => bail!("state layer kinds do not match the model's layer_types"),
+                _ => unreachable!("state layer kinds were checked against the model's layer_types"),
             }
             add_inplace(&mut x, &mixed);
             rms_norm(&x, &layer.post_attention_norm, c.rms_norm_eps, &mut xn);
@@ -513,4 +533,46 @@ fn small(ts: &mut TensorSet, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
 /// `1 + w` of a zero-centred RMSNorm weight, computed in f32 like the reference.
 fn zero_centred(t: Tensor) -> Result<Vec<f32>> {
     Ok(t.to_f32_vec()?.into_iter().map(|w| 1.0 + w).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `forward` applies long inputs in pieces; the pieces start on DeltaNet chunk boundaries,
+    /// so the result is bit for bit that of one pass.
+    #[test]
+    fn pieces_of_a_long_input_equal_one_pass_exactly() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
+        let m = crate::load::LoadedModel::load(dir.to_str().unwrap()).unwrap();
+        let pool = Pool::new(2);
+        let tokens: Vec<u32> = (0..300).map(|i| (i * 37 + 11) % 1024).collect();
+        assert!(tokens.len() > 2 * MAX_TOKENS_PER_PASS);
+        let (mut one, mut pieces) = (State::new(&m.net.config), State::new(&m.net.config));
+        let want = m.net.forward_pass(&pool, &tokens, &mut one, Logits::All).unwrap();
+        let got = m.net.forward(&pool, &tokens, &mut pieces, Logits::All).unwrap();
+        assert!(want == got, "logits differ");
+        assert!(one == pieces, "states differ");
+    }
+
+    /// A call that fails leaves the state untouched (no part of the input is applied).
+    #[test]
+    fn a_rejected_input_leaves_the_state_as_it_was() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
+        let m = crate::load::LoadedModel::load(dir.to_str().unwrap()).unwrap();
+        let pool = Pool::new(1);
+        let mut st = State::new(&m.net.config);
+        m.net.forward(&pool, &[1, 2, 3], &mut st, Logits::Last).unwrap();
+        let before = st.clone();
+        // A bad id in the third piece of a long input.
+        let mut tokens: Vec<u32> = vec![5; 3 * MAX_TOKENS_PER_PASS];
+        tokens[2 * MAX_TOKENS_PER_PASS + 1] = 1_000_000;
+        let e = m.net.forward(&pool, &tokens, &mut st, Logits::Last).unwrap_err().to_string();
+        assert!(e.contains("1000000"), "{e}");
+        assert!(st == before, "the state changed");
+        // A state of another shape.
+        let mut wrong = before.clone();
+        wrong.layers.pop();
+        assert!(m.net.forward(&pool, &[1], &mut wrong, Logits::Last).is_err());
+    }
 }
