@@ -52,9 +52,17 @@ pub fn available_isas() -> Vec<Isa> {
     v
 }
 
+/// Held while a caller depends on the cap not moving: `for_each_isa` holds it, and so does a
+/// test that compares two runs bit for bit (tests of one binary run on parallel threads).
+pub fn hold_isa() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// Run `f` at every instruction set this CPU has (lowest first), then lift the cap again. For
 /// tests: every kernel build must give the reference's results.
 pub fn for_each_isa(mut f: impl FnMut(Isa)) {
+    let _held = hold_isa();
     for isa in available_isas() {
         set_max_isa(isa);
         f(isa);

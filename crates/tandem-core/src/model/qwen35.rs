@@ -548,6 +548,7 @@ mod tests {
         let pool = Pool::new(2);
         let tokens: Vec<u32> = (0..300).map(|i| (i * 37 + 11) % 1024).collect();
         assert!(tokens.len() > 2 * MAX_TOKENS_PER_PASS);
+        let _same_kernels = crate::kernels::hold_isa();
         let (mut one, mut pieces) = (State::new(&m.net.config), State::new(&m.net.config));
         let want = m.net.forward_pass(&pool, &tokens, &mut one, Logits::All).unwrap();
         let got = m.net.forward(&pool, &tokens, &mut pieces, Logits::All).unwrap();
