@@ -56,19 +56,30 @@ pub fn matmul(pool: &Pool, x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) {
 
 /// `out_i = x · W_iᵀ` for every `(W_i, out_i)` of the group, all in one pool call.
 pub fn matmul_group(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])]) {
-    let jobs: Vec<(&Matrix, OutPtr)> = products
+    let jobs = checked_jobs(x, t, products);
+    if t == 1 {
+        gemv_group(pool, x, &jobs);
+    } else {
+        gemm::gemm_group(pool, x, t, &jobs);
+    }
+}
+
+/// `out_i = x · W_iᵀ` for every product of the group as a GEMM, whatever `t` (a static-shape
+/// dispatch: its rows compute the same whether or not other rows come with them).
+pub fn gemm_group(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])]) {
+    let jobs = checked_jobs(x, t, products);
+    gemm::gemm_group(pool, x, t, &jobs);
+}
+
+fn checked_jobs<'m>(x: &[f32], t: usize, products: &mut [(&'m Matrix, &mut [f32])]) -> Vec<(&'m Matrix, OutPtr)> {
+    products
         .iter_mut()
         .map(|(w, out)| {
             assert_eq!(x.len(), t * w.cols, "matmul input has the wrong length");
             assert_eq!(out.len(), t * w.rows, "matmul output has the wrong length");
             (*w, OutPtr(out.as_mut_ptr()))
         })
-        .collect();
-    if t == 1 {
-        gemv_group(pool, x, &jobs);
-    } else {
-        gemm::gemm_group(pool, x, t, &jobs);
-    }
+        .collect()
 }
 
 /// Unit `u` of a group whose job `j` is cut into `units[j]` units: (job, unit within the job).
@@ -836,6 +847,12 @@ mod tests {
                             tol += (0..k).map(|c| weight(w, r, c).abs()).sum::<f32>() * x_max / 65534.0;
                         }
                         assert!((a - b).abs() <= tol, "{} t={t} n={n} k={k} [{i}]: {a} vs {b}", w.dtype());
+                    }
+                    // The GEMM also runs single rows (static-shape dispatches).
+                    let mut gemm_out = vec![0f32; t * n];
+                    gemm_group(&pool, &x, t, &mut [(w, &mut gemm_out)]);
+                    for (i, (a, b)) in gemm_out.iter().zip(&want).enumerate() {
+                        assert!((a - b).abs() <= 2e-6 * (k as f32).sqrt() * 4.0, "GEMM {} t={t} n={n} k={k} [{i}]: {a} vs {b}", w.dtype());
                     }
                 }
             }

@@ -8,7 +8,7 @@ use crate::checkpoint::TensorSet;
 use crate::config::{LayerType, Qwen35Config};
 use crate::kernels::attention::attention_head;
 use crate::kernels::deltanet::{self, ChunkScratch};
-use crate::kernels::matmul::{matmul, matmul_group};
+use crate::kernels::matmul::{gemm_group, matmul_group};
 use crate::pool::Pool;
 use crate::quant::quantize_int8_on;
 use crate::kernels::norm::{gated_rms_norm_inplace, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, softplus, swiglu_inplace};
@@ -258,27 +258,11 @@ impl Qwen35 {
     /// and changes no result: the pieces start on DeltaNet chunk boundaries, so every chunk,
     /// every product and every attention row is computed exactly as in one pass.
     pub fn forward(&self, pool: &Pool, tokens: &[u32], state: &mut State, which: Logits) -> Result<Vec<f32>> {
-        // Everything is checked before the first token is applied: a failed call leaves the
-        // state as it was.
-        let c = &self.config;
-        if tokens.is_empty() {
-            bail!("forward called with no tokens");
-        }
-        if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
-            bail!("token id {bad} is outside the model's vocabulary (ids 0..{})", c.vocab_size);
-        }
-        if state.position + tokens.len() > c.max_position_embeddings {
-            bail!(
-                "{} tokens after position {} exceed the model's context of {} tokens (max_position_embeddings)",
-                tokens.len(),
-                state.position,
-                c.max_position_embeddings
-            );
-        }
-        state.check_shape(c)?;
+        self.check(tokens, state, tokens.len())?;
         let mut logits = Vec::new();
         for piece in tokens.chunks(MAX_TOKENS_PER_PASS) {
-            let out = self.forward_pass(pool, piece, state, which)?;
+            let rows = piece.len();
+            let out = self.forward_pass(&Pass { pool, gemm_only: false }, piece, &mut [Segment { state: &mut *state, rows: 0..rows, valid: rows }], which);
             if which == Logits::All {
                 logits.extend_from_slice(&out);
             } else {
@@ -288,7 +272,61 @@ impl Qwen35 {
         Ok(logits)
     }
 
-    fn forward_pass(&self, pool: &Pool, tokens: &[u32], state: &mut State, which: Logits) -> Result<Vec<f32>> {
+    /// One static-shape dispatch: `tokens.len()` rows of which the first `valid` are real and
+    /// the rest padding (any ids). Pads are masked: they neither decay nor write the recurrent
+    /// state, do not enter the conv window or the KV cache, and are attended by nobody, so the
+    /// state and `last_logits` come out equal to those of the unpadded dispatch
+    /// `tokens[..valid]` (the products of real rows do not depend on the other rows).
+    pub fn forward_padded(&self, pool: &Pool, tokens: &[u32], valid: usize, state: &mut State) -> Result<()> {
+        if valid == 0 || valid > tokens.len() {
+            bail!("a dispatch of {} rows needs 1..={} real tokens, not {valid}", tokens.len(), tokens.len());
+        }
+        self.check(tokens, state, valid)?;
+        let rows = tokens.len();
+        self.forward_pass(&Pass { pool, gemm_only: true }, tokens, &mut [Segment { state, rows: 0..rows, valid }], Logits::Last);
+        Ok(())
+    }
+
+    /// One decode step for many sequences at once: `tokens[i]` is applied to `states[i]`, and
+    /// each state's `last_logits` is updated. The weights are streamed once for the whole
+    /// batch; the mixers run per sequence, each at its own position.
+    pub fn decode_batch(&self, pool: &Pool, tokens: &[u32], states: &mut [&mut State]) -> Result<()> {
+        if tokens.len() != states.len() || tokens.is_empty() {
+            bail!("decode_batch needs one token per state ({} tokens, {} states)", tokens.len(), states.len());
+        }
+        for (i, state) in states.iter().enumerate() {
+            self.check(&tokens[i..i + 1], state, 1).with_context(|| format!("sequence {i} of the batch"))?;
+        }
+        let mut segs: Vec<Segment> = states.iter_mut().enumerate().map(|(i, st)| Segment { state: &mut **st, rows: i..i + 1, valid: 1 }).collect();
+        self.forward_pass(&Pass { pool, gemm_only: false }, tokens, &mut segs, Logits::Last);
+        Ok(())
+    }
+
+    /// Everything is checked before the first token is applied: a failed call leaves the
+    /// state as it was.
+    fn check(&self, tokens: &[u32], state: &State, applied: usize) -> Result<()> {
+        let c = &self.config;
+        if tokens.is_empty() {
+            bail!("forward called with no tokens");
+        }
+        if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
+            bail!("token id {bad} is outside the model's vocabulary (ids 0..{})", c.vocab_size);
+        }
+        if state.position + applied > c.max_position_embeddings {
+            bail!(
+                "{applied} tokens after position {} exceed the model's context of {} tokens (max_position_embeddings)",
+                state.position,
+                c.max_position_embeddings
+            );
+        }
+        state.check_shape(c)
+    }
+
+    /// The layers over `tokens` (all rows of all segments, `[T, hidden]`), then the final norm
+    /// and LM head for the rows whose logits are wanted: each segment's last real row
+    /// (`Logits::Last`; returned for the last segment) or every row of a single segment
+    /// (`Logits::All`). Inputs were checked by the caller.
+    fn forward_pass(&self, pass: &Pass, tokens: &[u32], segs: &mut [Segment], which: Logits) -> Vec<f32> {
         let c = &self.config;
         let (t, h) = (tokens.len(), c.hidden_size);
         let mut x = vec![0f32; t * h];
@@ -297,37 +335,50 @@ impl Qwen35 {
         }
         let mut xn = vec![0f32; t * h];
         let mut mixed = vec![0f32; t * h];
-        for (layer, layer_state) in self.layers.iter().zip(state.layers.iter_mut()) {
+        for (li, layer) in self.layers.iter().enumerate() {
             rms_norm(&x, &layer.input_norm, c.rms_norm_eps, &mut xn);
-            match (&layer.mixer, layer_state) {
-                (Mixer::DeltaNet(m), LayerState::Linear { conv, recurrent }) => self.gated_deltanet(pool, m, &xn, t, conv, recurrent, &mut mixed),
-                (Mixer::Attention(m), LayerState::Full { k, v }) => self.gated_attention(pool, m, &xn, t, state.position, k, v, &mut mixed),
-                _ => unreachable!("state layer kinds were checked against the model's layer_types"),
+            match &layer.mixer {
+                Mixer::DeltaNet(m) => self.gated_deltanet(pass, m, &xn, t, segs, li, &mut mixed),
+                Mixer::Attention(m) => self.gated_attention(pass, m, &xn, t, segs, li, &mut mixed),
             }
             add_inplace(&mut x, &mixed);
             rms_norm(&x, &layer.post_attention_norm, c.rms_norm_eps, &mut xn);
-            self.mlp(pool, &layer.mlp, &xn, t, &mut mixed);
+            self.mlp(pass, &layer.mlp, &xn, t, &mut mixed);
             add_inplace(&mut x, &mixed);
         }
-        state.position += t;
 
-        let rows = match which {
-            Logits::Last => &mut x[(t - 1) * h..],
-            Logits::All => &mut x[..],
+        let rows: Vec<usize> = match which {
+            Logits::All => segs[0].rows.clone().take(segs[0].valid).collect(),
+            Logits::Last => segs.iter().map(|s| s.rows.start + s.valid - 1).collect(),
         };
-        rms_norm_inplace(rows, &self.final_norm, c.rms_norm_eps);
-        let n = rows.len() / h;
-        let mut logits = vec![0f32; n * c.vocab_size];
-        matmul(pool, rows, n, &self.lm_head, &mut logits);
-        state.last_logits.clear();
-        state.last_logits.extend_from_slice(&logits[(n - 1) * c.vocab_size..]);
-        Ok(logits)
+        let mut final_x = vec![0f32; rows.len() * h];
+        for (dst, &r) in final_x.chunks_exact_mut(h).zip(&rows) {
+            dst.copy_from_slice(&x[r * h..(r + 1) * h]);
+        }
+        rms_norm_inplace(&mut final_x, &self.final_norm, c.rms_norm_eps);
+        let (n, v) = (rows.len(), c.vocab_size);
+        let mut logits = vec![0f32; n * v];
+        pass.products(&final_x, n, &mut [(&self.lm_head, &mut logits)]);
+        let last_rows: Vec<&[f32]> = match which {
+            Logits::All => vec![&logits[(n - 1) * v..]],
+            Logits::Last => logits.chunks_exact(v).collect(),
+        };
+        for (seg, row) in segs.iter_mut().zip(last_rows) {
+            seg.state.position += seg.valid;
+            seg.state.last_logits.clear();
+            seg.state.last_logits.extend_from_slice(row);
+        }
+        match which {
+            Logits::All => logits,
+            Logits::Last => logits[(n - 1) * v..].to_vec(),
+        }
     }
 
     /// Gated DeltaNet (spec §2.4): projections, causal conv over the raw qkv columns, l2-normed
-    /// q/k, the gated delta rule per value head, gated RMSNorm, output projection.
+    /// q/k, the gated delta rule per value head, gated RMSNorm, output projection. Each segment
+    /// runs its conv and delta rule on its own state (layer `li`); pad rows are masked.
     #[allow(clippy::too_many_arguments)]
-    fn gated_deltanet(&self, pool: &Pool, m: &GatedDeltaNet, xn: &[f32], t: usize, conv: &mut [f32], recurrent: &mut [f32], out: &mut [f32]) {
+    fn gated_deltanet(&self, pass: &Pass, m: &GatedDeltaNet, xn: &[f32], t: usize, segs: &mut [Segment], li: usize, out: &mut [f32]) {
         let c = &self.config;
         let (hk, hv, dk, dv) = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
         let (kd, vd, cd, kk) = (c.linear_key_dim(), c.linear_value_dim(), c.linear_conv_dim(), c.linear_conv_kernel_dim);
@@ -336,135 +387,201 @@ impl Qwen35 {
         let mut z = vec![0f32; t * vd];
         let mut b = vec![0f32; t * hv];
         let mut a = vec![0f32; t * hv];
-        matmul_group(pool, xn, t, &mut [(&m.in_proj_qkv, &mut qkv), (&m.in_proj_z, &mut z), (&m.in_proj_b, &mut b), (&m.in_proj_a, &mut a)]);
+        pass.products(xn, t, &mut [(&m.in_proj_qkv, &mut qkv), (&m.in_proj_z, &mut z), (&m.in_proj_b, &mut b), (&m.in_proj_a, &mut a)]);
 
-        // Causal depthwise conv + SiLU over the window (K raw columns before this call) ++ qkv.
-        let mut window = Vec::with_capacity((kk + t) * cd);
-        window.extend_from_slice(conv);
-        window.extend_from_slice(&qkv);
+        // Causal depthwise conv + SiLU over the window (K raw columns before this call) ++ the
+        // segment's real rows; pad rows of `mixed_qkv` stay zero.
         let mut mixed_qkv = vec![0f32; t * cd];
-        causal_conv_silu(&window, &m.conv_taps, kk, cd, &mut mixed_qkv);
-        conv.copy_from_slice(&window[t * cd..]);
+        let mut recurrent_of = Vec::with_capacity(segs.len());
+        for seg in segs.iter_mut() {
+            let LayerState::Linear { conv, recurrent } = &mut seg.state.layers[li] else { unreachable!("layer kinds were checked") };
+            let real = seg.rows.start..seg.rows.start + seg.valid;
+            let mut window = Vec::with_capacity((kk + seg.valid) * cd);
+            window.extend_from_slice(conv);
+            window.extend_from_slice(&qkv[real.start * cd..real.end * cd]);
+            causal_conv_silu(&window, &m.conv_taps, kk, cd, &mut mixed_qkv[real.start * cd..real.end * cd]);
+            conv.copy_from_slice(&window[seg.valid * cd..]);
+            recurrent_of.push(SharedMut(recurrent.as_mut_ptr()));
+        }
 
         // q, k: l2-normalised per key head, q scaled by 1/√Dk.
         let q_scale = 1.0 / (dk as f32).sqrt();
-        for row in mixed_qkv.chunks_exact_mut(cd) {
-            for head in row[..kd].chunks_exact_mut(dk) {
-                l2_normalize(head);
-                head.iter_mut().for_each(|v| *v *= q_scale);
-            }
-            for head in row[kd..2 * kd].chunks_exact_mut(dk) {
-                l2_normalize(head);
+        for seg in segs.iter() {
+            for row in mixed_qkv[seg.rows.start * cd..(seg.rows.start + seg.valid) * cd].chunks_exact_mut(cd) {
+                for head in row[..kd].chunks_exact_mut(dk) {
+                    l2_normalize(head);
+                    head.iter_mut().for_each(|v| *v *= q_scale);
+                }
+                for head in row[kd..2 * kd].chunks_exact_mut(dk) {
+                    l2_normalize(head);
+                }
             }
         }
 
-        // The delta rule, value heads split over the pool. Value head h reads key head
-        // h / (Hv/Hk); each head owns its slice of the recurrent state and of `core`.
+        // The delta rule, (segment, value head) pairs split over the pool. Value head h reads
+        // key head h / (Hv/Hk); each pair owns its slice of a recurrent state and of `core`.
+        // Pad rows have q = k = v = 0, β = 0 and g = 0: no decay and no write.
         let group = hv / hk;
         let mut core = vec![0f32; t * vd];
-        let shared = SharedMut(core.as_mut_ptr(), recurrent.as_mut_ptr());
-        pool.for_ranges(hv, 1, &|heads| {
-            let shared = shared;
-            let (mut qh, mut kh, mut vh) = (vec![0f32; t * dk], vec![0f32; t * dk], vec![0f32; t * dv]);
-            let (mut beta, mut g, mut oh) = (vec![0f32; t], vec![0f32; t], vec![0f32; t * dv]);
+        let core_ptr = SharedMut(core.as_mut_ptr());
+        let seg_rows: Vec<(std::ops::Range<usize>, usize)> = segs.iter().map(|s| (s.rows.clone(), s.valid)).collect();
+        pass.pool.for_ranges(segs.len() * hv, 1, &|tasks| {
+            let core_ptr = core_ptr;
             let mut scratch = ChunkScratch::default();
-            for head in heads {
+            let (mut qh, mut kh, mut vh, mut beta, mut g, mut oh) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for task in tasks {
+                let (si, head) = (task / hv, task % hv);
+                let (rows, valid) = (&seg_rows[si], seg_rows[si].1);
+                // One real token: the recurrent step on it alone (its pads would change nothing).
+                let n = if valid == 1 { 1 } else { rows.0.len() };
+                for buf in [&mut qh, &mut kh] {
+                    buf.clear();
+                    buf.resize(n * dk, 0.0);
+                }
+                vh.clear();
+                vh.resize(n * dv, 0.0);
+                oh.resize(n * dv, 0.0);
+                beta.clear();
+                beta.resize(n, 0.0);
+                g.clear();
+                g.resize(n, 0.0);
                 let kh_idx = head / group;
-                for i in 0..t {
-                    let row = &mixed_qkv[i * cd..(i + 1) * cd];
+                for i in 0..valid.min(n) {
+                    let r = rows.0.start + i;
+                    let row = &mixed_qkv[r * cd..(r + 1) * cd];
                     qh[i * dk..(i + 1) * dk].copy_from_slice(&row[kh_idx * dk..(kh_idx + 1) * dk]);
                     kh[i * dk..(i + 1) * dk].copy_from_slice(&row[kd + kh_idx * dk..kd + (kh_idx + 1) * dk]);
                     vh[i * dv..(i + 1) * dv].copy_from_slice(&row[2 * kd + head * dv..2 * kd + (head + 1) * dv]);
-                    beta[i] = sigmoid(b[i * hv + head]);
-                    g[i] = m.neg_a[head] * softplus(a[i * hv + head] + m.dt_bias[head]);
+                    beta[i] = sigmoid(b[r * hv + head]);
+                    g[i] = m.neg_a[head] * softplus(a[r * hv + head] + m.dt_bias[head]);
                 }
-                // SAFETY: head slices of the state and of `core` are disjoint between workers.
-                let s = unsafe { std::slice::from_raw_parts_mut(shared.1.add(head * dk * dv), dk * dv) };
-                if t == 1 {
+                // SAFETY: (segment, head) slices of the states and of `core` are disjoint
+                // between tasks.
+                let s = unsafe { std::slice::from_raw_parts_mut(recurrent_of[si].0.add(head * dk * dv), dk * dv) };
+                if n == 1 {
                     deltanet::recurrent_step(s, &qh, &kh, &vh, beta[0], g[0], &mut oh);
                 } else {
                     deltanet::chunked(s, &qh, &kh, &vh, &beta, &g, &mut oh, &mut scratch);
                 }
-                for i in 0..t {
-                    unsafe { std::ptr::copy_nonoverlapping(oh.as_ptr().add(i * dv), shared.0.add(i * vd + head * dv), dv) };
+                for i in 0..valid {
+                    let r = rows.0.start + i;
+                    unsafe { std::ptr::copy_nonoverlapping(oh.as_ptr().add(i * dv), core_ptr.0.add(r * vd + head * dv), dv) };
                 }
             }
         });
         gated_rms_norm_inplace(&mut core, &z, &m.norm, c.rms_norm_eps);
-        matmul(pool, &core, t, &m.out_proj, out);
+        pass.products(&core, t, &mut [(&m.out_proj, out)]);
     }
 
     /// Gated full attention (spec §2.5): per-head query/gate split, zero-centred q/k norms,
-    /// partial NeoX RoPE, KV-cache append, causal GQA softmax, sigmoid output gate.
+    /// partial NeoX RoPE, KV-cache append, causal GQA softmax, sigmoid output gate. Each
+    /// segment attends over its own cache (layer `li`) from its own position; pad rows are
+    /// neither cached nor attended.
     #[allow(clippy::too_many_arguments)]
-    fn gated_attention(&self, pool: &Pool, m: &GatedAttention, xn: &[f32], t: usize, pos0: usize, k_cache: &mut Vec<f32>, v_cache: &mut Vec<f32>, out: &mut [f32]) {
+    fn gated_attention(&self, pass: &Pass, m: &GatedAttention, xn: &[f32], t: usize, segs: &mut [Segment], li: usize, out: &mut [f32]) {
         let c = &self.config;
         let (hq, hkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let mut qg = vec![0f32; t * hq * 2 * d];
         let mut k = vec![0f32; t * hkv * d];
         let mut v = vec![0f32; t * hkv * d];
-        matmul_group(pool, xn, t, &mut [(&m.q_proj, &mut qg), (&m.k_proj, &mut k), (&m.v_proj, &mut v)]);
+        pass.products(xn, t, &mut [(&m.q_proj, &mut qg), (&m.k_proj, &mut k), (&m.v_proj, &mut v)]);
 
         let half = c.rotary_dim() / 2;
         let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
         let mut q = vec![0f32; t * hq * d];
         let mut gate = vec![0f32; t * hq * d];
-        for i in 0..t {
-            cos_sin(pos0 + i, &self.inv_freq, &mut cos, &mut sin);
-            for head in 0..hq {
-                let src = &qg[(i * hq + head) * 2 * d..(i * hq + head + 1) * 2 * d];
-                let qh = &mut q[(i * hq + head) * d..(i * hq + head + 1) * d];
-                rms_norm(&src[..d], &m.q_norm, c.rms_norm_eps, qh);
-                apply_rope(qh, &cos, &sin);
-                gate[(i * hq + head) * d..(i * hq + head + 1) * d].copy_from_slice(&src[d..]);
+        let mut caches = Vec::with_capacity(segs.len());
+        for seg in segs.iter_mut() {
+            let pos0 = seg.state.position;
+            for r in seg.rows.start..seg.rows.start + seg.valid {
+                cos_sin(pos0 + r - seg.rows.start, &self.inv_freq, &mut cos, &mut sin);
+                for head in 0..hq {
+                    let src = &qg[(r * hq + head) * 2 * d..(r * hq + head + 1) * 2 * d];
+                    let qh = &mut q[(r * hq + head) * d..(r * hq + head + 1) * d];
+                    rms_norm(&src[..d], &m.q_norm, c.rms_norm_eps, qh);
+                    apply_rope(qh, &cos, &sin);
+                    gate[(r * hq + head) * d..(r * hq + head + 1) * d].copy_from_slice(&src[d..]);
+                }
+                for head in k[r * hkv * d..(r + 1) * hkv * d].chunks_exact_mut(d) {
+                    rms_norm_inplace(head, &m.k_norm, c.rms_norm_eps);
+                    apply_rope(head, &cos, &sin);
+                }
             }
-            for head in k[i * hkv * d..(i + 1) * hkv * d].chunks_exact_mut(d) {
-                rms_norm_inplace(head, &m.k_norm, c.rms_norm_eps);
-                apply_rope(head, &cos, &sin);
-            }
+            let LayerState::Full { k: k_cache, v: v_cache } = &mut seg.state.layers[li] else { unreachable!("layer kinds were checked") };
+            let real = seg.rows.start * hkv * d..(seg.rows.start + seg.valid) * hkv * d;
+            k_cache.extend_from_slice(&k[real.clone()]);
+            v_cache.extend_from_slice(&v[real]);
+            caches.push((&k_cache[..], &v_cache[..], pos0, seg.rows.start, seg.valid));
         }
-        k_cache.extend_from_slice(&k);
-        v_cache.extend_from_slice(&v);
 
-        // Query heads split over the pool; each writes its own columns of `attn`.
+        // (segment, query head) pairs split over the pool; each writes its own columns of its
+        // segment's rows of `attn`.
         let mut attn = vec![0f32; t * hq * d];
-        let shared = SharedMut(attn.as_mut_ptr(), std::ptr::null_mut());
-        let (kc, vc) = (&k_cache[..], &v_cache[..]);
-        pool.for_ranges(hq, 1, &|heads| {
+        let shared = SharedMut(attn.as_mut_ptr());
+        let q = &q;
+        pass.pool.for_ranges(caches.len() * hq, 1, &|tasks| {
             let shared = shared;
-            // SAFETY: every head writes only its own d columns of each token's row.
-            let out = unsafe { std::slice::from_raw_parts_mut(shared.0, t * hq * d) };
             let mut scores = Vec::new();
-            for h in heads {
-                attention_head(&q, t, pos0, kc, vc, hq, hkv, d, h, &mut scores, out);
+            for task in tasks {
+                let (si, h) = (task / hq, task % hq);
+                let (kc, vc, pos0, row0, valid) = caches[si];
+                // SAFETY: every task writes only its own head's d columns of its own rows.
+                let out = unsafe { std::slice::from_raw_parts_mut(shared.0.add(row0 * hq * d), valid * hq * d) };
+                attention_head(&q[row0 * hq * d..(row0 + valid) * hq * d], valid, pos0, kc, vc, hq, hkv, d, h, &mut scores, out);
             }
         });
         for (o, &g) in attn.iter_mut().zip(&gate) {
             *o *= sigmoid(g);
         }
-        matmul(pool, &attn, t, &m.o_proj, out);
+        pass.products(&attn, t, &mut [(&m.o_proj, out)]);
     }
 
     /// SwiGLU: `down(silu(gate(x)) * up(x))`.
-    fn mlp(&self, pool: &Pool, m: &Mlp, xn: &[f32], t: usize, out: &mut [f32]) {
+    fn mlp(&self, pass: &Pass, m: &Mlp, xn: &[f32], t: usize, out: &mut [f32]) {
         let f = self.config.intermediate_size;
         let mut gate = vec![0f32; t * f];
         let mut up = vec![0f32; t * f];
-        matmul_group(pool, xn, t, &mut [(&m.gate_proj, &mut gate), (&m.up_proj, &mut up)]);
-        let g = SharedMut(gate.as_mut_ptr(), std::ptr::null_mut());
-        pool.for_ranges(gate.len(), 16, &|r| {
+        pass.products(xn, t, &mut [(&m.gate_proj, &mut gate), (&m.up_proj, &mut up)]);
+        let g = SharedMut(gate.as_mut_ptr());
+        pass.pool.for_ranges(gate.len(), 16, &|r| {
             let g = g;
             // SAFETY: the ranges are disjoint parts of `gate`.
             let gate = unsafe { std::slice::from_raw_parts_mut(g.0.add(r.start), r.len()) };
             swiglu_inplace(gate, &up[r]);
         });
-        matmul(pool, &gate, t, &m.down_proj, out);
+        pass.products(&gate, t, &mut [(&m.down_proj, out)]);
     }
+}
+
+/// How a pass multiplies: its pool, and whether every product is a GEMM whatever its row
+/// count (a static-shape dispatch: then a one-row dispatch computes exactly what the same row
+/// computes inside a padded one) or a single row takes the GEMV.
+struct Pass<'p> {
+    pool: &'p Pool,
+    gemm_only: bool,
+}
+
+impl Pass<'_> {
+    fn products(&self, x: &[f32], t: usize, jobs: &mut [(&Matrix, &mut [f32])]) {
+        if self.gemm_only {
+            gemm_group(self.pool, x, t, jobs)
+        } else {
+            matmul_group(self.pool, x, t, jobs)
+        }
+    }
+}
+
+/// Rows `rows` of a pass belong to one sequence: its state, and how many of those rows are
+/// real tokens (the rest pad a static-shape dispatch).
+struct Segment<'s> {
+    state: &'s mut State,
+    rows: std::ops::Range<usize>,
+    valid: usize,
 }
 
 /// Pointers into buffers whose disjoint parts are written by different pool workers.
 #[derive(Clone, Copy)]
-struct SharedMut(*mut f32, *mut f32);
+struct SharedMut(*mut f32);
 unsafe impl Send for SharedMut {}
 unsafe impl Sync for SharedMut {}
 
@@ -550,10 +667,76 @@ mod tests {
         assert!(tokens.len() > 2 * MAX_TOKENS_PER_PASS);
         let _same_kernels = crate::kernels::hold_isa();
         let (mut one, mut pieces) = (State::new(&m.net.config), State::new(&m.net.config));
-        let want = m.net.forward_pass(&pool, &tokens, &mut one, Logits::All).unwrap();
+        let rows = tokens.len();
+        let want = m.net.forward_pass(&Pass { pool: &pool, gemm_only: false }, &tokens, &mut [Segment { state: &mut one, rows: 0..rows, valid: rows }], Logits::All);
         let got = m.net.forward(&pool, &tokens, &mut pieces, Logits::All).unwrap();
         assert!(want == got, "logits differ");
         assert!(one == pieces, "states differ");
+    }
+
+    fn tiny() -> crate::load::LoadedModel {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
+        crate::load::LoadedModel::load(dir.to_str().unwrap()).unwrap()
+    }
+
+    /// A static-shape dispatch padded on the right gives exactly the state and logits of the
+    /// unpadded one: pads neither decay nor write the recurrent state, nor enter the conv
+    /// window, the KV cache or attention. From an empty state and from one mid-sequence, for
+    /// one real token, a partial chunk, a whole chunk and more.
+    #[test]
+    fn a_padded_dispatch_equals_the_unpadded_one_exactly() {
+        let m = tiny();
+        let pool = Pool::new(2);
+        let _same_kernels = crate::kernels::hold_isa();
+        let prefix: Vec<u32> = (0..37).map(|i| (i * 13 + 5) % 1024).collect();
+        for start in [0usize, 37] {
+            let mut base = State::new(&m.net.config);
+            if start > 0 {
+                m.net.forward(&pool, &prefix, &mut base, Logits::Last).unwrap();
+            }
+            for (valid, rows) in [(1usize, 32usize), (10, 32), (64, 96), (65, 128), (100, 160)] {
+                let mut tokens: Vec<u32> = (0..valid as u32).map(|i| (i * 101 + 7) % 1024).collect();
+                let (mut unpadded, mut padded) = (base.clone(), base.clone());
+                m.net.forward_padded(&pool, &tokens, valid, &mut unpadded).unwrap();
+                tokens.resize(rows, 0);
+                m.net.forward_padded(&pool, &tokens, valid, &mut padded).unwrap();
+                assert!(padded == unpadded, "start {start}, {valid} real of {rows} rows: states or logits differ");
+                assert_eq!(padded.position, start + valid);
+            }
+        }
+    }
+
+    /// One batched decode step over sequences at different positions equals stepping each
+    /// alone (to summation order: the batch's products are a GEMM, a lone token's a GEMV).
+    #[test]
+    fn a_batched_decode_step_equals_one_sequence_at_a_time() {
+        let m = tiny();
+        let pool = Pool::new(2);
+        let mut states: Vec<State> = [3usize, 70, 130]
+            .iter()
+            .map(|&n| {
+                let mut st = State::new(&m.net.config);
+                let p: Vec<u32> = (0..n as u32).map(|i| (i * 31 + n as u32) % 1024).collect();
+                m.net.forward(&pool, &p, &mut st, Logits::Last).unwrap();
+                st
+            })
+            .collect();
+        let tokens = [5u32, 900, 17];
+        let mut alone = states.clone();
+        for (st, &tok) in alone.iter_mut().zip(&tokens) {
+            m.net.forward(&pool, &[tok], st, Logits::Last).unwrap();
+        }
+        let mut refs: Vec<&mut State> = states.iter_mut().collect();
+        m.net.decode_batch(&pool, &tokens, &mut refs).unwrap();
+        for (i, (b, a)) in states.iter().zip(&alone).enumerate() {
+            assert_eq!(b.position, a.position);
+            let err = b.last_logits.iter().zip(&a.last_logits).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(err < 1e-4, "sequence {i}: logits differ by {err}");
+            assert_eq!(crate::sampling::argmax(&b.last_logits), crate::sampling::argmax(&a.last_logits));
+        }
+        // A batch whose tokens and states do not pair up is refused.
+        let mut one: Vec<&mut State> = alone.iter_mut().take(1).collect();
+        assert!(m.net.decode_batch(&pool, &[1, 2], &mut one).is_err());
     }
 
     /// A call that fails leaves the state untouched (no part of the input is applied).
