@@ -8,6 +8,7 @@
 pub mod chat;
 pub mod checkpoint;
 pub mod config;
+pub mod engine;
 pub mod generate;
 pub mod kernels;
 pub mod limits;
@@ -18,6 +19,7 @@ pub mod quality;
 pub mod quant;
 pub mod rng;
 pub mod sampling;
+pub mod scheduler;
 pub mod state;
 pub mod tensor;
 pub mod tokenizer;

@@ -198,6 +198,27 @@ impl Qwen35 {
         }
     }
 
+    /// What identifies this model to the state bridge: a hash of its config and of weights
+    /// that `--quant` leaves as stored (the embedding table, every norm), so that a state made
+    /// by the bf16 and one made by the int8 form of a checkpoint are interchangeable, and one
+    /// made by any other checkpoint is refused.
+    pub fn fingerprint(&self) -> u128 {
+        let mut parts: Vec<Vec<u8>> = vec![format!("{:?}", self.config).into_bytes()];
+        let (v, h) = (self.config.vocab_size, self.config.hidden_size);
+        let mut row = vec![0f32; h];
+        for r in [0, 1, v / 3, v / 2, v - 1] {
+            self.embed_tokens.row_to_f32(r, &mut row);
+            parts.push(row.iter().flat_map(|x| x.to_le_bytes()).collect());
+        }
+        parts.push(self.final_norm.iter().flat_map(|x| x.to_le_bytes()).collect());
+        for l in &self.layers {
+            parts.push(l.input_norm.iter().chain(&l.post_attention_norm).flat_map(|x| x.to_le_bytes()).collect());
+        }
+        let lo = crate::state::bridge::checksum(parts.iter().map(|p| &p[..]));
+        let hi = crate::state::bridge::checksum(parts.iter().rev().map(|p| &p[..]));
+        ((hi as u128) << 64) | lo as u128
+    }
+
     /// Bytes of all weights held (the embedding table included, once even when tied).
     pub fn weight_bytes(&self) -> usize {
         let tied = std::ptr::eq(self.lm_head_data_ptr(), self.embed_data_ptr());

@@ -4,6 +4,8 @@
 
 use crate::config::{LayerType, Qwen35Config};
 
+pub mod bridge;
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum LayerState {
     /// Gated DeltaNet layer.

@@ -1,0 +1,491 @@
+//! The pipeline between the engines. Requests queue for the prefill engine; each prefilled
+//! state crosses the bridge to the decode engine, which decodes every active sequence in one
+//! batched step per token. With two engines (hybrid) the two run at once on their own threads
+//! (and cores): while the decode engine decodes request k, the prefill engine prefills k+1.
+//! With one engine (the study's pure modes) a single thread does both, prefilling new requests
+//! between decode steps.
+//!
+//! The handoff position is exact: a prefilled state covers the prompt `[0, N)` and carries the
+//! logits of token N-1; the decode side samples its first token from those logits and applies
+//! only tokens it sampled.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use crate::engine::{Engine, Placement, PrefillStats};
+use crate::model::Qwen35;
+use crate::sampling::{Sampler, SamplingParams};
+use crate::state::bridge::{self, TransferTimes};
+use crate::state::State;
+
+/// The study's three modes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Prefill and decode on the prefill engine.
+    PrefillEngine,
+    /// Prefill and decode on the decode engine.
+    DecodeEngine,
+    /// Prefill on the prefill engine, bridge, decode on the decode engine.
+    Hybrid,
+}
+
+impl Mode {
+    pub fn parse(s: &str) -> Result<Mode> {
+        Ok(match s {
+            "prefill-engine" => Mode::PrefillEngine,
+            "decode-engine" => Mode::DecodeEngine,
+            "hybrid" => Mode::Hybrid,
+            _ => bail!("unknown mode {s:?}: choose hybrid, prefill-engine or decode-engine"),
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::PrefillEngine => "prefill-engine",
+            Mode::DecodeEngine => "decode-engine",
+            Mode::Hybrid => "hybrid",
+        }
+    }
+}
+
+/// How a hybrid pipeline moves a state from the prefill to the decode engine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Transfer {
+    /// The `State` itself moves to the other thread (no copy).
+    Move,
+    /// Written to a state file in this directory, memory-mapped by the reader.
+    File(PathBuf),
+    /// Streamed over a Unix socket.
+    Socket,
+}
+
+impl Transfer {
+    pub fn parse(s: &str) -> Result<Transfer> {
+        Ok(match s.split_once(':') {
+            None if s == "move" => Transfer::Move,
+            None if s == "socket" => Transfer::Socket,
+            None if s == "file" => Transfer::File(std::env::temp_dir()),
+            Some(("file", dir)) => Transfer::File(PathBuf::from(dir)),
+            _ => bail!("unknown transfer {s:?}: choose move, file[:DIR] or socket"),
+        })
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Transfer::Move => "move",
+            Transfer::File(_) => "file",
+            Transfer::Socket => "socket",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct PipelineConfig {
+    pub mode: Mode,
+    pub prefill: Placement,
+    pub decode: Placement,
+    pub transfer: Transfer,
+    /// Most sequences decoded in one step.
+    pub max_batch: usize,
+}
+
+/// One request: tokens to apply to a state (fresh, or a checkpoint of a conversation), then
+/// up to `max_tokens` sampled tokens. With `max_tokens == 0` it is a prefill only, and its
+/// `Done` carries the state.
+pub struct Request {
+    pub id: u64,
+    pub start: Option<State>,
+    pub tokens: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Ids that may be sampled (the tokenizer's vocabulary).
+    pub vocab: usize,
+    pub stop_ids: Vec<u32>,
+    /// Send the final state back in `Done` (to checkpoint a conversation).
+    pub return_state: bool,
+    /// Set to stop the request; its state is dropped.
+    pub cancel: Arc<AtomicBool>,
+    /// Where this request's events go.
+    pub events: Sender<Event>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// A stop token was sampled (not emitted).
+    Stop,
+    /// `max_tokens` reached, or the model's context is full.
+    Length,
+    Cancelled,
+    /// A prefill-only request is done.
+    Prefilled,
+}
+
+/// Per-request timings, measured where they happen.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Timings {
+    /// Submitted to prefill start.
+    pub queued: Duration,
+    pub prefill: PrefillStats,
+    /// The bridge (hybrid only).
+    pub transfer: TransferTimes,
+    /// Prefill done to decode admitted: the bridge plus the wait for the current decode step.
+    pub handoff: Duration,
+    /// Submitted to the first token sampled.
+    pub ttft: Duration,
+    /// First token to last token.
+    pub decode: Duration,
+    pub generated: usize,
+}
+
+impl Timings {
+    pub fn decode_tok_s(&self) -> f64 {
+        if self.generated < 2 {
+            return 0.0;
+        }
+        (self.generated - 1) as f64 / self.decode.as_secs_f64()
+    }
+}
+
+pub enum Event {
+    Token { id: u64, token: u32 },
+    Done { id: u64, finish: Finish, timings: Timings, state: Option<State> },
+    Failed { id: u64, error: String },
+}
+
+/// The caller's side of a running pipeline.
+pub struct Pipeline {
+    requests: Sender<(Request, Instant)>,
+}
+
+impl Pipeline {
+    /// Queue a request; its events arrive on `request.events`.
+    pub fn submit(&self, request: Request) -> Result<()> {
+        self.requests.send((request, Instant::now())).map_err(|_| anyhow::anyhow!("the pipeline has stopped"))
+    }
+}
+
+/// Run a pipeline for the duration of `body`: the engines start on their own threads (made
+/// there, so that pinned pools pin those threads), `body` submits requests, and when it
+/// returns the pipeline drains and stops. Engine start-up errors are returned.
+pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline) -> Result<T>) -> Result<T> {
+    if config.max_batch == 0 {
+        bail!("max batch must be at least 1");
+    }
+    let (req_tx, req_rx) = channel::<(Request, Instant)>();
+    let pipeline = Pipeline { requests: req_tx };
+    std::thread::scope(|s| {
+        let (ready_tx, ready_rx) = channel::<Result<()>>();
+        let mut threads = Vec::new();
+        match config.mode {
+            Mode::PrefillEngine | Mode::DecodeEngine => {
+                let placement = if config.mode == Mode::PrefillEngine { &config.prefill } else { &config.decode };
+                let ready = ready_tx.clone();
+                let max_batch = config.max_batch;
+                threads.push(s.spawn(move || {
+                    let engine = match Engine::new(placement, net) {
+                        Ok(e) => e,
+                        Err(e) => return ready.send(Err(e.context("starting the engine"))).unwrap_or(()),
+                    };
+                    let _ = ready.send(Ok(()));
+                    single_engine_loop(&engine, req_rx, max_batch);
+                }));
+            }
+            Mode::Hybrid => {
+                let (hand_tx, hand_rx) = channel::<Handoff>();
+                let (socket_tx, socket_rx) = match config.transfer {
+                    Transfer::Socket => {
+                        let (a, b) = std::os::unix::net::UnixStream::pair().context("creating the bridge socket pair")?;
+                        let (sent_tx, sent_rx) = channel::<Duration>();
+                        (Some(SocketEnd { stream: a, sent: Err(sent_tx) }), Some(SocketEnd { stream: b, sent: Ok(sent_rx) }))
+                    }
+                    _ => (None, None),
+                };
+                let (ready_p, ready_d) = (ready_tx.clone(), ready_tx.clone());
+                let transfer = config.transfer.clone();
+                threads.push(s.spawn(move || {
+                    let engine = match Engine::new(&config.prefill, net) {
+                        Ok(e) => e,
+                        Err(e) => return ready_p.send(Err(e.context("starting the prefill engine"))).unwrap_or(()),
+                    };
+                    let _ = ready_p.send(Ok(()));
+                    prefill_loop(&engine, req_rx, hand_tx, &transfer, socket_tx);
+                }));
+                let max_batch = config.max_batch;
+                threads.push(s.spawn(move || {
+                    let engine = match Engine::new(&config.decode, net) {
+                        Ok(e) => e,
+                        Err(e) => return ready_d.send(Err(e.context("starting the decode engine"))).unwrap_or(()),
+                    };
+                    let _ = ready_d.send(Ok(()));
+                    decode_loop(&engine, hand_rx, socket_rx, max_batch);
+                }));
+            }
+        }
+        drop(ready_tx);
+        for _ in 0..threads.len() {
+            if let Ok(Err(e)) = ready_rx.recv() {
+                drop(pipeline);
+                return Err(e);
+            }
+        }
+        let out = body(&pipeline);
+        // Dropping the request sender lets the threads drain their work and stop.
+        drop(pipeline);
+        for t in threads {
+            if t.join().is_err() {
+                bail!("an engine thread panicked");
+            }
+        }
+        out
+    })
+}
+
+/// A sequence being decoded.
+struct Active {
+    request: Request,
+    state: State,
+    sampler: Sampler,
+    timings: Timings,
+    submitted: Instant,
+    first_token: Option<Instant>,
+}
+
+/// A prefilled request on its way to the decode engine.
+struct Handoff {
+    request: Request,
+    submitted: Instant,
+    timings: Timings,
+    payload: Payload,
+    prefilled: Instant,
+}
+
+enum Payload {
+    Moved(State),
+    /// A state file, to be loaded and removed by the decode side.
+    File(PathBuf),
+    /// Arriving on the bridge socket right now.
+    Socket,
+}
+
+/// Prefill `request` on `engine`; `Err` means the request failed and was answered.
+fn prefill_request(engine: &Engine, request: &mut Request, submitted: Instant) -> Option<(State, Timings)> {
+    let mut timings = Timings { queued: submitted.elapsed(), ..Default::default() };
+    let mut state = request.start.take().unwrap_or_else(|| State::new(&engine.net.config));
+    let result = if request.tokens.is_empty() {
+        // Nothing new (a checkpoint continued as is): its logits must already be there.
+        if state.last_logits.is_empty() {
+            Err(anyhow::anyhow!("nothing to prefill and no logits in the state to sample from"))
+        } else {
+            Ok(PrefillStats::default())
+        }
+    } else {
+        engine.prefill(&request.tokens, &mut state)
+    };
+    match result {
+        Ok(stats) => {
+            timings.prefill = stats;
+            Some((state, timings))
+        }
+        Err(e) => {
+            let _ = request.events.send(Event::Failed { id: request.id, error: format!("{e:#}") });
+            None
+        }
+    }
+}
+
+/// Answer a prefill-only request.
+fn finish_prefill_only(request: Request, state: State, timings: Timings) {
+    let _ = request.events.send(Event::Done { id: request.id, finish: Finish::Prefilled, timings, state: Some(state) });
+}
+
+fn single_engine_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, max_batch: usize) {
+    let mut active: Vec<Active> = Vec::new();
+    let mut open = true;
+    while open || !active.is_empty() {
+        // Admit new requests: block when idle, else take what is waiting (up to the batch).
+        while active.len() < max_batch && open {
+            let next = if active.is_empty() { requests.recv().ok() } else { requests.try_recv().ok() };
+            let Some((mut request, submitted)) = next else {
+                if active.is_empty() {
+                    open = false;
+                }
+                break;
+            };
+            if let Some((state, timings)) = prefill_request(engine, &mut request, submitted) {
+                if request.max_tokens == 0 {
+                    finish_prefill_only(request, state, timings);
+                } else {
+                    active.push(activate(request, state, timings, submitted));
+                }
+            }
+        }
+        step(engine, &mut active);
+    }
+}
+
+/// One end of the bridge socket, with the channel on which the sender reports how long each
+/// send took (the receiver reports all three parts of the transfer).
+struct SocketEnd {
+    stream: std::os::unix::net::UnixStream,
+    /// Ok: the receiver's end; Err: the sender's.
+    sent: Result<Receiver<Duration>, Sender<Duration>>,
+}
+
+fn prefill_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, handoffs: Sender<Handoff>, transfer: &Transfer, mut socket: Option<SocketEnd>) {
+    let fingerprint = engine.net.fingerprint();
+    while let Ok((mut request, submitted)) = requests.recv() {
+        let Some((state, mut timings)) = prefill_request(engine, &mut request, submitted) else { continue };
+        if request.max_tokens == 0 {
+            finish_prefill_only(request, state, timings);
+            continue;
+        }
+        let prefilled = Instant::now();
+        let payload = match transfer {
+            Transfer::Move => Payload::Moved(state),
+            Transfer::File(dir) => {
+                let path = dir.join(format!("tandem-{}-{}.state", std::process::id(), request.id));
+                let t = Instant::now();
+                if let Err(e) = bridge::save(&path, &state, fingerprint) {
+                    let _ = request.events.send(Event::Failed { id: request.id, error: format!("{e:#}") });
+                    continue;
+                }
+                timings.transfer.serialize = t.elapsed();
+                Payload::File(path)
+            }
+            Transfer::Socket => {
+                // Announce first: the decode side must be reading while this side writes.
+                let id = request.id;
+                let events = request.events.clone();
+                if handoffs.send(Handoff { request, submitted, timings, payload: Payload::Socket, prefilled: Instant::now() }).is_err() {
+                    return;
+                }
+                let t = Instant::now();
+                let end = socket.as_mut().expect("a socket pipeline has a socket");
+                if let Err(e) = bridge::send(&mut end.stream, &state, fingerprint) {
+                    let _ = events.send(Event::Failed { id, error: format!("sending the state: {e:#}") });
+                    return;
+                }
+                if let Err(sent) = &end.sent {
+                    let _ = sent.send(t.elapsed());
+                }
+                continue;
+            }
+        };
+        if handoffs.send(Handoff { request, submitted, timings, payload, prefilled }).is_err() {
+            return;
+        }
+    }
+}
+
+fn decode_loop(engine: &Engine, handoffs: Receiver<Handoff>, mut socket: Option<SocketEnd>, max_batch: usize) {
+    let fingerprint = engine.net.fingerprint();
+    let cfg = &engine.net.config;
+    let mut active: Vec<Active> = Vec::new();
+    let mut open = true;
+    while open || !active.is_empty() {
+        while active.len() < max_batch && open {
+            let next = if active.is_empty() { handoffs.recv().ok() } else { handoffs.try_recv().ok() };
+            let Some(h) = next else {
+                if active.is_empty() {
+                    open = false;
+                }
+                break;
+            };
+            let Handoff { request, submitted, mut timings, payload, prefilled } = h;
+            let received = match payload {
+                Payload::Moved(state) => Ok(state),
+                Payload::File(path) => {
+                    let r = bridge::load(&path, fingerprint, cfg).map(|(state, read, rebuild)| {
+                        timings.transfer.read = read;
+                        timings.transfer.rebuild = rebuild;
+                        state
+                    });
+                    let _ = std::fs::remove_file(&path);
+                    r
+                }
+                Payload::Socket => {
+                    let end = socket.as_mut().expect("a socket pipeline has a socket");
+                    bridge::receive(&mut end.stream, fingerprint, cfg).map(|(state, read, rebuild)| {
+                        if let Ok(sent) = &end.sent {
+                            timings.transfer.serialize = sent.recv().unwrap_or_default();
+                        }
+                        timings.transfer.read = read;
+                        timings.transfer.rebuild = rebuild;
+                        state
+                    })
+                }
+            };
+            timings.handoff = prefilled.elapsed();
+            match received {
+                Ok(state) => active.push(activate(request, state, timings, submitted)),
+                Err(e) => {
+                    let _ = request.events.send(Event::Failed { id: request.id, error: format!("receiving the state: {e:#}") });
+                }
+            }
+        }
+        step(engine, &mut active);
+    }
+}
+
+fn activate(request: Request, state: State, timings: Timings, submitted: Instant) -> Active {
+    let sampler = Sampler::new(request.sampling.clone(), request.vocab);
+    Active { request, state, sampler, timings, submitted, first_token: None }
+}
+
+/// Sample one token for every active sequence (from the logits its state carries), answer the
+/// finished ones, and decode the rest in one batched step.
+fn step(engine: &Engine, active: &mut Vec<Active>) {
+    let ctx = engine.net.config.max_position_embeddings;
+    let mut tokens = Vec::with_capacity(active.len());
+    let mut i = 0;
+    while i < active.len() {
+        let a = &mut active[i];
+        let finish = if a.request.cancel.load(Ordering::Relaxed) {
+            Some(Finish::Cancelled)
+        } else {
+            let token = a.sampler.sample(&a.state.last_logits);
+            let now = Instant::now();
+            let first = *a.first_token.get_or_insert(now);
+            if a.timings.generated == 0 {
+                a.timings.ttft = now - a.submitted;
+            }
+            a.timings.decode = now - first;
+            if a.request.stop_ids.contains(&token) {
+                Some(Finish::Stop)
+            } else {
+                a.timings.generated += 1;
+                let _ = a.request.events.send(Event::Token { id: a.request.id, token });
+                if a.timings.generated >= a.request.max_tokens || a.state.position >= ctx {
+                    Some(Finish::Length)
+                } else {
+                    tokens.push(token);
+                    None
+                }
+            }
+        };
+        match finish {
+            Some(finish) => {
+                let a = active.remove(i);
+                let state = (a.request.return_state && finish != Finish::Cancelled).then_some(a.state);
+                let _ = a.request.events.send(Event::Done { id: a.request.id, finish, timings: a.timings, state });
+            }
+            None => i += 1,
+        }
+    }
+    if active.is_empty() {
+        return;
+    }
+    let mut states: Vec<&mut State> = active.iter_mut().map(|a| &mut a.state).collect();
+    if let Err(e) = engine.decode(&tokens, &mut states) {
+        // A step that fails fails every sequence in it (inputs are checked before anything is
+        // applied, so no state was changed).
+        for a in active.drain(..) {
+            let _ = a.request.events.send(Event::Failed { id: a.request.id, error: format!("decode step: {e:#}") });
+        }
+    }
+}

@@ -1,0 +1,217 @@
+//! Two engines in tandem: every mode, dispatch and transfer gives the reference's greedy
+//! tokens on the golden fixture; the bridge round-trips exactly and refuses bad states; the
+//! handoff never applies a prompt token twice.
+
+mod common;
+
+use std::sync::atomic::AtomicBool;
+use std::sync::mpsc::channel;
+use std::sync::Arc;
+
+use tandem_core::engine::{Dispatch, Placement};
+use tandem_core::load::LoadedModel;
+use tandem_core::model::{Logits, Qwen35};
+use tandem_core::pool::Pool;
+use tandem_core::sampling::{argmax, SamplingParams};
+use tandem_core::scheduler::{self, Event, Finish, Mode, PipelineConfig, Request, Transfer};
+use tandem_core::state::bridge;
+use tandem_core::state::State;
+
+/// The golden fixture's prompts and the reference's 16 greedy tokens after each.
+fn reference_prompts() -> Vec<(Vec<u32>, Vec<u32>)> {
+    let bytes = std::fs::read(common::tiny_dir().join("reference.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let ids = |name: &str| -> Vec<u32> { st.tensor(name).unwrap().data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32).collect() };
+    (0..5).map(|p| (ids(&format!("p{p}.input_ids")), ids(&format!("p{p}.greedy_ids")))).collect()
+}
+
+fn request(id: u64, tokens: Vec<u32>, max_tokens: usize, events: std::sync::mpsc::Sender<Event>) -> Request {
+    Request {
+        id,
+        start: None,
+        tokens,
+        max_tokens,
+        sampling: SamplingParams::default(),
+        vocab: 1024,
+        stop_ids: vec![],
+        return_state: false,
+        cancel: Arc::new(AtomicBool::new(false)),
+        events,
+    }
+}
+
+/// Run `prompts` through a pipeline at once (all submitted before the first finishes) and
+/// return each one's generated tokens.
+fn run_pipeline(net: &Qwen35, config: &PipelineConfig, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<Vec<u32>> {
+    scheduler::run(net, config, |p| {
+        let (tx, rx) = channel();
+        for (i, prompt) in prompts.iter().enumerate() {
+            p.submit(request(i as u64, prompt.clone(), max_tokens, tx.clone()))?;
+        }
+        drop(tx);
+        let mut out = vec![Vec::new(); prompts.len()];
+        let mut done = 0;
+        for e in rx {
+            match e {
+                Event::Token { id, token } => out[id as usize].push(token),
+                Event::Done { finish, .. } => {
+                    assert_eq!(finish, Finish::Length);
+                    done += 1;
+                }
+                Event::Failed { id, error } => panic!("request {id} failed: {error}"),
+            }
+        }
+        assert_eq!(done, prompts.len());
+        Ok(out)
+    })
+    .unwrap()
+}
+
+fn config(mode: Mode, prefill: &str, decode: &str, transfer: Transfer, max_batch: usize) -> PipelineConfig {
+    PipelineConfig { mode, prefill: Placement::parse(prefill).unwrap(), decode: Placement::parse(decode).unwrap(), transfer, max_batch }
+}
+
+#[test]
+fn every_mode_dispatch_and_transfer_gives_the_reference_greedy_tokens() {
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let cases = reference_prompts();
+    let prompts: Vec<Vec<u32>> = cases.iter().map(|c| c.0.clone()).collect();
+    let dir = common::scratch("pipeline-files");
+    let configs = [
+        config(Mode::PrefillEngine, "cpu:threads=2", "cpu:threads=1", Transfer::Move, 8),
+        config(Mode::DecodeEngine, "cpu:threads=2", "cpu:threads=1,dispatch=sequential", Transfer::Move, 8),
+        config(Mode::Hybrid, "cpu:threads=1,dispatch=batched:32", "cpu:threads=1", Transfer::Move, 8),
+        config(Mode::Hybrid, "cpu:threads=1,dispatch=buckets:16,64,128", "cpu:threads=1", Transfer::File(dir.clone()), 3),
+        config(Mode::Hybrid, "cpu:threads=1,dispatch=dynamic", "cpu:threads=1", Transfer::Socket, 1),
+    ];
+    for c in &configs {
+        let got = run_pipeline(&m.net, c, &prompts, 16);
+        for (i, (g, (_, want))) in got.iter().zip(&cases).enumerate() {
+            assert_eq!(g, want, "{:?} {} -> {} via {:?}: prompt p{i}", c.mode, c.prefill, c.decode, c.transfer);
+        }
+    }
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "the decode side removes state files it loaded");
+}
+
+/// The decode engine starts from the prefilled state's logits and applies only sampled
+/// tokens. Applying the last prompt token a second time (the bug vLLM shipped) changes the
+/// continuation, so the comparison above would catch it.
+#[test]
+fn the_handoff_never_applies_a_prompt_token_twice() {
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let pool = Pool::new(1);
+    for (prompt, want) in reference_prompts() {
+        let mut st = State::new(&m.net.config);
+        m.net.forward(&pool, &prompt, &mut st, Logits::Last).unwrap();
+        assert_eq!(st.position, prompt.len(), "the state covers exactly the prompt");
+        // Correct: the first token comes from the carried logits.
+        assert_eq!(argmax(&st.last_logits), want[0]);
+        // Wrong: re-apply the last prompt token, then continue greedily.
+        m.net.forward(&pool, &prompt[prompt.len() - 1..], &mut st, Logits::Last).unwrap();
+        let mut wrong = Vec::new();
+        for _ in 0..16 {
+            let id = argmax(&st.last_logits);
+            wrong.push(id);
+            m.net.forward(&pool, &[id], &mut st, Logits::Last).unwrap();
+        }
+        assert_ne!(wrong, want, "a double-applied token must change the continuation");
+    }
+}
+
+fn prefilled(m: &LoadedModel, n: usize) -> State {
+    let mut st = State::new(&m.net.config);
+    let tokens: Vec<u32> = (0..n as u32).map(|i| (i * 53 + 3) % 1024).collect();
+    m.net.forward(&Pool::new(1), &tokens, &mut st, Logits::Last).unwrap();
+    st
+}
+
+#[test]
+fn bridge_round_trips_are_exact_for_files_and_streams() {
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let fp = m.net.fingerprint();
+    let dir = common::scratch("bridge-exact");
+    for n in [1, 64, 300] {
+        let st = prefilled(&m, n);
+        let path = dir.join(format!("{n}.state"));
+        bridge::save(&path, &st, fp).unwrap();
+        let (back, _, _) = bridge::load(&path, fp, &m.net.config).unwrap();
+        assert!(back == st, "file round trip at {n} tokens");
+        let (mut a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let sender = std::thread::spawn({
+            let st = st.clone();
+            move || bridge::send(&mut a, &st, fp).unwrap()
+        });
+        let (back, _, _) = bridge::receive(&mut b, fp, &m.net.config).unwrap();
+        sender.join().unwrap();
+        assert!(back == st, "socket round trip at {n} tokens");
+    }
+    // A fresh state (no logits yet) travels too.
+    let fresh = State::new(&m.net.config);
+    let path = dir.join("fresh.state");
+    bridge::save(&path, &fresh, fp).unwrap();
+    assert!(bridge::load(&path, fp, &m.net.config).unwrap().0 == fresh);
+}
+
+#[test]
+fn bad_state_files_are_refused_with_the_reason() {
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let fp = m.net.fingerprint();
+    let dir = common::scratch("bridge-bad");
+    let path = dir.join("good.state");
+    bridge::save(&path, &prefilled(&m, 70), fp).unwrap();
+    let good = std::fs::read(&path).unwrap();
+    let try_bytes = |name: &str, bytes: &[u8]| -> String {
+        let p = dir.join(name);
+        std::fs::write(&p, bytes).unwrap();
+        let e = bridge::load(&p, fp, &m.net.config).err().unwrap_or_else(|| panic!("{name} was accepted"));
+        format!("{e:#}")
+    };
+    let mut corrupt = good.clone();
+    let at = good.len() - 5000;
+    corrupt[at] ^= 1;
+    assert!(try_bytes("corrupt.state", &corrupt).contains("payload checksum"));
+    let mut header = good.clone();
+    header[33] ^= 1; // the position
+    assert!(try_bytes("header.state", &header).contains("header checksum"));
+    assert!(try_bytes("truncated.state", &good[..good.len() / 2]).contains("truncated"));
+    assert!(try_bytes("stub.state", &good[..40]).contains("truncated"));
+    let mut version = good.clone();
+    version[8] = 9;
+    assert!(try_bytes("version.state", &version).contains("version 9"));
+    assert!(try_bytes("text.state", b"hello, this is not a state file at all, not even close to one; it is text").contains("not a tandem state"));
+    // Another model: the same file, read for a model with another fingerprint.
+    let e = format!("{:#}", bridge::load(&path, fp ^ 1, &m.net.config).unwrap_err());
+    assert!(e.contains("another model"), "{e}");
+    // A state of the right model but for other shapes (a config with fewer layers).
+    let mut cfg = m.net.config.clone();
+    cfg.layer_types.pop();
+    let e = format!("{:#}", bridge::load(&path, fp, &cfg).unwrap_err());
+    assert!(e.contains("layers"), "{e}");
+}
+
+/// bf16 and int8 forms of one checkpoint share a fingerprint (a state made by one can be
+/// decoded by the other); another checkpoint does not.
+#[test]
+fn fingerprints_follow_the_checkpoint_not_the_quantization() {
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let q = LoadedModel::load_int8(common::tiny_dir().to_str().unwrap(), &Pool::new(1)).unwrap();
+    assert_eq!(m.net.fingerprint(), q.net.fingerprint());
+    let mut other = m.net.clone();
+    other.map_matrices(|w| w.clone());
+    assert_eq!(other.fingerprint(), m.net.fingerprint());
+    let mut cfg_changed = m.net.config.clone();
+    cfg_changed.rms_norm_eps *= 2.0;
+    assert_ne!(format!("{cfg_changed:?}"), format!("{:?}", m.net.config));
+}
+
+#[test]
+fn batched_dispatch_counts_its_padding() {
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let engine = tandem_core::engine::Engine::new(&Placement::parse("cpu:threads=1,dispatch=batched:32").unwrap(), &m.net).unwrap();
+    let mut st = State::new(&m.net.config);
+    let tokens: Vec<u32> = (0..74).collect();
+    let stats = engine.prefill(&tokens, &mut st).unwrap();
+    assert_eq!((stats.tokens, stats.dispatches, stats.padded_rows), (74, 3, 22));
+    assert_eq!(st.position, 74);
+    assert_eq!(engine.placement.dispatch, Dispatch::Batched(32));
+}
