@@ -167,6 +167,29 @@ impl Pipeline {
     pub fn submit(&self, request: Request) -> Result<()> {
         self.requests.send((request, Instant::now())).map_err(|_| anyhow::anyhow!("the pipeline has stopped"))
     }
+
+    /// Prefill `tokens` into `start` on the prefill engine and wait for the state (what a
+    /// session's early prefill and prefill-while-typing run).
+    pub fn prefill(&self, start: State, tokens: &[u32]) -> Result<(State, Timings)> {
+        let (events, rx) = channel();
+        self.submit(Request {
+            id: 0,
+            start: Some(start),
+            tokens: tokens.to_vec(),
+            max_tokens: 0,
+            sampling: SamplingParams::default(),
+            vocab: usize::MAX,
+            stop_ids: Vec::new(),
+            return_state: true,
+            cancel: Arc::new(AtomicBool::new(false)),
+            events,
+        })?;
+        match rx.recv() {
+            Ok(Event::Done { state: Some(state), timings, .. }) => Ok((state, timings)),
+            Ok(Event::Failed { error, .. }) => bail!("{error}"),
+            _ => bail!("the pipeline stopped before the prefill finished"),
+        }
+    }
 }
 
 /// Run a pipeline for the duration of `body`: the engines start on their own threads (made
