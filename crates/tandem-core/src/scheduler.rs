@@ -58,7 +58,8 @@ impl Mode {
 pub enum Transfer {
     /// The `State` itself moves to the other thread (no copy).
     Move,
-    /// Written to a state file in this directory, memory-mapped by the reader.
+    /// Written to a state file in this directory (default /dev/shm where there is one),
+    /// memory-mapped by the reader.
     File(PathBuf),
     /// Streamed over a Unix socket.
     Socket,
@@ -69,7 +70,7 @@ impl Transfer {
         Ok(match s.split_once(':') {
             None if s == "move" => Transfer::Move,
             None if s == "socket" => Transfer::Socket,
-            None if s == "file" => Transfer::File(std::env::temp_dir()),
+            None if s == "file" => Transfer::File(bridge::default_dir()),
             Some(("file", dir)) => Transfer::File(PathBuf::from(dir)),
             _ => bail!("unknown transfer {s:?}: choose move, file[:DIR] or socket"),
         })
@@ -112,6 +113,23 @@ pub struct Request {
     pub cancel: Arc<AtomicBool>,
     /// Where this request's events go.
     pub events: Sender<Event>,
+}
+
+/// How to sample one request (for `Pipeline::generate`).
+#[derive(Clone, Debug)]
+pub struct Generation {
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub vocab: usize,
+    pub stop_ids: Vec<u32>,
+}
+
+/// What `Pipeline::generate` returns.
+pub struct Generated {
+    pub tokens: Vec<u32>,
+    pub finish: Finish,
+    pub timings: Timings,
+    pub state: Option<State>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -166,6 +184,36 @@ impl Pipeline {
     /// Queue a request; its events arrive on `request.events`.
     pub fn submit(&self, request: Request) -> Result<()> {
         self.requests.send((request, Instant::now())).map_err(|_| anyhow::anyhow!("the pipeline has stopped"))
+    }
+
+    /// Run one request to the end and return its outcome (with the final state), passing each
+    /// token to `on_token` as it is sampled.
+    pub fn generate(&self, start: Option<State>, tokens: Vec<u32>, params: &Generation, mut on_token: impl FnMut(u32) -> Result<()>) -> Result<Generated> {
+        let (events, rx) = channel();
+        self.submit(Request {
+            id: 0,
+            start,
+            tokens,
+            max_tokens: params.max_tokens,
+            sampling: params.sampling.clone(),
+            vocab: params.vocab,
+            stop_ids: params.stop_ids.clone(),
+            return_state: true,
+            cancel: Arc::new(AtomicBool::new(false)),
+            events,
+        })?;
+        let mut out = Vec::new();
+        for event in rx {
+            match event {
+                Event::Token { token, .. } => {
+                    out.push(token);
+                    on_token(token)?;
+                }
+                Event::Done { finish, timings, state, .. } => return Ok(Generated { tokens: out, finish, timings, state }),
+                Event::Failed { error, .. } => bail!("{error}"),
+            }
+        }
+        bail!("the pipeline stopped before the request finished")
     }
 
     /// Prefill `tokens` into `start` on the prefill engine and wait for the state (what a
@@ -228,6 +276,9 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                     }
                     _ => (None, None),
                 };
+                // State files go back to the prefill engine once read, to be written again:
+                // rewriting a file's pages costs less than getting new ones.
+                let (free_tx, free_rx) = channel::<PathBuf>();
                 let (ready_p, ready_d) = (ready_tx.clone(), ready_tx.clone());
                 let transfer = config.transfer.clone();
                 threads.push(s.spawn(move || {
@@ -236,7 +287,7 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                         Err(e) => return ready_p.send(Err(e.context("starting the prefill engine"))).unwrap_or(()),
                     };
                     let _ = ready_p.send(Ok(()));
-                    prefill_loop(&engine, req_rx, hand_tx, &transfer, socket_tx);
+                    prefill_loop(&engine, req_rx, hand_tx, &transfer, socket_tx, free_rx);
                 }));
                 let max_batch = config.max_batch;
                 threads.push(s.spawn(move || {
@@ -245,7 +296,7 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                         Err(e) => return ready_d.send(Err(e.context("starting the decode engine"))).unwrap_or(()),
                     };
                     let _ = ready_d.send(Ok(()));
-                    decode_loop(&engine, hand_rx, socket_rx, max_batch);
+                    decode_loop(&engine, hand_rx, socket_rx, max_batch, free_tx);
                 }));
             }
         }
@@ -347,7 +398,7 @@ fn single_engine_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, m
                 }
             }
         }
-        step(engine, &mut active);
+        step(engine, &mut active, None);
     }
 }
 
@@ -359,7 +410,7 @@ struct SocketEnd {
     sent: Result<Receiver<Duration>, Sender<Duration>>,
 }
 
-fn prefill_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, handoffs: Sender<Handoff>, transfer: &Transfer, mut socket: Option<SocketEnd>) {
+fn prefill_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, handoffs: Sender<Handoff>, transfer: &Transfer, mut socket: Option<SocketEnd>, free_files: Receiver<PathBuf>) {
     let fingerprint = engine.net.fingerprint();
     while let Ok((mut request, submitted)) = requests.recv() {
         let Some((state, mut timings)) = prefill_request(engine, &mut request, submitted) else { continue };
@@ -371,7 +422,7 @@ fn prefill_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, handoff
         let payload = match transfer {
             Transfer::Move => Payload::Moved(state),
             Transfer::File(dir) => {
-                let path = dir.join(format!("tandem-{}-{}.state", std::process::id(), request.id));
+                let path = free_files.try_recv().unwrap_or_else(|_| dir.join(format!("tandem-{}-{}.state", std::process::id(), request.id)));
                 let t = Instant::now();
                 if let Err(e) = bridge::save(&path, &state, fingerprint) {
                     let _ = request.events.send(Event::Failed { id: request.id, error: format!("{e:#}") });
@@ -405,10 +456,14 @@ fn prefill_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, handoff
     }
 }
 
-fn decode_loop(engine: &Engine, handoffs: Receiver<Handoff>, mut socket: Option<SocketEnd>, max_batch: usize) {
+fn decode_loop(engine: &Engine, handoffs: Receiver<Handoff>, mut socket: Option<SocketEnd>, max_batch: usize, free_files: Sender<PathBuf>) {
+    // Every state file seen, removed when the pipeline stops.
+    let mut files: Vec<PathBuf> = Vec::new();
     let fingerprint = engine.net.fingerprint();
     let cfg = &engine.net.config;
     let mut active: Vec<Active> = Vec::new();
+    // States of finished requests, whose buffers the next received states are rebuilt into.
+    let mut spare: Vec<State> = Vec::new();
     let mut open = true;
     while open || !active.is_empty() {
         while active.len() < max_batch && open {
@@ -423,17 +478,20 @@ fn decode_loop(engine: &Engine, handoffs: Receiver<Handoff>, mut socket: Option<
             let received = match payload {
                 Payload::Moved(state) => Ok(state),
                 Payload::File(path) => {
-                    let r = bridge::load(&path, fingerprint, cfg).map(|(state, read, rebuild)| {
+                    let r = bridge::load(&path, fingerprint, cfg, spare.pop()).map(|(state, read, rebuild)| {
                         timings.transfer.read = read;
                         timings.transfer.rebuild = rebuild;
                         state
                     });
-                    let _ = std::fs::remove_file(&path);
+                    if !files.contains(&path) {
+                        files.push(path.clone());
+                    }
+                    let _ = free_files.send(path);
                     r
                 }
                 Payload::Socket => {
                     let end = socket.as_mut().expect("a socket pipeline has a socket");
-                    bridge::receive(&mut end.stream, fingerprint, cfg).map(|(state, read, rebuild)| {
+                    bridge::receive(&mut end.stream, fingerprint, cfg, spare.pop()).map(|(state, read, rebuild)| {
                         if let Ok(sent) = &end.sent {
                             timings.transfer.serialize = sent.recv().unwrap_or_default();
                         }
@@ -451,7 +509,10 @@ fn decode_loop(engine: &Engine, handoffs: Receiver<Handoff>, mut socket: Option<
                 }
             }
         }
-        step(engine, &mut active);
+        step(engine, &mut active, Some(&mut spare));
+    }
+    for f in files {
+        let _ = std::fs::remove_file(f);
     }
 }
 
@@ -461,8 +522,9 @@ fn activate(request: Request, state: State, timings: Timings, submitted: Instant
 }
 
 /// Sample one token for every active sequence (from the logits its state carries), answer the
-/// finished ones, and decode the rest in one batched step.
-fn step(engine: &Engine, active: &mut Vec<Active>) {
+/// finished ones (keeping up to two of their states in `spare` when given), and decode the rest
+/// in one batched step.
+fn step(engine: &Engine, active: &mut Vec<Active>, mut spare: Option<&mut Vec<State>>) {
     let ctx = engine.net.config.max_position_embeddings;
     let mut tokens = Vec::with_capacity(active.len());
     let mut i = 0;
@@ -494,7 +556,15 @@ fn step(engine: &Engine, active: &mut Vec<Active>) {
         match finish {
             Some(finish) => {
                 let a = active.remove(i);
-                let state = (a.request.return_state && finish != Finish::Cancelled).then_some(a.state);
+                let state = if a.request.return_state && finish != Finish::Cancelled {
+                    Some(a.state)
+                } else {
+                    match spare.as_deref_mut() {
+                        Some(spare) if spare.len() < 2 => spare.push(a.state),
+                        _ => {}
+                    }
+                    None
+                };
                 let _ = a.request.events.send(Event::Done { id: a.request.id, finish, timings: a.timings, state });
             }
             None => i += 1,

@@ -134,14 +134,19 @@ fn bridge_round_trips_are_exact_for_files_and_streams() {
         let st = prefilled(&m, n);
         let path = dir.join(format!("{n}.state"));
         bridge::save(&path, &st, fp).unwrap();
-        let (back, _, _) = bridge::load(&path, fp, &m.net.config).unwrap();
+        let (back, _, _) = bridge::load(&path, fp, &m.net.config, None).unwrap();
         assert!(back == st, "file round trip at {n} tokens");
+        // Rebuilt into the buffers of another state (longer and shorter K/V than this one).
+        for other in [7, 301] {
+            let (back, _, _) = bridge::load(&path, fp, &m.net.config, Some(prefilled(&m, other))).unwrap();
+            assert!(back == st, "file round trip at {n} tokens into a recycled {other}-token state");
+        }
         let (mut a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
         let sender = std::thread::spawn({
             let st = st.clone();
             move || bridge::send(&mut a, &st, fp).unwrap()
         });
-        let (back, _, _) = bridge::receive(&mut b, fp, &m.net.config).unwrap();
+        let (back, _, _) = bridge::receive(&mut b, fp, &m.net.config, Some(prefilled(&m, 5))).unwrap();
         sender.join().unwrap();
         assert!(back == st, "socket round trip at {n} tokens");
     }
@@ -149,7 +154,7 @@ fn bridge_round_trips_are_exact_for_files_and_streams() {
     let fresh = State::new(&m.net.config);
     let path = dir.join("fresh.state");
     bridge::save(&path, &fresh, fp).unwrap();
-    assert!(bridge::load(&path, fp, &m.net.config).unwrap().0 == fresh);
+    assert!(bridge::load(&path, fp, &m.net.config, None).unwrap().0 == fresh);
 }
 
 #[test]
@@ -163,7 +168,7 @@ fn bad_state_files_are_refused_with_the_reason() {
     let try_bytes = |name: &str, bytes: &[u8]| -> String {
         let p = dir.join(name);
         std::fs::write(&p, bytes).unwrap();
-        let e = bridge::load(&p, fp, &m.net.config).err().unwrap_or_else(|| panic!("{name} was accepted"));
+        let e = bridge::load(&p, fp, &m.net.config, None).err().unwrap_or_else(|| panic!("{name} was accepted"));
         format!("{e:#}")
     };
     let mut corrupt = good.clone();
@@ -180,12 +185,12 @@ fn bad_state_files_are_refused_with_the_reason() {
     assert!(try_bytes("version.state", &version).contains("version 9"));
     assert!(try_bytes("text.state", b"hello, this is not a state file at all, not even close to one; it is text").contains("not a tandem state"));
     // Another model: the same file, read for a model with another fingerprint.
-    let e = format!("{:#}", bridge::load(&path, fp ^ 1, &m.net.config).unwrap_err());
+    let e = format!("{:#}", bridge::load(&path, fp ^ 1, &m.net.config, None).unwrap_err());
     assert!(e.contains("another model"), "{e}");
     // A state of the right model but for other shapes (a config with fewer layers).
     let mut cfg = m.net.config.clone();
     cfg.layer_types.pop();
-    let e = format!("{:#}", bridge::load(&path, fp, &cfg).unwrap_err());
+    let e = format!("{:#}", bridge::load(&path, fp, &cfg, None).unwrap_err());
     assert!(e.contains("layers"), "{e}");
 }
 

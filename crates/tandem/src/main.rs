@@ -2,26 +2,23 @@
 
 mod args;
 mod bench;
+mod chat;
+mod generate;
 
-use std::io::Write;
 use std::path::Path;
 use std::process::ExitCode;
-use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use args::Args;
-use tandem_core::chat::Message;
-use tandem_core::generate::generate;
 use tandem_core::load::LoadedModel;
 use tandem_core::pool::Pool;
-use tandem_core::sampling::{Sampler, SamplingParams};
-use tandem_core::tokenizer::StreamDecoder;
 
 const USAGE: &str = "\
 tandem: Qwen3.5 inference, prefill and decode on their own engines
 
 USAGE:
-  tandem generate --model PATH|synthetic:NAME (--prompt TEXT [--chat] | --token-ids 1,2,3) [options]
+  tandem generate --model M (--prompt TEXT... | --prompts-file FILE | --token-ids 1,2,3) [options]
+  tandem chat     --model M [--system TEXT] [options]
   tandem verify   --model DIR --reference FILE
   tandem bench    [--model M] [--quant bf16,int8] [--quick] ...   (tandem bench --help)
 
@@ -29,25 +26,46 @@ MODELS:
   a Hugging Face Qwen3.5 checkpoint directory (config.json + safetensors), or
   synthetic:qwen3.5-0.8b | synthetic:qwen3.5-2b | synthetic:qwen3.5-9b (real shapes, random weights)
 
-ENGINE OPTIONS (generate, verify):
-  --threads N            worker threads (default: all cores)
-  --cores 0,1            pin one worker to each listed core instead
+ENGINES (generate, chat):
+  --prefill PLACEMENT    the prefill engine, e.g. cpu:cores=0,dispatch=batched:32
+  --decode PLACEMENT     the decode engine, e.g. cpu:cores=1
+                         PLACEMENT = cpu[:cores=LIST|threads=N][,dispatch=MODE]; dispatch modes:
+                         sequential | batched:N (fixed N-token dispatches, last one padded and
+                         masked) | buckets:64,256,512 | dynamic (default)
+  --mode hybrid|prefill-engine|decode-engine
+                         hybrid: prefill on one engine, the state crosses the bridge, decode on the
+                         other (default when --prefill or --decode is given; cores 0 and 1 unless
+                         placed); prefill-engine / decode-engine: that engine does both
+  --transfer move|file[:DIR]|socket
+                         how a hybrid state crosses (default move: no copy)
+  --max-batch N          sequences decoded together in one step (default 8)
+  --threads N | --cores 0,1
+                         without --prefill/--decode: one engine on N threads or these cores
+                         (default: one engine on all cores)
   --quant int8           weight-only int8 (per-row scales), quantized at load; default: as stored
   --isa avx512|avx2|portable
                          cap the kernels' instruction set (default: the best this CPU has)
 
 GENERATE OPTIONS:
-  --prompt TEXT          prompt text (tokenized with the model's tokenizer.json)
-  --chat                 wrap --prompt as a user message in the model's chat template
-  --system TEXT          system message (with --chat)
-  --enable-thinking      open a <think> block in the generation prompt (with --chat)
-  --token-ids 1,2,3      prompt as token ids instead of text
+  --prompt TEXT          a prompt (repeat for several; they run through the pipeline together)
+  --prompts-file FILE    prompts, one per line
+  --chat                 wrap each prompt as a user message in the model's chat template
+  --system TEXT          system message (with --chat, and for chat)
+  --enable-thinking      open a <think> block in the generation prompt (with --chat, and for chat)
+  --token-ids 1,2,3      one prompt as token ids instead of text
   --ids-out              print generated token ids (comma-separated) instead of text
-  --max-tokens N         tokens to generate (default 128)
+  --max-tokens N         tokens to generate (default 128; chat: 512)
   --temperature T        0 = greedy (default 0)
   --top-k K              keep the K most likely tokens (default 0 = all)
   --top-p P              nucleus sampling mass (default 1.0)
   --seed S               sampling seed (default 0)
+  Per-request timings (queue, prefill, handoff and bridge, TTFT, decode tok/s) and the aggregate
+  throughput go to stderr.
+
+CHAT:
+  an interactive conversation whose state is kept between turns: each turn prefills only its
+  own tokens; the next turn's template is prefilled as soon as a reply ends, and in a terminal
+  the message is prefilled while it is typed. From a pipe, each line is one message.
 
 VERIFY:
   compares prefill logits, post-prompt states and a greedy continuation with a reference file
@@ -58,9 +76,20 @@ VERIFY:
 fn main() -> ExitCode {
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let result = match argv.first().map(String::as_str) {
-        Some("generate") => cmd_generate(&argv[1..]),
+        Some("generate") if wants_help(&argv[1..]) => {
+            print!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Some("generate") => generate::run(&argv[1..]),
+        Some("chat") if wants_help(&argv[1..]) => {
+            print!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Some("chat") => chat::run(&argv[1..]),
         Some("verify") => cmd_verify(&argv[1..]),
         Some("bench") => bench::run(&argv[1..]),
+        // The receiving end of the cross-process bridge measurement (started by bench).
+        Some("state-receive") => bench::pipeline::state_receive(&argv[1..]),
         Some("-h" | "--help" | "help") | None => {
             print!("{USAGE}");
             return ExitCode::SUCCESS;
@@ -84,98 +113,9 @@ fn wants_help(argv: &[String]) -> bool {
     argv.iter().any(|a| a == "--help" || a == "-h")
 }
 
-fn cmd_generate(argv: &[String]) -> Result<ExitCode> {
-    if wants_help(argv) {
-        print!("{USAGE}");
-        return Ok(ExitCode::SUCCESS);
-    }
-    let args = Args::parse(
-        argv,
-        &["model", "prompt", "system", "token-ids", "max-tokens", "temperature", "top-k", "top-p", "seed", "threads", "cores", "quant", "isa"],
-        &["chat", "ids-out", "enable-thinking"],
-    )?;
-    let params = SamplingParams {
-        temperature: args.get("temperature", 0.0)?,
-        top_k: args.get("top-k", 0)?,
-        top_p: args.get("top-p", 1.0)?,
-        seed: args.get("seed", 0)?,
-    };
-    params.validate()?;
-    let max_tokens: usize = args.get("max-tokens", 128)?;
-    let spec = args.required("model")?;
-
-    let pool = make_pool(&args)?;
-    let load_start = Instant::now();
-    let model = load_model(spec, &args, &pool)?;
-    let load_time = load_start.elapsed();
-
-    let prompt: Vec<u32> = match (args.str("prompt"), args.str("token-ids")) {
-        (Some(_), Some(_)) => bail!("give either --prompt or --token-ids, not both"),
-        (None, None) => bail!("give a prompt: --prompt TEXT or --token-ids 1,2,3"),
-        (None, Some(ids)) => parse_ids(ids)?,
-        (Some(text), None) => {
-            let tok = model.tokenizer.as_ref().with_context(|| format!("{spec} has no tokenizer.json: give --token-ids instead of --prompt"))?;
-            let text = if args.flag("chat") {
-                let mut messages = Vec::new();
-                if let Some(sys) = args.str("system") {
-                    messages.push(Message::new("system", sys));
-                }
-                messages.push(Message::new("user", text));
-                model.chat_template.render(&messages, true, args.flag("enable-thinking"))?
-            } else {
-                text.to_string()
-            };
-            tok.encode(&text)?
-        }
-    };
-    if let Some(&bad) = prompt.iter().find(|&&id| id as usize >= model.net.config.vocab_size) {
-        bail!("token id {bad} is outside the model's vocabulary (ids 0..{})", model.net.config.vocab_size);
-    }
-
-    let ids_out = args.flag("ids-out") || model.tokenizer.is_none();
-    let mut sampler = Sampler::new(params, model.sampleable_vocab());
-    let mut stdout = std::io::stdout().lock();
-    let mut decoder = StreamDecoder::new();
-    let mut first = true;
-    let (_, stats) = generate(&pool, &model.net, &prompt, max_tokens, &mut sampler, &model.stop_ids, |id| {
-        if ids_out {
-            write!(stdout, "{}{id}", if first { "" } else { "," })?;
-        } else {
-            let tok = model.tokenizer.as_ref().expect("text output needs a tokenizer");
-            write!(stdout, "{}", decoder.push(tok, id)?)?;
-        }
-        first = false;
-        stdout.flush()?;
-        Ok(())
-    })?;
-    if let (false, Some(tok)) = (ids_out, model.tokenizer.as_ref()) {
-        write!(stdout, "{}", decoder.finish(tok)?)?;
-    }
-    writeln!(stdout)?;
-    let peak = tandem_core::state::peak_rss_bytes().map(|b| format!(" | peak RSS {:.2} GB", b as f64 / 1e9)).unwrap_or_default();
-    eprintln!(
-        "[{}] load {:.2} s | prompt {} tokens | TTFT {:.1} ms | prefill {:.1} tok/s | decode {:.2} tok/s ({} tokens, {}){peak}",
-        model.name,
-        load_time.as_secs_f64(),
-        stats.prompt_tokens,
-        stats.ttft.as_secs_f64() * 1e3,
-        stats.prefill_tok_s(),
-        stats.decode_tok_s(),
-        stats.generated_tokens,
-        if stats.stopped { "stop token" } else { "length" },
-    );
-    Ok(ExitCode::SUCCESS)
-}
-
 /// The engine's worker pool from `--threads N` or `--cores 0,1,...` (default: all cores).
 pub(crate) fn make_pool(args: &Args) -> Result<Pool> {
-    use tandem_core::kernels::{set_max_isa, Isa};
-    match args.str("isa") {
-        None | Some("avx512") => set_max_isa(Isa::Avx512),
-        Some("avx2") => set_max_isa(Isa::Avx2),
-        Some("portable") => set_max_isa(Isa::Portable),
-        Some(other) => bail!("--isa {other:?}: choose avx512, avx2 or portable"),
-    }
+    apply_isa(args)?;
     match (args.str("threads"), args.str("cores")) {
         (Some(_), Some(_)) => bail!("give either --threads or --cores, not both"),
         (_, Some(list)) => {
@@ -196,16 +136,29 @@ pub(crate) fn make_pool(args: &Args) -> Result<Pool> {
     }
 }
 
-/// Load a model and apply `--quant`.
-fn load_model(spec: &str, args: &Args, pool: &Pool) -> Result<LoadedModel> {
+/// `--isa`: cap the kernels' instruction set.
+pub(crate) fn apply_isa(args: &Args) -> Result<()> {
+    use tandem_core::kernels::{set_max_isa, Isa};
+    match args.str("isa") {
+        None | Some("avx512") => set_max_isa(Isa::Avx512),
+        Some("avx2") => set_max_isa(Isa::Avx2),
+        Some("portable") => set_max_isa(Isa::Portable),
+        Some(other) => bail!("--isa {other:?}: choose avx512, avx2 or portable"),
+    }
+    Ok(())
+}
+
+/// Load a model and apply `--quant` (and `--isa`); int8 quantization runs on all cores.
+pub(crate) fn load_model(spec: &str, args: &Args) -> Result<LoadedModel> {
+    apply_isa(args)?;
     match args.str("quant") {
-        None | Some("none") => LoadedModel::load(spec),
-        Some("int8") => LoadedModel::load_int8(spec, pool),
-        Some(other) => bail!("--quant {other:?}: supported are int8 and none"),
+        None | Some("none") | Some("bf16") => LoadedModel::load(spec),
+        Some("int8") => LoadedModel::load_int8(spec, &Pool::new(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))),
+        Some(other) => bail!("--quant {other:?}: supported are int8 and bf16 (as stored)"),
     }
 }
 
-fn parse_ids(s: &str) -> Result<Vec<u32>> {
+pub(crate) fn parse_ids(s: &str) -> Result<Vec<u32>> {
     s.split(',')
         .map(|p| p.trim())
         .filter(|p| !p.is_empty())
@@ -220,7 +173,7 @@ fn cmd_verify(argv: &[String]) -> Result<ExitCode> {
     }
     let args = Args::parse(argv, &["model", "reference", "threads", "cores", "quant", "isa"], &[])?;
     let pool = make_pool(&args)?;
-    let mut model = load_model(args.required("model")?, &args, &pool)?;
+    let mut model = load_model(args.required("model")?, &args)?;
     let reference = Path::new(args.required("reference")?);
     let checks = tandem_core::verify::verify(&pool, &mut model.net, reference)?;
     let width = checks.iter().map(|c| c.item.len()).max().unwrap_or(0);

@@ -214,8 +214,17 @@ impl Qwen35 {
         for l in &self.layers {
             parts.push(l.input_norm.iter().chain(&l.post_attention_norm).flat_map(|x| x.to_le_bytes()).collect());
         }
-        let lo = crate::state::bridge::checksum(parts.iter().map(|p| &p[..]));
-        let hi = crate::state::bridge::checksum(parts.iter().rev().map(|p| &p[..]));
+        // Two 64-bit halves: the parts forward and backward (each part's length mixed in, so
+        // that bytes cannot move between parts unnoticed).
+        let half = |order: &mut dyn Iterator<Item = &Vec<u8>>| {
+            let mut h = crate::state::bridge::Hasher::default();
+            for p in order {
+                h.update(&(p.len() as u64).to_le_bytes());
+                h.update(p);
+            }
+            h.finish()
+        };
+        let (lo, hi) = (half(&mut parts.iter()), half(&mut parts.iter().rev()));
         ((hi as u128) << 64) | lo as u128
     }
 

@@ -27,6 +27,10 @@ const ALIGN: usize = 64;
 const KIND_LINEAR: u32 = 1;
 const KIND_FULL: u32 = 2;
 const DTYPE_F32: u32 = 1;
+/// The payload checksum, after the payloads.
+const TRAILER: usize = 8;
+/// Payloads are checksummed and copied in pieces of this size, each while it is in cache.
+const CHUNK: usize = 256 << 10;
 
 /// What identifies a model for the bridge: a 128-bit hash of its config and of weights that
 /// no quantization changes (see `Qwen35::fingerprint`).
@@ -72,8 +76,8 @@ fn layout(state: &State, fingerprint: Fingerprint) -> Layout {
             s
         })
         .collect();
-    let total = offset;
-    let payload_checksum = checksum(arrays.iter().map(|a| as_bytes(a)));
+    // The payload checksum follows the payloads, so a writer computes it as it writes.
+    let total = offset + TRAILER;
     let mut h = Vec::with_capacity(table_end);
     h.extend_from_slice(&MAGIC);
     h.extend_from_slice(&VERSION.to_le_bytes());
@@ -86,9 +90,9 @@ fn layout(state: &State, fingerprint: Fingerprint) -> Layout {
     h.extend_from_slice(&logits.offset.to_le_bytes());
     h.extend_from_slice(&logits.count.to_le_bytes());
     h.extend_from_slice(&(total as u64).to_le_bytes());
-    h.extend_from_slice(&payload_checksum.to_le_bytes());
+    h.extend_from_slice(&0u64.to_le_bytes());
     debug_assert_eq!(h.len(), FIXED - 8);
-    let header_checksum = checksum([&h[..]].into_iter());
+    let header_checksum = checksum(&h);
     h.extend_from_slice(&header_checksum.to_le_bytes());
     for (i, l) in state.layers.iter().enumerate() {
         let kind = match l {
@@ -105,19 +109,32 @@ fn layout(state: &State, fingerprint: Fingerprint) -> Layout {
     Layout { header: h, spans, total }
 }
 
-/// Write the image of `state` to `w`: header, table, then each payload at its aligned offset.
-/// The payloads go out straight from the state's memory (no intermediate copy).
+/// Write the image of `state` to `w`: header, table, then each payload at its aligned offset
+/// and the checksum of everything from the first payload on. The payloads go out straight
+/// from the state's memory, each piece checksummed just before it is written.
 pub fn write_state(w: &mut impl Write, state: &State, fingerprint: Fingerprint) -> Result<()> {
     let lay = layout(state, fingerprint);
     w.write_all(&lay.header)?;
-    let mut at = lay.header.len();
     let zeros = [0u8; ALIGN];
+    let mut hash = Hasher::default();
+    // Padding up to the first payload is outside the checksummed range.
+    let first = lay.spans.first().map_or(lay.total - TRAILER, |s| s.offset as usize);
+    w.write_all(&zeros[..first - lay.header.len()])?;
+    let mut at = first;
     for (a, span) in arrays(state).iter().zip(&lay.spans) {
-        w.write_all(&zeros[..span.offset as usize - at])?;
-        w.write_all(as_bytes(a))?;
+        let n = span.offset as usize - at;
+        hash.update(&zeros[..n]);
+        w.write_all(&zeros[..n])?;
+        for piece in as_bytes(a).chunks(CHUNK) {
+            hash.update(piece);
+            w.write_all(piece)?;
+        }
         at = span.offset as usize + 4 * a.len();
     }
-    w.write_all(&zeros[..lay.total - at])?;
+    let n = lay.total - TRAILER - at;
+    hash.update(&zeros[..n]);
+    w.write_all(&zeros[..n])?;
+    w.write_all(&hash.finish().to_le_bytes())?;
     Ok(())
 }
 
@@ -128,7 +145,7 @@ pub struct Header {
     spans: Vec<Span>,
     kinds: Vec<u32>,
     pub total: usize,
-    payload_checksum: u64,
+    table_end: usize,
 }
 
 /// Check the fixed part of a header (the first `FIXED` bytes); returns where its layer table
@@ -146,7 +163,7 @@ fn check_fixed(bytes: &[u8], expected: Fingerprint, cfg: &Qwen35Config) -> Resul
     if version != VERSION {
         bail!("state format version {version}; this tandem reads version {VERSION}");
     }
-    if checksum([&bytes[..FIXED - 8]].into_iter()) != u64::from_le_bytes(bytes[FIXED - 8..FIXED].try_into().unwrap()) {
+    if checksum(&bytes[..FIXED - 8]) != u64::from_le_bytes(bytes[FIXED - 8..FIXED].try_into().unwrap()) {
         bail!("corrupt state: the header checksum does not match");
     }
     let fingerprint = u128::from_le_bytes(bytes[16..32].try_into().unwrap());
@@ -176,7 +193,7 @@ fn parse_header(bytes: &[u8], expected: Fingerprint, cfg: &Qwen35Config) -> Resu
     let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().unwrap());
     let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().unwrap());
     let (position, layers) = (u64_at(32) as usize, cfg.layer_types.len());
-    let (total, payload_checksum) = (u64_at(64) as usize, u64_at(72));
+    let total = u64_at(64) as usize;
     let mut spans = Vec::with_capacity(2 * layers + 1);
     let mut kinds = Vec::with_capacity(layers);
     let kv_len = (position * cfg.num_key_value_heads * cfg.head_dim) as u64;
@@ -204,36 +221,83 @@ fn parse_header(bytes: &[u8], expected: Fingerprint, cfg: &Qwen35Config) -> Resu
     spans.push(logits);
     for s in &spans {
         let end = s.offset.checked_add(4 * s.count).context("state payload offset overflows")?;
-        if (s.offset as usize) < table_end || s.offset as usize % ALIGN != 0 || end as usize > total {
+        if (s.offset as usize) < table_end || s.offset as usize % ALIGN != 0 || end as usize + TRAILER > total {
             bail!("malformed state: a payload at byte {} of {} values lies outside the image of {total} bytes", s.offset, s.count);
         }
     }
-    Ok(Header { position, spans, kinds, total, payload_checksum })
+    if spans.windows(2).any(|w| w[1].offset < w[0].offset + 4 * w[0].count) {
+        bail!("malformed state: payloads overlap or are out of order");
+    }
+    Ok(Header { position, spans, kinds, total, table_end })
 }
 
 impl Header {
-    /// The state, its arrays copied out of `bytes` (the whole image) after the payload
-    /// checksum was verified.
-    fn rebuild(&self, bytes: &[u8]) -> Result<State> {
-        if bytes.len() < self.total {
-            bail!("truncated state: {} bytes, the header announces {}", bytes.len(), self.total);
+    /// Read the rest of the image (everything after the layer table) from `r` straight into
+    /// the state's arrays, checksumming each piece as it arrives; the state is returned only
+    /// if the checksum matches. `reuse` lends the buffers of a state that is no longer needed
+    /// (a finished request's), which spares the page faults of fresh memory.
+    fn read_body(&self, r: &mut impl Read, reuse: Option<State>) -> Result<State> {
+        let truncated = |e: std::io::Error| -> anyhow::Error {
+            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                anyhow::anyhow!("truncated state: it ends before the {} bytes its header announces", self.total)
+            } else {
+                anyhow::Error::new(e).context("reading a state")
+            }
+        };
+        let mut spare: Vec<Vec<f32>> = Vec::new();
+        if let Some(old) = reuse {
+            for l in old.layers {
+                match l {
+                    LayerState::Linear { conv, recurrent } => spare.extend([conv, recurrent]),
+                    LayerState::Full { k, v } => spare.extend([k, v]),
+                }
+            }
+            spare.push(old.last_logits);
         }
-        let slice = |s: &Span| &bytes[s.offset as usize..s.offset as usize + 4 * s.count as usize];
-        if checksum(self.spans.iter().map(slice)) != self.payload_checksum {
+        spare.reverse();
+        let mut hash = Hasher::default();
+        let mut pad = [0u8; ALIGN];
+        let first = self.spans.first().map_or(self.total - TRAILER, |s| s.offset as usize);
+        // Padding up to the first payload (outside the checksum).
+        r.read_exact(&mut pad[..first - self.table_end]).map_err(truncated)?;
+        let mut at = first;
+        let mut arrays = Vec::with_capacity(self.spans.len());
+        for span in &self.spans {
+            let n = span.offset as usize - at;
+            r.read_exact(&mut pad[..n]).map_err(truncated)?;
+            hash.update(&pad[..n]);
+            let count = span.count as usize;
+            let mut v = spare.pop().unwrap_or_default();
+            v.clear();
+            v.reserve_exact(count);
+            // SAFETY: the spare capacity holds `count` f32 values; every byte of it is written
+            // by read_exact below before `set_len` exposes it.
+            let dst = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, 4 * count) };
+            for piece in dst.chunks_mut(CHUNK) {
+                r.read_exact(piece).map_err(truncated)?;
+                hash.update(piece);
+            }
+            // SAFETY: all 4 · count bytes were just written.
+            unsafe { v.set_len(count) };
+            arrays.push(v);
+            at = span.offset as usize + 4 * count;
+        }
+        let n = self.total - TRAILER - at;
+        r.read_exact(&mut pad[..n]).map_err(truncated)?;
+        hash.update(&pad[..n]);
+        let mut trailer = [0u8; TRAILER];
+        r.read_exact(&mut trailer).map_err(truncated)?;
+        if hash.finish() != u64::from_le_bytes(trailer) {
             bail!("corrupt state: the payload checksum does not match");
         }
-        let array = |s: &Span| -> Vec<f32> {
-            let mut v = vec![0f32; s.count as usize];
-            // SAFETY: `slice(s)` holds exactly 4 · count bytes, the little-endian f32 values.
-            unsafe { std::ptr::copy_nonoverlapping(slice(s).as_ptr(), v.as_mut_ptr() as *mut u8, 4 * v.len()) };
-            v
-        };
+        let logits = arrays.pop().expect("the logits span is always there");
+        let mut arrays = arrays.into_iter();
+        let mut next = || arrays.next().expect("two arrays per layer");
         let layers = self
             .kinds
             .iter()
-            .enumerate()
-            .map(|(i, &kind)| {
-                let (a, b) = (array(&self.spans[2 * i]), array(&self.spans[2 * i + 1]));
+            .map(|&kind| {
+                let (a, b) = (next(), next());
                 if kind == KIND_LINEAR {
                     LayerState::Linear { conv: a, recurrent: b }
                 } else {
@@ -241,7 +305,7 @@ impl Header {
                 }
             })
             .collect();
-        Ok(State { position: self.position, layers, last_logits: array(&self.spans[self.spans.len() - 1]) })
+        Ok(State { position: self.position, layers, last_logits: logits })
     }
 }
 
@@ -262,41 +326,77 @@ impl TransferTimes {
     }
 }
 
-/// Save `state` to `path` (created or replaced).
+/// Save `state` to `path`. An existing file is overwritten in place and then cut to length,
+/// not truncated first: rewriting pages the file already has is much cheaper than getting new
+/// ones (a pipeline reuses its state files for that reason).
 pub fn save(path: &Path, state: &State, fingerprint: Fingerprint) -> Result<()> {
-    let file = std::fs::File::create(path).with_context(|| format!("creating state file {}", path.display()))?;
-    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
-    write_state(&mut w, state, fingerprint).with_context(|| format!("writing state file {}", path.display()))?;
-    w.flush().with_context(|| format!("writing state file {}", path.display()))?;
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .with_context(|| format!("creating state file {}", path.display()))?;
+    // Small buffer: the header and padding are gathered, payload pieces go straight through.
+    let mut w = std::io::BufWriter::with_capacity(16 << 10, file);
+    let written = write_state(&mut w, state, fingerprint).and_then(|()| Ok(w.into_inner().map_err(|e| e.into_error())?));
+    let file = written.with_context(|| format!("writing state file {}", path.display()))?;
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let total = layout_size(state) as u64;
+    if len != total {
+        file.set_len(total).with_context(|| format!("setting the length of state file {}", path.display()))?;
+    }
     Ok(())
 }
 
+/// Where state files go by default: memory-backed /dev/shm where there is one (a handoff on
+/// one machine needs no disk), else the temp directory.
+pub fn default_dir() -> std::path::PathBuf {
+    let shm = Path::new("/dev/shm");
+    if shm.is_dir() {
+        shm.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    }
+}
+
+/// Bytes of the image of `state`.
+pub fn layout_size(state: &State) -> usize {
+    layout(state, 0).total
+}
+
 /// Load a state file written by `save`, for the model `cfg` with `fingerprint`, returning
-/// the state and the time spent reading (map + checks) and rebuilding.
-pub fn load(path: &Path, fingerprint: Fingerprint, cfg: &Qwen35Config) -> Result<(State, Duration, Duration)> {
+/// the state and the time spent reading (map + header checks) and rebuilding (payloads copied
+/// into the state and checksummed). `reuse`: see `receive`.
+pub fn load(path: &Path, fingerprint: Fingerprint, cfg: &Qwen35Config, reuse: Option<State>) -> Result<(State, Duration, Duration)> {
     let t = Instant::now();
     let file = std::fs::File::open(path).with_context(|| format!("opening state file {}", path.display()))?;
     // SAFETY: the map is read-only and dropped before this function returns; a file changed
     // underneath would at worst fail the checksum.
-    let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("mapping state file {}", path.display()))?;
+    // Populated: the kernel maps every page at once rather than on a fault per page.
+    let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }.with_context(|| format!("mapping state file {}", path.display()))?;
     let header = parse_header(&map, fingerprint, cfg).with_context(|| format!("state file {}", path.display()))?;
+    if map.len() != header.total {
+        bail!("state file {}: {} bytes, its header announces {} (truncated or extended)", path.display(), map.len(), header.total);
+    }
     let read = t.elapsed();
     let t = Instant::now();
-    let state = header.rebuild(&map).with_context(|| format!("state file {}", path.display()))?;
+    let state = header.read_body(&mut &map[header.table_end..], reuse).with_context(|| format!("state file {}", path.display()))?;
     Ok((state, read, t.elapsed()))
 }
 
 /// Send a state over a byte stream (a socket): the image, as `write_state` writes it.
 pub fn send(stream: &mut impl Write, state: &State, fingerprint: Fingerprint) -> Result<()> {
-    let mut w = std::io::BufWriter::with_capacity(1 << 20, stream);
+    let mut w = std::io::BufWriter::with_capacity(16 << 10, stream);
     write_state(&mut w, state, fingerprint)?;
     w.flush()?;
     Ok(())
 }
 
-/// Receive one state from a byte stream, returning it with the time spent receiving (header
-/// checks included) and rebuilding.
-pub fn receive(stream: &mut impl Read, fingerprint: Fingerprint, cfg: &Qwen35Config) -> Result<(State, Duration, Duration)> {
+/// Receive one state from a byte stream, returning it with the time spent receiving the header
+/// and checking it, and the time spent receiving the payloads, which go straight into the
+/// state's arrays (so for a stream "rebuild" includes the wait for the bytes). `reuse` lends
+/// the buffers of a state no longer needed.
+pub fn receive(stream: &mut impl Read, fingerprint: Fingerprint, cfg: &Qwen35Config, reuse: Option<State>) -> Result<(State, Duration, Duration)> {
     let t = Instant::now();
     let mut bytes = vec![0u8; FIXED];
     stream.read_exact(&mut bytes).context("receiving a state header: the stream ended")?;
@@ -304,11 +404,9 @@ pub fn receive(stream: &mut impl Read, fingerprint: Fingerprint, cfg: &Qwen35Con
     bytes.resize(table_end, 0);
     stream.read_exact(&mut bytes[FIXED..]).context("receiving a state's layer table: the stream ended")?;
     let header = parse_header(&bytes, fingerprint, cfg)?;
-    bytes.resize(header.total, 0);
-    stream.read_exact(&mut bytes[table_end..]).with_context(|| format!("receiving a state of {} bytes: the stream ended early", header.total))?;
     let read = t.elapsed();
     let t = Instant::now();
-    let state = header.rebuild(&bytes)?;
+    let state = header.read_body(stream, reuse)?;
     Ok((state, read, t.elapsed()))
 }
 
@@ -320,31 +418,79 @@ fn as_bytes(a: &[f32]) -> &[u8] {
 #[cfg(target_endian = "big")]
 compile_error!("the state format is little-endian and written from memory as is");
 
-/// A 64-bit checksum of byte slices taken in order (four independent multiply-rotate lanes over
-/// 8-byte words, so it runs at memory speed; a flipped bit anywhere changes it).
-pub fn checksum<'a>(parts: impl Iterator<Item = &'a [u8]>) -> u64 {
-    const K: [u64; 4] = [0x9E37_79B9_7F4A_7C15, 0xC2B2_AE3D_27D4_EB4F, 0x1656_67B1_9E37_79F9, 0x27D4_EB2F_1656_67C5];
-    let mut lanes = K;
-    let mut len = 0u64;
-    for part in parts {
-        len = len.wrapping_add(part.len() as u64).rotate_left(7);
-        let words = part.chunks_exact(32);
-        let tail = words.remainder();
-        for w in words {
-            for (j, lane) in lanes.iter_mut().enumerate() {
+/// A 64-bit checksum of a byte string, fed in pieces of any size. Fletcher-style over 64-bit
+/// words in eight lanes (`a += word; b += a` per lane, on 64-byte blocks), so that it runs as
+/// fast as the bytes arrive (the compiler turns the lanes into vector adds): a flipped bit
+/// changes `a`, moved words change `b`. The lanes, the trailing bytes and the length are
+/// mixed into the result. It detects corruption; it is no cryptographic signature.
+#[derive(Clone)]
+pub struct Hasher {
+    a: [u64; 8],
+    b: [u64; 8],
+    len: u64,
+    buf: [u8; 64],
+    buffered: usize,
+}
+
+const K: [u64; 4] = [0x9E37_79B9_7F4A_7C15, 0xC2B2_AE3D_27D4_EB4F, 0x1656_67B1_9E37_79F9, 0x27D4_EB2F_1656_67C5];
+
+impl Default for Hasher {
+    fn default() -> Self {
+        Hasher { a: [0; 8], b: [0; 8], len: 0, buf: [0; 64], buffered: 0 }
+    }
+}
+
+impl Hasher {
+    #[inline(always)]
+    fn blocks(&mut self, data: &[u8]) {
+        for w in data.chunks_exact(64) {
+            for j in 0..8 {
                 let x = u64::from_le_bytes(w[8 * j..8 * j + 8].try_into().unwrap());
-                *lane = (lane.rotate_left(29) ^ x).wrapping_mul(K[j] | 1);
+                self.a[j] = self.a[j].wrapping_add(x);
+                self.b[j] = self.b[j].wrapping_add(self.a[j]);
             }
         }
-        for (i, &b) in tail.iter().enumerate() {
-            lanes[i % 4] = (lanes[i % 4].rotate_left(29) ^ b as u64).wrapping_mul(K[i % 4] | 1);
+    }
+
+    pub fn update(&mut self, mut data: &[u8]) {
+        self.len = self.len.wrapping_add(data.len() as u64);
+        if self.buffered > 0 {
+            let take = (64 - self.buffered).min(data.len());
+            self.buf[self.buffered..self.buffered + take].copy_from_slice(&data[..take]);
+            self.buffered += take;
+            data = &data[take..];
+            if self.buffered < 64 {
+                return;
+            }
+            let b = self.buf;
+            self.blocks(&b);
+            self.buffered = 0;
         }
+        let whole = data.len() / 64 * 64;
+        self.blocks(&data[..whole]);
+        let tail = &data[whole..];
+        self.buf[..tail.len()].copy_from_slice(tail);
+        self.buffered = tail.len();
     }
-    let mut h = len;
-    for (j, lane) in lanes.iter().enumerate() {
-        h = (h ^ lane.rotate_left(13 * j as u32 + 1)).wrapping_mul(K[0] | 1);
+
+    pub fn finish(self) -> u64 {
+        let mix = |h: u64, x: u64| (h ^ x).rotate_left(27).wrapping_mul(K[0] | 1).wrapping_add(K[1]);
+        let mut h = mix(K[2], self.len);
+        for j in 0..8 {
+            h = mix(mix(h, self.a[j]), self.b[j]);
+        }
+        for &byte in &self.buf[..self.buffered] {
+            h = mix(h, byte as u64 ^ K[3]);
+        }
+        h ^ (h >> 31)
     }
-    h ^ (h >> 31)
+}
+
+/// The checksum of one byte string.
+pub fn checksum(bytes: &[u8]) -> u64 {
+    let mut h = Hasher::default();
+    h.update(bytes);
+    h.finish()
 }
 
 #[cfg(test)]
@@ -352,14 +498,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_checksum_sees_a_flipped_bit_and_the_order_of_parts() {
+    fn the_checksum_sees_a_flipped_bit_and_does_not_depend_on_the_pieces() {
         let data: Vec<u8> = (0..1000u32).map(|i| (i * 7 % 251) as u8).collect();
-        let base = checksum([&data[..]].into_iter());
+        let base = checksum(&data);
         for i in [0, 31, 32, 500, 999] {
             let mut d = data.clone();
             d[i] ^= 0x10;
-            assert_ne!(checksum([&d[..]].into_iter()), base, "bit flip at {i}");
+            assert_ne!(checksum(&d), base, "bit flip at {i}");
         }
-        assert_ne!(checksum([&data[..500], &data[500..]].into_iter()), checksum([&data[500..], &data[..500]].into_iter()));
+        for cuts in [vec![1, 2, 3], vec![31, 33, 64], vec![500], vec![0, 999]] {
+            let mut h = Hasher::default();
+            let mut at = 0;
+            for c in cuts.into_iter().chain([1000]) {
+                h.update(&data[at..c]);
+                at = c;
+            }
+            assert_eq!(h.finish(), base);
+        }
+        let mut swapped = data[500..].to_vec();
+        swapped.extend(&data[..500]);
+        assert_ne!(checksum(&swapped), base);
     }
 }

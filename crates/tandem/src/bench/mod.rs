@@ -22,6 +22,11 @@ use tandem_core::state::State;
 
 use crate::args::Args;
 
+pub mod pipeline;
+
+/// The report's sections, in order.
+const SECTIONS: [&str; 4] = ["kernels", "transfer", "multiturn", "concurrency"];
+
 pub const USAGE: &str = "\
 tandem bench [--model M] [--threads N | --cores 0,1] [--quant bf16,int8] [--prompts 13,74,133,410]
              [--decode-tokens 32] [--reps 3] [--quick] [--json FILE] [--isa avx512|avx2|portable]
@@ -47,8 +52,12 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         print!("{USAGE}");
         return Ok(ExitCode::SUCCESS);
     }
-    let args = Args::parse(argv, &["model", "threads", "cores", "quant", "prompts", "decode-tokens", "reps", "json", "isa"], &["quick"])?;
+    let args = Args::parse(argv, &["model", "threads", "cores", "quant", "prompts", "decode-tokens", "reps", "json", "isa", "sections", "prefill", "decode"], &["quick"])?;
     let quick = args.flag("quick");
+    let sections: Vec<&str> = args.str("sections").map(|s| s.split(',').map(str::trim).collect()).unwrap_or(SECTIONS.to_vec());
+    if let Some(bad) = sections.iter().find(|s| !SECTIONS.contains(s)) {
+        bail!("--sections: unknown section {bad:?} (sections: {})", SECTIONS.join(", "));
+    }
     let spec = args.str("model").unwrap_or("synthetic:qwen3.5-0.8b").to_string();
     let quants: Vec<String> = args.str("quant").unwrap_or("bf16,int8").split(',').map(|s| s.trim().to_string()).collect();
     for q in &quants {
@@ -91,8 +100,87 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
 
     progress(&format!("loading {spec}"));
     let model = tandem_core::load::LoadedModel::load(&spec)?;
+    let mut samples = Vec::new();
+    if sections.contains(&"kernels") {
+        kernels(&mut report, &mut samples, &model, &pool, &spec, &quants, &prompts, decode_tokens, reps)?;
+    }
+    pipeline_sections(&mut report, &model, &args, &sections, quick, reps, &spec)?;
+    if let (Some(a), Some(b)) = (steal_start, cpu_steal()) {
+        let (steal, total) = (b.0 - a.0, b.1 - a.1);
+        writeln!(report, "\nCPU time taken by the hypervisor (steal) during this run: {:.0}%.", 100.0 * steal as f64 / total.max(1) as f64)?;
+    }
+    print!("{report}");
+
+    if let Some(path) = args.str("json") {
+        let runs: Vec<serde_json::Value> = samples
+            .iter()
+            .map(|s| {
+                serde_json::json!({"weights": s.quant, "phase": s.kind, "tokens": s.tokens, "seconds": s.seconds,
+                    "read_bandwidth_bytes_per_s": s.bandwidth, "fma_peak_flops": s.fma_peak})
+            })
+            .collect();
+        let doc = serde_json::json!({
+            "model": spec, "threads": threads, "cpu": cpu_model(), "kernels": limits::isa(),
+            "read_bandwidth_bytes_per_s": bandwidth, "fma_peak_flops": fma_peak, "bf16_dot_peak_flops": bf16_peak,
+            "runs": runs,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?).with_context(|| format!("writing {path}"))?;
+        eprintln!("raw runs written to {path}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn parse_list(s: &str, flag: &str) -> Result<Vec<usize>> {
+    s.split(',').map(|p| p.trim().parse::<usize>().map_err(|_| anyhow::anyhow!("{flag}: {p:?} is not a number"))).collect()
+}
+
+/// (median, min, max).
+fn stats(v: &mut [f64]) -> (f64, f64, f64) {
+    let med = limits::median(v);
+    (med, v.first().copied().unwrap_or(f64::NAN), v.last().copied().unwrap_or(f64::NAN))
+}
+
+/// (steal, total) jiffies of all CPUs since boot, from /proc/stat; None where it is absent.
+fn cpu_steal() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let fields: Vec<u64> = stat.lines().next()?.split_whitespace().skip(1).filter_map(|f| f.parse().ok()).collect();
+    Some((*fields.get(7)?, fields.iter().sum()))
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| c.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_string()))
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+fn progress(msg: &str) {
+    eprintln!("[bench] {msg}");
+}
+
+fn progress_bar(done: usize, total: usize) {
+    let width = 30;
+    let filled = width * done / total.max(1);
+    eprint!("\r[bench] [{}{}] {done}/{total} runs", "#".repeat(filled), ".".repeat(width - filled));
+}
+
+/// Prefill and decode rates of each weight format against the measured ceilings, int8 quality,
+/// and peak memory.
+#[allow(clippy::too_many_arguments)]
+fn kernels(
+    report: &mut String,
+    samples: &mut Vec<Sample>,
+    model: &tandem_core::load::LoadedModel,
+    pool: &tandem_core::pool::Pool,
+    spec: &str,
+    quants: &[String],
+    prompts: &[usize],
+    decode_tokens: usize,
+    reps: usize,
+) -> Result<()> {
+    let threads = pool.threads();
     let mut nets: Vec<(String, Qwen35)> = Vec::new();
-    for q in &quants {
+    for q in quants {
         let mut net = model.net.clone();
         if q == "int8" {
             progress("quantizing to int8");
@@ -109,14 +197,13 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         net.forward(&pool, &prompt_of(8), &mut st, Logits::Last)?;
         net.forward(&pool, &[1], &mut st, Logits::Last)?;
     }
-    let mut samples = Vec::new();
     let total = reps * nets.len() * (prompts.len() + 1);
     let mut done = 0;
     // The ceilings again, just before each run (about a quarter of a second).
     let ceilings = || (limits::read_bandwidth(&pool, 256 << 20, 2), limits::fma_peak(&pool, 2));
     for _ in 0..reps {
         for (q, net) in &nets {
-            for &n in &prompts {
+            for &n in prompts {
                 let (bandwidth, fma_peak) = ceilings();
                 let prompt = prompt_of(n);
                 let mut st = State::new(&net.config);
@@ -155,7 +242,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     writeln!(report, "| weights | prompt tokens | tok/s (median) | min - max | GFLOP/token | GFLOP/s | of FMA peak | ceiling tok/s |")?;
     writeln!(report, "|---|---|---|---|---|---|---|---|")?;
     for (q, net) in &nets {
-        for &n in &prompts {
+        for &n in prompts {
             let runs: Vec<&Sample> = samples.iter().filter(|s| &s.quant == q && s.kind == "prefill" && s.tokens == n).collect();
             let flops_per_token = net.prefill_flops(n) / n as f64;
             let (med, lo, hi) = stats(&mut runs.iter().map(|s| n as f64 / s.seconds).collect::<Vec<_>>());
@@ -224,61 +311,31 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         let (w, s) = (net.weight_bytes() as f64 / 1e9, st.bytes() as f64 / 1e9);
         writeln!(report, "| {q} | {w:.2} GB | {:.0} MB | {peak_gb:.2} GB | {:.2} |", s * 1e3, peak_gb / (w + s))?;
     }
-    if let (Some(a), Some(b)) = (steal_start, cpu_steal()) {
-        let (steal, total) = (b.0 - a.0, b.1 - a.1);
-        writeln!(report, "\nCPU time taken by the hypervisor (steal) during this run: {:.0}%.", 100.0 * steal as f64 / total.max(1) as f64)?;
+    Ok(())
+}
+
+/// The two-engine sections: the engines of `--prefill`/`--decode` (default: prefill on core 0,
+/// decode on core 1, or both on one thread on a one-core machine).
+fn pipeline_sections(report: &mut String, model: &tandem_core::load::LoadedModel, args: &Args, sections: &[&str], quick: bool, reps: usize, spec: &str) -> Result<()> {
+    use tandem_core::engine::Placement;
+    use tandem_core::scheduler::{Mode, PipelineConfig, Transfer};
+    let two = std::thread::available_parallelism().map(|n| n.get() >= 2).unwrap_or(false);
+    let (p, d) = if two { ("cpu:cores=0", "cpu:cores=1") } else { ("cpu:threads=1", "cpu:threads=1") };
+    let config = PipelineConfig {
+        mode: Mode::Hybrid,
+        prefill: Placement::parse(args.str("prefill").unwrap_or(p)).context("--prefill")?,
+        decode: Placement::parse(args.str("decode").unwrap_or(d)).context("--decode")?,
+        transfer: Transfer::Move,
+        max_batch: 8,
+    };
+    if sections.contains(&"transfer") {
+        pipeline::transfer(report, model, &config.decode, &[74, 410], if quick { 3 } else { 7 }, spec)?;
     }
-    print!("{report}");
-
-    if let Some(path) = args.str("json") {
-        let runs: Vec<serde_json::Value> = samples
-            .iter()
-            .map(|s| {
-                serde_json::json!({"weights": s.quant, "phase": s.kind, "tokens": s.tokens, "seconds": s.seconds,
-                    "read_bandwidth_bytes_per_s": s.bandwidth, "fma_peak_flops": s.fma_peak})
-            })
-            .collect();
-        let doc = serde_json::json!({
-            "model": spec, "threads": threads, "cpu": cpu_model(), "kernels": limits::isa(),
-            "read_bandwidth_bytes_per_s": bandwidth, "fma_peak_flops": fma_peak, "bf16_dot_peak_flops": bf16_peak,
-            "runs": runs,
-        });
-        std::fs::write(path, serde_json::to_string_pretty(&doc)?).with_context(|| format!("writing {path}"))?;
-        eprintln!("raw runs written to {path}");
+    if sections.contains(&"multiturn") {
+        pipeline::multiturn(report, model, &config, 3, 74, if quick { 16 } else { 100 }, if quick { 1 } else { reps }, spec)?;
     }
-    Ok(ExitCode::SUCCESS)
-}
-
-fn parse_list(s: &str, flag: &str) -> Result<Vec<usize>> {
-    s.split(',').map(|p| p.trim().parse::<usize>().map_err(|_| anyhow::anyhow!("{flag}: {p:?} is not a number"))).collect()
-}
-
-/// (median, min, max).
-fn stats(v: &mut [f64]) -> (f64, f64, f64) {
-    let med = limits::median(v);
-    (med, v.first().copied().unwrap_or(f64::NAN), v.last().copied().unwrap_or(f64::NAN))
-}
-
-/// (steal, total) jiffies of all CPUs since boot, from /proc/stat; None where it is absent.
-fn cpu_steal() -> Option<(u64, u64)> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let fields: Vec<u64> = stat.lines().next()?.split_whitespace().skip(1).filter_map(|f| f.parse().ok()).collect();
-    Some((*fields.get(7)?, fields.iter().sum()))
-}
-
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|c| c.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_string()))
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
-}
-
-fn progress(msg: &str) {
-    eprintln!("[bench] {msg}");
-}
-
-fn progress_bar(done: usize, total: usize) {
-    let width = 30;
-    let filled = width * done / total.max(1);
-    eprint!("\r[bench] [{}{}] {done}/{total} runs", "#".repeat(filled), ".".repeat(width - filled));
+    if sections.contains(&"concurrency") {
+        pipeline::concurrency(report, model, &config, &[1, 2, 4, 8], 13, if quick { 8 } else { 32 }, if quick { 1 } else { reps }, spec)?;
+    }
+    Ok(())
 }

@@ -1,0 +1,411 @@
+//! The two-engine sections of `tandem bench`: state transfer (serialize / read / rebuild for
+//! each transfer kind), multi-turn conversations (per-turn TTFT with and without sessions) and
+//! concurrency (batched decode steps, and requests through the pipeline).
+
+use std::fmt::Write as _;
+use std::io::{BufRead, BufReader, Write as _};
+use std::os::unix::net::UnixStream;
+use std::process::{Command, Stdio};
+use std::sync::mpsc::channel;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use tandem_core::chat::Message;
+use tandem_core::engine::{Engine, Placement};
+use tandem_core::load::LoadedModel;
+use tandem_core::scheduler::{self, Event, Generation, PipelineConfig, Request};
+use tandem_core::session::{Scaffold, Session};
+use tandem_core::state::bridge;
+use tandem_core::state::State;
+
+use super::{progress, stats};
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// `(median, min, max)` of durations, in ms.
+fn ms_stats(v: &[Duration]) -> (f64, f64, f64) {
+    stats(&mut v.iter().map(|d| ms(*d)).collect::<Vec<_>>())
+}
+
+/// A prompt of exactly `n` tokens (ids spread over the vocabulary).
+pub fn prompt_of(n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|i| ((i * 7919 + 17) % vocab) as u32).collect()
+}
+
+/// Table 3: each transfer kind in its three parts, at the given prompt lengths.
+pub fn transfer(report: &mut String, model: &LoadedModel, engine: &Placement, lengths: &[usize], reps: usize, spec: &str) -> Result<()> {
+    progress("state transfer");
+    let net = &model.net;
+    let fp = net.fingerprint();
+    let cfg = &net.config;
+    writeln!(report, "\n## State transfer ({spec}; median of {reps}, min - max in brackets; ms)\n")?;
+    writeln!(report, "| transfer | prompt tokens | state | serialize | read | rebuild | total |")?;
+    writeln!(report, "|---|---|---|---|---|---|---|")?;
+    let eng = Engine::new(engine, net)?;
+    // A child process that receives states on its stdin (one end of a Unix socket pair).
+    let (mut to_child, child_end) = UnixStream::pair().context("socket pair for the receiving process")?;
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(["state-receive", "--model", spec, "--fingerprint", &format!("{fp:032x}")])
+        .stdin(Stdio::from(std::os::fd::OwnedFd::from(child_end)))
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting the receiving process (tandem state-receive)")?;
+    let mut child_out = BufReader::new(child.stdout.take().expect("piped"));
+    let mut floors = Vec::new();
+    for &n in lengths {
+        let mut state = State::new(cfg);
+        eng.prefill(&prompt_of(n, model.sampleable_vocab()), &mut state)?;
+        let mb = state.bytes() as f64 / 1e6;
+        type Parts = (Duration, Duration, Duration);
+        let dir = bridge::default_dir();
+        let file_row = format!("file ({}, reused)", dir.display());
+        let fresh_row = format!("file ({}, new file, new memory)", dir.display());
+        let mut rows: Vec<(&str, Vec<Parts>)> = vec![
+            ("move (in-process)", vec![]),
+            (&file_row, vec![]),
+            (&fresh_row, vec![]),
+            ("socket (threads)", vec![]),
+            ("socket (processes)", vec![]),
+        ];
+        // The receiver rebuilds into the buffers of a state it no longer needs (as the
+        // pipeline's decode engine does with finished requests), except in the fresh row.
+        let mut recycled = Some(state.clone());
+        for _ in 0..reps {
+            // Move: the state itself crosses a channel to another thread.
+            let (tx, rx) = channel::<(State, Instant)>();
+            let (back_tx, back_rx) = channel::<(State, Duration)>();
+            let receiver = std::thread::spawn(move || {
+                if let Ok((s, t)) = rx.recv() {
+                    let _ = back_tx.send((s, t.elapsed()));
+                }
+            });
+            tx.send((state, Instant::now())).expect("receiver waits");
+            let (s, moved) = back_rx.recv().expect("receiver answers");
+            receiver.join().expect("receiver thread");
+            state = s;
+            rows[0].1.push((Duration::ZERO, moved, Duration::ZERO));
+
+            // Steady state: a state file the pipeline already has, rebuilt into a recycled state.
+            let path = dir.join(format!("tandem-bench-{}.state", std::process::id()));
+            let t = Instant::now();
+            bridge::save(&path, &state, fp)?;
+            let serialize = t.elapsed();
+            let (back, read, rebuild) = bridge::load(&path, fp, cfg, recycled.take())?;
+            if back != state {
+                bail!("the file bridge changed the state");
+            }
+            rows[1].1.push((serialize, read, rebuild));
+            // First handoff: a new file, rebuilt into new memory.
+            let new_path = dir.join(format!("tandem-bench-{}-new.state", std::process::id()));
+            let t = Instant::now();
+            bridge::save(&new_path, &state, fp)?;
+            let serialize = t.elapsed();
+            let (fresh, read, rebuild) = bridge::load(&new_path, fp, cfg, None)?;
+            std::fs::remove_file(&new_path)?;
+            drop(fresh);
+            rows[2].1.push((serialize, read, rebuild));
+
+            let (mut a, mut b) = UnixStream::pair()?;
+            let cfg2 = cfg.clone();
+            let reuse = Some(back);
+            let receiver = std::thread::spawn(move || bridge::receive(&mut b, fp, &cfg2, reuse));
+            let t = Instant::now();
+            bridge::send(&mut a, &state, fp)?;
+            let serialize = t.elapsed();
+            let (back, read, rebuild) = receiver.join().expect("receiver thread")?;
+            if back != state {
+                bail!("the socket bridge changed the state");
+            }
+            recycled = Some(back);
+            rows[3].1.push((serialize, read, rebuild));
+
+            let t = Instant::now();
+            bridge::send(&mut to_child, &state, fp)?;
+            let serialize = t.elapsed();
+            let mut line = String::new();
+            child_out.read_line(&mut line)?;
+            let f: Vec<f64> = line.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+            if f.len() != 3 || f[2] as usize != state.position {
+                bail!("the receiving process answered {line:?}");
+            }
+            rows[4].1.push((serialize, Duration::from_secs_f64(f[0] / 1e3), Duration::from_secs_f64(f[1] / 1e3)));
+        }
+        let _ = std::fs::remove_file(dir.join(format!("tandem-bench-{}.state", std::process::id())));
+        // The floor of a file transfer: it copies the state twice (into the page cache and out
+        // of it), one core each side. A plain memcpy of the same bytes, measured now:
+        let src = vec![1u8; state.bytes()];
+        let mut dst = vec![0u8; state.bytes()];
+        let mut copies = Vec::new();
+        for _ in 0..reps.max(3) {
+            let t = Instant::now();
+            dst.copy_from_slice(&src);
+            copies.push(t.elapsed());
+        }
+        std::hint::black_box(&dst);
+        floors.push((n, ms_stats(&copies).0));
+        for (name, runs) in &rows {
+            let part = |f: &dyn Fn(&Parts) -> Duration| {
+                let (m, lo, hi) = ms_stats(&runs.iter().map(f).collect::<Vec<_>>());
+                format!("{m:.2} ({lo:.2} - {hi:.2})")
+            };
+            writeln!(
+                report,
+                "| {name} | {n} | {mb:.1} MB | {} | {} | {} | {} |",
+                part(&|p| p.0),
+                part(&|p| p.1),
+                part(&|p| p.2),
+                part(&|p| p.0 + p.1 + p.2)
+            )?;
+        }
+    }
+    drop(to_child);
+    child.wait()?;
+    for (n, copy) in floors {
+        writeln!(report, "\nOne memcpy of the {n}-token state on one core, measured in this run: {copy:.2} ms; a file transfer makes two copies (into the page cache, out of it), so about {:.1} ms is its floor here.", 2.0 * copy)?;
+    }
+    writeln!(report, "\nMove: the time for the state to reach the other thread (no copy). Read: receiving and checking the bytes (header, fingerprint, checksum); rebuild: the engine's state made from them. The processes row streams to a separate `tandem state-receive` process. Reused: the sender overwrites a state file it has written before and the receiver rebuilds into the buffers of a state it no longer needs, as the pipeline does in steady state (it recycles its state files and finished requests' states); the new-file row is a first handoff, which also pays for new pages on both sides. Over a socket the payload is received straight into the state, so rebuild includes the wait for the bytes.")?;
+    Ok(())
+}
+
+/// `tandem state-receive`: read states from stdin (a socket) until it closes, answering each
+/// with "read_ms rebuild_ms position" (the receiving side of the cross-process transfer).
+pub fn state_receive(argv: &[String]) -> Result<std::process::ExitCode> {
+    let args = crate::args::Args::parse(argv, &["model", "fingerprint"], &[])?;
+    let spec = args.required("model")?;
+    let cfg = match spec.strip_prefix("synthetic:") {
+        Some(name) => tandem_core::model::synthetic::config(name)?,
+        None => {
+            let path = std::path::Path::new(spec).join("config.json");
+            let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+            tandem_core::config::Qwen35Config::from_json_str(&text, &path.display().to_string())?
+        }
+    };
+    let fp = u128::from_str_radix(args.required("fingerprint")?, 16).context("--fingerprint: not hex")?;
+    let mut stdin = std::io::stdin().lock();
+    let mut stdout = std::io::stdout().lock();
+    let mut spare = None;
+    // Until the stream ends between two states.
+    while !stdin.fill_buf()?.is_empty() {
+        let (state, read, rebuild) = bridge::receive(&mut stdin, fp, &cfg, spare.take())?;
+        writeln!(stdout, "{:.4} {:.4} {}", ms(read), ms(rebuild), state.position)?;
+        stdout.flush()?;
+        spare = Some(state);
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// 74-token user messages (English, cut at a word boundary).
+fn user_messages(model: &LoadedModel, turns: usize, tokens: usize) -> Result<Vec<String>> {
+    const TEXT: &str = "A tandem bicycle carries two riders who pedal together, the captain in front steering and braking, \
+        the stoker behind adding power and watching the road. Long ago tandems were used for courtship and racing; \
+        today touring couples, blind athletes with sighted pilots and parents with children ride them. Pedalling in \
+        step matters because the cranks are linked by a timing chain, so neither rider can coast alone. Tell me how \
+        to start, shift gears, and stop smoothly on a loaded touring tandem, and what mistakes new teams make most. \
+        Also explain how communication between the riders works on hills, at traffic lights and on rough gravel roads.";
+    let tok = model.tokenizer.as_ref().context("the multi-turn section needs a tokenizer")?;
+    let words: Vec<&str> = TEXT.split_whitespace().collect();
+    (0..turns)
+        .map(|t| {
+            let mut msg = format!("Question {}:", t + 1);
+            for w in words.iter().cycle().skip(t * 11) {
+                let next = format!("{msg} {w}");
+                if tok.encode(&next)?.len() > tokens {
+                    break;
+                }
+                msg = next;
+            }
+            Ok(msg)
+        })
+        .collect()
+}
+
+/// One measured turn.
+#[derive(Clone, Copy, Default)]
+struct TurnTimes {
+    ttft: Duration,
+    total: Duration,
+    at_send: usize,
+    ahead: Duration,
+}
+
+/// Table 4: a conversation of `turns` turns (each a `msg_tokens`-token user message and a
+/// `reply_tokens`-token reply) three ways: the whole conversation prefilled at each turn (no
+/// session), a session whose messages are sent whole, and a session typed ahead.
+pub fn multiturn(report: &mut String, model: &LoadedModel, config: &PipelineConfig, turns: usize, msg_tokens: usize, reply_tokens: usize, reps: usize, spec: &str) -> Result<()> {
+    progress("multi-turn conversations");
+    let messages = user_messages(model, turns, msg_tokens)?;
+    let tok = model.tokenizer.as_ref().context("needs a tokenizer")?;
+    let system = "You are a helpful cycling coach.";
+    // Replies run to their length: no stop ids, so every variant decodes the same count.
+    let generation = Generation { max_tokens: reply_tokens, sampling: Default::default(), vocab: model.sampleable_vocab(), stop_ids: vec![] };
+    const VARIANTS: [&str; 3] = ["no session: whole history prefilled each turn", "session, message sent whole", "session, typed ahead"];
+    let mut results: Vec<Vec<Vec<TurnTimes>>> = vec![Vec::new(); 3];
+    scheduler::run(&model.net, config, |p| {
+        for rep in 0..reps {
+            // Interleaved: A B C, A B C, ...
+            for (v, out) in results.iter_mut().enumerate() {
+                progress(&format!("multi-turn: {} (repetition {}/{reps})", VARIANTS[v], rep + 1));
+                out.push(if v == 0 { stateless(p, model, system, &messages, &generation)? } else { with_session(p, model, tok, system, &messages, &generation, v == 2)? });
+            }
+        }
+        Ok(())
+    })?;
+    writeln!(
+        report,
+        "\n## Multi-turn ({spec}; {turns} turns, {msg_tokens}-token user messages, {reply_tokens}-token replies; prefill {} -> decode {}; median of {reps})\n",
+        config.prefill, config.decode
+    )?;
+    writeln!(report, "| variant | turn | TTFT ms | turn total ms | tokens prefilled at send | engine work ahead of send ms |")?;
+    writeln!(report, "|---|---|---|---|---|---|")?;
+    for (v, runs) in results.iter().enumerate() {
+        for t in 0..turns {
+            let col = |f: &dyn Fn(&TurnTimes) -> Duration| ms_stats(&runs.iter().map(|r| f(&r[t])).collect::<Vec<_>>());
+            let (ttft, lo, hi) = col(&|x| x.ttft);
+            let (total, _, _) = col(&|x| x.total);
+            let (ahead, _, _) = col(&|x| x.ahead);
+            writeln!(report, "| {} | {} | {ttft:.1} ({lo:.1} - {hi:.1}) | {total:.0} | {} | {ahead:.0} |", VARIANTS[v], t + 1, runs[0][t].at_send)?;
+        }
+    }
+    writeln!(
+        report,
+        "\nTyped ahead: the message is fed word by word as it would be typed (as fast as the engine takes it: a person types slower), the next turn's template is applied as soon as a reply ends, and the closing template speculatively after each word. TTFT is from send to the first token sampled."
+    )?;
+    Ok(())
+}
+
+fn stateless(p: &scheduler::Pipeline, model: &LoadedModel, system: &str, messages: &[String], generation: &Generation) -> Result<Vec<TurnTimes>> {
+    let tok = model.tokenizer.as_ref().context("needs a tokenizer")?;
+    let mut history = vec![Message::new("system", system)];
+    let mut out = Vec::new();
+    for msg in messages {
+        history.push(Message::new("user", msg));
+        let ids = tok.encode(&model.chat_template.render(&history, true, false)?)?;
+        let at_send = ids.len();
+        let t = Instant::now();
+        let g = p.generate(None, ids, generation, |_| Ok(()))?;
+        out.push(TurnTimes { ttft: g.timings.ttft, total: t.elapsed(), at_send, ahead: Duration::ZERO });
+        history.push(Message::new("assistant", &tok.decode(&g.tokens)?));
+    }
+    Ok(out)
+}
+
+fn with_session(p: &scheduler::Pipeline, model: &LoadedModel, tok: &tandem_core::tokenizer::Tokenizer, system: &str, messages: &[String], generation: &Generation, typing: bool) -> Result<Vec<TurnTimes>> {
+    let scaffold = Scaffold::from_template(&model.chat_template, Some(system), false)?;
+    let mut session = Session::new(scaffold, |s: &str| tok.encode(s), &model.net.config);
+    let mut prefill = |st: State, ids: &[u32]| p.prefill(st, ids).map(|(s, _)| s);
+    let mut out = Vec::new();
+    for msg in messages {
+        let ahead = Instant::now();
+        // Early prefill while the user reads the last reply.
+        session.type_ahead("", &mut prefill)?;
+        if typing {
+            let words: Vec<&str> = msg.split(' ').collect();
+            for n in 1..=words.len() {
+                session.type_ahead(&words[..n].join(" "), &mut prefill)?;
+            }
+        }
+        let ahead = ahead.elapsed();
+        let t = Instant::now();
+        let turn = session.send(msg)?;
+        let at_send = turn.tokens.len();
+        let g = p.generate(Some(turn.start), turn.tokens, generation, |_| Ok(()))?;
+        let total = t.elapsed();
+        session.finish(g.state.context("the turn's state came back")?, &g.tokens, g.finish)?;
+        out.push(TurnTimes { ttft: g.timings.ttft, total, at_send, ahead });
+    }
+    Ok(out)
+}
+
+/// Table 5: aggregate decode throughput of batched steps, and N concurrent requests through
+/// the pipeline.
+pub fn concurrency(report: &mut String, model: &LoadedModel, config: &PipelineConfig, counts: &[usize], prompt_tokens: usize, max_tokens: usize, reps: usize, spec: &str) -> Result<()> {
+    progress("concurrency");
+    let net = &model.net;
+    let vocab = model.sampleable_vocab();
+    writeln!(report, "\n## Concurrency ({spec}; decode engine {})\n", config.decode)?;
+    // The decode engine alone: one step advances every sequence of the batch.
+    let engine = Engine::new(&config.decode, net)?;
+    let mut step_rates: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];
+    let steps = max_tokens.clamp(4, 16);
+    let mut bases = Vec::new();
+    for i in 0..*counts.iter().max().unwrap_or(&1) {
+        let mut st = State::new(&net.config);
+        engine.prefill(&prompt_of(13 + i, vocab), &mut st)?;
+        bases.push(st);
+    }
+    for _ in 0..reps {
+        for (c, &n) in counts.iter().enumerate() {
+            let mut states: Vec<State> = bases[..n].to_vec();
+            let mut refs: Vec<&mut State> = states.iter_mut().collect();
+            let tokens: Vec<u32> = (0..n as u32).map(|i| 100 + i).collect();
+            let t = Instant::now();
+            for _ in 0..steps {
+                engine.decode(&tokens, &mut refs)?;
+            }
+            step_rates[c].push((n * steps) as f64 / t.elapsed().as_secs_f64());
+        }
+    }
+    drop(engine);
+    writeln!(report, "| sequences per step | aggregate decode tok/s | min - max | vs one sequence |")?;
+    writeln!(report, "|---|---|---|---|")?;
+    let one = stats(&mut step_rates[0].clone()).0;
+    for (c, &n) in counts.iter().enumerate() {
+        let (m, lo, hi) = stats(&mut step_rates[c]);
+        writeln!(report, "| {n} | {m:.1} | {lo:.1} - {hi:.1} | {:.2}x |", m / one)?;
+    }
+
+    // Through the pipeline: N requests submitted at once.
+    writeln!(report, "\nThrough the pipeline ({} mode, prefill {} -> decode {}): N requests of {prompt_tokens} prompt tokens submitted at once, {max_tokens} tokens each; median of {reps}.\n", config.mode.name(), config.prefill, config.decode)?;
+    writeln!(report, "| requests | aggregate output tok/s | TTFT p50 ms | TTFT p99 ms | per-request decode tok/s (median) |")?;
+    writeln!(report, "|---|---|---|---|---|")?;
+    let mut rows: Vec<Vec<(f64, f64, f64, f64)>> = vec![Vec::new(); counts.len()];
+    scheduler::run(net, config, |p| {
+        for _ in 0..reps {
+            for (c, &n) in counts.iter().enumerate() {
+                let (tx, rx) = channel();
+                let start = Instant::now();
+                for i in 0..n {
+                    p.submit(Request {
+                        id: i as u64,
+                        start: None,
+                        tokens: prompt_of(prompt_tokens + i, vocab),
+                        max_tokens,
+                        sampling: Default::default(),
+                        vocab,
+                        stop_ids: vec![],
+                        return_state: false,
+                        cancel: Default::default(),
+                        events: tx.clone(),
+                    })?;
+                }
+                drop(tx);
+                let mut ttfts = Vec::new();
+                let mut rates = Vec::new();
+                let mut generated = 0;
+                for e in rx {
+                    match e {
+                        Event::Done { timings, .. } => {
+                            ttfts.push(ms(timings.ttft));
+                            rates.push(timings.decode_tok_s());
+                            generated += timings.generated;
+                        }
+                        Event::Failed { error, .. } => bail!("{error}"),
+                        Event::Token { .. } => {}
+                    }
+                }
+                let wall = start.elapsed().as_secs_f64();
+                ttfts.sort_by(f64::total_cmp);
+                let p99 = ttfts[((ttfts.len() as f64 * 0.99).ceil() as usize).saturating_sub(1)];
+                rows[c].push((generated as f64 / wall, stats(&mut ttfts.clone()).0, p99, stats(&mut rates).0));
+            }
+        }
+        Ok(())
+    })?;
+    for (c, &n) in counts.iter().enumerate() {
+        let col = |f: fn(&(f64, f64, f64, f64)) -> f64| stats(&mut rows[c].iter().map(f).collect::<Vec<_>>()).0;
+        writeln!(report, "| {n} | {:.1} | {:.0} | {:.0} | {:.2} |", col(|r| r.0), col(|r| r.1), col(|r| r.2), col(|r| r.3))?;
+    }
+    Ok(())
+}
