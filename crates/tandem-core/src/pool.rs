@@ -40,6 +40,20 @@ pub struct Pool {
     cores: Vec<usize>,
 }
 
+/// Cores the machine has online (not only those the calling thread may run on: a pinned thread
+/// narrows what `available_parallelism` reports, and threads it starts inherit that).
+fn online_cores() -> usize {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: sysconf has no preconditions.
+        let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+        if n > 0 {
+            return n as usize;
+        }
+    }
+    thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
 impl Pool {
     /// `threads` workers, not pinned.
     pub fn new(threads: usize) -> Pool {
@@ -52,7 +66,7 @@ impl Pool {
         if cores.is_empty() {
             bail!("a pool needs at least one core");
         }
-        let available = thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let available = online_cores();
         if let Some(&c) = cores.iter().find(|&&c| c >= available) {
             bail!("core {c} does not exist: this machine has cores 0..{available}");
         }

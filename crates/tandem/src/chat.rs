@@ -96,8 +96,11 @@ fn turn(pipeline: &Pipeline, session: &mut Session, message: &str, generation: &
     };
     session.finish(state, &g.tokens, g.finish)?;
     if !quiet {
+        // Dimmed on a terminal.
+        // SAFETY: isatty has no preconditions.
+        let (dim, plain) = if unsafe { libc::isatty(2) } == 1 { ("\x1b[2m", "\x1b[0m") } else { ("", "") };
         eprintln!(
-            "\x1b[2m[TTFT {:.1} ms | {} of the turn's {} tokens prefilled before send | {} tokens at {:.1} tok/s]\x1b[0m",
+            "{dim}[TTFT {:.1} ms | {} of the turn's {} tokens prefilled before send | {} tokens at {:.1} tok/s]{plain}",
             g.timings.ttft.as_secs_f64() * 1e3,
             reused,
             reused + at_send,

@@ -247,12 +247,12 @@ fn report(model: &LoadedModel, config: &PipelineConfig, load: Duration, prompts:
         generated += t.generated;
         let prefill_rate = if t.prefill.time.is_zero() { 0.0 } else { t.prefill.tokens as f64 / t.prefill.time.as_secs_f64() };
         let transfer = if bridge {
-            format!("  {:>5.2}+{:.2}+{:.2}", ms(t.transfer.serialize), ms(t.transfer.read), ms(t.transfer.rebuild))
+            format!("{:>18}", format!("{:.2}+{:.2}+{:.2}", ms(t.transfer.serialize), ms(t.transfer.read), ms(t.transfer.rebuild)))
         } else {
             String::new()
         };
         eprintln!(
-            "{:>4} {:>7} {:>6} {:>9.1} {:>10.1} {:>10.1} {:>10.3}{transfer:>18} {:>9.1} {:>10.2}  {finish:?}",
+            "{:>4} {:>7} {:>6} {:>9.1} {:>10.1} {:>10.1} {:>10.3}{transfer} {:>9.1} {:>10.2}  {finish:?}",
             i + 1,
             prompt.len(),
             t.generated,

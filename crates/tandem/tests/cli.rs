@@ -1,7 +1,7 @@
 //! The `tandem` command as a user runs it.
 
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 
 fn tandem(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tandem")).args(args).output().expect("run tandem")
@@ -31,9 +31,56 @@ fn generate_from_token_ids_prints_ids_and_a_summary() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "294,115,733,707,844");
     let err = stderr(&o);
-    for field in ["prompt 7 tokens", "TTFT", "prefill", "tok/s", "decode"] {
+    for field in ["TTFT ms", "prefill ms", "decode/s", "aggregate: 1 requests, 7 prompt tokens, 5 generated"] {
         assert!(err.contains(field), "summary lacks {field}: {err}");
     }
+}
+
+#[test]
+fn several_prompts_through_a_hybrid_pipeline_give_the_single_engine_tokens() {
+    let dir = std::env::temp_dir().join(format!("tandem-cli-prompts-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Token ids in a prompts file need a tokenizer; use the synthetic model's real one.
+    let file = dir.join("prompts.txt");
+    std::fs::write(&file, "The tandem bicycle\n\nA second prompt, longer than the first one\n").unwrap();
+    let single = tandem(&["generate", "--model", "synthetic:qwen3.5-0.8b", "--prompts-file", file.to_str().unwrap(), "--max-tokens", "3", "--ids-out"]);
+    assert!(single.status.success(), "{}", stderr(&single));
+    let hybrid = tandem(&[
+        "generate", "--model", "synthetic:qwen3.5-0.8b", "--prompts-file", file.to_str().unwrap(), "--max-tokens", "3", "--ids-out",
+        "--prefill", "cpu:threads=1,dispatch=batched:4", "--decode", "cpu:threads=1", "--transfer", &format!("file:{}", dir.display()),
+    ]);
+    assert!(hybrid.status.success(), "{}", stderr(&hybrid));
+    let out = String::from_utf8_lossy(&single.stdout).to_string();
+    assert!(out.contains("### request 1") && out.contains("### request 2"), "{out}");
+    // Requests may finish in either order; compare them request by request.
+    let parts = |s: &str| {
+        let mut v: Vec<String> = s.split("### request ").filter(|p| !p.trim().is_empty()).map(|p| p.trim().to_string()).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(parts(&out), parts(&String::from_utf8_lossy(&hybrid.stdout)));
+    let err = stderr(&hybrid);
+    assert!(err.contains("hybrid") && err.contains("bridge s+r+rb ms") && err.contains("aggregate: 2 requests"), "{err}");
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1, "state files are removed");
+}
+
+#[test]
+fn chat_from_a_pipe_answers_each_line_with_its_ttft() {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["chat", "--model", "synthetic:qwen3.5-0.8b", "--max-tokens", "2", "--threads", "2"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"Hello\nAnd again\n").unwrap();
+    let o = child.wait_with_output().unwrap();
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert_eq!(err.matches("[TTFT").count(), 2, "{err}");
+    // The second turn reused what was prefilled before it was sent (its scaffolding).
+    assert!(err.lines().filter(|l| l.contains("[TTFT")).nth(1).is_some_and(|l| !l.contains("| 0 of")), "{err}");
 }
 
 #[test]
@@ -43,7 +90,7 @@ fn synthetic_model_generates_text_from_a_chat_prompt() {
     assert!(!o.stdout.is_empty());
     // <|im_start|> user \n hello <|im_end|> \n <|im_start|> assistant \n, then thinking is off
     // by default: <think> \n\n </think> \n\n. 13 tokens.
-    assert!(stderr(&o).contains("prompt 13 tokens"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("aggregate: 1 requests, 13 prompt tokens"), "{}", stderr(&o));
     let ids = tandem(&["generate", "--model", "synthetic:qwen3.5-0.8b", "--prompt", "hello", "--max-tokens", "4", "--ids-out"]);
     let again = tandem(&["generate", "--model", "synthetic:qwen3.5-0.8b", "--prompt", "hello", "--max-tokens", "4", "--ids-out"]);
     assert!(ids.status.success());
@@ -62,6 +109,11 @@ fn bad_input_fails_cleanly_with_a_named_cause() {
         (vec!["generate".into(), "--model".into(), tiny(), "--token-ids".into(), "1".into(), "--top-p".into(), "2".into()], "top_p 2"),
         (vec!["generate".into(), "--model".into(), tiny(), "--token-ids".into(), "1".into(), "--max-tokens".into(), "-3".into()], "--max-tokens"),
         (vec!["generate".into(), "--model".into(), tiny(), "--bogus".into()], "unknown option --bogus"),
+        (vec!["generate".into(), "--model".into(), tiny(), "--token-ids".into(), "1".into(), "--prefill".into(), "gpu:0".into()], "unknown backend"),
+        (vec!["generate".into(), "--model".into(), tiny(), "--token-ids".into(), "1".into(), "--mode".into(), "both".into()], "unknown mode"),
+        (vec!["generate".into(), "--model".into(), tiny(), "--token-ids".into(), "1".into(), "--transfer".into(), "pigeon".into(), "--decode".into(), "cpu".into()], "unknown transfer"),
+        (vec!["generate".into(), "--model".into(), tiny(), "--token-ids".into(), "1".into(), "--decode".into(), "cpu:cores=99".into()], "core 99"),
+        (vec!["generate".into(), "--model".into(), tiny(), "--prompts-file".into(), "/no/prompts.txt".into()], "/no/prompts.txt"),
         (vec!["verify".into(), "--model".into(), tiny(), "--reference".into(), "/no/ref.safetensors".into()], "/no/ref.safetensors"),
         (vec!["frobnicate".into()], "unknown command"),
     ];

@@ -49,7 +49,11 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-/// `out = x · Wᵀ` on the pool: GEMV for one token, packed GEMM for more.
+/// Most tokens that take the GEMV path (a decode step of a batch of sequences): each weight row
+/// is read once for all of them. Past this, the packed GEMM.
+pub const GEMV_MAX_TOKENS: usize = 8;
+
+/// `out = x · Wᵀ` on the pool: GEMV for up to `GEMV_MAX_TOKENS` tokens, packed GEMM for more.
 pub fn matmul(pool: &Pool, x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) {
     matmul_group(pool, x, t, &mut [(w, out)]);
 }
@@ -59,6 +63,8 @@ pub fn matmul_group(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, 
     let jobs = checked_jobs(x, t, products);
     if t == 1 {
         gemv_group(pool, x, &jobs);
+    } else if t <= GEMV_MAX_TOKENS {
+        gemv_group_multi(pool, x, t, &jobs);
     } else {
         gemm::gemm_group(pool, x, t, &jobs);
     }
@@ -147,6 +153,47 @@ fn gemv_group(pool: &Pool, x: &[f32], jobs: &[(&Matrix, OutPtr)]) {
             unsafe { gemv_rows(x, w, &set, out.0) }
         }
     });
+}
+
+/// The GEMV of `t` tokens (2..=GEMV_MAX_TOKENS), `x` and the outputs row-major `[t, ..]`.
+fn gemv_group_multi(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, OutPtr)]) {
+    let cuts: Vec<(usize, usize)> = jobs.iter().map(|(w, _)| gemv_units(w)).collect();
+    let units: Vec<usize> = cuts.iter().map(|&(stride, per)| stride.div_ceil(per)).collect();
+    let queue = WorkQueue::new(units.iter().sum());
+    pool.run(&|_| {
+        while let Some(u) = queue.take() {
+            let (j, u) = locate(&units, u);
+            let (w, out) = jobs[j];
+            let (stride, per) = cuts[j];
+            let set = RowSet { offsets: u * per..((u + 1) * per).min(stride), stride, rows: w.rows };
+            // SAFETY: units are disjoint sets of rows inside every token's output row.
+            unsafe { gemv_rows_multi(x, t, w, &set, out.0) }
+        }
+    });
+}
+
+/// Rows `rows` of the product for `t` tokens (`x` and `out` row-major, `[t, k]` and `[t, n]`).
+///
+/// # Safety
+/// `out` must be valid for writes at `m · n + r` for every token `m` and row `r` of `rows`.
+pub unsafe fn gemv_rows_multi(x: &[f32], t: usize, w: &Matrix, rows: &RowSet, out: *mut f32) {
+    let (n, k) = (w.rows, w.cols);
+    #[cfg(target_arch = "x86_64")]
+    if super::isa() == super::Isa::Avx512 && k % 16 == 0 {
+        macro_rules! tokens {
+            ($($t:literal)*) => {
+                match t {
+                    $($t => return avx512::gemv_rows_multi::<$t>(x, w, rows, out),)*
+                    _ => {}
+                }
+            };
+        }
+        tokens!(2 3 4 5 6 7 8);
+    }
+    // Elsewhere: token by token (each reads the weights again; correct, not the fast path).
+    for m in 0..t {
+        gemv_rows(&x[m * k..(m + 1) * k], w, rows, out.add(m * n));
+    }
 }
 
 /// Whether the int8 × int16 VNNI GEMV runs this matrix (AVX-512 VNNI, rows of whole 64-byte
@@ -365,6 +412,58 @@ mod avx512 {
                 f(Ok(quad));
             } else {
                 quad.iter().filter(|&&r| r < rows.rows).for_each(|&r| f(Err(r)));
+            }
+        }
+    }
+
+    /// `T` tokens at once, two rows at a time: each weight is loaded once for all tokens. Per
+    /// (row, token) the sum runs exactly as in `gemv_rows` (16 lanes over k in order, reduced at
+    /// the end), so a decode step of a batch gives each sequence the bits it would get alone
+    /// (bf16/f16/f32 weights; int8 rows here use f32 arithmetic, not the one-token VNNI path).
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    pub unsafe fn gemv_rows_multi<const T: usize>(x: &[f32], w: &Matrix, rows: &RowSet, out: *mut f32) {
+        let (n, k) = (w.rows, w.cols);
+        let xp = x.as_ptr();
+        macro_rules! kernel {
+            ($ptr:expr, $elem:ty, $load:ident, $scale:expr) => {{
+                let base = $ptr;
+                let line = 64 / std::mem::size_of::<$elem>();
+                let ahead = PREFETCH_BYTES / std::mem::size_of::<$elem>();
+                let all: Vec<usize> = rows.iter().collect();
+                for pair in all.chunks(2) {
+                    let p: [*const $elem; 2] = [base.add(pair[0] * k), base.add(pair[pair.len() - 1] * k)];
+                    let mut a = [[_mm512_setzero_ps(); T]; 2];
+                    let mut i = 0;
+                    while i < k {
+                        if i % line == 0 {
+                            for pj in p {
+                                _mm_prefetch::<_MM_HINT_T0>(pj.wrapping_add(i + ahead) as *const i8);
+                            }
+                        }
+                        let wv = [$load(p[0].add(i)), $load(p[1].add(i))];
+                        for m in 0..T {
+                            let xv = _mm512_loadu_ps(xp.add(m * k + i));
+                            a[0][m] = _mm512_fmadd_ps(wv[0], xv, a[0][m]);
+                            a[1][m] = _mm512_fmadd_ps(wv[1], xv, a[1][m]);
+                        }
+                        i += 16;
+                    }
+                    for (j, &r) in pair.iter().enumerate() {
+                        for m in 0..T {
+                            *out.add(m * n + r) = _mm512_reduce_add_ps(a[j][m]) * $scale(r);
+                        }
+                    }
+                }
+            }};
+        }
+        let one = |_r: usize| 1.0f32;
+        match &w.data {
+            WeightData::Bf16(b) => kernel!(b.as_slice().as_ptr(), u16, load_bf16, one),
+            WeightData::F16(b) => kernel!(b.as_slice().as_ptr(), u16, load_f16, one),
+            WeightData::F32(b) => kernel!(b.as_slice().as_ptr(), f32, _mm512_loadu_ps, one),
+            WeightData::Int8 { q, scales, .. } => {
+                let s = scales.as_slice();
+                kernel!(q.as_slice().as_ptr(), i8, load_i8, |r: usize| s[r])
             }
         }
     }
@@ -831,7 +930,7 @@ mod tests {
         let mut seed = 7;
         for threads in [1, 3] {
             let pool = Pool::new(threads);
-            for &(t, n, k) in &[(1, 5, 16), (1, 33, 96), (1, 70, 1024), (1, 7, 800), (2, 17, 48), (13, 64, 256), (25, 100, 300), (12, 32, 600)] {
+            for &(t, n, k) in &[(1, 5, 16), (1, 33, 96), (1, 70, 1024), (1, 7, 800), (2, 17, 48), (3, 9, 64), (8, 70, 1024), (5, 7, 800), (13, 64, 256), (25, 100, 300), (12, 32, 600)] {
                 let x: Vec<f32> = (0..t * k).map(|_| lcg(&mut seed)).collect();
                 for w in &test_matrices(n, k, &mut seed) {
                     let mut want = vec![0f32; t * n];
@@ -847,6 +946,14 @@ mod tests {
                             tol += (0..k).map(|c| weight(w, r, c).abs()).sum::<f32>() * x_max / 65534.0;
                         }
                         assert!((a - b).abs() <= tol, "{} t={t} n={n} k={k} [{i}]: {a} vs {b}", w.dtype());
+                    }
+                    // Each token of a multi-token GEMV gets the one-token GEMV's bits (float weights).
+                    if (2..=GEMV_MAX_TOKENS).contains(&t) && w.dtype() != crate::tensor::DType::I8 {
+                        for m in 0..t {
+                            let mut alone = vec![0f32; n];
+                            matmul(&pool, &x[m * k..(m + 1) * k], 1, w, &mut alone);
+                            assert!(alone == got[m * n..(m + 1) * n], "{} t={t}: token {m} differs from its one-token product", w.dtype());
+                        }
                     }
                     // The GEMM also runs single rows (static-shape dispatches).
                     let mut gemm_out = vec![0f32; t * n];

@@ -104,7 +104,10 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     if sections.contains(&"kernels") {
         kernels(&mut report, &mut samples, &model, &pool, &spec, &quants, &prompts, decode_tokens, reps)?;
     }
-    pipeline_sections(&mut report, &model, &args, &sections, quick, reps, &spec)?;
+    if let Err(e) = pipeline_sections(&mut report, &model, &args, &sections, quick, reps, &spec) {
+        print!("{report}");
+        return Err(e);
+    }
     if let (Some(a), Some(b)) = (steal_start, cpu_steal()) {
         let (steal, total) = (b.0 - a.0, b.1 - a.1);
         writeln!(report, "\nCPU time taken by the hypervisor (steal) during this run: {:.0}%.", 100.0 * steal as f64 / total.max(1) as f64)?;
@@ -332,7 +335,9 @@ fn pipeline_sections(report: &mut String, model: &tandem_core::load::LoadedModel
         pipeline::transfer(report, model, &config.decode, &[74, 410], if quick { 3 } else { 7 }, spec)?;
     }
     if sections.contains(&"multiturn") {
-        pipeline::multiturn(report, model, &config, 3, 74, if quick { 16 } else { 100 }, if quick { 1 } else { reps }, spec)?;
+        // --quick: replies of 16 tokens, and the typing fed 12 words at a time.
+        let (reply, words_per_update) = if quick { (16, 12) } else { (100, 1) };
+        pipeline::multiturn(report, model, &config, 3, 74, reply, words_per_update, if quick { 1 } else { reps }, spec)?;
     }
     if sections.contains(&"concurrency") {
         pipeline::concurrency(report, model, &config, &[1, 2, 4, 8], 13, if quick { 8 } else { 32 }, if quick { 1 } else { reps }, spec)?;

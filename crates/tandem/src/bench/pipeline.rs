@@ -43,7 +43,6 @@ pub fn transfer(report: &mut String, model: &LoadedModel, engine: &Placement, le
     writeln!(report, "\n## State transfer ({spec}; median of {reps}, min - max in brackets; ms)\n")?;
     writeln!(report, "| transfer | prompt tokens | state | serialize | read | rebuild | total |")?;
     writeln!(report, "|---|---|---|---|---|---|---|")?;
-    let eng = Engine::new(engine, net)?;
     // A child process that receives states on its stdin (one end of a Unix socket pair).
     let (mut to_child, child_end) = UnixStream::pair().context("socket pair for the receiving process")?;
     let mut child = Command::new(std::env::current_exe()?)
@@ -55,8 +54,16 @@ pub fn transfer(report: &mut String, model: &LoadedModel, engine: &Placement, le
     let mut child_out = BufReader::new(child.stdout.take().expect("piped"));
     let mut floors = Vec::new();
     for &n in lengths {
-        let mut state = State::new(cfg);
-        eng.prefill(&prompt_of(n, model.sampleable_vocab()), &mut state)?;
+        // On its own thread: an engine pinned to cores pins the thread that makes it.
+        let mut state = std::thread::scope(|s| {
+            s.spawn(|| -> Result<State> {
+                let mut state = State::new(cfg);
+                Engine::new(engine, net)?.prefill(&prompt_of(n, model.sampleable_vocab()), &mut state)?;
+                Ok(state)
+            })
+            .join()
+            .expect("prefill thread")
+        })?;
         let mb = state.bytes() as f64 / 1e6;
         type Parts = (Duration, Duration, Duration);
         let dir = bridge::default_dir();
@@ -233,7 +240,8 @@ struct TurnTimes {
 /// Table 4: a conversation of `turns` turns (each a `msg_tokens`-token user message and a
 /// `reply_tokens`-token reply) three ways: the whole conversation prefilled at each turn (no
 /// session), a session whose messages are sent whole, and a session typed ahead.
-pub fn multiturn(report: &mut String, model: &LoadedModel, config: &PipelineConfig, turns: usize, msg_tokens: usize, reply_tokens: usize, reps: usize, spec: &str) -> Result<()> {
+#[allow(clippy::too_many_arguments)]
+pub fn multiturn(report: &mut String, model: &LoadedModel, config: &PipelineConfig, turns: usize, msg_tokens: usize, reply_tokens: usize, words_per_update: usize, reps: usize, spec: &str) -> Result<()> {
     progress("multi-turn conversations");
     let messages = user_messages(model, turns, msg_tokens)?;
     let tok = model.tokenizer.as_ref().context("needs a tokenizer")?;
@@ -247,7 +255,7 @@ pub fn multiturn(report: &mut String, model: &LoadedModel, config: &PipelineConf
             // Interleaved: A B C, A B C, ...
             for (v, out) in results.iter_mut().enumerate() {
                 progress(&format!("multi-turn: {} (repetition {}/{reps})", VARIANTS[v], rep + 1));
-                out.push(if v == 0 { stateless(p, model, system, &messages, &generation)? } else { with_session(p, model, tok, system, &messages, &generation, v == 2)? });
+                out.push(if v == 0 { stateless(p, model, system, &messages, &generation)? } else { with_session(p, model, tok, system, &messages, &generation, (v == 2).then_some(words_per_update))? });
             }
         }
         Ok(())
@@ -270,7 +278,7 @@ pub fn multiturn(report: &mut String, model: &LoadedModel, config: &PipelineConf
     }
     writeln!(
         report,
-        "\nTyped ahead: the message is fed word by word as it would be typed (as fast as the engine takes it: a person types slower), the next turn's template is applied as soon as a reply ends, and the closing template speculatively after each word. TTFT is from send to the first token sampled."
+        "\nTyped ahead: the message is fed {words_per_update} word(s) at a time as it is typed (as fast as the engine takes it: a person types slower), the next turn's template is applied as soon as a reply ends, and the closing template speculatively after each update. TTFT is from send to the first token sampled."
     )?;
     Ok(())
 }
@@ -291,7 +299,9 @@ fn stateless(p: &scheduler::Pipeline, model: &LoadedModel, system: &str, message
     Ok(out)
 }
 
-fn with_session(p: &scheduler::Pipeline, model: &LoadedModel, tok: &tandem_core::tokenizer::Tokenizer, system: &str, messages: &[String], generation: &Generation, typing: bool) -> Result<Vec<TurnTimes>> {
+/// A conversation on a session; with `typing`, each message is fed that many words at a time
+/// before it is sent.
+fn with_session(p: &scheduler::Pipeline, model: &LoadedModel, tok: &tandem_core::tokenizer::Tokenizer, system: &str, messages: &[String], generation: &Generation, typing: Option<usize>) -> Result<Vec<TurnTimes>> {
     let scaffold = Scaffold::from_template(&model.chat_template, Some(system), false)?;
     let mut session = Session::new(scaffold, |s: &str| tok.encode(s), &model.net.config);
     let mut prefill = |st: State, ids: &[u32]| p.prefill(st, ids).map(|(s, _)| s);
@@ -300,9 +310,9 @@ fn with_session(p: &scheduler::Pipeline, model: &LoadedModel, tok: &tandem_core:
         let ahead = Instant::now();
         // Early prefill while the user reads the last reply.
         session.type_ahead("", &mut prefill)?;
-        if typing {
+        if let Some(step) = typing {
             let words: Vec<&str> = msg.split(' ').collect();
-            for n in 1..=words.len() {
+            for n in (step..words.len()).step_by(step).chain([words.len()]) {
                 session.type_ahead(&words[..n].join(" "), &mut prefill)?;
             }
         }
@@ -325,29 +335,36 @@ pub fn concurrency(report: &mut String, model: &LoadedModel, config: &PipelineCo
     let net = &model.net;
     let vocab = model.sampleable_vocab();
     writeln!(report, "\n## Concurrency ({spec}; decode engine {})\n", config.decode)?;
-    // The decode engine alone: one step advances every sequence of the batch.
-    let engine = Engine::new(&config.decode, net)?;
-    let mut step_rates: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];
+    // The decode engine alone: one step advances every sequence of the batch (on its own
+    // thread: a pinned engine pins the thread that makes it).
     let steps = max_tokens.clamp(4, 16);
-    let mut bases = Vec::new();
-    for i in 0..*counts.iter().max().unwrap_or(&1) {
-        let mut st = State::new(&net.config);
-        engine.prefill(&prompt_of(13 + i, vocab), &mut st)?;
-        bases.push(st);
-    }
-    for _ in 0..reps {
-        for (c, &n) in counts.iter().enumerate() {
-            let mut states: Vec<State> = bases[..n].to_vec();
-            let mut refs: Vec<&mut State> = states.iter_mut().collect();
-            let tokens: Vec<u32> = (0..n as u32).map(|i| 100 + i).collect();
-            let t = Instant::now();
-            for _ in 0..steps {
-                engine.decode(&tokens, &mut refs)?;
+    let mut step_rates: Vec<Vec<f64>> = std::thread::scope(|s| {
+        s.spawn(|| -> Result<Vec<Vec<f64>>> {
+            let engine = Engine::new(&config.decode, net)?;
+            let mut step_rates: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];
+            let mut bases = Vec::new();
+            for i in 0..*counts.iter().max().unwrap_or(&1) {
+                let mut st = State::new(&net.config);
+                engine.prefill(&prompt_of(13 + i, vocab), &mut st)?;
+                bases.push(st);
             }
-            step_rates[c].push((n * steps) as f64 / t.elapsed().as_secs_f64());
-        }
-    }
-    drop(engine);
+            for _ in 0..reps {
+                for (c, &n) in counts.iter().enumerate() {
+                    let mut states: Vec<State> = bases[..n].to_vec();
+                    let mut refs: Vec<&mut State> = states.iter_mut().collect();
+                    let tokens: Vec<u32> = (0..n as u32).map(|i| 100 + i).collect();
+                    let t = Instant::now();
+                    for _ in 0..steps {
+                        engine.decode(&tokens, &mut refs)?;
+                    }
+                    step_rates[c].push((n * steps) as f64 / t.elapsed().as_secs_f64());
+                }
+            }
+            Ok(step_rates)
+        })
+        .join()
+        .expect("decode thread")
+    })?;
     writeln!(report, "| sequences per step | aggregate decode tok/s | min - max | vs one sequence |")?;
     writeln!(report, "|---|---|---|---|")?;
     let one = stats(&mut step_rates[0].clone()).0;
