@@ -61,10 +61,8 @@ pub fn matmul(pool: &Pool, x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) {
 /// `out_i = x · W_iᵀ` for every `(W_i, out_i)` of the group, all in one pool call.
 pub fn matmul_group(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])]) {
     let jobs = checked_jobs(x, t, products);
-    if t == 1 {
-        gemv_group(pool, x, &jobs);
-    } else if t <= GEMV_MAX_TOKENS {
-        gemv_group_multi(pool, x, t, &jobs);
+    if t <= GEMV_MAX_TOKENS {
+        gemv_group(pool, x, t, &jobs);
     } else {
         gemm::gemm_group(pool, x, t, &jobs);
     }
@@ -131,11 +129,12 @@ fn gemv_units(w: &Matrix) -> (usize, usize) {
     (stride, (16384 / row_bytes.max(1)).max(1))
 }
 
-fn gemv_group(pool: &Pool, x: &[f32], jobs: &[(&Matrix, OutPtr)]) {
+/// The GEMV of `t` tokens (1..=GEMV_MAX_TOKENS), `x` and the outputs row-major.
+fn gemv_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, OutPtr)]) {
     let cuts: Vec<(usize, usize)> = jobs.iter().map(|(w, _)| gemv_units(w)).collect();
     let units: Vec<usize> = cuts.iter().map(|&(stride, per)| stride.div_ceil(per)).collect();
-    // int8 weights are multiplied by x rounded to int16, split into bytes for VNNI.
-    let xq = jobs.iter().any(|(w, _)| int8_vnni_applies(w)).then(|| QuantizedX::new(x));
+    // One token's int8 weights are multiplied by x rounded to int16, split into bytes for VNNI.
+    let xq = (t == 1 && jobs.iter().any(|(w, _)| int8_vnni_applies(w))).then(|| QuantizedX::new(x));
     let queue = WorkQueue::new(units.iter().sum());
     pool.run(&|_| {
         while let Some(u) = queue.take() {
@@ -143,6 +142,11 @@ fn gemv_group(pool: &Pool, x: &[f32], jobs: &[(&Matrix, OutPtr)]) {
             let (w, out) = jobs[j];
             let (stride, per) = cuts[j];
             let set = RowSet { offsets: u * per..((u + 1) * per).min(stride), stride, rows: w.rows };
+            if t > 1 {
+                // SAFETY: units are disjoint sets of rows inside every token's output row.
+                unsafe { gemv_rows_multi(x, t, w, &set, out.0) };
+                continue;
+            }
             #[cfg(target_arch = "x86_64")]
             if let (Some(xq), true) = (&xq, int8_vnni_applies(w)) {
                 // SAFETY: int8_vnni_applies checked the CPU features; units are disjoint rows.
@@ -151,23 +155,6 @@ fn gemv_group(pool: &Pool, x: &[f32], jobs: &[(&Matrix, OutPtr)]) {
             }
             // SAFETY: units are disjoint sets of rows inside out.
             unsafe { gemv_rows(x, w, &set, out.0) }
-        }
-    });
-}
-
-/// The GEMV of `t` tokens (2..=GEMV_MAX_TOKENS), `x` and the outputs row-major `[t, ..]`.
-fn gemv_group_multi(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, OutPtr)]) {
-    let cuts: Vec<(usize, usize)> = jobs.iter().map(|(w, _)| gemv_units(w)).collect();
-    let units: Vec<usize> = cuts.iter().map(|&(stride, per)| stride.div_ceil(per)).collect();
-    let queue = WorkQueue::new(units.iter().sum());
-    pool.run(&|_| {
-        while let Some(u) = queue.take() {
-            let (j, u) = locate(&units, u);
-            let (w, out) = jobs[j];
-            let (stride, per) = cuts[j];
-            let set = RowSet { offsets: u * per..((u + 1) * per).min(stride), stride, rows: w.rows };
-            // SAFETY: units are disjoint sets of rows inside every token's output row.
-            unsafe { gemv_rows_multi(x, t, w, &set, out.0) }
         }
     });
 }
