@@ -219,23 +219,23 @@ impl Pipeline {
     /// Prefill `tokens` into `start` on the prefill engine and wait for the state (what a
     /// session's early prefill and prefill-while-typing run).
     pub fn prefill(&self, start: State, tokens: &[u32]) -> Result<(State, Timings)> {
-        let (events, rx) = channel();
-        self.submit(Request {
-            id: 0,
-            start: Some(start),
-            tokens: tokens.to_vec(),
-            max_tokens: 0,
-            sampling: SamplingParams::default(),
-            vocab: usize::MAX,
-            stop_ids: Vec::new(),
-            return_state: true,
-            cancel: Arc::new(AtomicBool::new(false)),
-            events,
-        })?;
-        match rx.recv() {
-            Ok(Event::Done { state: Some(state), timings, .. }) => Ok((state, timings)),
-            Ok(Event::Failed { error, .. }) => bail!("{error}"),
-            _ => bail!("the pipeline stopped before the prefill finished"),
+        let params = Generation { max_tokens: 0, sampling: SamplingParams::default(), vocab: usize::MAX, stop_ids: Vec::new() };
+        let g = self.generate(Some(start), tokens.to_vec(), &params, |_| Ok(()))?;
+        Ok((g.state.context("a prefill-only request returns its state")?, g.timings))
+    }
+}
+
+/// Make an engine on the calling thread (the thread it will run on) and report to `ready`
+/// whether that worked; None after a failure was reported.
+fn start_engine<'m>(placement: &Placement, net: &'m Qwen35, ready: &Sender<Result<()>>, what: &str) -> Option<Engine<'m>> {
+    match Engine::new(placement, net) {
+        Ok(e) => {
+            let _ = ready.send(Ok(()));
+            Some(e)
+        }
+        Err(e) => {
+            let _ = ready.send(Err(e.context(format!("starting the {what}"))));
+            None
         }
     }
 }
@@ -258,12 +258,9 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                 let ready = ready_tx.clone();
                 let max_batch = config.max_batch;
                 threads.push(s.spawn(move || {
-                    let engine = match Engine::new(placement, net) {
-                        Ok(e) => e,
-                        Err(e) => return ready.send(Err(e.context("starting the engine"))).unwrap_or(()),
-                    };
-                    let _ = ready.send(Ok(()));
-                    single_engine_loop(&engine, req_rx, max_batch);
+                    if let Some(engine) = start_engine(placement, net, &ready, "engine") {
+                        single_engine_loop(&engine, req_rx, max_batch);
+                    }
                 }));
             }
             Mode::Hybrid => {
@@ -282,21 +279,15 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                 let (ready_p, ready_d) = (ready_tx.clone(), ready_tx.clone());
                 let transfer = config.transfer.clone();
                 threads.push(s.spawn(move || {
-                    let engine = match Engine::new(&config.prefill, net) {
-                        Ok(e) => e,
-                        Err(e) => return ready_p.send(Err(e.context("starting the prefill engine"))).unwrap_or(()),
-                    };
-                    let _ = ready_p.send(Ok(()));
-                    prefill_loop(&engine, req_rx, hand_tx, &transfer, socket_tx, free_rx);
+                    if let Some(engine) = start_engine(&config.prefill, net, &ready_p, "prefill engine") {
+                        prefill_loop(&engine, req_rx, hand_tx, &transfer, socket_tx, free_rx);
+                    }
                 }));
                 let max_batch = config.max_batch;
                 threads.push(s.spawn(move || {
-                    let engine = match Engine::new(&config.decode, net) {
-                        Ok(e) => e,
-                        Err(e) => return ready_d.send(Err(e.context("starting the decode engine"))).unwrap_or(()),
-                    };
-                    let _ = ready_d.send(Ok(()));
-                    decode_loop(&engine, hand_rx, socket_rx, max_batch, free_tx);
+                    if let Some(engine) = start_engine(&config.decode, net, &ready_d, "decode engine") {
+                        decode_loop(&engine, hand_rx, socket_rx, max_batch, free_tx);
+                    }
                 }));
             }
         }

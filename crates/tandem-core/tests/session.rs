@@ -8,10 +8,6 @@
 
 mod common;
 
-use std::sync::atomic::AtomicBool;
-use std::sync::mpsc::channel;
-use std::sync::Arc;
-
 use tandem_core::chat::ChatTemplate;
 use tandem_core::config::Qwen35Config;
 use tandem_core::engine::Placement;
@@ -19,7 +15,7 @@ use tandem_core::load::LoadedModel;
 use tandem_core::model::Logits;
 use tandem_core::pool::Pool;
 use tandem_core::sampling::{argmax, SamplingParams};
-use tandem_core::scheduler::{self, Event, Finish, Mode, Pipeline, PipelineConfig, Request, Transfer};
+use tandem_core::scheduler::{self, Finish, Generation, Mode, Pipeline, PipelineConfig, Transfer};
 use tandem_core::session::{Scaffold, Session, Turn};
 use tandem_core::state::{LayerState, State};
 use tandem_core::tokenizer::Tokenizer;
@@ -34,31 +30,13 @@ const MESSAGES: [&str; 3] = [
     "And who steers it?",
 ];
 
-/// Generate a reply for `turn` (greedy), returning the reply and the final state.
+/// Generate a reply for `turn` (greedy): the reply, the final state, how it ended, and how many
+/// tokens were prefilled at send.
 fn generate(p: &Pipeline, turn: Turn, max_tokens: usize, stop: Vec<u32>) -> (Vec<u32>, State, Finish, usize) {
-    let (tx, rx) = channel();
-    p.submit(Request {
-        id: 1,
-        start: Some(turn.start),
-        tokens: turn.tokens.clone(),
-        max_tokens,
-        sampling: SamplingParams::default(),
-        vocab: 1024,
-        stop_ids: stop,
-        return_state: true,
-        cancel: Arc::new(AtomicBool::new(false)),
-        events: tx,
-    })
-    .unwrap();
-    let mut reply = Vec::new();
-    for e in rx {
-        match e {
-            Event::Token { token, .. } => reply.push(token),
-            Event::Done { finish, state, .. } => return (reply, state.unwrap(), finish, turn.tokens.len()),
-            Event::Failed { error, .. } => panic!("{error}"),
-        }
-    }
-    unreachable!()
+    let at_send = turn.tokens.len();
+    let params = Generation { max_tokens, sampling: SamplingParams::default(), vocab: 1024, stop_ids: stop };
+    let g = p.generate(Some(turn.start), turn.tokens, &params, |_| Ok(())).unwrap();
+    (g.tokens, g.state.unwrap(), g.finish, at_send)
 }
 
 struct Outcome {

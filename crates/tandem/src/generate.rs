@@ -214,7 +214,8 @@ fn ids_text(ids: &[u32]) -> String {
     ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")
 }
 
-fn ms(d: Duration) -> f64 {
+/// A duration in milliseconds.
+pub fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 

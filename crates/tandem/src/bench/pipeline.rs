@@ -19,10 +19,7 @@ use tandem_core::state::bridge;
 use tandem_core::state::State;
 
 use super::{progress, stats};
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
+use crate::generate::ms;
 
 /// `(median, min, max)` of durations, in ms.
 fn ms_stats(v: &[Duration]) -> (f64, f64, f64) {
