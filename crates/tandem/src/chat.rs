@@ -138,11 +138,12 @@ fn read_message(input: &mut Input, session: &mut Session, prefill: &mut tandem_c
         let key = match keys.recv_timeout(Duration::from_millis(30)) {
             Ok(k) => k,
             Err(RecvTimeoutError::Timeout) => {
-                // A pause in typing: prefill what is there.
-                let text = String::from_utf8_lossy(&bytes).into_owned();
-                if text != fed && std::str::from_utf8(&bytes).is_ok() {
-                    session.type_ahead(&text, prefill)?;
-                    fed = text;
+                // A pause in typing: prefill what is there (once its characters are whole).
+                if let Ok(text) = std::str::from_utf8(&bytes) {
+                    if text != fed {
+                        session.type_ahead(text, prefill)?;
+                        fed = text.to_string();
+                    }
                 }
                 continue;
             }
