@@ -11,6 +11,7 @@
 pub mod chat;
 pub mod checkpoint;
 pub mod config;
+pub mod cuda;
 pub mod engine;
 pub mod generate;
 pub mod kernels;

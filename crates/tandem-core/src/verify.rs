@@ -80,16 +80,36 @@ fn convention<'a>(meta: &'a HashMap<String, String>, key: &str, default: &'a str
 /// Run every prompt of the reference file and return one check per compared item.
 /// `net` is borrowed mutably only to set the RoPE frequency convention; it is restored.
 pub fn verify(pool: &Pool, net: &mut Qwen35, reference: &Path) -> Result<Vec<Check>> {
+    verify_with(net, reference, &|net: &Qwen35, tokens: &[u32], state: &mut State, which: Logits| net.forward(pool, tokens, state, which))
+}
+
+/// `verify` on a GPU: the same checks, every forward run by `gpu` on a state uploaded to it
+/// and downloaded after (so the states compared are the GPU's).
+pub fn verify_cuda(gpu: &mut crate::cuda::qwen35::GpuQwen35, net: &mut Qwen35, reference: &Path) -> Result<Vec<Check>> {
+    let gpu = std::cell::RefCell::new(gpu);
+    verify_with(net, reference, &|net: &Qwen35, tokens: &[u32], state: &mut State, which: Logits| {
+        let mut g = gpu.borrow_mut();
+        g.set_rope_frequencies(net)?;
+        g.forward_host(tokens, state, which)
+    })
+}
+
+/// A forward pass of some engine over `net`'s weights (with `net`'s RoPE convention).
+type ForwardFn<'a> = dyn Fn(&Qwen35, &[u32], &mut State, Logits) -> Result<Vec<f32>> + 'a;
+
+fn verify_with(net: &mut Qwen35, reference: &Path, forward: &ForwardFn) -> Result<Vec<Check>> {
     let (r, meta) = read_reference(reference)?;
     let linear_after_greedy = convention(&meta, "linear_state_at", "prompt+greedy", &["prompt", "prompt+greedy"], reference)? == "prompt+greedy";
     let rope_bf16 = convention(&meta, "rope_inv_freq", "bf16", &["f32", "bf16"], reference)? == "bf16";
     net.set_rope_frequencies_bf16(rope_bf16);
-    let result = run_checks(pool, net, &r, reference, linear_after_greedy);
+    let result = run_checks(net, &|tokens: &[u32], state: &mut State, which: Logits| forward(net, tokens, state, which), &r, reference, linear_after_greedy);
     net.set_rope_frequencies_bf16(false);
     result
 }
 
-fn run_checks(pool: &Pool, net: &Qwen35, r: &BTreeMap<String, RefTensor>, reference: &Path, linear_after_greedy: bool) -> Result<Vec<Check>> {
+type Step<'a> = dyn Fn(&[u32], &mut State, Logits) -> Result<Vec<f32>> + 'a;
+
+fn run_checks(net: &Qwen35, forward: &Step, r: &BTreeMap<String, RefTensor>, reference: &Path, linear_after_greedy: bool) -> Result<Vec<Check>> {
     let get = |name: &str| r.get(name).with_context(|| format!("{}: tensor {name} is missing", reference.display()));
     let prompts: Vec<String> = r.keys().filter_map(|k| k.strip_suffix(".input_ids")).map(String::from).collect();
     if prompts.is_empty() {
@@ -107,7 +127,7 @@ fn run_checks(pool: &Pool, net: &Qwen35, r: &BTreeMap<String, RefTensor>, refere
 
         // 1. One forward over the whole prompt, logits at every position.
         let mut state = State::new(&net.config);
-        let logits = net.forward(pool, &ids, &mut state, Logits::All)?;
+        let logits = forward(&ids, &mut state, Logits::All)?;
         let want = get(&format!("{p}.prefill_logits"))?;
         if want.shape != [l, vocab] {
             bail!("{p}.prefill_logits has shape {:?}, expected [{l}, {vocab}]", want.shape);
@@ -123,7 +143,7 @@ fn run_checks(pool: &Pool, net: &Qwen35, r: &BTreeMap<String, RefTensor>, refere
         let mut got_ids = vec![argmax(&state.last_logits) as i64];
         let mut got_logits = Vec::with_capacity(want_logits.len());
         for i in 0..want_ids.len() {
-            let step = net.forward(pool, &[want_ids[i] as u32], &mut state, Logits::Last)?;
+            let step = forward(&[want_ids[i] as u32], &mut state, Logits::Last)?;
             got_logits.extend_from_slice(&step);
             if i + 1 < want_ids.len() {
                 got_ids.push(argmax(&step) as i64);

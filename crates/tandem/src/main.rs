@@ -19,7 +19,7 @@ tandem: Qwen3.5 inference, prefill and decode on their own engines
 USAGE:
   tandem generate --model M (--prompt TEXT... | --prompts-file FILE | --token-ids 1,2,3) [options]
   tandem chat     --model M [--system TEXT] [options]
-  tandem verify   --model DIR --reference FILE
+  tandem verify   --model DIR --reference FILE [--device cpu|cuda:N [--precision exact|tensor-cores]]
   tandem bench    [--model M] [--quant bf16,int8] [--quick] ...   (tandem bench --help)
 
 MODELS:
@@ -158,6 +158,15 @@ pub(crate) fn load_model(spec: &str, args: &Args) -> Result<LoadedModel> {
     }
 }
 
+/// `cuda` or `cuda:N` to the GPU ordinal N.
+pub(crate) fn parse_cuda_device(s: &str) -> Result<usize> {
+    match s.strip_prefix("cuda") {
+        Some("") => Ok(0),
+        Some(n) => n.strip_prefix(':').and_then(|n| n.parse().ok()).ok_or_else(|| anyhow::anyhow!("--device {s:?}: expected cpu, cuda or cuda:N")),
+        None => bail!("--device {s:?}: expected cpu, cuda or cuda:N"),
+    }
+}
+
 pub(crate) fn parse_ids(s: &str) -> Result<Vec<u32>> {
     s.split(',')
         .map(|p| p.trim())
@@ -171,11 +180,26 @@ fn cmd_verify(argv: &[String]) -> Result<ExitCode> {
         print!("{USAGE}");
         return Ok(ExitCode::SUCCESS);
     }
-    let args = Args::parse(argv, &["model", "reference", "threads", "cores", "quant", "isa"], &[])?;
+    let args = Args::parse(argv, &["model", "reference", "threads", "cores", "quant", "isa", "device", "precision"], &[])?;
     let pool = make_pool(&args)?;
     let mut model = load_model(args.required("model")?, &args)?;
     let reference = Path::new(args.required("reference")?);
-    let checks = tandem_core::verify::verify(&pool, &mut model.net, reference)?;
+    let checks = match args.str("device") {
+        None | Some("cpu") => tandem_core::verify::verify(&pool, &mut model.net, reference)?,
+        Some(device) => {
+            use tandem_core::cuda::qwen35::{GpuQwen35, Precision};
+            let ordinal = parse_cuda_device(device)?;
+            let precision = match args.str("precision").unwrap_or("exact") {
+                "exact" => Precision::Exact,
+                "tensor-cores" => Precision::TensorCores,
+                other => bail!("--precision {other:?}: exact (f32 products, the default) or tensor-cores (bf16 products)"),
+            };
+            let gpu = tandem_core::cuda::Gpu::open(ordinal)?;
+            println!("device: cuda:{ordinal} ({}), precision {precision:?}", gpu.name);
+            let mut g = GpuQwen35::upload(gpu, &model.net, precision)?;
+            tandem_core::verify::verify_cuda(&mut g, &mut model.net, reference)?
+        }
+    };
     let width = checks.iter().map(|c| c.item.len()).max().unwrap_or(0);
     for c in &checks {
         println!(

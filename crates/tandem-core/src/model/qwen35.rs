@@ -19,62 +19,62 @@ use crate::tensor::{Matrix, Tensor};
 #[derive(Clone)]
 pub struct Qwen35 {
     pub config: Qwen35Config,
-    embed_tokens: Matrix,
+    pub(crate) embed_tokens: Matrix,
     /// `lm_head.weight`, or the embedding when tied.
-    lm_head: Matrix,
+    pub(crate) lm_head: Matrix,
     /// `1 + norm.weight` (zero-centred RMSNorm).
-    final_norm: Vec<f32>,
-    layers: Vec<DecoderLayer>,
-    inv_freq: Vec<f32>,
+    pub(crate) final_norm: Vec<f32>,
+    pub(crate) layers: Vec<DecoderLayer>,
+    pub(crate) inv_freq: Vec<f32>,
 }
 
 #[derive(Clone)]
-struct DecoderLayer {
-    input_norm: Vec<f32>,
-    post_attention_norm: Vec<f32>,
-    mixer: Mixer,
-    mlp: Mlp,
+pub(crate) struct DecoderLayer {
+    pub(crate) input_norm: Vec<f32>,
+    pub(crate) post_attention_norm: Vec<f32>,
+    pub(crate) mixer: Mixer,
+    pub(crate) mlp: Mlp,
 }
 
 #[derive(Clone)]
-enum Mixer {
+pub(crate) enum Mixer {
     DeltaNet(GatedDeltaNet),
     Attention(GatedAttention),
 }
 
 #[derive(Clone)]
-struct GatedDeltaNet {
-    in_proj_qkv: Matrix,
-    in_proj_z: Matrix,
-    in_proj_b: Matrix,
-    in_proj_a: Matrix,
+pub(crate) struct GatedDeltaNet {
+    pub(crate) in_proj_qkv: Matrix,
+    pub(crate) in_proj_z: Matrix,
+    pub(crate) in_proj_b: Matrix,
+    pub(crate) in_proj_a: Matrix,
     /// Depthwise conv taps, transposed to `[K, conv_dim]` (oldest tap first) so that one tap
     /// multiplies a whole row of channels.
-    conv_taps: Vec<f32>,
-    dt_bias: Vec<f32>,
+    pub(crate) conv_taps: Vec<f32>,
+    pub(crate) dt_bias: Vec<f32>,
     /// `−exp(A_log)`, in f32.
-    neg_a: Vec<f32>,
+    pub(crate) neg_a: Vec<f32>,
     /// Plain weight of the gated RMSNorm (not 1 + w).
-    norm: Vec<f32>,
-    out_proj: Matrix,
+    pub(crate) norm: Vec<f32>,
+    pub(crate) out_proj: Matrix,
 }
 
 #[derive(Clone)]
-struct GatedAttention {
+pub(crate) struct GatedAttention {
     /// Query and gate, interleaved per head: `[h0 query | h0 gate | h1 query | ...]`.
-    q_proj: Matrix,
-    k_proj: Matrix,
-    v_proj: Matrix,
-    o_proj: Matrix,
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
+    pub(crate) q_proj: Matrix,
+    pub(crate) k_proj: Matrix,
+    pub(crate) v_proj: Matrix,
+    pub(crate) o_proj: Matrix,
+    pub(crate) q_norm: Vec<f32>,
+    pub(crate) k_norm: Vec<f32>,
 }
 
 #[derive(Clone)]
-struct Mlp {
-    gate_proj: Matrix,
-    up_proj: Matrix,
-    down_proj: Matrix,
+pub(crate) struct Mlp {
+    pub(crate) gate_proj: Matrix,
+    pub(crate) up_proj: Matrix,
+    pub(crate) down_proj: Matrix,
 }
 
 /// The most tokens one pass of `forward` applies (a multiple of the DeltaNet chunk).
@@ -234,10 +234,10 @@ impl Qwen35 {
         self.weight_bytes_per_token() + if tied { 0 } else { self.embed_tokens.bytes() }
     }
 
-    fn lm_head_data_ptr(&self) -> *const u8 {
+    pub(crate) fn lm_head_data_ptr(&self) -> *const u8 {
         data_ptr(&self.lm_head)
     }
-    fn embed_data_ptr(&self) -> *const u8 {
+    pub(crate) fn embed_data_ptr(&self) -> *const u8 {
         data_ptr(&self.embed_tokens)
     }
 

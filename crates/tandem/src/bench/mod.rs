@@ -22,10 +22,13 @@ use tandem_core::state::State;
 
 use crate::args::Args;
 
+pub mod cuda;
 pub mod pipeline;
 
 /// The report's sections, in order.
 const SECTIONS: [&str; 4] = ["kernels", "transfer", "multiturn", "concurrency"];
+/// Sections run only when named.
+const GPU_SECTIONS: [&str; 1] = ["cuda"];
 
 pub const USAGE: &str = "\
 tandem bench [--model M] [--threads N | --cores 0,1] [--quant bf16,int8] [--prompts 13,74,133,410]
@@ -35,6 +38,10 @@ Measures the machine (read bandwidth, f32 FMA peak, bf16 dot peak), then prefill
 prompt length and decode tok/s for each weight format, as absolute figures and as fractions of
 the measured ceilings, and the peak resident memory of a generate run of each format.
 Default model: synthetic:qwen3.5-0.8b. --quick: one repetition, prompts 13 and 74, 8 decode tokens.
+
+--sections cuda [--device cuda:N] [--model M1,M2] [--prompts 2048] [--decode-tokens 64]:
+the CUDA engine on GPU N against the GPU's measured tensor-core peak and memory bandwidth
+(default models synthetic:qwen3.5-0.8b and synthetic:qwen3.5-9b).
 ";
 
 struct Sample {
@@ -52,11 +59,25 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         print!("{USAGE}");
         return Ok(ExitCode::SUCCESS);
     }
-    let args = Args::parse(argv, &["model", "threads", "cores", "quant", "prompts", "decode-tokens", "reps", "json", "isa", "sections", "prefill", "decode"], &["quick"])?;
+    let args = Args::parse(argv, &["model", "threads", "cores", "quant", "prompts", "decode-tokens", "reps", "json", "isa", "sections", "prefill", "decode", "device"], &["quick"])?;
     let quick = args.flag("quick");
     let sections: Vec<&str> = args.str("sections").map(|s| s.split(',').map(str::trim).collect()).unwrap_or(SECTIONS.to_vec());
-    if let Some(bad) = sections.iter().find(|s| !SECTIONS.contains(s)) {
-        bail!("--sections: unknown section {bad:?} (sections: {})", SECTIONS.join(", "));
+    if let Some(bad) = sections.iter().find(|s| !SECTIONS.contains(s) && !GPU_SECTIONS.contains(s)) {
+        bail!("--sections: unknown section {bad:?} (sections: {}; on a GPU: {})", SECTIONS.join(", "), GPU_SECTIONS.join(", "));
+    }
+    if sections == ["cuda"] {
+        let ordinal = crate::parse_cuda_device(args.str("device").unwrap_or("cuda:0"))?;
+        let specs: Vec<String> = args.str("model").unwrap_or("synthetic:qwen3.5-0.8b,synthetic:qwen3.5-9b").split(',').map(|s| s.trim().to_string()).collect();
+        let prompt: usize = args.get("prompts", if quick { 512 } else { 2048 })?;
+        let steps: usize = args.get("decode-tokens", if quick { 16 } else { 64 })?;
+        let reps: usize = args.get("reps", if quick { 2 } else { 5 })?;
+        let mut report = String::from("# tandem bench (CUDA)\n\n");
+        let result = cuda::run(&mut report, ordinal, &specs, prompt, steps, reps.max(1));
+        print!("{report}");
+        return result.map(|()| ExitCode::SUCCESS);
+    }
+    if sections.iter().any(|s| GPU_SECTIONS.contains(s)) {
+        bail!("--sections: run the GPU sections ({}) on their own", GPU_SECTIONS.join(", "));
     }
     let spec = args.str("model").unwrap_or("synthetic:qwen3.5-0.8b").to_string();
     let quants: Vec<String> = args.str("quant").unwrap_or("bf16,int8").split(',').map(|s| s.trim().to_string()).collect();
