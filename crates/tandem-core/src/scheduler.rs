@@ -20,7 +20,7 @@ use anyhow::{bail, Context, Result};
 use crate::engine::{Engine, Placement, PrefillStats};
 use crate::model::Qwen35;
 use crate::sampling::{Sampler, SamplingParams};
-use crate::state::bridge::{self, TransferTimes};
+use crate::state::bridge::{self, StateFile, TransferTimes};
 use crate::state::State;
 
 /// The study's three modes.
@@ -273,20 +273,17 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                     }
                     _ => (None, None),
                 };
-                // State files go back to the prefill engine once read, to be written again:
-                // rewriting a file's pages costs less than getting new ones.
-                let (free_tx, free_rx) = channel::<PathBuf>();
                 let (ready_p, ready_d) = (ready_tx.clone(), ready_tx.clone());
                 let transfer = config.transfer.clone();
                 threads.push(s.spawn(move || {
                     if let Some(engine) = start_engine(&config.prefill, net, &ready_p, "prefill engine") {
-                        prefill_loop(&engine, req_rx, hand_tx, &transfer, socket_tx, free_rx);
+                        prefill_loop(&engine, req_rx, hand_tx, &transfer, socket_tx);
                     }
                 }));
                 let max_batch = config.max_batch;
                 threads.push(s.spawn(move || {
                     if let Some(engine) = start_engine(&config.decode, net, &ready_d, "decode engine") {
-                        decode_loop(&engine, hand_rx, socket_rx, max_batch, free_tx);
+                        decode_loop(&engine, hand_rx, socket_rx, max_batch);
                     }
                 }));
             }
@@ -331,8 +328,8 @@ struct Handoff {
 
 enum Payload {
     Moved(State),
-    /// A state file, to be loaded and removed by the decode side.
-    File(PathBuf),
+    /// A state file the prefill engine wrote, read in place by the decode engine.
+    File(Arc<StateFile>),
     /// Arriving on the bridge socket right now.
     Socket,
 }
@@ -365,7 +362,7 @@ fn prefill_request(engine: &Engine, request: &mut Request, submitted: Instant) -
 
 /// Answer a prefill-only request.
 fn finish_prefill_only(request: Request, state: State, timings: Timings) {
-    let _ = request.events.send(Event::Done { id: request.id, finish: Finish::Prefilled, timings, state: Some(state) });
+    let _ = request.events.send(Event::Done { id: request.id, finish: Finish::Prefilled, timings, state: Some(state.into_owned()) });
 }
 
 fn single_engine_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, max_batch: usize) {
@@ -401,9 +398,27 @@ struct SocketEnd {
     sent: Result<Receiver<Duration>, Sender<Duration>>,
 }
 
-fn prefill_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, handoffs: Sender<Handoff>, transfer: &Transfer, mut socket: Option<SocketEnd>, free_files: Receiver<PathBuf>) {
+fn prefill_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, handoffs: Sender<Handoff>, transfer: &Transfer, mut socket: Option<SocketEnd>) {
     let fingerprint = engine.net.fingerprint();
+    // The file transfer's state files: one is free to write when no state holds it.
+    let mut files: Vec<Arc<StateFile>> = Vec::new();
     while let Ok((mut request, submitted)) = requests.recv() {
+        // With the file transfer, a fresh request is prefilled straight into a state file (its
+        // recurrent states live there from the start), so that handing it over copies only K/V
+        // and the logits. A request that continues a checkpoint starts from that state.
+        let mut in_file = None;
+        if let (Transfer::File(dir), None, false) = (transfer, &request.start, request.tokens.is_empty() || request.max_tokens == 0) {
+            match free_state_file(&mut files, dir).and_then(|i| Ok((i, bridge::state_in_file(&mut files[i], &engine.net.config, request.tokens.len(), fingerprint)?))) {
+                Ok((i, state)) => {
+                    request.start = Some(state);
+                    in_file = Some(i);
+                }
+                Err(e) => {
+                    let _ = request.events.send(Event::Failed { id: request.id, error: format!("{e:#}") });
+                    continue;
+                }
+            }
+        }
         let Some((state, mut timings)) = prefill_request(engine, &mut request, submitted) else { continue };
         if request.max_tokens == 0 {
             finish_prefill_only(request, state, timings);
@@ -413,27 +428,40 @@ fn prefill_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, handoff
         let payload = match transfer {
             Transfer::Move => Payload::Moved(state),
             Transfer::File(dir) => {
-                let path = free_files.try_recv().unwrap_or_else(|_| dir.join(format!("tandem-{}-{}.state", std::process::id(), request.id)));
                 let t = Instant::now();
-                if let Err(e) = bridge::save(&path, &state, fingerprint) {
-                    let _ = request.events.send(Event::Failed { id: request.id, error: format!("{e:#}") });
-                    continue;
+                let written = match in_file {
+                    Some(i) => {
+                        // SAFETY: the file was free when `state_in_file` took it; since then
+                        // only `state` has used it, and it is dropped before the handoff.
+                        let r = unsafe { files[i].write_shared(&state, fingerprint) };
+                        drop(state);
+                        r.map(|()| Arc::clone(&files[i]))
+                    }
+                    None => write_state_file(&mut files, dir, &state, fingerprint),
+                };
+                match written {
+                    Ok(file) => {
+                        timings.transfer.serialize = t.elapsed();
+                        Payload::File(file)
+                    }
+                    Err(e) => {
+                        let _ = request.events.send(Event::Failed { id: request.id, error: format!("{e:#}") });
+                        continue;
+                    }
                 }
-                timings.transfer.serialize = t.elapsed();
-                Payload::File(path)
             }
             Transfer::Socket => {
                 // Announce first: the decode side must be reading while this side writes.
                 let id = request.id;
                 let events = request.events.clone();
                 if handoffs.send(Handoff { request, submitted, timings, payload: Payload::Socket, prefilled: Instant::now() }).is_err() {
-                    return;
+                    break;
                 }
                 let t = Instant::now();
                 let end = socket.as_mut().expect("a socket pipeline has a socket");
                 if let Err(e) = bridge::send(&mut end.stream, &state, fingerprint) {
                     let _ = events.send(Event::Failed { id, error: format!("sending the state: {e:#}") });
-                    return;
+                    break;
                 }
                 if let Err(sent) = &end.sent {
                     let _ = sent.send(t.elapsed());
@@ -442,14 +470,34 @@ fn prefill_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, handoff
             }
         };
         if handoffs.send(Handoff { request, submitted, timings, payload, prefilled }).is_err() {
-            return;
+            break;
         }
+    }
+    // States still holding a file keep its pages until they are dropped.
+    for f in &files {
+        let _ = std::fs::remove_file(f.path());
     }
 }
 
-fn decode_loop(engine: &Engine, handoffs: Receiver<Handoff>, mut socket: Option<SocketEnd>, max_batch: usize, free_files: Sender<PathBuf>) {
-    // Every state file seen, removed when the pipeline stops.
-    let mut files: Vec<PathBuf> = Vec::new();
+/// Write `state` into a free file of `files` (one that no state holds), or into a new one in
+/// `dir`; the file goes to the decode engine, whose state keeps it until the request ends.
+fn write_state_file(files: &mut Vec<Arc<StateFile>>, dir: &std::path::Path, state: &State, fingerprint: bridge::Fingerprint) -> anyhow::Result<Arc<StateFile>> {
+    let i = free_state_file(files, dir)?;
+    Arc::get_mut(&mut files[i]).expect("a free file").write(state, fingerprint)?;
+    Ok(Arc::clone(&files[i]))
+}
+
+/// The index of a file of `files` that no state holds, made in `dir` if there is none.
+fn free_state_file(files: &mut Vec<Arc<StateFile>>, dir: &std::path::Path) -> anyhow::Result<usize> {
+    if let Some(i) = files.iter_mut().position(|f| Arc::get_mut(f).is_some()) {
+        return Ok(i);
+    }
+    let path = dir.join(format!("tandem-{}-{}.state", std::process::id(), files.len()));
+    files.push(Arc::new(StateFile::create(&path)?));
+    Ok(files.len() - 1)
+}
+
+fn decode_loop(engine: &Engine, handoffs: Receiver<Handoff>, mut socket: Option<SocketEnd>, max_batch: usize) {
     let fingerprint = engine.net.fingerprint();
     let cfg = &engine.net.config;
     let mut active: Vec<Active> = Vec::new();
@@ -468,18 +516,11 @@ fn decode_loop(engine: &Engine, handoffs: Receiver<Handoff>, mut socket: Option<
             let Handoff { request, submitted, mut timings, payload, prefilled } = h;
             let received = match payload {
                 Payload::Moved(state) => Ok(state),
-                Payload::File(path) => {
-                    let r = bridge::load(&path, fingerprint, cfg, spare.pop()).map(|(state, read, rebuild)| {
-                        timings.transfer.read = read;
-                        timings.transfer.rebuild = rebuild;
-                        state
-                    });
-                    if !files.contains(&path) {
-                        files.push(path.clone());
-                    }
-                    let _ = free_files.send(path);
-                    r
-                }
+                Payload::File(file) => bridge::read_file(&file, fingerprint, cfg, spare.pop(), true).map(|(state, read, rebuild)| {
+                    timings.transfer.read = read;
+                    timings.transfer.rebuild = rebuild;
+                    state
+                }),
                 Payload::Socket => {
                     let end = socket.as_mut().expect("a socket pipeline has a socket");
                     bridge::receive(&mut end.stream, fingerprint, cfg, spare.pop()).map(|(state, read, rebuild)| {
@@ -501,9 +542,6 @@ fn decode_loop(engine: &Engine, handoffs: Receiver<Handoff>, mut socket: Option<
             }
         }
         step(engine, &mut active, Some(&mut spare));
-    }
-    for f in files {
-        let _ = std::fs::remove_file(f);
     }
 }
 
@@ -548,10 +586,11 @@ fn step(engine: &Engine, active: &mut Vec<Active>, mut spare: Option<&mut Vec<St
             Some(finish) => {
                 let a = active.remove(i);
                 let state = if a.request.return_state && finish != Finish::Cancelled {
-                    Some(a.state)
+                    // A state that outlives its request leaves its state file free.
+                    Some(a.state.into_owned())
                 } else {
                     match spare.as_deref_mut() {
-                        Some(spare) if spare.len() < 2 => spare.push(a.state),
+                        Some(spare) if spare.len() < 2 && !a.state.in_file() => spare.push(a.state),
                         _ => {}
                     }
                     None

@@ -78,8 +78,8 @@ fn split_prefill_equals_one_pass() {
         assert_eq!(st.position, one.position);
         for (a, b) in st.layers.iter().zip(&one.layers) {
             let (x, y) = match (a, b) {
-                (tandem_core::state::LayerState::Linear { recurrent: x, .. }, tandem_core::state::LayerState::Linear { recurrent: y, .. }) => (x, y),
-                (tandem_core::state::LayerState::Full { k: x, .. }, tandem_core::state::LayerState::Full { k: y, .. }) => (x, y),
+                (tandem_core::state::LayerState::Linear { recurrent: x, .. }, tandem_core::state::LayerState::Linear { recurrent: y, .. }) => (&x[..], &y[..]),
+                (tandem_core::state::LayerState::Full { k: x, .. }, tandem_core::state::LayerState::Full { k: y, .. }) => (&x[..], &y[..]),
                 _ => panic!("layer kinds differ"),
             };
             let err = x.iter().zip(y).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);

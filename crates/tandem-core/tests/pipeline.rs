@@ -157,6 +157,47 @@ fn bridge_round_trips_are_exact_for_files_and_streams() {
     assert!(bridge::load(&path, fp, &m.net.config, None).unwrap().0 == fresh);
 }
 
+/// The pipeline's file transfer: a state prefilled in a state file (its recurrent states and
+/// conv windows in place), handed over with `write_shared`, read in place: bit for bit the
+/// state prefilled in memory; the file is free again once the reader's state is dropped; a byte
+/// changed in a recurrent state in the file is caught by the reader's checksum.
+#[test]
+fn a_state_prefilled_in_its_file_is_read_in_place_exactly() {
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let fp = m.net.fingerprint();
+    let dir = common::scratch("bridge-in-place");
+    let mut file = Arc::new(bridge::StateFile::create(&dir.join("in-place.state")).unwrap());
+    for n in [1, 64, 300] {
+        let want = prefilled(&m, n);
+        let tokens: Vec<u32> = (0..n as u32).map(|i| (i * 53 + 3) % 1024).collect();
+        let mut st = bridge::state_in_file(&mut file, &m.net.config, n, fp).unwrap();
+        assert!(st.in_file());
+        m.net.forward(&Pool::new(1), &tokens, &mut st, Logits::Last).unwrap();
+        unsafe { file.write_shared(&st, fp) }.unwrap();
+        drop(st);
+        let (back, _, _) = bridge::read_file(&file, fp, &m.net.config, Some(prefilled(&m, 3)), true).unwrap();
+        assert!(back.in_file() && back == want, "{n} tokens");
+        // Decoding goes on in the file, as it does from a state in memory.
+        let (mut a, mut b) = (back, want);
+        m.net.forward(&Pool::new(1), &[17], &mut a, Logits::Last).unwrap();
+        m.net.forward(&Pool::new(1), &[17], &mut b, Logits::Last).unwrap();
+        assert!(a == b, "a decode step on the state in the file, {n} tokens");
+        assert!(Arc::get_mut(&mut file).is_none(), "the state holds its file");
+        let owned = a.into_owned();
+        assert!(!owned.in_file() && owned == b);
+        assert!(Arc::get_mut(&mut file).is_some(), "the file is free once no state holds it");
+    }
+    // A flipped bit inside a recurrent state: refused.
+    let mut st = bridge::state_in_file(&mut file, &m.net.config, 64, fp).unwrap();
+    m.net.forward(&Pool::new(1), &(0..64).collect::<Vec<u32>>(), &mut st, Logits::Last).unwrap();
+    unsafe { file.write_shared(&st, fp) }.unwrap();
+    let tandem_core::state::LayerState::Linear { recurrent, .. } = &mut st.layers[0] else { panic!("layer 0 is a DeltaNet layer") };
+    recurrent[5] += 1.0;
+    drop(st);
+    let e = format!("{:#}", bridge::read_file(&file, fp, &m.net.config, None, true).unwrap_err());
+    assert!(e.contains("payload checksum"), "{e}");
+}
+
 #[test]
 fn bad_state_files_are_refused_with_the_reason() {
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();

@@ -126,3 +126,27 @@ fn bad_input_fails_cleanly_with_a_named_cause() {
         assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
     }
 }
+
+/// The golden fixture on the GPU, through the CLI as a user runs it. Where no NVIDIA driver is
+/// installed the test says that it was skipped (and passes); there the CLI must still refuse a
+/// GPU with an error that names the missing driver, never panic.
+#[test]
+fn verify_on_a_gpu_passes_or_says_why_there_is_none() {
+    let reference = format!("{}/reference.safetensors", tiny());
+    let o = tandem(&["verify", "--model", &tiny(), "--reference", &reference, "--device", "cuda:0"]);
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), stderr(&o));
+    if let Some(why) = tandem_core::cuda::driver_missing() {
+        eprintln!("SKIPPED: the golden fixture on a GPU: {why}");
+        assert!(!o.status.success() && err.contains("libcuda.so") && !err.contains("panicked"), "{err}");
+        return;
+    }
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(out.contains("95 of 95 checks within tolerance") && out.trim_end().ends_with("PASS"), "{out}");
+}
+
+#[test]
+fn a_bad_device_name_is_refused_by_name() {
+    let reference = format!("{}/reference.safetensors", tiny());
+    let o = tandem(&["verify", "--model", &tiny(), "--reference", &reference, "--device", "gpu7"]);
+    assert!(!o.status.success() && stderr(&o).contains("--device \"gpu7\""), "{}", stderr(&o));
+}

@@ -242,7 +242,7 @@ impl GpuQwen35 {
             .iter()
             .map(|l| {
                 Ok(match l {
-                    GpuLayerState::Linear { conv, recurrent } => LayerState::Linear { conv: self.gpu.download(conv, conv.len())?, recurrent: self.gpu.download(recurrent, recurrent.len())? },
+                    GpuLayerState::Linear { conv, recurrent } => LayerState::Linear { conv: self.gpu.download(conv, conv.len())?.into(), recurrent: self.gpu.download(recurrent, recurrent.len())?.into() },
                     GpuLayerState::Full { k, v, .. } => LayerState::Full { k: self.gpu.download(k, kv)?, v: self.gpu.download(v, kv)? },
                 })
             })

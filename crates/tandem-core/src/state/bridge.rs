@@ -8,12 +8,13 @@
 //! checksum. A state that fails any check is an error naming what failed; nothing is applied.
 
 use std::io::{Read, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use super::{LayerState, State};
+use super::{LayerState, State, StateArray};
 use crate::config::{LayerType, Qwen35Config};
 
 pub const MAGIC: [u8; 8] = *b"TNDMSTAT";
@@ -65,14 +66,28 @@ fn arrays(state: &State) -> Vec<&[f32]> {
 }
 
 fn layout(state: &State, fingerprint: Fingerprint) -> Layout {
-    let arrays = arrays(state);
-    let table_end = FIXED + ENTRY * state.layers.len();
-    let mut offset = table_end.next_multiple_of(ALIGN);
-    let spans: Vec<Span> = arrays
+    let kinds: Vec<u32> = state
+        .layers
         .iter()
-        .map(|a| {
-            let s = Span { offset: offset as u64, count: a.len() as u64 };
-            offset = (offset + 4 * a.len()).next_multiple_of(ALIGN);
+        .map(|l| match l {
+            LayerState::Linear { .. } => KIND_LINEAR,
+            LayerState::Full { .. } => KIND_FULL,
+        })
+        .collect();
+    let lens: Vec<usize> = arrays(state).iter().map(|a| a.len()).collect();
+    layout_of(&kinds, &lens, state.position, fingerprint)
+}
+
+/// The layout of a state of `position` tokens whose layers have `kinds` and whose arrays (two
+/// per layer, then the logits) hold `lens` values.
+fn layout_of(kinds: &[u32], lens: &[usize], position: usize, fingerprint: Fingerprint) -> Layout {
+    let table_end = FIXED + ENTRY * kinds.len();
+    let mut offset = table_end.next_multiple_of(ALIGN);
+    let spans: Vec<Span> = lens
+        .iter()
+        .map(|&len| {
+            let s = Span { offset: offset as u64, count: len as u64 };
+            offset = (offset + 4 * len).next_multiple_of(ALIGN);
             s
         })
         .collect();
@@ -83,8 +98,8 @@ fn layout(state: &State, fingerprint: Fingerprint) -> Layout {
     h.extend_from_slice(&VERSION.to_le_bytes());
     h.extend_from_slice(&(table_end as u32).to_le_bytes());
     h.extend_from_slice(&fingerprint.to_le_bytes());
-    h.extend_from_slice(&(state.position as u64).to_le_bytes());
-    h.extend_from_slice(&(state.layers.len() as u32).to_le_bytes());
+    h.extend_from_slice(&(position as u64).to_le_bytes());
+    h.extend_from_slice(&(kinds.len() as u32).to_le_bytes());
     h.extend_from_slice(&DTYPE_F32.to_le_bytes());
     let logits = spans[spans.len() - 1];
     h.extend_from_slice(&logits.offset.to_le_bytes());
@@ -94,11 +109,7 @@ fn layout(state: &State, fingerprint: Fingerprint) -> Layout {
     debug_assert_eq!(h.len(), FIXED - 8);
     let header_checksum = checksum(&h);
     h.extend_from_slice(&header_checksum.to_le_bytes());
-    for (i, l) in state.layers.iter().enumerate() {
-        let kind = match l {
-            LayerState::Linear { .. } => KIND_LINEAR,
-            LayerState::Full { .. } => KIND_FULL,
-        };
+    for (i, kind) in kinds.iter().enumerate() {
         h.extend_from_slice(&kind.to_le_bytes());
         h.extend_from_slice(&0u32.to_le_bytes());
         for s in &spans[2 * i..2 * i + 2] {
@@ -244,17 +255,7 @@ impl Header {
                 anyhow::Error::new(e).context("reading a state")
             }
         };
-        let mut spare: Vec<Vec<f32>> = Vec::new();
-        if let Some(old) = reuse {
-            for l in old.layers {
-                match l {
-                    LayerState::Linear { conv, recurrent } => spare.extend([conv, recurrent]),
-                    LayerState::Full { k, v } => spare.extend([k, v]),
-                }
-            }
-            spare.push(old.last_logits);
-        }
-        spare.reverse();
+        let mut spare = spare_buffers(reuse);
         let mut hash = Hasher::default();
         let mut pad = [0u8; ALIGN];
         let first = self.spans.first().map_or(self.total - TRAILER, |s| s.offset as usize);
@@ -279,7 +280,7 @@ impl Header {
             }
             // SAFETY: all 4 · count bytes were just written.
             unsafe { v.set_len(count) };
-            arrays.push(v);
+            arrays.push(StateArray::Owned(v));
             at = span.offset as usize + 4 * count;
         }
         let n = self.total - TRAILER - at;
@@ -290,7 +291,12 @@ impl Header {
         if hash.finish() != u64::from_le_bytes(trailer) {
             bail!("corrupt state: the payload checksum does not match");
         }
-        let logits = arrays.pop().expect("the logits span is always there");
+        Ok(self.assemble(arrays))
+    }
+
+    /// The state from its arrays in image order (two per layer, then the logits).
+    fn assemble(&self, mut arrays: Vec<StateArray>) -> State {
+        let logits = arrays.pop().expect("the logits span is always there").into_vec();
         let mut arrays = arrays.into_iter();
         let mut next = || arrays.next().expect("two arrays per layer");
         let layers = self
@@ -301,12 +307,29 @@ impl Header {
                 if kind == KIND_LINEAR {
                     LayerState::Linear { conv: a, recurrent: b }
                 } else {
-                    LayerState::Full { k: a, v: b }
+                    LayerState::Full { k: a.into_vec(), v: b.into_vec() }
                 }
             })
             .collect();
-        Ok(State { position: self.position, layers, last_logits: logits })
+        State { position: self.position, layers, last_logits: logits }
     }
+}
+
+/// The buffers of a state no longer needed, in the reverse of image order (so that `pop` gives
+/// them in order); arrays that live in a file give none.
+fn spare_buffers(reuse: Option<State>) -> Vec<Vec<f32>> {
+    let mut spare: Vec<Vec<f32>> = Vec::new();
+    if let Some(old) = reuse {
+        for l in old.layers {
+            match l {
+                LayerState::Linear { conv, recurrent } => spare.extend([conv.into_vec(), recurrent.into_vec()]),
+                LayerState::Full { k, v } => spare.extend([k, v]),
+            }
+        }
+        spare.push(old.last_logits);
+    }
+    spare.reverse();
+    spare
 }
 
 /// Times of one transfer, in the three parts of the study's table.
@@ -326,26 +349,9 @@ impl TransferTimes {
     }
 }
 
-/// Save `state` to `path`. An existing file is overwritten in place and then cut to length,
-/// not truncated first: rewriting pages the file already has is much cheaper than getting new
-/// ones (a pipeline reuses its state files for that reason).
+/// Save `state` to `path` (see `StateFile::write`).
 pub fn save(path: &Path, state: &State, fingerprint: Fingerprint) -> Result<()> {
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(path)
-        .with_context(|| format!("creating state file {}", path.display()))?;
-    // Small buffer: the header and padding are gathered, payload pieces go straight through.
-    let mut w = std::io::BufWriter::with_capacity(16 << 10, file);
-    let written = write_state(&mut w, state, fingerprint).and_then(|()| Ok(w.into_inner().map_err(|e| e.into_error())?));
-    let file = written.with_context(|| format!("writing state file {}", path.display()))?;
-    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
-    let total = layout_size(state) as u64;
-    if len != total {
-        file.set_len(total).with_context(|| format!("setting the length of state file {}", path.display()))?;
-    }
-    Ok(())
+    StateFile::create(path)?.write(state, fingerprint)
 }
 
 /// Where state files go by default: memory-backed /dev/shm where there is one (a handoff on
@@ -364,24 +370,16 @@ pub fn layout_size(state: &State) -> usize {
     layout(state, 0).total
 }
 
-/// Load a state file written by `save`, for the model `cfg` with `fingerprint`, returning
-/// the state and the time spent reading (map + header checks) and rebuilding (payloads copied
-/// into the state and checksummed). `reuse`: see `receive`.
+/// Load a state file written by `save`, for the model `cfg` with `fingerprint`, into this
+/// process's memory (a copy: the file may change after), returning the state and the time spent
+/// reading (map + header checks) and rebuilding (payloads copied and checksummed). `reuse`: see
+/// `receive`.
 pub fn load(path: &Path, fingerprint: Fingerprint, cfg: &Qwen35Config, reuse: Option<State>) -> Result<(State, Duration, Duration)> {
     let t = Instant::now();
-    let file = std::fs::File::open(path).with_context(|| format!("opening state file {}", path.display()))?;
-    // SAFETY: the map is read-only and dropped before this function returns; a file changed
-    // underneath would at worst fail the checksum.
-    // Populated: the kernel maps every page at once rather than on a fault per page.
-    let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }.with_context(|| format!("mapping state file {}", path.display()))?;
-    let header = parse_header(&map, fingerprint, cfg).with_context(|| format!("state file {}", path.display()))?;
-    if map.len() != header.total {
-        bail!("state file {}: {} bytes, its header announces {} (truncated or extended)", path.display(), map.len(), header.total);
-    }
-    let read = t.elapsed();
-    let t = Instant::now();
-    let state = header.read_body(&mut &map[header.table_end..], reuse).with_context(|| format!("state file {}", path.display()))?;
-    Ok((state, read, t.elapsed()))
+    let file = Arc::new(StateFile::open(path)?);
+    let opened = t.elapsed();
+    let (state, read, rebuild) = read_file(&file, fingerprint, cfg, reuse, false)?;
+    Ok((state, opened + read, rebuild))
 }
 
 /// Send a state over a byte stream (a socket): the image, as `write_state` writes it.
@@ -408,6 +406,229 @@ pub fn receive(stream: &mut impl Read, fingerprint: Fingerprint, cfg: &Qwen35Con
     let t = Instant::now();
     let state = header.read_body(stream, reuse)?;
     Ok((state, read, t.elapsed()))
+}
+
+/// A state file, memory-mapped read-write and shared. The pipeline's file transfer keeps a few
+/// and reuses them: the prefill engine writes a state into one in place (`write`), the decode
+/// engine reads it where it lies (`read_file` in place), so neither side maps pages or fills a
+/// page cache per handoff, and the recurrent states, most of a state's bytes, are never copied
+/// out: the decode engine's state keeps them in the file (`StateArray::InFile`) until the
+/// request ends. The file is rewritten only when no state holds it (`Arc::get_mut`).
+pub struct StateFile {
+    path: PathBuf,
+    file: std::fs::File,
+    map: Option<memmap2::MmapMut>,
+    /// Start of the mapping (null when the file is empty); all access goes through it.
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; who may touch which bytes when is the protocol
+// above (one writer with `&mut`, then readers and the InFile arrays of one state).
+unsafe impl Send for StateFile {}
+unsafe impl Sync for StateFile {}
+
+impl StateFile {
+    /// Open `path` for writing states, creating it if needed (an existing file is reused in
+    /// place: rewriting pages a file has is cheaper than getting new ones).
+    pub fn create(path: &Path) -> Result<StateFile> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .with_context(|| format!("creating state file {}", path.display()))?;
+        Self::mapped(path, file)
+    }
+
+    /// Open an existing state file to read it.
+    pub fn open(path: &Path) -> Result<StateFile> {
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(path).with_context(|| format!("opening state file {}", path.display()))?;
+        Self::mapped(path, file)
+    }
+
+    fn mapped(path: &Path, file: std::fs::File) -> Result<StateFile> {
+        let mut f = StateFile { path: path.to_path_buf(), file, map: None, base: std::ptr::null_mut(), len: 0 };
+        let len = f.file.metadata().with_context(|| format!("state file {}", path.display()))?.len() as usize;
+        f.map_len(len)?;
+        Ok(f)
+    }
+
+    /// Map the file's first `len` bytes (populated: every page at once, not a fault each).
+    fn map_len(&mut self, len: usize) -> Result<()> {
+        self.map = None;
+        self.base = std::ptr::null_mut();
+        self.len = len;
+        if len > 0 {
+            // SAFETY: a shared mapping of a file this process writes only through this
+            // mapping; a file changed by someone else would at worst fail the checksum.
+            let mut map = unsafe { memmap2::MmapOptions::new().len(len).populate().map_mut(&self.file) }.with_context(|| format!("mapping state file {}", self.path.display()))?;
+            self.base = map.as_mut_ptr();
+            self.map = Some(map);
+        }
+        Ok(())
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn bytes(&self) -> &[u8] {
+        if self.base.is_null() {
+            return &[];
+        }
+        // SAFETY: the mapping holds `len` bytes at `base`.
+        unsafe { std::slice::from_raw_parts(self.base, self.len) }
+    }
+
+    /// Write the image of `state` into the file, resized to it if needed: header and table,
+    /// then each payload copied in with its checksum computed on the way (one pass over the
+    /// state), then the trailer.
+    pub fn write(&mut self, state: &State, fingerprint: Fingerprint) -> Result<()> {
+        let total = layout_size(state);
+        if self.len != total {
+            self.file.set_len(total as u64).with_context(|| format!("setting the length of state file {}", self.path.display()))?;
+            self.map_len(total)?;
+        }
+        // SAFETY: `&mut self`: no one else holds this file, so no array of `state` lives in it.
+        unsafe { self.write_shared(state, fingerprint) }
+    }
+
+    /// `write` for a state whose fixed-size arrays may already live in this file at the places
+    /// its image puts them (made by `state_in_file`): those are only checksummed, the rest is
+    /// copied in. The file must already have the image's size.
+    ///
+    /// # Safety
+    /// No one uses the file but `state` (whose arrays in it are only read here).
+    pub unsafe fn write_shared(&self, state: &State, fingerprint: Fingerprint) -> Result<()> {
+        let lay = layout(state, fingerprint);
+        if self.len != lay.total {
+            bail!("state file {}: {} bytes, the state's image needs {}", self.path.display(), self.len, lay.total);
+        }
+        let base = self.base;
+        let region = |start: usize, end: usize| std::slice::from_raw_parts_mut(base.add(start), end - start);
+        region(0, lay.header.len()).copy_from_slice(&lay.header);
+        let first = lay.spans.first().map_or(lay.total - TRAILER, |s| s.offset as usize);
+        region(lay.header.len(), first).fill(0);
+        let mut hash = Hasher::default();
+        let mut at = first;
+        for (a, span) in arrays(state).iter().zip(&lay.spans) {
+            let (start, end) = (span.offset as usize, span.offset as usize + 4 * a.len());
+            let pad = region(at, start);
+            pad.fill(0);
+            hash.update(pad);
+            let ptr = a.as_ptr() as *const u8;
+            if ptr == base.add(start) {
+                hash.update(as_bytes(a));
+            } else if ptr >= base as *const u8 && ptr < base.add(self.len) as *const u8 {
+                bail!("state file {}: an array of the state lives in it, but not where its image puts it", self.path.display());
+            } else {
+                hash.copy_from(region(start, end), as_bytes(a));
+            }
+            at = end;
+        }
+        let end = lay.total - TRAILER;
+        let pad = region(at, end);
+        pad.fill(0);
+        hash.update(pad);
+        region(end, lay.total).copy_from_slice(&hash.finish().to_le_bytes());
+        Ok(())
+    }
+}
+
+/// A fresh state (no token applied) of a request whose prompt has `prompt` tokens, with its
+/// conv windows and recurrent states already in `file`, zeroed, at the places the image of the
+/// prefilled state puts them: the prefill engine works in the file, and handing the state over
+/// (`StateFile::write_shared`) copies only K/V and the logits. `file` must be free (no other
+/// holder); it is resized to that image.
+pub fn state_in_file(file: &mut Arc<StateFile>, cfg: &Qwen35Config, prompt: usize, fingerprint: Fingerprint) -> Result<State> {
+    let empty = State::new(cfg);
+    let kinds: Vec<u32> = empty
+        .layers
+        .iter()
+        .map(|l| match l {
+            LayerState::Linear { .. } => KIND_LINEAR,
+            LayerState::Full { .. } => KIND_FULL,
+        })
+        .collect();
+    let kv = prompt * cfg.num_key_value_heads * cfg.head_dim;
+    // Two arrays per layer (K/V sized for the prompt), then the logits.
+    let mut lens: Vec<usize> = arrays(&empty).iter().zip(kinds.iter().flat_map(|&k| [k, k])).map(|(a, k)| if k == KIND_FULL { kv } else { a.len() }).collect();
+    lens.push(cfg.vocab_size);
+    let lay = layout_of(&kinds, &lens, prompt, fingerprint);
+    let f = Arc::get_mut(file).context("state_in_file: the state file is in use")?;
+    if f.len != lay.total {
+        f.file.set_len(lay.total as u64).with_context(|| format!("setting the length of state file {}", f.path.display()))?;
+        f.map_len(lay.total)?;
+    }
+    let base = f.base;
+    let mut state = empty;
+    for (i, layer) in state.layers.iter_mut().enumerate() {
+        if let LayerState::Linear { conv, recurrent } = layer {
+            for (j, a) in [conv, recurrent].into_iter().enumerate() {
+                let span = lay.spans[2 * i + j];
+                let ptr = base.wrapping_add(span.offset as usize) as *mut f32;
+                // SAFETY: the span lies inside the mapping (the file was sized to the layout);
+                // each array gets its own span.
+                unsafe { std::slice::from_raw_parts_mut(ptr, span.count as usize) }.fill(0.0);
+                *a = StateArray::InFile { file: Arc::clone(file), ptr, len: span.count as usize };
+            }
+        }
+    }
+    Ok(state)
+}
+
+/// Read the state in `file` for the model `cfg` with `fingerprint`. With `in_place`, the conv
+/// windows and recurrent states stay in the file (the returned state holds it until it is
+/// dropped; the file must not be written meanwhile: `StateFile::write` needs it unshared), and
+/// only K/V and the logits, which grow or are replaced, are copied; otherwise everything is
+/// copied out. Every byte is checksummed before the state is returned. Returns the times spent
+/// reading (header and table checks) and rebuilding (checksum, copies).
+pub fn read_file(file: &Arc<StateFile>, fingerprint: Fingerprint, cfg: &Qwen35Config, reuse: Option<State>, in_place: bool) -> Result<(State, Duration, Duration)> {
+    let t = Instant::now();
+    let bytes = file.bytes();
+    let name = || format!("state file {}", file.path.display());
+    let header = parse_header(bytes, fingerprint, cfg).with_context(name)?;
+    if bytes.len() != header.total {
+        bail!("{}: {} bytes, its header announces {} (truncated or extended)", name(), bytes.len(), header.total);
+    }
+    let read = t.elapsed();
+    let t = Instant::now();
+    let mut spare = spare_buffers(reuse);
+    let mut hash = Hasher::default();
+    let first = header.spans.first().map_or(header.total - TRAILER, |s| s.offset as usize);
+    let mut at = first;
+    let mut arrays = Vec::with_capacity(header.spans.len());
+    for (i, span) in header.spans.iter().enumerate() {
+        let (start, count) = (span.offset as usize, span.count as usize);
+        hash.update(&bytes[at..start]);
+        let src = &bytes[start..start + 4 * count];
+        // Arrays 2l and 2l+1 belong to layer l; the last one is the logits.
+        let fixed_size = header.kinds.get(i / 2) == Some(&KIND_LINEAR);
+        if in_place && fixed_size {
+            hash.update(src);
+            let ptr = file.base.wrapping_add(start) as *mut f32;
+            arrays.push(StateArray::InFile { file: Arc::clone(file), ptr, len: count });
+        } else {
+            let mut v = spare.pop().unwrap_or_default();
+            v.clear();
+            v.reserve_exact(count);
+            // SAFETY: the spare capacity holds `count` f32 values, all written by copy_from
+            // before `set_len` exposes them.
+            let dst = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, 4 * count) };
+            hash.copy_from(dst, src);
+            unsafe { v.set_len(count) };
+            arrays.push(StateArray::Owned(v));
+        }
+        at = start + 4 * count;
+    }
+    let end = header.total - TRAILER;
+    hash.update(&bytes[at..end]);
+    if hash.finish() != u64::from_le_bytes(bytes[end..].try_into().expect("8-byte trailer")) {
+        bail!("{}: corrupt state: the payload checksum does not match", name());
+    }
+    Ok((header.assemble(arrays), read, t.elapsed()))
 }
 
 fn as_bytes(a: &[f32]) -> &[u8] {
@@ -467,10 +688,35 @@ impl Hasher {
             self.buffered = 0;
         }
         let whole = data.len() / 64 * 64;
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: `data` holds whole/64 blocks; the CPU has AVX-512F; no copy (null dst).
+            unsafe { hash_copy_avx512(&mut self.a, &mut self.b, data.as_ptr(), std::ptr::null_mut(), whole / 64) };
+            let tail = &data[whole..];
+            self.buf[..tail.len()].copy_from_slice(tail);
+            self.buffered = tail.len();
+            return;
+        }
         self.blocks(&data[..whole]);
         let tail = &data[whole..];
         self.buf[..tail.len()].copy_from_slice(tail);
         self.buffered = tail.len();
+    }
+
+    /// `dst.copy_from_slice(src)` and `self.update(src)` in one pass over the bytes.
+    pub fn copy_from(&mut self, dst: &mut [u8], src: &[u8]) {
+        assert_eq!(dst.len(), src.len(), "copy_from: lengths differ");
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if self.buffered == 0 && std::arch::is_x86_feature_detected!("avx512f") {
+            let blocks = src.len() / 64;
+            // SAFETY: both slices hold `blocks` 64-byte blocks; the CPU has AVX-512F.
+            unsafe { hash_copy_avx512(&mut self.a, &mut self.b, src.as_ptr(), dst.as_mut_ptr(), blocks) };
+            self.len = self.len.wrapping_add((blocks * 64) as u64);
+            done = blocks * 64;
+        }
+        dst[done..].copy_from_slice(&src[done..]);
+        self.update(&src[done..]);
     }
 
     pub fn finish(self) -> u64 {
@@ -484,6 +730,62 @@ impl Hasher {
         }
         h ^ (h >> 31)
     }
+}
+
+/// The lanes of `Hasher::blocks` in one register each (lane j of the vectors is word j of a
+/// block, as in `blocks`), every block stored to `dst` as it goes unless `dst` is null: with
+/// non-temporal stores when `dst` is 64-byte aligned (a state is far larger than the caches; its copy need not pass
+/// through them), else plain ones.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn hash_copy_avx512(a: &mut [u64; 8], b: &mut [u64; 8], src: *const u8, dst: *mut u8, blocks: usize) {
+    use std::arch::x86_64::*;
+    let mut va = _mm512_loadu_si512(a.as_ptr() as *const _);
+    let mut vb = _mm512_loadu_si512(b.as_ptr() as *const _);
+    if !dst.is_null() && dst as usize % 64 != 0 && dst as usize % 4 == 0 && blocks > 1 {
+        // A destination off the 64-byte grid (a Vec's buffer usually is, by 16 bytes): each
+        // aligned 64-byte store takes the end of one source block and the start of the next.
+        let head = 64 - dst as usize % 64;
+        std::ptr::copy_nonoverlapping(src, dst, head);
+        let s = (head / 4) as i32;
+        let idx = _mm512_add_epi32(_mm512_set1_epi32(s), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+        let mut prev = _mm512_loadu_si512(src as *const _);
+        va = _mm512_add_epi64(va, prev);
+        vb = _mm512_add_epi64(vb, va);
+        for i in 1..blocks {
+            let v = _mm512_loadu_si512(src.add(64 * i) as *const _);
+            va = _mm512_add_epi64(va, v);
+            vb = _mm512_add_epi64(vb, va);
+            _mm512_stream_si512(dst.add(head + 64 * (i - 1)) as *mut _, _mm512_permutex2var_epi32(prev, idx, v));
+            prev = v;
+        }
+        let done = head + 64 * (blocks - 1);
+        std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), 64 * blocks - done);
+        _mm_sfence();
+        _mm512_storeu_si512(a.as_mut_ptr() as *mut _, va);
+        _mm512_storeu_si512(b.as_mut_ptr() as *mut _, vb);
+        return;
+    }
+    let stream = dst as usize % 64 == 0 && !dst.is_null();
+    for i in 0..blocks {
+        let v = _mm512_loadu_si512(src.add(64 * i) as *const _);
+        va = _mm512_add_epi64(va, v);
+        vb = _mm512_add_epi64(vb, va);
+        if dst.is_null() {
+            continue;
+        }
+        if stream {
+            _mm512_stream_si512(dst.add(64 * i) as *mut _, v);
+        } else {
+            _mm512_storeu_si512(dst.add(64 * i) as *mut _, v);
+        }
+    }
+    if stream {
+        // Non-temporal stores are weakly ordered: fence before anyone else reads them.
+        _mm_sfence();
+    }
+    _mm512_storeu_si512(a.as_mut_ptr() as *mut _, va);
+    _mm512_storeu_si512(b.as_mut_ptr() as *mut _, vb);
 }
 
 /// The checksum of one byte string.
@@ -514,6 +816,20 @@ mod tests {
                 at = c;
             }
             assert_eq!(h.finish(), base);
+        }
+        // Copying while hashing gives the same copy and the same checksum, in any pieces and
+        // to a destination on or off the 64-byte grid.
+        for shift in [0, 4, 16, 36, 60] {
+            for cuts in [vec![1000], vec![64, 640, 1000], vec![3, 130, 1000]] {
+                let mut buf = vec![0u8; 1000 + 128];
+                let off = (64 - buf.as_ptr() as usize % 64) % 64 + shift;
+                let (mut h, mut at) = (Hasher::default(), 0);
+                for c in cuts {
+                    h.copy_from(&mut buf[off + at..off + c], &data[at..c]);
+                    at = c;
+                }
+                assert_eq!((h.finish(), &buf[off..off + 1000]), (base, &data[..]), "copy_from, destination 64k + {shift}");
+            }
         }
         let mut swapped = data[500..].to_vec();
         swapped.extend(&data[..500]);

@@ -2,9 +2,13 @@
 //! the next. It is the unit that prefill hands to decode (and that the bridge moves): it covers
 //! tokens `[0, position)` and holds the logits of token `position - 1`.
 
+use std::sync::Arc;
+
 use crate::config::{LayerType, Qwen35Config};
 
 pub mod bridge;
+
+use bridge::StateFile;
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum LayerState {
@@ -12,9 +16,9 @@ pub enum LayerState {
     Linear {
         /// The last `K` raw (pre-conv) qkv columns, time-major `[K, conv_dim]`, oldest first;
         /// zero before the first tokens (the conv's left padding).
-        conv: Vec<f32>,
+        conv: StateArray,
         /// `[Hv, Dk, Dv]`, f32.
-        recurrent: Vec<f32>,
+        recurrent: StateArray,
     },
     /// Full-attention layer: keys (after k_norm and RoPE) and values, `[position, Hkv, D]`.
     Full { k: Vec<f32>, v: Vec<f32> },
@@ -37,8 +41,8 @@ impl State {
             .iter()
             .map(|t| match t {
                 LayerType::LinearAttention => LayerState::Linear {
-                    conv: vec![0.0; cfg.linear_conv_kernel_dim * cfg.linear_conv_dim()],
-                    recurrent: vec![0.0; cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim],
+                    conv: vec![0.0; cfg.linear_conv_kernel_dim * cfg.linear_conv_dim()].into(),
+                    recurrent: vec![0.0; cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim].into(),
                 },
                 LayerType::FullAttention => LayerState::Full { k: Vec::new(), v: Vec::new() },
             })
@@ -83,6 +87,104 @@ impl State {
             })
             .sum();
         4 * (layer_bytes + self.last_logits.len())
+    }
+}
+
+/// A fixed-size f32 array of a state (a conv window, a recurrent state): in this process's
+/// memory, or in place in a state file that the file bridge wrote, so that a state handed over
+/// through a file is used where it lies instead of being copied out (see `bridge::read_file`).
+pub enum StateArray {
+    Owned(Vec<f32>),
+    /// `len` values at `ptr`, inside the mapping of `file`, which this array keeps alive.
+    InFile { file: Arc<StateFile>, ptr: *mut f32, len: usize },
+}
+
+// SAFETY: an InFile array is the only user of its region of the mapping (the bridge hands each
+// region to one array, and a state file is rewritten only when no array holds it: see
+// `StateFile::write`), so it can move between threads like the Vec it stands for.
+unsafe impl Send for StateArray {}
+unsafe impl Sync for StateArray {}
+
+impl StateArray {
+    pub fn in_file(&self) -> bool {
+        matches!(self, StateArray::InFile { .. })
+    }
+
+    /// The buffer to reuse for another state (empty for an array in a file).
+    pub fn into_vec(self) -> Vec<f32> {
+        match self {
+            StateArray::Owned(v) => v,
+            StateArray::InFile { .. } => Vec::new(),
+        }
+    }
+}
+
+impl From<Vec<f32>> for StateArray {
+    fn from(v: Vec<f32>) -> Self {
+        StateArray::Owned(v)
+    }
+}
+
+impl std::ops::Deref for StateArray {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match self {
+            StateArray::Owned(v) => v,
+            // SAFETY: `ptr` and `len` lie inside the mapping that `file` keeps alive, aligned
+            // (payloads start on 64-byte boundaries), and no one else uses the region.
+            StateArray::InFile { ptr, len, .. } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+        }
+    }
+}
+
+impl std::ops::DerefMut for StateArray {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        match self {
+            StateArray::Owned(v) => v,
+            // SAFETY: as in `deref`; `&mut self` makes this the only access.
+            StateArray::InFile { ptr, len, .. } => unsafe { std::slice::from_raw_parts_mut(*ptr, *len) },
+        }
+    }
+}
+
+/// A clone is always owned: a copy of the values, not a second user of the file.
+impl Clone for StateArray {
+    fn clone(&self) -> Self {
+        StateArray::Owned(self.to_vec())
+    }
+}
+
+impl PartialEq for StateArray {
+    fn eq(&self, other: &Self) -> bool {
+        self[..] == other[..]
+    }
+}
+
+impl std::fmt::Debug for StateArray {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}({} values)", if self.in_file() { "InFile" } else { "Owned" }, self.len())
+    }
+}
+
+impl State {
+    /// Whether some of this state's arrays live in a state file.
+    pub fn in_file(&self) -> bool {
+        self.layers.iter().any(|l| matches!(l, LayerState::Linear { conv, recurrent } if conv.in_file() || recurrent.in_file()))
+    }
+
+    /// This state with every array in this process's memory (copied out of its file, which is
+    /// then free for reuse): for a state that outlives its request.
+    pub fn into_owned(mut self) -> State {
+        for l in &mut self.layers {
+            if let LayerState::Linear { conv, recurrent } = l {
+                for a in [conv, recurrent] {
+                    if a.in_file() {
+                        *a = StateArray::Owned(a.to_vec());
+                    }
+                }
+            }
+        }
+        self
     }
 }
 
