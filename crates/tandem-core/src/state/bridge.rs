@@ -66,16 +66,20 @@ fn arrays(state: &State) -> Vec<&[f32]> {
 }
 
 fn layout(state: &State, fingerprint: Fingerprint) -> Layout {
-    let kinds: Vec<u32> = state
+    let lens: Vec<usize> = arrays(state).iter().map(|a| a.len()).collect();
+    layout_of(&kinds(state), &lens, state.position, fingerprint)
+}
+
+/// The layer table's kind code of each layer of `state`.
+fn kinds(state: &State) -> Vec<u32> {
+    state
         .layers
         .iter()
         .map(|l| match l {
             LayerState::Linear { .. } => KIND_LINEAR,
             LayerState::Full { .. } => KIND_FULL,
         })
-        .collect();
-    let lens: Vec<usize> = arrays(state).iter().map(|a| a.len()).collect();
-    layout_of(&kinds, &lens, state.position, fingerprint)
+        .collect()
 }
 
 /// The layout of a state of `position` tokens whose layers have `kinds` and whose arrays (two
@@ -544,14 +548,7 @@ impl StateFile {
 /// holder); it is resized to that image.
 pub fn state_in_file(file: &mut Arc<StateFile>, cfg: &Qwen35Config, prompt: usize, fingerprint: Fingerprint) -> Result<State> {
     let empty = State::new(cfg);
-    let kinds: Vec<u32> = empty
-        .layers
-        .iter()
-        .map(|l| match l {
-            LayerState::Linear { .. } => KIND_LINEAR,
-            LayerState::Full { .. } => KIND_FULL,
-        })
-        .collect();
+    let kinds = kinds(&empty);
     let kv = prompt * cfg.num_key_value_heads * cfg.head_dim;
     // Two arrays per layer (K/V sized for the prompt), then the logits.
     let mut lens: Vec<usize> = arrays(&empty).iter().zip(kinds.iter().flat_map(|&k| [k, k])).map(|(a, k)| if k == KIND_FULL { kv } else { a.len() }).collect();
