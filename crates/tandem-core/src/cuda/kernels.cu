@@ -13,47 +13,42 @@ __device__ __forceinline__ float siluf_(float x) { return x / (1.0f + expf(-x));
 // torch softplus, threshold 20.
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+struct Sum {
+    __device__ float operator()(float a, float b) const { return a + b; }
+};
+struct Max {
+    __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// Reduce over the warp with `op`; every lane gets the result.
+template <typename Op>
+__device__ __forceinline__ float warp_reduce(float v, Op op) {
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the sum.
-__device__ float block_sum(float v) {
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, Sum()); }
+
+// Reduce over the block (blockDim.x a multiple of 32, at most 1024) with `op`, whose identity
+// is `identity`; every thread gets the result.
+template <typename Op>
+__device__ float block_reduce(float v, float identity, Op op) {
     __shared__ float part[32];
     __shared__ float total;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
+    v = warp_reduce(v, op);
     __syncthreads();
     if (lane == 0) part[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        float s = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.0f;
-        s = warp_sum(s);
+        float s = lane < (int)(blockDim.x >> 5) ? part[lane] : identity;
+        s = warp_reduce(s, op);
         if (lane == 0) total = s;
     }
     __syncthreads();
     return total;
 }
-__device__ float block_max(float v) {
-    __shared__ float part[32];
-    __shared__ float total;
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) part[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        float s = lane < (int)(blockDim.x >> 5) ? part[lane] : NEG_INF;
-        s = warp_max(s);
-        if (lane == 0) total = s;
-    }
-    __syncthreads();
-    return total;
-}
+__device__ float block_sum(float v) { return block_reduce(v, 0.0f, Sum()); }
+__device__ float block_max(float v) { return block_reduce(v, NEG_INF, Max()); }
 
 // x[i, :] = embedding row ids[i]. Grid: tokens.
 extern "C" __global__ void embed(const bf16_t* table, const u32* ids, float* x, int h) {

@@ -272,18 +272,13 @@ impl Header {
             r.read_exact(&mut pad[..n]).map_err(truncated)?;
             hash.update(&pad[..n]);
             let count = span.count as usize;
-            let mut v = spare.pop().unwrap_or_default();
-            v.clear();
-            v.reserve_exact(count);
-            // SAFETY: the spare capacity holds `count` f32 values; every byte of it is written
-            // by read_exact below before `set_len` exposes it.
-            let dst = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, 4 * count) };
-            for piece in dst.chunks_mut(CHUNK) {
-                r.read_exact(piece).map_err(truncated)?;
-                hash.update(piece);
-            }
-            // SAFETY: all 4 · count bytes were just written.
-            unsafe { v.set_len(count) };
+            let v = filled(&mut spare, count, |dst| {
+                for piece in dst.chunks_mut(CHUNK) {
+                    r.read_exact(piece).map_err(truncated)?;
+                    hash.update(piece);
+                }
+                Ok(())
+            })?;
             arrays.push(StateArray::Owned(v));
             at = span.offset as usize + 4 * count;
         }
@@ -317,6 +312,20 @@ impl Header {
             .collect();
         State { position: self.position, layers, last_logits: logits }
     }
+}
+
+/// `count` values written by `fill` (as bytes, every one of them) into a spare buffer, or a new
+/// one: no zeroing first, since every byte is about to be overwritten.
+fn filled(spare: &mut Vec<Vec<f32>>, count: usize, fill: impl FnOnce(&mut [u8]) -> Result<()>) -> Result<Vec<f32>> {
+    let mut v = spare.pop().unwrap_or_default();
+    v.clear();
+    v.reserve_exact(count);
+    // SAFETY: the spare capacity holds `count` f32 values; `fill` writes every byte of them (any
+    // byte pattern is an f32) before `set_len` exposes them, or fails and `v` is dropped empty.
+    let dst = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, 4 * count) };
+    fill(dst)?;
+    unsafe { v.set_len(count) };
+    Ok(v)
 }
 
 /// The buffers of a state no longer needed, in the reverse of image order (so that `pop` gives
@@ -367,11 +376,6 @@ pub fn default_dir() -> std::path::PathBuf {
     } else {
         std::env::temp_dir()
     }
-}
-
-/// Bytes of the image of `state`.
-pub fn layout_size(state: &State) -> usize {
-    layout(state, 0).total
 }
 
 /// Load a state file written by `save`, for the model `cfg` with `fingerprint`, into this
@@ -490,13 +494,19 @@ impl StateFile {
     /// then each payload copied in with its checksum computed on the way (one pass over the
     /// state), then the trailer.
     pub fn write(&mut self, state: &State, fingerprint: Fingerprint) -> Result<()> {
-        let total = layout_size(state);
+        let lay = layout(state, fingerprint);
+        self.resize(lay.total)?;
+        // SAFETY: `&mut self`: no one else holds this file, so no array of `state` lives in it.
+        unsafe { self.write_image(state, &lay) }
+    }
+
+    /// Give the file `total` bytes and map them (nothing to do when it has them already).
+    fn resize(&mut self, total: usize) -> Result<()> {
         if self.len != total {
             self.file.set_len(total as u64).with_context(|| format!("setting the length of state file {}", self.path.display()))?;
             self.map_len(total)?;
         }
-        // SAFETY: `&mut self`: no one else holds this file, so no array of `state` lives in it.
-        unsafe { self.write_shared(state, fingerprint) }
+        Ok(())
     }
 
     /// `write` for a state whose fixed-size arrays may already live in this file at the places
@@ -510,6 +520,14 @@ impl StateFile {
         if self.len != lay.total {
             bail!("state file {}: {} bytes, the state's image needs {}", self.path.display(), self.len, lay.total);
         }
+        self.write_image(state, &lay)
+    }
+
+    /// The writing of `write` and `write_shared`, into a file of the image's size.
+    ///
+    /// # Safety
+    /// As `write_shared`.
+    unsafe fn write_image(&self, state: &State, lay: &Layout) -> Result<()> {
         let base = self.base;
         let region = |start: usize, end: usize| std::slice::from_raw_parts_mut(base.add(start), end - start);
         region(0, lay.header.len()).copy_from_slice(&lay.header);
@@ -555,10 +573,7 @@ pub fn state_in_file(file: &mut Arc<StateFile>, cfg: &Qwen35Config, prompt: usiz
     lens.push(cfg.vocab_size);
     let lay = layout_of(&kinds, &lens, prompt, fingerprint);
     let f = Arc::get_mut(file).context("state_in_file: the state file is in use")?;
-    if f.len != lay.total {
-        f.file.set_len(lay.total as u64).with_context(|| format!("setting the length of state file {}", f.path.display()))?;
-        f.map_len(lay.total)?;
-    }
+    f.resize(lay.total)?;
     let base = f.base;
     let mut state = empty;
     for (i, layer) in state.layers.iter_mut().enumerate() {
@@ -608,14 +623,10 @@ pub fn read_file(file: &Arc<StateFile>, fingerprint: Fingerprint, cfg: &Qwen35Co
             let ptr = file.base.wrapping_add(start) as *mut f32;
             arrays.push(StateArray::InFile { file: Arc::clone(file), ptr, len: count });
         } else {
-            let mut v = spare.pop().unwrap_or_default();
-            v.clear();
-            v.reserve_exact(count);
-            // SAFETY: the spare capacity holds `count` f32 values, all written by copy_from
-            // before `set_len` exposes them.
-            let dst = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, 4 * count) };
-            hash.copy_from(dst, src);
-            unsafe { v.set_len(count) };
+            let v = filled(&mut spare, count, |dst| {
+                hash.copy_from(dst, src);
+                Ok(())
+            })?;
             arrays.push(StateArray::Owned(v));
         }
         at = start + 4 * count;
