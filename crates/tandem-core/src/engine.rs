@@ -2,11 +2,15 @@
 //! `cpu:cores=0,dispatch=batched:32`: the CPU kernels on a pool pinned to core 0, prefilling
 //! in fixed 32-token dispatches as a static-shape accelerator would (the study's Neural
 //! Engine). A prefill engine and a decode engine make a placement; both may be the same.
+//! `cuda:0` is the CUDA engine on GPU 0 (cuda/qwen35.rs). An engine keeps the states it works
+//! on where it computes (`Resident`); a state that reaches an engine of another device is
+//! copied there first (`Engine::adopt`: host to GPU, GPU to host, or GPU to GPU).
 
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
+use crate::cuda::qwen35::{GpuQwen35, GpuState, Precision};
 use crate::model::{Logits, Qwen35};
 use crate::pool::Pool;
 use crate::state::State;
@@ -78,26 +82,47 @@ impl std::fmt::Display for Dispatch {
     }
 }
 
-/// Where an engine runs and how it dispatches: `cpu[:cores=0-3|threads=N][,dispatch=MODE]`.
+/// Where an engine runs and how it dispatches: `cpu[:cores=0-3|threads=N][,dispatch=MODE]`
+/// or `cuda[:N][,precision=exact|tensor-cores][,dispatch=MODE]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Placement {
+    pub device: Device,
     /// Pin one worker to each of these cores (the engine's thread takes the first).
     pub cores: Option<Vec<usize>>,
     /// Or this many unpinned workers (default: every core).
     pub threads: Option<usize>,
     pub dispatch: Dispatch,
+    /// How a CUDA engine computes prefill products (tensor cores unless asked otherwise).
+    pub precision: Precision,
+    /// Whether a CUDA engine replays decode steps from CUDA graphs (on unless asked otherwise).
+    pub graphs: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda(usize),
 }
 
 impl Placement {
     /// Parse a placement. Values may contain commas (`cores=0,1`, `buckets:64,256`): a part
     /// without `=` continues the previous value.
     pub fn parse(spec: &str) -> Result<Placement> {
-        let (backend, opts) = spec.split_once(':').unwrap_or((spec, ""));
-        match backend {
-            "cpu" => {}
-            "cuda" => bail!("placement {spec:?}: this build has no CUDA backend yet; use cpu"),
-            other => bail!("placement {spec:?}: unknown backend {other:?} (choose cpu)"),
-        }
+        let (backend, mut opts) = spec.split_once(':').unwrap_or((spec, ""));
+        let device = match backend {
+            "cpu" => Device::Cpu,
+            "cuda" => {
+                // `cuda:N` names the GPU; `cuda` alone is GPU 0.
+                let (first, rest) = opts.split_once(',').unwrap_or((opts, ""));
+                if first.contains('=') || first.is_empty() {
+                    Device::Cuda(0)
+                } else {
+                    opts = rest;
+                    Device::Cuda(first.trim().parse().map_err(|_| anyhow::anyhow!("placement {spec:?}: {first:?} is not a GPU number (cuda:0, cuda:1, ...)"))?)
+                }
+            }
+            other => bail!("placement {spec:?}: unknown backend {other:?} (choose cpu or cuda:N)"),
+        };
         let mut pairs: Vec<(String, String)> = Vec::new();
         for part in opts.split(',').filter(|p| !p.is_empty()) {
             match part.split_once('=') {
@@ -111,16 +136,31 @@ impl Placement {
                 },
             }
         }
-        let mut p = Placement { cores: None, threads: None, dispatch: Dispatch::Dynamic };
+        let mut p = Placement { device, cores: None, threads: None, dispatch: Dispatch::Dynamic, precision: Precision::TensorCores, graphs: true };
         for (k, v) in pairs {
-            match k.as_str() {
-                "cores" => p.cores = Some(parse_cores(&v).with_context(|| format!("placement {spec:?}"))?),
-                "threads" => match v.parse::<usize>() {
+            match (k.as_str(), device) {
+                ("cores", Device::Cpu) => p.cores = Some(parse_cores(&v).with_context(|| format!("placement {spec:?}"))?),
+                ("threads", Device::Cpu) => match v.parse::<usize>() {
                     Ok(n) if n > 0 => p.threads = Some(n),
                     _ => bail!("placement {spec:?}: threads={v:?} is not a positive number"),
                 },
-                "dispatch" => p.dispatch = Dispatch::parse(&v).with_context(|| format!("placement {spec:?}"))?,
-                other => bail!("placement {spec:?}: unknown key {other:?} (keys: cores, threads, dispatch)"),
+                ("precision", Device::Cuda(_)) => {
+                    p.precision = match v.as_str() {
+                        "exact" => Precision::Exact,
+                        "tensor-cores" => Precision::TensorCores,
+                        _ => bail!("placement {spec:?}: precision={v:?}: choose exact or tensor-cores"),
+                    }
+                }
+                ("graphs", Device::Cuda(_)) => {
+                    p.graphs = match v.as_str() {
+                        "on" => true,
+                        "off" => false,
+                        _ => bail!("placement {spec:?}: graphs={v:?}: choose on or off"),
+                    }
+                }
+                ("dispatch", _) => p.dispatch = Dispatch::parse(&v).with_context(|| format!("placement {spec:?}"))?,
+                (other, Device::Cpu) => bail!("placement {spec:?}: unknown key {other:?} (keys: cores, threads, dispatch)"),
+                (other, Device::Cuda(_)) => bail!("placement {spec:?}: unknown key {other:?} (keys: precision, graphs, dispatch)"),
             }
         }
         if p.cores.is_some() && p.threads.is_some() {
@@ -141,6 +181,14 @@ impl Placement {
 
 impl std::fmt::Display for Placement {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Device::Cuda(n) = self.device {
+            let precision = match self.precision {
+                Precision::Exact => "exact",
+                Precision::TensorCores => "tensor-cores",
+            };
+            let graphs = if self.graphs { "" } else { ",graphs=off" };
+            return write!(f, "cuda:{n},precision={precision}{graphs},dispatch={}", self.dispatch);
+        }
         write!(f, "cpu:")?;
         match (&self.cores, self.threads) {
             (Some(c), _) => write!(f, "cores={},", c.iter().map(|c| c.to_string()).collect::<Vec<_>>().join("+"))?,
@@ -183,56 +231,190 @@ pub struct PrefillStats {
     pub time: Duration,
 }
 
-/// A CPU engine: the model's kernels on a worker pool, with a dispatch mode. It must be made
-/// on the thread that will run it (a pinned pool pins that thread).
+/// A request's state where an engine keeps it: in host memory (CPU engines, and the file and
+/// socket bridges, which move host states) or in a GPU's memory.
+pub enum Resident {
+    Host(State),
+    Gpu(Box<GpuState>),
+}
+
+impl Resident {
+    pub fn position(&self) -> usize {
+        match self {
+            Resident::Host(s) => s.position,
+            Resident::Gpu(s) => s.position,
+        }
+    }
+
+    /// Logits of the last applied token (always on the host: sampling runs there).
+    pub fn last_logits(&self) -> &[f32] {
+        match self {
+            Resident::Host(s) => &s.last_logits,
+            Resident::Gpu(s) => &s.last_logits,
+        }
+    }
+
+    /// Whether some of the state lives in a state file (see `State::in_file`).
+    pub fn in_file(&self) -> bool {
+        matches!(self, Resident::Host(s) if s.in_file())
+    }
+
+    /// The state in this process's memory, whole (copied from the GPU or out of its file).
+    pub fn into_host(self) -> Result<State> {
+        match self {
+            Resident::Host(s) => Ok(s.into_owned()),
+            Resident::Gpu(s) => s.download(),
+        }
+    }
+
+    /// Where the state lives, for messages: `host`, `cuda:N`.
+    pub fn location(&self) -> String {
+        match self {
+            Resident::Host(_) => "host".into(),
+            Resident::Gpu(s) => format!("cuda:{}", s.ordinal()),
+        }
+    }
+}
+
+/// What an engine computes with.
+enum Backend {
+    Cpu(Pool),
+    Cuda(Box<GpuQwen35>),
+}
+
+/// An engine: the model's kernels on a CPU worker pool or on a GPU, with a dispatch mode. It
+/// must be made on the thread that will run it (a pinned pool pins that thread).
 pub struct Engine<'m> {
     pub placement: Placement,
     pub net: &'m Qwen35,
-    pool: Pool,
+    backend: Backend,
 }
 
 impl<'m> Engine<'m> {
+    /// Start an engine: a worker pool, or a GPU with the model's weights copied to it (each
+    /// CUDA engine holds its own copy, also two engines on one GPU).
     pub fn new(placement: &Placement, net: &'m Qwen35) -> Result<Engine<'m>> {
-        Ok(Engine { placement: placement.clone(), net, pool: placement.pool()? })
+        let backend = match placement.device {
+            Device::Cpu => Backend::Cpu(placement.pool()?),
+            Device::Cuda(n) => {
+                let gpu = crate::cuda::Gpu::open(n)?;
+                let mut g = GpuQwen35::upload(gpu, net, placement.precision).with_context(|| format!("loading the model onto cuda:{n}"))?;
+                g.graphs = placement.graphs;
+                Backend::Cuda(Box::new(g))
+            }
+        };
+        Ok(Engine { placement: placement.clone(), net, backend })
     }
 
-    pub fn pool(&self) -> &Pool {
-        &self.pool
+    /// The CPU worker pool (None for a GPU engine).
+    pub fn pool(&self) -> Option<&Pool> {
+        match &self.backend {
+            Backend::Cpu(p) => Some(p),
+            Backend::Cuda(_) => None,
+        }
     }
 
-    /// Apply `tokens` to `state` in this engine's dispatches; `state.last_logits` ends up
-    /// holding the logits of the last token.
-    pub fn prefill(&self, tokens: &[u32], state: &mut State) -> Result<PrefillStats> {
+    /// The GPU model (None for a CPU engine).
+    pub fn gpu(&self) -> Option<&GpuQwen35> {
+        match &self.backend {
+            Backend::Cpu(_) => None,
+            Backend::Cuda(g) => Some(g),
+        }
+    }
+
+    /// A fresh state, where this engine keeps it.
+    pub fn new_state(&self) -> Result<Resident> {
+        Ok(match &self.backend {
+            Backend::Cpu(_) => Resident::Host(State::new(&self.net.config)),
+            Backend::Cuda(g) => Resident::Gpu(Box::new(g.new_state()?)),
+        })
+    }
+
+    /// Bring `state` to this engine's device: a GPU engine copies a host state to its GPU and
+    /// a state of another GPU across (peer copy); a CPU engine copies a GPU state to the host.
+    /// A state already there is returned as is. The bridge between engines of two devices.
+    pub fn adopt(&self, state: Resident) -> Result<Resident> {
+        Ok(match (&self.backend, state) {
+            (Backend::Cpu(_), Resident::Gpu(s)) => Resident::Host(s.download()?),
+            (Backend::Cuda(g), Resident::Host(s)) => Resident::Gpu(Box::new(g.upload_state(&s)?)),
+            (Backend::Cuda(g), Resident::Gpu(s)) if s.ordinal() != g.gpu.ordinal => Resident::Gpu(Box::new(g.copy_state(&s)?)),
+            (_, here) => here,
+        })
+    }
+
+    /// `adopt`, in place.
+    fn adopt_in_place(&self, state: &mut Resident) -> Result<()> {
+        let here = matches!((&self.backend, &*state), (Backend::Cpu(_), Resident::Host(_))) || matches!((&self.backend, &*state), (Backend::Cuda(g), Resident::Gpu(s)) if s.ordinal() == g.gpu.ordinal);
+        if !here {
+            let moved = std::mem::replace(state, Resident::Host(State { position: 0, layers: Vec::new(), last_logits: Vec::new() }));
+            *state = self.adopt(moved)?;
+        }
+        Ok(())
+    }
+
+    /// Apply `tokens` to `state` in this engine's dispatches; the state's last logits end up
+    /// those of the last token. A CUDA engine runs each dispatch at its real size (a GPU has
+    /// no static shapes to pad to).
+    pub fn prefill(&self, tokens: &[u32], state: &mut Resident) -> Result<PrefillStats> {
         let start = Instant::now();
+        self.adopt_in_place(state)?;
         let plan = self.placement.dispatch.plan(tokens.len());
         let mut at = 0;
         let mut padded_rows = 0;
         for &(real, rows) in &plan {
             let part = &tokens[at..at + real];
-            match self.placement.dispatch {
-                Dispatch::Sequential | Dispatch::Dynamic => {
-                    self.net.forward(&self.pool, part, state, Logits::Last)?;
+            match (&self.backend, &mut *state) {
+                (Backend::Cuda(g), Resident::Gpu(s)) => {
+                    g.forward(part, s, Logits::Last)?;
                 }
-                Dispatch::Batched(_) | Dispatch::Buckets(_) => {
-                    let mut shaped = part.to_vec();
-                    // Pad id 0: any id works, pads are masked out.
-                    shaped.resize(rows, 0);
-                    self.net.forward_padded(&self.pool, &shaped, real, state)?;
-                }
+                (Backend::Cpu(pool), Resident::Host(s)) => match self.placement.dispatch {
+                    Dispatch::Sequential | Dispatch::Dynamic => {
+                        self.net.forward(pool, part, s, Logits::Last)?;
+                    }
+                    Dispatch::Batched(_) | Dispatch::Buckets(_) => {
+                        let mut shaped = part.to_vec();
+                        // Pad id 0: any id works, pads are masked out.
+                        shaped.resize(rows, 0);
+                        self.net.forward_padded(pool, &shaped, real, s)?;
+                        padded_rows += rows - real;
+                    }
+                },
+                _ => unreachable!("adopt_in_place brought the state here"),
             }
-            padded_rows += rows - real;
             at += real;
         }
         Ok(PrefillStats { tokens: tokens.len(), dispatches: plan.len(), padded_rows, time: start.elapsed() })
     }
 
     /// One decode step: `tokens[i]` applied to `states[i]`, all in one pass over the weights.
-    pub fn decode(&self, tokens: &[u32], states: &mut [&mut State]) -> Result<()> {
-        if let [state] = states {
-            self.net.forward(&self.pool, tokens, state, Logits::Last)?;
-            return Ok(());
+    pub fn decode(&self, tokens: &[u32], states: &mut [&mut Resident]) -> Result<()> {
+        for s in states.iter_mut() {
+            self.adopt_in_place(s)?;
         }
-        self.net.decode_batch(&self.pool, tokens, states)
+        match &self.backend {
+            Backend::Cpu(pool) => {
+                let mut host: Vec<&mut State> = states.iter_mut().map(|s| match &mut **s {
+                    Resident::Host(s) => s,
+                    Resident::Gpu(_) => unreachable!("adopted"),
+                }).collect();
+                if let [state] = &mut host[..] {
+                    self.net.forward(pool, tokens, state, Logits::Last)?;
+                    return Ok(());
+                }
+                self.net.decode_batch(pool, tokens, &mut host)
+            }
+            Backend::Cuda(g) => {
+                let mut on_gpu: Vec<&mut GpuState> = states.iter_mut().map(|s| match &mut **s {
+                    Resident::Gpu(s) => &mut **s,
+                    Resident::Host(_) => unreachable!("adopted"),
+                }).collect();
+                if let [state] = &mut on_gpu[..] {
+                    g.forward(tokens, state, Logits::Last)?;
+                    return Ok(());
+                }
+                g.decode_batch(tokens, &mut on_gpu)
+            }
+        }
     }
 }
 
@@ -249,7 +431,12 @@ mod tests {
         assert_eq!(p.cores, Some(vec![0, 1]));
         assert_eq!(p.dispatch, Dispatch::Buckets(vec![64, 256, 512]));
         assert_eq!(Placement::parse("cpu:cores=0-2").unwrap().cores, Some(vec![0, 1, 2]));
-        assert_eq!(Placement::parse("cpu").unwrap(), Placement { cores: None, threads: None, dispatch: Dispatch::Dynamic });
+        assert_eq!(Placement::parse("cpu").unwrap(), Placement { device: Device::Cpu, cores: None, threads: None, dispatch: Dispatch::Dynamic, precision: Precision::TensorCores, graphs: true });
+        let p = Placement::parse("cuda:1,precision=exact,dispatch=batched:32").unwrap();
+        assert_eq!((p.device, p.precision, p.dispatch.clone()), (Device::Cuda(1), Precision::Exact, Dispatch::Batched(32)));
+        assert_eq!(p.to_string(), "cuda:1,precision=exact,dispatch=batched:32");
+        assert_eq!(Placement::parse("cuda").unwrap().device, Device::Cuda(0));
+        assert_eq!(Placement::parse("cuda:dispatch=sequential").unwrap().device, Device::Cuda(0));
         assert_eq!(Placement::parse("cpu:threads=2,dispatch=sequential").unwrap().to_string(), "cpu:threads=2,dispatch=sequential");
         for (bad, says) in [
             ("gpu", "unknown backend"),
@@ -259,6 +446,11 @@ mod tests {
             ("cpu:speed=fast", "unknown key"),
             ("cpu:cores=1,threads=2", "not both"),
             ("cpu:0", "not key=value"),
+            ("cuda:x", "not a GPU number"),
+            ("cuda:0,cores=1", "keys: precision, graphs, dispatch"),
+            ("cuda:0,graphs=maybe", "choose on or off"),
+            ("cuda:0,precision=fp8", "choose exact or tensor-cores"),
+            ("cpu:precision=exact", "keys: cores, threads, dispatch"),
         ] {
             let e = format!("{:#}", Placement::parse(bad).unwrap_err());
             assert!(e.contains(says), "{bad}: {e}");

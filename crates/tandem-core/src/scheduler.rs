@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use crate::engine::{Engine, Placement, PrefillStats};
+use crate::engine::{Engine, Placement, PrefillStats, Resident};
 use crate::model::Qwen35;
 use crate::sampling::{Sampler, SamplingParams};
 use crate::state::bridge::{self, StateFile, TransferTimes};
@@ -310,7 +310,7 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
 /// A sequence being decoded.
 struct Active {
     request: Request,
-    state: State,
+    state: Resident,
     sampler: Sampler,
     timings: Timings,
     submitted: Instant,
@@ -327,29 +327,35 @@ struct Handoff {
 }
 
 enum Payload {
-    Moved(State),
+    /// The state itself, wherever the prefill engine keeps it (copied to the decode engine's
+    /// device on arrival when that is another one).
+    Moved(Resident),
     /// A state file the prefill engine wrote, read in place by the decode engine.
     File(Arc<StateFile>),
     /// Arriving on the bridge socket right now.
     Socket,
 }
 
-/// Prefill `request` on `engine`; `Err` means the request failed and was answered.
-fn prefill_request(engine: &Engine, request: &mut Request, submitted: Instant) -> Option<(State, Timings)> {
+/// Prefill `request` on `engine`; None means the request failed and was answered.
+fn prefill_request(engine: &Engine, request: &mut Request, submitted: Instant) -> Option<(Resident, Timings)> {
     let mut timings = Timings { queued: submitted.elapsed(), ..Default::default() };
-    let mut state = request.start.take().unwrap_or_else(|| State::new(&engine.net.config));
-    let result = if request.tokens.is_empty() {
-        // Nothing new (a checkpoint continued as is): its logits must already be there.
-        if state.last_logits.is_empty() {
-            Err(anyhow::anyhow!("nothing to prefill and no logits in the state to sample from"))
-        } else {
-            Ok(PrefillStats::default())
+    let result = match request.start.take() {
+        Some(state) => Ok(Resident::Host(state)),
+        None => engine.new_state(),
+    }
+    .and_then(|mut state| {
+        if request.tokens.is_empty() {
+            // Nothing new (a checkpoint continued as is): its logits must already be there.
+            if state.last_logits().is_empty() {
+                bail!("nothing to prefill and no logits in the state to sample from");
+            }
+            return Ok((state, PrefillStats::default()));
         }
-    } else {
-        engine.prefill(&request.tokens, &mut state)
-    };
+        let stats = engine.prefill(&request.tokens, &mut state)?;
+        Ok((state, stats))
+    });
     match result {
-        Ok(stats) => {
+        Ok((state, stats)) => {
             timings.prefill = stats;
             Some((state, timings))
         }
@@ -361,8 +367,12 @@ fn prefill_request(engine: &Engine, request: &mut Request, submitted: Instant) -
 }
 
 /// Answer a prefill-only request.
-fn finish_prefill_only(request: Request, state: State, timings: Timings) {
-    let _ = request.events.send(Event::Done { id: request.id, finish: Finish::Prefilled, timings, state: Some(state.into_owned()) });
+fn finish_prefill_only(request: Request, state: Resident, timings: Timings) {
+    let event = match state.into_host() {
+        Ok(state) => Event::Done { id: request.id, finish: Finish::Prefilled, timings, state: Some(state) },
+        Err(e) => Event::Failed { id: request.id, error: format!("bringing the state back from the GPU: {e:#}") },
+    };
+    let _ = request.events.send(event);
 }
 
 fn single_engine_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, max_batch: usize) {
@@ -407,7 +417,7 @@ fn prefill_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, handoff
         // recurrent states live there from the start), so that handing it over copies only K/V
         // and the logits. A request that continues a checkpoint starts from that state.
         let mut in_file = None;
-        if let (Transfer::File(dir), None, false) = (transfer, &request.start, request.tokens.is_empty() || request.max_tokens == 0) {
+        if let (Transfer::File(dir), None, false, None) = (transfer, &request.start, request.tokens.is_empty() || request.max_tokens == 0, engine.gpu()) {
             match free_state_file(&mut files, dir).and_then(|i| Ok((i, bridge::state_in_file(&mut files[i], &engine.net.config, request.tokens.len(), fingerprint)?))) {
                 Ok((i, state)) => {
                     request.start = Some(state);
@@ -433,11 +443,15 @@ fn prefill_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, handoff
                     Some(i) => {
                         // SAFETY: the file was free when `state_in_file` took it; since then
                         // only `state` has used it, and it is dropped before the handoff.
-                        let r = unsafe { files[i].write_shared(&state, fingerprint) };
+                        let r = match &state {
+                            Resident::Host(s) => unsafe { files[i].write_shared(s, fingerprint) },
+                            Resident::Gpu(_) => unreachable!("only a CPU engine prefills into a file"),
+                        };
                         drop(state);
                         r.map(|()| Arc::clone(&files[i]))
                     }
-                    None => write_state_file(&mut files, dir, &state, fingerprint),
+                    // A GPU engine's state is copied to the host first (part of the write).
+                    None => state.into_host().and_then(|state| write_state_file(&mut files, dir, &state, fingerprint)),
                 };
                 match written {
                     Ok(file) => {
@@ -459,7 +473,7 @@ fn prefill_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, handoff
                 }
                 let t = Instant::now();
                 let end = socket.as_mut().expect("a socket pipeline has a socket");
-                if let Err(e) = bridge::send(&mut end.stream, &state, fingerprint) {
+                if let Err(e) = state.into_host().and_then(|state| bridge::send(&mut end.stream, &state, fingerprint)) {
                     let _ = events.send(Event::Failed { id, error: format!("sending the state: {e:#}") });
                     break;
                 }
@@ -515,11 +529,17 @@ fn decode_loop(engine: &Engine, handoffs: Receiver<Handoff>, mut socket: Option<
             };
             let Handoff { request, submitted, mut timings, payload, prefilled } = h;
             let received = match payload {
-                Payload::Moved(state) => Ok(state),
+                // Between devices the copy is the whole transfer: it counts as the read.
+                Payload::Moved(state) => {
+                    let t = Instant::now();
+                    let adopted = engine.adopt(state);
+                    timings.transfer.read = t.elapsed();
+                    adopted
+                }
                 Payload::File(file) => bridge::read_file(&file, fingerprint, cfg, spare.pop(), true).map(|(state, read, rebuild)| {
                     timings.transfer.read = read;
                     timings.transfer.rebuild = rebuild;
-                    state
+                    Resident::Host(state)
                 }),
                 Payload::Socket => {
                     let end = socket.as_mut().expect("a socket pipeline has a socket");
@@ -529,10 +549,20 @@ fn decode_loop(engine: &Engine, handoffs: Receiver<Handoff>, mut socket: Option<
                         }
                         timings.transfer.read = read;
                         timings.transfer.rebuild = rebuild;
-                        state
+                        Resident::Host(state)
                     })
                 }
             };
+            // A GPU decode engine rebuilds a host state on its GPU: part of the rebuild.
+            let received = received.and_then(|state| {
+                if matches!(state, Resident::Host(_)) && engine.gpu().is_some() {
+                    let t = Instant::now();
+                    let adopted = engine.adopt(state);
+                    timings.transfer.rebuild += t.elapsed();
+                    return adopted;
+                }
+                Ok(state)
+            });
             timings.handoff = prefilled.elapsed();
             match received {
                 Ok(state) => active.push(activate(request, state, timings, submitted)),
@@ -545,7 +575,7 @@ fn decode_loop(engine: &Engine, handoffs: Receiver<Handoff>, mut socket: Option<
     }
 }
 
-fn activate(request: Request, state: State, timings: Timings, submitted: Instant) -> Active {
+fn activate(request: Request, state: Resident, timings: Timings, submitted: Instant) -> Active {
     let sampler = Sampler::new(request.sampling.clone(), request.vocab);
     Active { request, state, sampler, timings, submitted, first_token: None }
 }
@@ -562,7 +592,7 @@ fn step(engine: &Engine, active: &mut Vec<Active>, mut spare: Option<&mut Vec<St
         let finish = if a.request.cancel.load(Ordering::Relaxed) {
             Some(Finish::Cancelled)
         } else {
-            let token = a.sampler.sample(&a.state.last_logits);
+            let token = a.sampler.sample(a.state.last_logits());
             let now = Instant::now();
             let first = *a.first_token.get_or_insert(now);
             if a.timings.generated == 0 {
@@ -574,7 +604,7 @@ fn step(engine: &Engine, active: &mut Vec<Active>, mut spare: Option<&mut Vec<St
             } else {
                 a.timings.generated += 1;
                 let _ = a.request.events.send(Event::Token { id: a.request.id, token });
-                if a.timings.generated >= a.request.max_tokens || a.state.position >= ctx {
+                if a.timings.generated >= a.request.max_tokens || a.state.position() >= ctx {
                     Some(Finish::Length)
                 } else {
                     tokens.push(token);
@@ -585,17 +615,20 @@ fn step(engine: &Engine, active: &mut Vec<Active>, mut spare: Option<&mut Vec<St
         match finish {
             Some(finish) => {
                 let a = active.remove(i);
-                let state = if a.request.return_state && finish != Finish::Cancelled {
-                    // A state that outlives its request leaves its state file free.
-                    Some(a.state.into_owned())
+                let event = if a.request.return_state && finish != Finish::Cancelled {
+                    // A state that outlives its request leaves its state file (or GPU) free.
+                    match a.state.into_host() {
+                        Ok(state) => Event::Done { id: a.request.id, finish, timings: a.timings, state: Some(state) },
+                        Err(e) => Event::Failed { id: a.request.id, error: format!("bringing the state back from the GPU: {e:#}") },
+                    }
                 } else {
-                    match spare.as_deref_mut() {
-                        Some(spare) if spare.len() < 2 && !a.state.in_file() => spare.push(a.state),
+                    match (spare.as_deref_mut(), a.state) {
+                        (Some(spare), Resident::Host(state)) if spare.len() < 2 && !state.in_file() => spare.push(state),
                         _ => {}
                     }
-                    None
+                    Event::Done { id: a.request.id, finish, timings: a.timings, state: None }
                 };
-                let _ = a.request.events.send(Event::Done { id: a.request.id, finish, timings: a.timings, state });
+                let _ = a.request.events.send(event);
             }
             None => i += 1,
         }
@@ -603,7 +636,7 @@ fn step(engine: &Engine, active: &mut Vec<Active>, mut spare: Option<&mut Vec<St
     if active.is_empty() {
         return;
     }
-    let mut states: Vec<&mut State> = active.iter_mut().map(|a| &mut a.state).collect();
+    let mut states: Vec<&mut Resident> = active.iter_mut().map(|a| &mut a.state).collect();
     if let Err(e) = engine.decode(&tokens, &mut states) {
         // A step that fails fails every sequence in it (inputs are checked before anything is
         // applied, so no state was changed).

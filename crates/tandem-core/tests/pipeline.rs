@@ -93,6 +93,54 @@ fn every_mode_dispatch_and_transfer_gives_the_reference_greedy_tokens() {
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "the decode side removes state files it loaded");
 }
 
+/// The CUDA placements give the reference's greedy tokens: GPU with GPU, host to GPU, GPU to
+/// host, GPU to GPU through a state file, and GPU 0 to GPU 1 where there are two; one
+/// sequence per step (its CUDA graph) and several (the batched step). Exact prefill products,
+/// so that the tiny fixture's greedy choices are reproducible. Runs where a GPU is present
+/// and says SKIPPED otherwise.
+#[test]
+fn cuda_placements_give_the_reference_greedy_tokens() {
+    let gpus = match tandem_core::cuda::gpu_count() {
+        Ok(n) if n > 0 => n,
+        Ok(_) => return eprintln!("SKIPPED: CUDA placements: the driver reports no GPU"),
+        Err(why) => return eprintln!("SKIPPED: CUDA placements: {why:#}"),
+    };
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let cases = reference_prompts();
+    let prompts: Vec<Vec<u32>> = cases.iter().map(|c| c.0.clone()).collect();
+    let dir = common::scratch("pipeline-cuda-files");
+    let gpu = "cuda:0,precision=exact";
+    let mut configs = vec![
+        config(Mode::DecodeEngine, "cpu:threads=1", gpu, Transfer::Move, 8),
+        config(Mode::DecodeEngine, "cpu:threads=1", "cuda:0,precision=exact,dispatch=batched:32", Transfer::Move, 1),
+        config(Mode::Hybrid, "cpu:threads=1", gpu, Transfer::Move, 1),
+        config(Mode::Hybrid, gpu, "cpu:threads=1", Transfer::Move, 3),
+        config(Mode::Hybrid, gpu, gpu, Transfer::Move, 8),
+        config(Mode::Hybrid, gpu, gpu, Transfer::Move, 1),
+        config(Mode::Hybrid, gpu, "cuda:0,precision=exact,graphs=off", Transfer::Move, 8),
+        config(Mode::Hybrid, "cpu:threads=1", gpu, Transfer::Move, 8),
+        config(Mode::Hybrid, "cpu:threads=1", "cuda:0,precision=exact,graphs=off", Transfer::Move, 8),
+        config(Mode::Hybrid, gpu, gpu, Transfer::File(dir.clone()), 2),
+        config(Mode::Hybrid, "cpu:threads=1", gpu, Transfer::Socket, 8),
+    ];
+    if gpus > 1 {
+        configs.push(config(Mode::Hybrid, gpu, "cuda:1,precision=exact", Transfer::Move, 8));
+    } else {
+        eprintln!("SKIPPED: cuda:0 -> cuda:1 (this machine has one GPU)");
+    }
+    // Every placement runs; the failures are listed together.
+    let mut failures = Vec::new();
+    for c in &configs {
+        let got = run_pipeline(&m.net, c, &prompts, 16);
+        for (i, (g, (_, want))) in got.iter().zip(&cases).enumerate() {
+            if g != want {
+                failures.push(format!("{:?} {} -> {} via {:?}, batch {}: prompt p{i}: {g:?}, want {want:?}", c.mode, c.prefill, c.decode, c.transfer, c.max_batch));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// The decode engine starts from the prefilled state's logits and applies only sampled
 /// tokens. Applying the last prompt token a second time (the bug vLLM shipped) changes the
 /// continuation, so the comparison above would catch it.
@@ -254,10 +302,10 @@ fn fingerprints_follow_the_checkpoint_not_the_quantization() {
 fn batched_dispatch_counts_its_padding() {
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let engine = tandem_core::engine::Engine::new(&Placement::parse("cpu:threads=1,dispatch=batched:32").unwrap(), &m.net).unwrap();
-    let mut st = State::new(&m.net.config);
+    let mut st = engine.new_state().unwrap();
     let tokens: Vec<u32> = (0..74).collect();
     let stats = engine.prefill(&tokens, &mut st).unwrap();
     assert_eq!((stats.tokens, stats.dispatches, stats.padded_rows), (74, 3, 22));
-    assert_eq!(st.position, 74);
+    assert_eq!(st.position(), 74);
     assert_eq!(engine.placement.dispatch, Dispatch::Batched(32));
 }

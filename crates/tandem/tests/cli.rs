@@ -150,3 +150,22 @@ fn a_bad_device_name_is_refused_by_name() {
     let o = tandem(&["verify", "--model", &tiny(), "--reference", &reference, "--device", "gpu7"]);
     assert!(!o.status.success() && stderr(&o).contains("--device \"gpu7\""), "{}", stderr(&o));
 }
+
+/// A GPU placement through the pipeline, as a user runs it: prefill on the GPU, decode on the
+/// CPU, the reference's greedy ids (fixture prompt p1). Without an NVIDIA driver the test says
+/// that it was skipped, and the CLI must refuse with an error naming the engine and the driver.
+#[test]
+fn a_gpu_placement_generates_or_says_why_there_is_none() {
+    let o = tandem(&[
+        "generate", "--model", &tiny(), "--token-ids", "776,245,774,185,362,826,848", "--max-tokens", "5",
+        "--prefill", "cuda:0,precision=exact", "--decode", "cpu:threads=1",
+    ]);
+    let err = stderr(&o);
+    if let Some(why) = tandem_core::cuda::driver_missing() {
+        eprintln!("SKIPPED: generate with --prefill cuda:0: {why}");
+        assert!(!o.status.success() && err.contains("prefill engine") && err.contains("libcuda.so") && !err.contains("panicked"), "{err}");
+        return;
+    }
+    assert!(o.status.success(), "{err}");
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "294,115,733,707,844");
+}

@@ -9,18 +9,20 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 
+pub mod nvml;
 pub mod qwen35;
 
 const KERNELS: &str = include_str!("kernels.cu");
-const KERNEL_NAMES: [&str; 15] = [
+const KERNEL_NAMES: [&str; 17] = [
     "embed",
     "rms_norm",
     "add_inplace",
     "swiglu",
     "to_bf16",
     "gemv_bf16",
+    "gemv_bf16_multi",
     "gemm_bf16_f32",
     "conv_silu",
     "l2norm_qk",
@@ -30,6 +32,7 @@ const KERNEL_NAMES: [&str; 15] = [
     "gated_rms_norm",
     "qk_norm_rope",
     "attention",
+    "kv_append",
 ];
 
 /// One GPU with a stream that every launch and copy of tandem goes through (so they run in
@@ -40,6 +43,8 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     pub blas: CudaBlas,
     kernels: HashMap<&'static str, CudaFunction>,
+    /// While profiling: each launch's kernel with events recorded before and after it.
+    profile: std::sync::Mutex<Option<Vec<(&'static str, CudaEvent, CudaEvent)>>>,
 }
 
 /// A kernel argument: a device address, an int or a float.
@@ -50,6 +55,47 @@ pub enum Arg {
     F32(f32),
 }
 
+/// Page-locked host memory of one GPU's context: copies between it and the GPU run
+/// asynchronously on the stream and can be captured into a CUDA graph.
+pub struct Pinned<T> {
+    ptr: *mut T,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the buffer is plain host memory owned by this value; the GPU touches it only through
+// copies that the owner synchronizes before it reads or writes the buffer again.
+unsafe impl<T: Send> Send for Pinned<T> {}
+
+impl<T: cudarc::driver::DeviceRepr + Copy> Pinned<T> {
+    pub fn new(gpu: &Gpu, len: usize) -> Result<Pinned<T>> {
+        let ctx = gpu.stream.context().clone();
+        ctx.bind_to_thread().map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", gpu.ordinal))?;
+        // SAFETY: a fresh allocation of len values, freed in Drop; zeroed before use.
+        let ptr = unsafe { cudarc::driver::result::malloc_host(len.max(1) * std::mem::size_of::<T>(), 0) }.map_err(|e| anyhow::anyhow!("cuda:{}: allocating {len} values of page-locked memory: {e:?}", gpu.ordinal))? as *mut T;
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(Pinned { ptr, len, ctx })
+    }
+
+    pub fn as_slice(&self) -> &[T] {
+        // SAFETY: len initialised values (zeroed at birth); see the Send note on GPU access.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        // SAFETY: as in as_slice, with &mut self the only access from the host.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl<T> Drop for Pinned<T> {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by malloc_host in `new`, freed once.
+        let _ = unsafe { cudarc::driver::result::free_host(self.ptr as *mut std::ffi::c_void) };
+    }
+}
+
 /// Whether the CUDA driver library can be loaded on this machine, and if not, why not.
 pub fn driver_missing() -> Option<String> {
     // SAFETY: only tries to dlopen the library under its usual names.
@@ -57,6 +103,14 @@ pub fn driver_missing() -> Option<String> {
         return Some("the NVIDIA driver library (libcuda.so) was not found: no NVIDIA GPU driver is installed on this machine".into());
     }
     None
+}
+
+/// How many CUDA GPUs this machine has; an error says why none can be used.
+pub fn gpu_count() -> Result<usize> {
+    if let Some(why) = driver_missing() {
+        bail!("{why}");
+    }
+    CudaContext::device_count().map(|n| n as usize).map_err(|e| anyhow::anyhow!("cannot count GPUs: {e:?}"))
 }
 
 impl Gpu {
@@ -98,14 +152,22 @@ impl Gpu {
             let f = module.load_function(name).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: kernel {name}: {e:?}"))?;
             kernels.insert(name, f);
         }
-        let stream = ctx.default_stream();
+        // A stream of its own (not the legacy default stream): a decode step is captured into a
+        // CUDA graph on it, and two engines on one GPU run side by side on their own streams.
+        let stream = ctx.new_stream().map_err(|e| anyhow::anyhow!("cuda:{ordinal}: creating a stream: {e:?}"))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: cuBLAS: {e:?}"))?;
-        Ok(Gpu { ordinal, name, stream, blas, kernels })
+        Ok(Gpu { ordinal, name, stream, blas, kernels, profile: std::sync::Mutex::new(None) })
     }
 
     /// Launch kernel `name` on the stream.
     pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, shared: u32, args: &[Arg]) -> Result<()> {
-        let f = self.kernels.get(name).with_context(|| format!("no kernel {name}"))?;
+        let (&name, f) = self.kernels.get_key_value(name).with_context(|| format!("no kernel {name}"))?;
+        let mut profile = self.profile.lock().unwrap_or_else(|e| e.into_inner());
+        let timed = |s: &CudaStream| s.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT));
+        let before = match profile.as_ref() {
+            Some(_) => Some(timed(&self.stream).map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.ordinal))?),
+            None => None,
+        };
         let mut b = self.stream.launch_builder(f);
         for a in args {
             match a {
@@ -118,7 +180,33 @@ impl Gpu {
         // SAFETY: every kernel of kernels.cu is launched through the typed wrappers of
         // cuda/qwen35.rs, which pass its parameters in order with the sizes it was written for.
         unsafe { b.launch(cfg) }.map_err(|e| anyhow::anyhow!("cuda:{}: launching {name}: {e:?}", self.ordinal))?;
+        if let (Some(list), Some(before)) = (profile.as_mut(), before) {
+            list.push((name, before, timed(&self.stream).map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.ordinal))?));
+        }
         Ok(())
+    }
+
+    /// Time every kernel launched from now until `finish_profile` (with an event before and
+    /// after each: not for CUDA graph captures, and a little slower than without).
+    pub fn start_profile(&self) {
+        *self.profile.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
+    }
+
+    /// Stop profiling: each kernel's name, total milliseconds and number of launches, the most
+    /// time first.
+    pub fn finish_profile(&self) -> Result<Vec<(&'static str, f64, usize)>> {
+        let list = self.profile.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_default();
+        self.synchronize()?;
+        let mut by_name: HashMap<&'static str, (f64, usize)> = HashMap::new();
+        for (name, a, b) in &list {
+            let ms = a.elapsed_ms(b).map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.ordinal))? as f64;
+            let e = by_name.entry(name).or_default();
+            e.0 += ms;
+            e.1 += 1;
+        }
+        let mut out: Vec<_> = by_name.into_iter().map(|(n, (ms, c))| (n, ms, c)).collect();
+        out.sort_by(|a, b| b.1.total_cmp(&a.1));
+        Ok(out)
     }
 
     pub fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
@@ -141,6 +229,18 @@ impl Gpu {
         let mut host = vec![T::default(); n];
         self.stream.memcpy_dtoh(&dev.slice(..n), &mut host[..]).map_err(|e| anyhow::anyhow!("cuda:{}: copying from the GPU: {e:?}", self.ordinal))?;
         Ok(host)
+    }
+
+    /// Queue a copy of `src` to the device address `dst` (capturable into a graph).
+    pub fn copy_to_device<T: cudarc::driver::DeviceRepr + Copy>(&self, src: &Pinned<T>, dst: u64) -> Result<()> {
+        // SAFETY: dst holds src.len values (the callers' workspace buffers).
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, src.as_slice(), self.stream.cu_stream()) }.map_err(|e| anyhow::anyhow!("cuda:{}: copying to the GPU: {e:?}", self.ordinal))
+    }
+
+    /// Queue a copy of `dst.len` values at device address `src` into `dst` (capturable).
+    pub fn copy_to_host<T: cudarc::driver::DeviceRepr + Copy>(&self, src: u64, dst: &mut Pinned<T>) -> Result<()> {
+        // SAFETY: src holds dst.len values; dst is not read before the stream is synchronized.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst.as_mut_slice(), src, self.stream.cu_stream()) }.map_err(|e| anyhow::anyhow!("cuda:{}: copying from the GPU: {e:?}", self.ordinal))
     }
 
     pub fn synchronize(&self) -> Result<()> {
@@ -176,6 +276,14 @@ impl Gpu {
             )
         }
         .map_err(|e| anyhow::anyhow!("cuda:{}: cuBLAS GEMM {t}x{k} by {n}x{k}: {e:?}", self.ordinal))
+    }
+
+    /// This GPU's PCI address as NVML writes it ("00000000:65:00.0").
+    pub fn pci_bus_id(&self) -> Result<String> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let ctx = self.stream.context();
+        let get = |a| ctx.attribute(a).map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.ordinal));
+        Ok(format!("{:08X}:{:02X}:{:02X}.0", get(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?, get(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?, get(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?))
     }
 
     /// The device address of `s` (kernels take raw addresses, so that offsets are plain adds).

@@ -4,14 +4,21 @@
 //! f32 GEMM kernel (`Precision::Exact`, what `verify` checks) or cuBLAS on tensor cores with the
 //! activations rounded to bf16 (`Precision::TensorCores`, the fast prefill).
 //!
-//! Missing against the CPU engine (see the README): the chunked DeltaNet for prefill (the
-//! recurrent step runs token after token, which is exact but slower on long prompts), batched
-//! decode of several sequences, and CUDA graphs.
+//! A decode step of one sequence is captured once as a CUDA graph (with its buffers, the token
+//! coming in and the logits going out through page-locked memory) and replayed per token; several
+//! sequences decode in one batched step (`decode_batch`), every weight read once for all. In a
+//! decode step each layer's input projections run as one launch, and the output projections add
+//! into the residual stream themselves.
+//!
+//! Missing (see the README): the chunked DeltaNet for prefill (the recurrent step runs token
+//! after token, exact but slow on long prompts) and tiled attention, which keep prefill far from
+//! the tensor-core peak.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaSlice;
 
-use super::{Arg, Gpu};
+use super::{Arg, Gpu, Pinned};
 use crate::config::Qwen35Config;
 use crate::model::qwen35::Mixer;
 use crate::model::{Logits, Qwen35};
@@ -83,21 +90,137 @@ pub struct GpuQwen35 {
     layers: Vec<Layer>,
     inv_freq: CudaSlice<f32>,
     pub precision: Precision,
+    /// Replay decode steps from CUDA graphs (on by default; off to time the launches).
+    pub graphs: bool,
     weight_bytes: usize,
 }
 
-/// A request's state in GPU memory: the same arrays as `State`, K/V with room to grow.
+/// A request's state in GPU memory: the same arrays as `State`, K/V with room to grow, and
+/// once it has decoded a token, its captured decode step.
 pub struct GpuState {
     pub position: usize,
     layers: Vec<GpuLayerState>,
+    /// K/V rows allocated in each full-attention layer.
+    capacity: usize,
     /// Logits of the last applied token, on the host (sampling runs there).
     pub last_logits: Vec<f32>,
+    step: Option<StepGraph>,
 }
 
 enum GpuLayerState {
     Linear { conv: CudaSlice<f32>, recurrent: CudaSlice<f32> },
     /// `[capacity, Hkv, D]` each; the first `position` rows are in use.
-    Full { k: CudaSlice<f32>, v: CudaSlice<f32>, capacity: usize },
+    Full { k: CudaSlice<f32>, v: CudaSlice<f32> },
+}
+
+/// One decode step of one state captured as a CUDA graph, with the buffers it runs in: each
+/// token writes its position and id to `ws.io` and replays the graph (one launch instead of
+/// ~15 per layer). The graph holds the addresses of the state's arrays, so it is captured
+/// again when the K/V caches move (they grow by doubling).
+struct StepGraph {
+    graph: Graph,
+    /// The stream of the engine that captured it: the graph runs that engine's kernels on its
+    /// weights, so another engine (a state handed from prefill to decode) captures its own.
+    stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    /// The buffers the graph runs in (held for it, not read here).
+    #[allow(dead_code)]
+    ws: Workspace,
+    capacity: usize,
+    /// The position and token id of the next step, and the logits of the last one.
+    io_host: Pinned<u32>,
+    logits_host: Pinned<f32>,
+}
+
+/// A CUDA graph handle is not Send; a `StepGraph` is only used through `&mut GpuState`, by one
+/// thread at a time, which is all the CUDA docs ask of a graph.
+struct Graph(cudarc::driver::CudaGraph);
+// SAFETY: see above; the graph is never used from two threads at once.
+unsafe impl Send for Graph {}
+
+/// The buffers of one forward call over `rows` token rows (of one or several sequences); each
+/// layer reuses them.
+struct Workspace {
+    /// The position of each sequence's first row, then the token id of each row.
+    io: CudaSlice<u32>,
+    sequences: usize,
+    x: CudaSlice<f32>,
+    xn: CudaSlice<f32>,
+    mixed: CudaSlice<f32>,
+    // DeltaNet
+    qkv: CudaSlice<f32>,
+    conv_out: CudaSlice<f32>,
+    z: CudaSlice<f32>,
+    core: CudaSlice<f32>,
+    beta: CudaSlice<f32>,
+    alpha: CudaSlice<f32>,
+    // attention
+    qg: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    gate: CudaSlice<f32>,
+    attn: CudaSlice<f32>,
+    // MLP
+    ffn_gate: CudaSlice<f32>,
+    ffn_up: CudaSlice<f32>,
+    /// A bf16 copy of a GEMM's input (tensor-core prefill only).
+    xb: CudaSlice<u16>,
+    /// The final-normed rows that get logits, and their logits.
+    normed: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+}
+
+impl Workspace {
+    fn new(net: &GpuQwen35, rows: usize, sequences: usize, logit_rows: usize) -> Result<Workspace> {
+        let c = &net.config;
+        let g = &net.gpu;
+        let (h, cd, vd, hv, f) = (c.hidden_size, c.linear_conv_dim(), c.linear_value_dim(), c.linear_num_value_heads, c.intermediate_size);
+        let (qd, kvd) = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
+        let widest = h.max(vd).max(qd).max(f);
+        let xb = if rows > GEMV_MAX_T && net.precision == Precision::TensorCores { rows * widest } else { 1 };
+        Ok(Workspace {
+            io: g.scratch(sequences + rows)?,
+            sequences,
+            x: g.scratch(rows * h)?,
+            xn: g.scratch(rows * h)?,
+            mixed: g.scratch(rows * h)?,
+            qkv: g.scratch(rows * cd)?,
+            conv_out: g.scratch(rows * cd)?,
+            z: g.scratch(rows * vd)?,
+            core: g.scratch(rows * vd)?,
+            beta: g.scratch(rows * hv)?,
+            alpha: g.scratch(rows * hv)?,
+            qg: g.scratch(rows * 2 * qd)?,
+            k: g.scratch(rows * kvd)?,
+            v: g.scratch(rows * kvd)?,
+            q: g.scratch(rows * qd)?,
+            gate: g.scratch(rows * qd)?,
+            attn: g.scratch(rows * qd)?,
+            ffn_gate: g.scratch(rows * f)?,
+            ffn_up: g.scratch(rows * f)?,
+            xb: g.scratch(xb)?,
+            normed: g.scratch(logit_rows * h)?,
+            logits: g.scratch(logit_rows * c.vocab_size)?,
+        })
+    }
+
+    /// The device address of sequence `i`'s position.
+    fn position_of(&self, g: &Gpu, i: usize) -> u64 {
+        g.ptr(&self.io) + 4 * i as u64
+    }
+
+    /// Write the sequences' positions and the rows' token ids (before the kernels run).
+    fn write_io(&mut self, g: &Gpu, positions: &[usize], tokens: &[u32]) -> Result<()> {
+        let io: Vec<u32> = positions.iter().map(|&p| p as u32).chain(tokens.iter().copied()).collect();
+        g.stream.memcpy_htod(&io[..], &mut self.io.slice_mut(..io.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying token ids: {e:?}", g.ordinal))
+    }
+}
+
+/// Where one sequence's rows are in a forward call.
+#[derive(Clone, Copy)]
+struct Rows {
+    first: usize,
+    count: usize,
 }
 
 impl GpuQwen35 {
@@ -165,7 +288,7 @@ impl GpuQwen35 {
         let final_norm = gpu.upload(&net.final_norm)?;
         let inv_freq = gpu.upload(&net.inv_freq)?;
         gpu.synchronize()?;
-        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, weight_bytes })
+        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, weight_bytes })
     }
 
     /// Give the GPU back (to load another model on it).
@@ -186,72 +309,72 @@ impl GpuQwen35 {
 
     /// The empty state of a fresh request.
     pub fn new_state(&self) -> Result<GpuState> {
-        let c = &self.config;
-        let layers = c
-            .layer_types
-            .iter()
-            .map(|t| {
-                Ok(match t {
-                    crate::config::LayerType::LinearAttention => GpuLayerState::Linear {
-                        conv: self.gpu.zeros(c.linear_conv_kernel_dim * c.linear_conv_dim())?,
-                        recurrent: self.gpu.zeros(c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim)?,
-                    },
-                    crate::config::LayerType::FullAttention => {
-                        let capacity = 256;
-                        let n = capacity * c.num_key_value_heads * c.head_dim;
-                        GpuLayerState::Full { k: self.gpu.zeros(n)?, v: self.gpu.zeros(n)?, capacity }
-                    }
-                })
-            })
-            .collect::<Result<_>>()?;
-        Ok(GpuState { position: 0, layers, last_logits: Vec::new() })
+        self.upload_state(&State::new(&self.config))
     }
 
     /// Host state to GPU state (the bridge's host-to-device copy).
     pub fn upload_state(&self, s: &State) -> Result<GpuState> {
         s.check_shape(&self.config)?;
-        let c = &self.config;
-        let row = c.num_key_value_heads * c.head_dim;
+        let g = &self.gpu;
+        let row = self.config.num_key_value_heads * self.config.head_dim;
+        let capacity = (s.position + 256).next_power_of_two();
         let layers = s
             .layers
             .iter()
             .map(|l| {
                 Ok(match l {
-                    LayerState::Linear { conv, recurrent } => GpuLayerState::Linear { conv: self.gpu.upload(conv)?, recurrent: self.gpu.upload(recurrent)? },
+                    LayerState::Linear { conv, recurrent } => GpuLayerState::Linear { conv: g.upload(conv)?, recurrent: g.upload(recurrent)? },
                     LayerState::Full { k, v } => {
-                        let capacity = (s.position + 256).next_power_of_two();
-                        let (mut kd, mut vd) = (self.gpu.zeros::<f32>(capacity * row)?, self.gpu.zeros::<f32>(capacity * row)?);
+                        let (mut kd, mut vd) = (g.zeros::<f32>(capacity * row)?, g.zeros::<f32>(capacity * row)?);
                         if !k.is_empty() {
-                            self.gpu.stream.memcpy_htod(&k[..], &mut kd.slice_mut(..k.len())).map_err(|e| anyhow::anyhow!("copying keys to the GPU: {e:?}"))?;
-                            self.gpu.stream.memcpy_htod(&v[..], &mut vd.slice_mut(..v.len())).map_err(|e| anyhow::anyhow!("copying values to the GPU: {e:?}"))?;
+                            g.stream.memcpy_htod(&k[..], &mut kd.slice_mut(..k.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying keys to the GPU: {e:?}", g.ordinal))?;
+                            g.stream.memcpy_htod(&v[..], &mut vd.slice_mut(..v.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying values to the GPU: {e:?}", g.ordinal))?;
                         }
-                        GpuLayerState::Full { k: kd, v: vd, capacity }
+                        GpuLayerState::Full { k: kd, v: vd }
                     }
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(GpuState { position: s.position, layers, last_logits: s.last_logits.clone() })
+        Ok(GpuState { position: s.position, layers, capacity, last_logits: s.last_logits.clone(), step: None })
     }
 
-    /// GPU state to host state (the bridge's device-to-host copy).
-    pub fn download_state(&self, s: &GpuState) -> Result<State> {
-        let c = &self.config;
-        let kv = s.position * c.num_key_value_heads * c.head_dim;
+    /// A state of another GPU (or of another engine on this one) copied to this GPU: the
+    /// bridge's device-to-device copy (a peer copy between two GPUs). Only the K/V rows in use
+    /// are copied.
+    pub fn copy_state(&self, s: &GpuState) -> Result<GpuState> {
+        let g = &self.gpu;
+        let err = |e| anyhow::anyhow!("cuda:{}: copying a state from cuda:{}: {e:?}", g.ordinal, s.ordinal());
+        // The source's stream must be done writing before this stream reads.
+        s.stream().synchronize().map_err(err)?;
+        let row = self.config.num_key_value_heads * self.config.head_dim;
+        let copy = |src: &CudaSlice<f32>, len: usize, used: usize| -> Result<CudaSlice<f32>> {
+            let mut dst = g.zeros::<f32>(len)?;
+            if used > 0 {
+                g.stream.memcpy_dtod(&src.slice(..used), &mut dst.slice_mut(..used)).map_err(err)?;
+            }
+            Ok(dst)
+        };
         let layers = s
             .layers
             .iter()
             .map(|l| {
                 Ok(match l {
-                    GpuLayerState::Linear { conv, recurrent } => LayerState::Linear { conv: self.gpu.download(conv, conv.len())?.into(), recurrent: self.gpu.download(recurrent, recurrent.len())?.into() },
-                    GpuLayerState::Full { k, v, .. } => LayerState::Full { k: self.gpu.download(k, kv)?, v: self.gpu.download(v, kv)? },
+                    GpuLayerState::Linear { conv, recurrent } => GpuLayerState::Linear { conv: copy(conv, conv.len(), conv.len())?, recurrent: copy(recurrent, recurrent.len(), recurrent.len())? },
+                    GpuLayerState::Full { k, v } => GpuLayerState::Full { k: copy(k, k.len(), s.position * row)?, v: copy(v, v.len(), s.position * row)? },
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(State { position: s.position, layers, last_logits: s.last_logits.clone() })
+        g.synchronize()?;
+        Ok(GpuState { position: s.position, layers, capacity: s.capacity, last_logits: s.last_logits.clone(), step: None })
+    }
+
+    /// GPU state to host state (the bridge's device-to-host copy).
+    pub fn download_state(&self, s: &GpuState) -> Result<State> {
+        s.download()
     }
 
     /// Apply `tokens` to a host `State`: upload, forward, download. What `verify` runs (it
-    /// compares states), and the shape of a handoff between a CPU and a GPU engine.
+    /// compares states).
     pub fn forward_host(&self, tokens: &[u32], state: &mut State, which: Logits) -> Result<Vec<f32>> {
         let mut g = self.upload_state(state)?;
         let logits = self.forward(tokens, &mut g, which)?;
@@ -259,8 +382,59 @@ impl GpuQwen35 {
         Ok(logits)
     }
 
-    /// Apply `tokens` to `state`; the logits of the last token, or of every token.
+    /// Apply `tokens` to `state`; the logits of the last token, or of every token. One token
+    /// (a decode step) replays the state's captured step when `graphs` is on.
     pub fn forward(&self, tokens: &[u32], state: &mut GpuState, which: Logits) -> Result<Vec<f32>> {
+        self.check(tokens, state.position)?;
+        self.grow_kv(state, state.position + tokens.len())?;
+        if tokens.len() == 1 && self.graphs {
+            return self.replay_step(tokens[0], state);
+        }
+        let t = tokens.len();
+        let logit_rows = if which == Logits::All { t } else { 1 };
+        let mut ws = Workspace::new(self, t, 1, logit_rows)?;
+        ws.write_io(&self.gpu, &[state.position], tokens)?;
+        self.enqueue(&ws, &mut [&mut *state], &[Rows { first: 0, count: t }], t - logit_rows, None)?;
+        let v = self.config.vocab_size;
+        let out = self.gpu.download(&ws.logits, logit_rows * v)?;
+        state.position += t;
+        state.last_logits.clear();
+        state.last_logits.extend_from_slice(&out[(logit_rows - 1) * v..]);
+        Ok(out)
+    }
+
+    /// One decode step of several sequences: `tokens[i]` applied to `states[i]`, every weight
+    /// read once for all of them (the GEMV takes up to 8 rows; more go through the GEMM); the
+    /// mixers run per sequence on its own state. Each state's `last_logits` is set.
+    pub fn decode_batch(&self, tokens: &[u32], states: &mut [&mut GpuState]) -> Result<()> {
+        if tokens.len() != states.len() {
+            bail!("decode_batch: {} tokens for {} states", tokens.len(), states.len());
+        }
+        for (tok, s) in tokens.iter().zip(states.iter()) {
+            self.check(std::slice::from_ref(tok), s.position)?;
+        }
+        for s in states.iter_mut() {
+            let end = s.position + 1;
+            self.grow_kv(s, end)?;
+        }
+        let n = tokens.len();
+        let mut ws = Workspace::new(self, n, n, n)?;
+        let positions: Vec<usize> = states.iter().map(|s| s.position).collect();
+        ws.write_io(&self.gpu, &positions, tokens)?;
+        let rows: Vec<Rows> = (0..n).map(|i| Rows { first: i, count: 1 }).collect();
+        self.enqueue(&ws, states, &rows, 0, None)?;
+        let v = self.config.vocab_size;
+        let out = self.gpu.download(&ws.logits, n * v)?;
+        for (i, s) in states.iter_mut().enumerate() {
+            s.position += 1;
+            s.last_logits.clear();
+            s.last_logits.extend_from_slice(&out[i * v..(i + 1) * v]);
+        }
+        Ok(())
+    }
+
+    /// Refuse what the kernels cannot take, before anything is applied.
+    fn check(&self, tokens: &[u32], position: usize) -> Result<()> {
         let c = &self.config;
         if tokens.is_empty() {
             bail!("forward called with no tokens");
@@ -268,201 +442,335 @@ impl GpuQwen35 {
         if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
             bail!("token id {bad} is outside the model's vocabulary (ids 0..{})", c.vocab_size);
         }
-        let end = state.position + tokens.len();
-        if end > c.max_position_embeddings.min(MAX_CONTEXT) {
-            bail!("{} tokens after position {} exceed the CUDA engine's context of {} tokens", tokens.len(), state.position, c.max_position_embeddings.min(MAX_CONTEXT));
-        }
-        self.grow_kv(state, end)?;
-        let (t, h) = (tokens.len(), c.hidden_size);
-        let g = &self.gpu;
-        let ids = g.upload(tokens)?;
-        let mut x = g.scratch::<f32>(t * h)?;
-        g.launch("embed", (t as u32, 1, 1), 256, 0, &[Arg::Ptr(g.ptr(&self.embed)), Arg::Ptr(g.ptr(&ids)), Arg::Ptr(g.ptr(&x)), Arg::I32(h as i32)])?;
-        let mut xn = g.scratch::<f32>(t * h)?;
-        let mixed = g.scratch::<f32>(t * h)?;
-        for (li, layer) in self.layers.iter().enumerate() {
-            self.rms_norm(&x, &layer.input_norm, &mut xn, t, h)?;
-            match &layer.mixer {
-                GpuMixer::DeltaNet(m) => self.deltanet(m, &xn, t, state, li, &mixed)?,
-                GpuMixer::Attention(m) => self.attention(m, &xn, t, state, li, &mixed)?,
-            }
-            self.add(&mut x, &mixed, t * h)?;
-            self.rms_norm(&x, &layer.post_attention_norm, &mut xn, t, h)?;
-            self.mlp(layer, &xn, t, &mixed)?;
-            self.add(&mut x, &mixed, t * h)?;
-        }
-        state.position = end;
-        // Final norm and LM head over the rows that need logits.
-        let rows = if which == Logits::All { t } else { 1 };
-        let first = t - rows;
-        let mut last = g.scratch::<f32>(rows * h)?;
-        g.stream.memcpy_dtod(&x.slice(first * h..t * h), &mut last.slice_mut(..)).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        let mut last_n = g.scratch::<f32>(rows * h)?;
-        self.rms_norm(&last, &self.final_norm, &mut last_n, rows, h)?;
-        let v = c.vocab_size;
-        let logits = g.scratch::<f32>(rows * v)?;
-        match &self.lm_head {
-            Some(m) => self.matmul(&last_n, rows, m, &logits)?,
-            None => self.matmul_raw(g.ptr(&last_n), rows, g.ptr(&self.embed), v, h, g.ptr(&logits))?,
-        }
-        let out = g.download(&logits, rows * v)?;
-        state.last_logits.clear();
-        state.last_logits.extend_from_slice(&out[(rows - 1) * v..]);
-        Ok(out)
-    }
-
-    fn grow_kv(&self, state: &mut GpuState, end: usize) -> Result<()> {
-        let row = self.config.num_key_value_heads * self.config.head_dim;
-        let used = state.position * row;
-        for l in &mut state.layers {
-            if let GpuLayerState::Full { k, v, capacity } = l {
-                if end > *capacity {
-                    let cap = end.next_power_of_two();
-                    for buf in [k, v] {
-                        let mut bigger = self.gpu.zeros::<f32>(cap * row)?;
-                        if used > 0 {
-                            self.gpu.stream.memcpy_dtod(&buf.slice(..used), &mut bigger.slice_mut(..used)).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-                        }
-                        *buf = bigger;
-                    }
-                    *capacity = cap;
-                }
-            }
+        let context = c.max_position_embeddings.min(MAX_CONTEXT);
+        if position + tokens.len() > context {
+            bail!("{} tokens after position {position} exceed the CUDA engine's context of {context} tokens", tokens.len());
         }
         Ok(())
     }
 
-    fn rms_norm(&self, x: &CudaSlice<f32>, w: &CudaSlice<f32>, out: &mut CudaSlice<f32>, rows: usize, d: usize) -> Result<()> {
+    /// A decode step through the state's captured graph (captured now if it has none, or if
+    /// its K/V caches moved since).
+    fn replay_step(&self, token: u32, state: &mut GpuState) -> Result<Vec<f32>> {
         let g = &self.gpu;
-        g.launch("rms_norm", (rows as u32, 1, 1), 256, 0, &[Arg::Ptr(g.ptr(x)), Arg::Ptr(g.ptr(w)), Arg::Ptr(g.ptr(out)), Arg::I32(d as i32), Arg::F32(self.config.rms_norm_eps)])
+        let v = self.config.vocab_size;
+        if state.step.as_ref().is_none_or(|s| s.capacity != state.capacity || !std::sync::Arc::ptr_eq(&s.stream, &g.stream)) {
+            state.step = None;
+            let ws = Workspace::new(self, 1, 1, 1)?;
+            let (io_host, mut logits_host) = (Pinned::<u32>::new(g, 2)?, Pinned::<f32>::new(g, v)?);
+            // The attention kernel's shared memory is sized for the whole cache, so that the
+            // one captured launch serves every position.
+            let visible = state.capacity.min(MAX_CONTEXT);
+            g.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(|e| anyhow::anyhow!("cuda:{}: starting a graph capture: {e:?}", g.ordinal))?;
+            // The position and token id come in from pinned memory and the logits go out to it
+            // inside the graph: one launch and one wait per token.
+            let enqueued = g
+                .copy_to_device(&io_host, g.ptr(&ws.io))
+                .and_then(|()| self.enqueue(&ws, &mut [&mut *state], &[Rows { first: 0, count: 1 }], 0, Some(visible)))
+                .and_then(|()| g.copy_to_host(g.ptr(&ws.logits), &mut logits_host));
+            // End the capture whatever happened, so that the stream is usable again.
+            let captured = g.stream.end_capture(CUgraphInstantiate_flags(0));
+            enqueued?;
+            let graph = captured.map_err(|e| anyhow::anyhow!("cuda:{}: capturing the decode step: {e:?}", g.ordinal))?.context("the captured decode step is empty")?;
+            state.step = Some(StepGraph { graph: Graph(graph), stream: g.stream.clone(), ws, capacity: state.capacity, io_host, logits_host });
+        }
+        let step = state.step.as_mut().expect("captured above");
+        // The previous replay has finished (its logits were read), so the host side is free.
+        step.io_host.as_mut_slice().copy_from_slice(&[state.position as u32, token]);
+        step.graph.0.launch().map_err(|e| anyhow::anyhow!("cuda:{}: replaying the decode step: {e:?}", g.ordinal))?;
+        g.synchronize()?;
+        state.position += 1;
+        state.last_logits.clear();
+        state.last_logits.extend_from_slice(step.logits_host.as_slice());
+        Ok(state.last_logits.clone())
     }
 
-    fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, n: usize) -> Result<()> {
+    /// Make room for `end` K/V rows (doubling), keeping the rows in use.
+    fn grow_kv(&self, state: &mut GpuState, end: usize) -> Result<()> {
+        if end <= state.capacity {
+            return Ok(());
+        }
+        let row = self.config.num_key_value_heads * self.config.head_dim;
+        let used = state.position * row;
+        let cap = end.next_power_of_two();
+        for l in &mut state.layers {
+            if let GpuLayerState::Full { k, v } = l {
+                for buf in [k, v] {
+                    let mut bigger = self.gpu.zeros::<f32>(cap * row)?;
+                    if used > 0 {
+                        self.gpu.stream.memcpy_dtod(&buf.slice(..used), &mut bigger.slice_mut(..used)).map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.gpu.ordinal))?;
+                    }
+                    *buf = bigger;
+                }
+            }
+        }
+        state.capacity = cap;
+        Ok(())
+    }
+
+    /// Queue the forward pass of the rows in `ws.io` (sequence i's rows `rows[i]` applied to
+    /// `states[i]`) and the logits of rows `logits_from..`. Nothing is allocated or copied to
+    /// or from the host here, so that a decode step can be captured as it is. `visible` sizes
+    /// the attention scores for that many positions (default: what each sequence needs now).
+    fn enqueue(&self, ws: &Workspace, states: &mut [&mut GpuState], rows: &[Rows], logits_from: usize, visible: Option<usize>) -> Result<()> {
+        let c = &self.config;
         let g = &self.gpu;
-        g.launch("add_inplace", (n.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(g.ptr(x)), Arg::Ptr(g.ptr(y)), Arg::I32(n as i32)])
+        let h = c.hidden_size;
+        let t: usize = rows.iter().map(|r| r.count).sum();
+        let x = g.ptr(&ws.x);
+        let ids = ws.position_of(g, ws.sequences);
+        g.launch("embed", (t as u32, 1, 1), 256, 0, &[Arg::Ptr(g.ptr(&self.embed)), Arg::Ptr(ids), Arg::Ptr(x), Arg::I32(h as i32)])?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            // Each block normalises x on the way into its projections and adds its output to x
+            // (the residual stream) itself.
+            match &layer.mixer {
+                GpuMixer::DeltaNet(m) => self.deltanet(m, &layer.input_norm, ws, t, states, rows, li)?,
+                GpuMixer::Attention(m) => self.attention(m, &layer.input_norm, ws, t, states, rows, li, visible)?,
+            }
+            self.mlp(layer, ws, t)?;
+        }
+        let n = t - logits_from;
+        let normed = g.ptr(&ws.normed);
+        self.rms_norm(x + (logits_from * h * 4) as u64, g.ptr(&self.final_norm), normed, n, h)?;
+        match &self.lm_head {
+            Some(m) => self.matmul(ws, normed, n, m, g.ptr(&ws.logits)),
+            None => self.matmul_raw(ws, normed, n, g.ptr(&self.embed), c.vocab_size, h, g.ptr(&ws.logits)),
+        }
+    }
+
+    fn rms_norm(&self, x: u64, w: u64, out: u64, rows: usize, d: usize) -> Result<()> {
+        // Up to 1024 threads, about four values each: a row is one block, so a decode step's
+        // norm is latency, and fewer passes per thread make it shorter.
+        let threads = d.div_ceil(4).next_multiple_of(32).clamp(32, 1024) as u32;
+        self.gpu.launch("rms_norm", (rows as u32, 1, 1), threads, 0, &[Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(out), Arg::I32(d as i32), Arg::F32(self.config.rms_norm_eps)])
+    }
+
+    fn add(&self, x: u64, y: u64, n: usize) -> Result<()> {
+        self.gpu.launch("add_inplace", (n.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(x), Arg::Ptr(y), Arg::I32(n as i32)])
     }
 
     /// `out[t, rows] = x[t, cols] · Wᵀ`.
-    fn matmul(&self, x: &CudaSlice<f32>, t: usize, m: &GpuMatrix, out: &CudaSlice<f32>) -> Result<()> {
-        let g = &self.gpu;
-        self.matmul_raw(g.ptr(x), t, g.ptr(&m.w), m.rows, m.cols, g.ptr(out))
+    fn matmul(&self, ws: &Workspace, x: u64, t: usize, m: &GpuMatrix, out: u64) -> Result<()> {
+        self.matmul_raw(ws, x, t, self.gpu.ptr(&m.w), m.rows, m.cols, out)
     }
 
-    fn matmul_raw(&self, x: u64, t: usize, w: u64, n: usize, k: usize, out: u64) -> Result<()> {
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_raw(&self, ws: &Workspace, x: u64, t: usize, w: u64, n: usize, k: usize, out: u64) -> Result<()> {
         let g = &self.gpu;
         if t <= GEMV_MAX_T {
             // 8 warps per block, one row each.
-            return g.launch("gemv_bf16", (n.div_ceil(8) as u32, 1, 1), 256, 0, &[Arg::Ptr(w), Arg::Ptr(x), Arg::Ptr(out), Arg::I32(n as i32), Arg::I32(k as i32), Arg::I32(t as i32)]);
+            return g.launch("gemv_bf16", (n.div_ceil(8) as u32, 1, 1), 256, 0, &[Arg::Ptr(w), Arg::Ptr(x), Arg::Ptr(out), Arg::I32(n as i32), Arg::I32(k as i32), Arg::I32(t as i32), Arg::I32(0)]);
         }
         match self.precision {
             Precision::Exact => g.launch("gemm_bf16_f32", (n.div_ceil(64) as u32, t.div_ceil(64) as u32, 1), 256, 0, &[Arg::Ptr(w), Arg::Ptr(x), Arg::Ptr(out), Arg::I32(n as i32), Arg::I32(k as i32), Arg::I32(t as i32)]),
             Precision::TensorCores => {
-                let xb = g.scratch::<u16>(t * k)?;
-                g.launch("to_bf16", ((t * k).div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(x), Arg::Ptr(g.ptr(&xb)), Arg::I32((t * k) as i32)])?;
-                g.gemm_bf16(g.ptr(&xb), t, w, n, k, out)
+                let xb = g.ptr(&ws.xb);
+                g.launch("to_bf16", ((t * k).div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(x), Arg::Ptr(xb), Arg::I32((t * k) as i32)])?;
+                g.gemm_bf16(xb, t, w, n, k, out)
             }
         }
     }
 
-    fn deltanet(&self, m: &DeltaNet, xn: &CudaSlice<f32>, t: usize, state: &mut GpuState, li: usize, out: &CudaSlice<f32>) -> Result<()> {
+    /// Several products of the RMS-normalised input `rms_norm(x[t, k]) * norm` (normalised into
+    /// `ws.xn`): for decode-sized t one launch for all of them, else a GEMM each.
+    fn project(&self, ws: &Workspace, x: u64, norm: &CudaSlice<f32>, t: usize, mats: &[(&GpuMatrix, u64)]) -> Result<()> {
+        let g = &self.gpu;
+        let k = mats[0].0.cols;
+        let xn = g.ptr(&ws.xn);
+        self.rms_norm(x, g.ptr(norm), xn, t, k)?;
+        if t > GEMV_MAX_T || mats.len() > 4 {
+            return mats.iter().try_for_each(|&(m, out)| self.matmul(ws, xn, t, m, out));
+        }
+        let mut args = Vec::with_capacity(15);
+        let mut blocks = 0;
+        for j in 0..4 {
+            match mats.get(j) {
+                Some(&(m, out)) => {
+                    debug_assert_eq!(m.cols, k);
+                    args.extend([Arg::Ptr(g.ptr(&m.w)), Arg::Ptr(out), Arg::I32(m.rows as i32)]);
+                    blocks += m.rows.div_ceil(8);
+                }
+                None => args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0)]),
+            }
+        }
+        args.extend([Arg::Ptr(xn), Arg::I32(k as i32), Arg::I32(t as i32)]);
+        g.launch("gemv_bf16_multi", (blocks as u32, 1, 1), 256, 0, &args)
+    }
+
+    /// `x += input · Wᵀ`: a block's output added to the residual stream (for decode-sized t in
+    /// the GEMV itself).
+    fn project_residual(&self, ws: &Workspace, input: u64, t: usize, m: &GpuMatrix) -> Result<()> {
+        let g = &self.gpu;
+        let x = g.ptr(&ws.x);
+        if t <= GEMV_MAX_T {
+            let args = [Arg::Ptr(g.ptr(&m.w)), Arg::Ptr(input), Arg::Ptr(x), Arg::I32(m.rows as i32), Arg::I32(m.cols as i32), Arg::I32(t as i32), Arg::I32(1)];
+            return g.launch("gemv_bf16", (m.rows.div_ceil(8) as u32, 1, 1), 256, 0, &args);
+        }
+        let mixed = g.ptr(&ws.mixed);
+        self.matmul(ws, input, t, m, mixed)?;
+        self.add(x, mixed, t * m.rows)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn deltanet(&self, m: &DeltaNet, norm: &CudaSlice<f32>, ws: &Workspace, t: usize, states: &mut [&mut GpuState], rows: &[Rows], li: usize) -> Result<()> {
         let c = &self.config;
         let g = &self.gpu;
         let (hk, hv, dk, dv) = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
         let (vd, cd, kk) = (c.linear_value_dim(), c.linear_conv_dim(), c.linear_conv_kernel_dim);
-        let (qkv, z, b, a) = (g.scratch::<f32>(t * cd)?, g.scratch::<f32>(t * vd)?, g.scratch::<f32>(t * hv)?, g.scratch::<f32>(t * hv)?);
-        self.matmul(xn, t, &m.in_proj_qkv, &qkv)?;
-        self.matmul(xn, t, &m.in_proj_z, &z)?;
-        self.matmul(xn, t, &m.in_proj_b, &b)?;
-        self.matmul(xn, t, &m.in_proj_a, &a)?;
-        let GpuLayerState::Linear { conv, recurrent } = &mut state.layers[li] else { bail!("layer {li}: state kind differs from the model's") };
-        let mixed = g.scratch::<f32>(t * cd)?;
-        g.launch("conv_silu", (cd.div_ceil(128) as u32, 1, 1), 128, 0, &[Arg::Ptr(g.ptr(conv)), Arg::Ptr(g.ptr(&qkv)), Arg::Ptr(g.ptr(&m.conv_taps)), Arg::Ptr(g.ptr(&mixed)), Arg::I32(t as i32), Arg::I32(cd as i32), Arg::I32(kk as i32)])?;
+        let x = g.ptr(&ws.x);
+        let (qkv, z, beta, alpha, conv_out, core) = (g.ptr(&ws.qkv), g.ptr(&ws.z), g.ptr(&ws.beta), g.ptr(&ws.alpha), g.ptr(&ws.conv_out), g.ptr(&ws.core));
+        self.project(ws, x, norm, t, &[(&m.in_proj_qkv, qkv), (&m.in_proj_z, z), (&m.in_proj_b, beta), (&m.in_proj_a, alpha)])?;
+        let f32_at = |base: u64, row: usize, width: usize| base + (row * width * 4) as u64;
+        for (s, r) in states.iter_mut().zip(rows) {
+            let GpuLayerState::Linear { conv, .. } = &s.layers[li] else { bail!("layer {li}: state kind differs from the model's") };
+            g.launch(
+                "conv_silu",
+                (cd.div_ceil(128) as u32, 1, 1),
+                128,
+                0,
+                &[Arg::Ptr(g.ptr(conv)), Arg::Ptr(f32_at(qkv, r.first, cd)), Arg::Ptr(g.ptr(&m.conv_taps)), Arg::Ptr(f32_at(conv_out, r.first, cd)), Arg::I32(r.count as i32), Arg::I32(cd as i32), Arg::I32(kk as i32)],
+            )?;
+        }
         let block = dk.next_multiple_of(32) as u32;
-        g.launch("l2norm_qk", (t as u32, 2 * hk as u32, 1), block, 0, &[Arg::Ptr(g.ptr(&mixed)), Arg::I32(cd as i32), Arg::I32(hk as i32), Arg::I32(dk as i32), Arg::F32(1.0 / (dk as f32).sqrt())])?;
-        let core = g.scratch::<f32>(t * vd)?;
+        g.launch("l2norm_qk", (t as u32, 2 * hk as u32, 1), block, 0, &[Arg::Ptr(conv_out), Arg::I32(cd as i32), Arg::I32(hk as i32), Arg::I32(dk as i32), Arg::F32(1.0 / (dk as f32).sqrt())])?;
         let kernel = match dk {
             32 => "deltanet_32",
             64 => "deltanet_64",
             _ => "deltanet_128",
         };
-        g.launch(
-            kernel,
-            (hv as u32, 1, 1),
-            dv as u32,
-            0,
-            &[
-                Arg::Ptr(g.ptr(recurrent)),
-                Arg::Ptr(g.ptr(&mixed)),
-                Arg::Ptr(g.ptr(&b)),
-                Arg::Ptr(g.ptr(&a)),
-                Arg::Ptr(g.ptr(&m.neg_a)),
-                Arg::Ptr(g.ptr(&m.dt_bias)),
-                Arg::Ptr(g.ptr(&core)),
-                Arg::I32(t as i32),
-                Arg::I32(hk as i32),
-                Arg::I32(hv as i32),
-                Arg::I32(dv as i32),
-                Arg::I32(cd as i32),
-            ],
-        )?;
-        g.launch("gated_rms_norm", ((t * hv) as u32, 1, 1), dv.next_multiple_of(32).min(256) as u32, 0, &[Arg::Ptr(g.ptr(&core)), Arg::Ptr(g.ptr(&z)), Arg::Ptr(g.ptr(&m.norm)), Arg::I32(dv as i32), Arg::F32(c.rms_norm_eps)])?;
-        self.matmul(&core, t, &m.out_proj, out)
+        for (s, r) in states.iter_mut().zip(rows) {
+            let GpuLayerState::Linear { recurrent, .. } = &s.layers[li] else { bail!("layer {li}: state kind differs from the model's") };
+            g.launch(
+                kernel,
+                (hv as u32, 1, 1),
+                dv as u32,
+                0,
+                &[
+                    Arg::Ptr(g.ptr(recurrent)),
+                    Arg::Ptr(f32_at(conv_out, r.first, cd)),
+                    Arg::Ptr(f32_at(beta, r.first, hv)),
+                    Arg::Ptr(f32_at(alpha, r.first, hv)),
+                    Arg::Ptr(g.ptr(&m.neg_a)),
+                    Arg::Ptr(g.ptr(&m.dt_bias)),
+                    Arg::Ptr(f32_at(core, r.first, vd)),
+                    Arg::I32(r.count as i32),
+                    Arg::I32(hk as i32),
+                    Arg::I32(hv as i32),
+                    Arg::I32(dv as i32),
+                    Arg::I32(cd as i32),
+                ],
+            )?;
+        }
+        g.launch("gated_rms_norm", ((t * hv) as u32, 1, 1), dv.next_multiple_of(32).min(256) as u32, 0, &[Arg::Ptr(core), Arg::Ptr(z), Arg::Ptr(g.ptr(&m.norm)), Arg::I32(dv as i32), Arg::F32(c.rms_norm_eps)])?;
+        self.project_residual(ws, core, t, &m.out_proj)
     }
 
-    fn attention(&self, m: &Attention, xn: &CudaSlice<f32>, t: usize, state: &mut GpuState, li: usize, out: &CudaSlice<f32>) -> Result<()> {
+    #[allow(clippy::too_many_arguments)]
+    fn attention(&self, m: &Attention, norm: &CudaSlice<f32>, ws: &Workspace, t: usize, states: &mut [&mut GpuState], rows: &[Rows], li: usize, visible: Option<usize>) -> Result<()> {
         let c = &self.config;
         let g = &self.gpu;
         let (hq, hkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let (qg, k, v) = (g.scratch::<f32>(t * hq * 2 * d)?, g.scratch::<f32>(t * hkv * d)?, g.scratch::<f32>(t * hkv * d)?);
-        self.matmul(xn, t, &m.q_proj, &qg)?;
-        self.matmul(xn, t, &m.k_proj, &k)?;
-        self.matmul(xn, t, &m.v_proj, &v)?;
-        let (q, gate) = (g.scratch::<f32>(t * hq * d)?, g.scratch::<f32>(t * hq * d)?);
-        let pos0 = state.position;
-        g.launch(
-            "qk_norm_rope",
-            (t as u32, (hq + hkv) as u32, 1),
-            d.next_multiple_of(32) as u32,
-            0,
-            &[
-                Arg::Ptr(g.ptr(&qg)),
-                Arg::Ptr(g.ptr(&q)),
-                Arg::Ptr(g.ptr(&gate)),
-                Arg::Ptr(g.ptr(&k)),
-                Arg::Ptr(g.ptr(&m.q_norm)),
-                Arg::Ptr(g.ptr(&m.k_norm)),
-                Arg::Ptr(g.ptr(&self.inv_freq)),
-                Arg::I32(hq as i32),
-                Arg::I32(hkv as i32),
-                Arg::I32(d as i32),
-                Arg::I32((c.rotary_dim() / 2) as i32),
-                Arg::I32(pos0 as i32),
-                Arg::F32(c.rms_norm_eps),
-            ],
-        )?;
-        let GpuLayerState::Full { k: kc, v: vc, .. } = &mut state.layers[li] else { bail!("layer {li}: state kind differs from the model's") };
+        let x = g.ptr(&ws.x);
+        let (qg, k, v, q, gate, attn) = (g.ptr(&ws.qg), g.ptr(&ws.k), g.ptr(&ws.v), g.ptr(&ws.q), g.ptr(&ws.gate), g.ptr(&ws.attn));
+        self.project(ws, x, norm, t, &[(&m.q_proj, qg), (&m.k_proj, k), (&m.v_proj, v)])?;
+        let f32_at = |base: u64, row: usize, width: usize| base + (row * width * 4) as u64;
         let row = hkv * d;
-        g.stream.memcpy_dtod(&k, &mut kc.slice_mut(pos0 * row..(pos0 + t) * row)).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        g.stream.memcpy_dtod(&v, &mut vc.slice_mut(pos0 * row..(pos0 + t) * row)).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        let attn = g.scratch::<f32>(t * hq * d)?;
-        let shared = ((pos0 + t) * 4) as u32;
-        g.launch(
-            "attention",
-            (t as u32, hq as u32, 1),
-            128,
-            shared,
-            &[Arg::Ptr(g.ptr(&q)), Arg::Ptr(g.ptr(kc)), Arg::Ptr(g.ptr(vc)), Arg::Ptr(g.ptr(&gate)), Arg::Ptr(g.ptr(&attn)), Arg::I32(hq as i32), Arg::I32(hkv as i32), Arg::I32(d as i32), Arg::I32(pos0 as i32)],
-        )?;
-        self.matmul(&attn, t, &m.o_proj, out)
+        for (i, (s, r)) in states.iter_mut().zip(rows).enumerate() {
+            let pos = ws.position_of(g, i);
+            g.launch(
+                "qk_norm_rope",
+                (r.count as u32, (hq + hkv) as u32, 1),
+                d.next_multiple_of(32) as u32,
+                0,
+                &[
+                    Arg::Ptr(f32_at(qg, r.first, 2 * hq * d)),
+                    Arg::Ptr(f32_at(q, r.first, hq * d)),
+                    Arg::Ptr(f32_at(gate, r.first, hq * d)),
+                    Arg::Ptr(f32_at(k, r.first, row)),
+                    Arg::Ptr(g.ptr(&m.q_norm)),
+                    Arg::Ptr(g.ptr(&m.k_norm)),
+                    Arg::Ptr(g.ptr(&self.inv_freq)),
+                    Arg::I32(hq as i32),
+                    Arg::I32(hkv as i32),
+                    Arg::I32(d as i32),
+                    Arg::I32((c.rotary_dim() / 2) as i32),
+                    Arg::Ptr(pos),
+                    Arg::F32(c.rms_norm_eps),
+                ],
+            )?;
+            let GpuLayerState::Full { k: kc, v: vc } = &s.layers[li] else { bail!("layer {li}: state kind differs from the model's") };
+            let (kc, vc) = (g.ptr(kc), g.ptr(vc));
+            let n = r.count * row;
+            g.launch("kv_append", (n.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(f32_at(k, r.first, row)), Arg::Ptr(f32_at(v, r.first, row)), Arg::Ptr(kc), Arg::Ptr(vc), Arg::Ptr(pos), Arg::I32(row as i32), Arg::I32(n as i32)])?;
+            let shared = (visible.unwrap_or(s.position + r.count) * 4) as u32;
+            g.launch(
+                "attention",
+                (r.count as u32, hq as u32, 1),
+                128,
+                shared,
+                &[Arg::Ptr(f32_at(q, r.first, hq * d)), Arg::Ptr(kc), Arg::Ptr(vc), Arg::Ptr(f32_at(gate, r.first, hq * d)), Arg::Ptr(f32_at(attn, r.first, hq * d)), Arg::I32(hq as i32), Arg::I32(hkv as i32), Arg::I32(d as i32), Arg::Ptr(pos)],
+            )?;
+        }
+        self.project_residual(ws, attn, t, &m.o_proj)
     }
 
-    fn mlp(&self, l: &Layer, xn: &CudaSlice<f32>, t: usize, out: &CudaSlice<f32>) -> Result<()> {
+    fn mlp(&self, l: &Layer, ws: &Workspace, t: usize) -> Result<()> {
         let g = &self.gpu;
+        let (x, gate, up) = (g.ptr(&ws.x), g.ptr(&ws.ffn_gate), g.ptr(&ws.ffn_up));
+        self.project(ws, x, &l.post_attention_norm, t, &[(&l.gate_proj, gate), (&l.up_proj, up)])?;
         let f = self.config.intermediate_size;
-        let (gate, up) = (g.scratch::<f32>(t * f)?, g.scratch::<f32>(t * f)?);
-        self.matmul(xn, t, &l.gate_proj, &gate)?;
-        self.matmul(xn, t, &l.up_proj, &up)?;
-        g.launch("swiglu", ((t * f).div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(g.ptr(&gate)), Arg::Ptr(g.ptr(&up)), Arg::I32((t * f) as i32)])?;
-        self.matmul(&gate, t, &l.down_proj, out)
+        g.launch("swiglu", ((t * f).div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(gate), Arg::Ptr(up), Arg::I32((t * f) as i32)])?;
+        self.project_residual(ws, gate, t, &l.down_proj)
+    }
+}
+
+impl GpuState {
+    /// The GPU this state lives on.
+    pub fn ordinal(&self) -> usize {
+        self.stream().context().ordinal()
+    }
+
+    fn stream(&self) -> &std::sync::Arc<cudarc::driver::CudaStream> {
+        match &self.layers[0] {
+            GpuLayerState::Linear { conv, .. } => conv.stream(),
+            GpuLayerState::Full { k, .. } => k.stream(),
+        }
+    }
+
+    /// This state copied to host memory (the bridge's device-to-host copy).
+    pub fn download(&self) -> Result<State> {
+        let stream = self.stream();
+        let kv = self.layers.iter().find_map(|l| match l {
+            GpuLayerState::Full { k, .. } => Some(k.len() / self.capacity * self.position),
+            _ => None,
+        });
+        let down = |s: &CudaSlice<f32>, n: usize| -> Result<Vec<f32>> {
+            let mut host = vec![0.0f32; n];
+            stream.memcpy_dtoh(&s.slice(..n), &mut host[..]).map_err(|e| anyhow::anyhow!("copying a state from the GPU: {e:?}"))?;
+            Ok(host)
+        };
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(match l {
+                    GpuLayerState::Linear { conv, recurrent } => LayerState::Linear { conv: down(conv, conv.len())?.into(), recurrent: down(recurrent, recurrent.len())?.into() },
+                    GpuLayerState::Full { k, v } => LayerState::Full { k: down(k, kv.unwrap_or(0))?, v: down(v, kv.unwrap_or(0))? },
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(State { position: self.position, layers, last_logits: self.last_logits.clone() })
+    }
+
+    /// Bytes of state data on the GPU that a transfer moves (K/V up to the position).
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                GpuLayerState::Linear { conv, recurrent } => 4 * (conv.len() + recurrent.len()),
+                GpuLayerState::Full { k, .. } => 2 * 4 * k.len() / self.capacity * self.position,
+            })
+            .sum::<usize>()
+            + 4 * self.last_logits.len()
     }
 }

@@ -1,11 +1,13 @@
 //! `tandem bench --sections cuda`: the CUDA engine against the GPU's own limits, measured in the
 //! same run: the bf16 tensor-core peak (a large cuBLAS GEMM) for prefill, the device memory
-//! bandwidth (a device-to-device copy) for decode.
+//! bandwidth (a device-to-device copy) for decode. Then where a decode step goes, batched decode,
+//! the bridge between devices, and energy per token from the GPU's counter.
 
 use std::fmt::Write as _;
 use std::time::Instant;
 
 use anyhow::Result;
+use tandem_core::cuda::nvml::EnergyMeter;
 use tandem_core::cuda::qwen35::{GpuQwen35, Precision};
 use tandem_core::cuda::Gpu;
 use tandem_core::model::Logits;
@@ -56,9 +58,24 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
     writeln!(report, "| bf16 tensor-core GEMM {n}x{n}x{n} (cuBLAS) | {:.0} TFLOP/s |", tc_peak / 1e12)?;
     writeln!(report, "| device memory bandwidth (1 GiB device-to-device copy, read + write) | {:.0} GB/s |", bandwidth / 1e9)?;
 
-    writeln!(report, "\nPrefill of {prompt} tokens from an empty state, decode of {decode_steps} steps after a 13-token prompt, one sequence; median of {reps} after a warm-up (min - max).\n")?;
-    writeln!(report, "| model | weights | prefill tensor cores tok/s | TFLOP/s | of bf16 peak | prefill exact f32 tok/s | decode tok/s | weight GB/s | of bandwidth | TC vs exact: top-1, max logit diff |")?;
-    writeln!(report, "|---|---|---|---|---|---|---|---|---|---|")?;
+    // A second GPU, for the peer copy of the bridge.
+    let mut peer = match tandem_core::cuda::gpu_count()? {
+        n if n > ordinal + 1 => Some(Gpu::open(ordinal + 1)?),
+        _ => None,
+    };
+    let meter = gpu.pci_bus_id().and_then(|id| EnergyMeter::open(&id));
+    let idle_watts = match &meter {
+        Ok(m) => Some(idle_power(m)?),
+        Err(_) => None,
+    };
+
+    writeln!(report, "\nPrefill of {prompt} tokens from an empty state; decode after a 13-token prompt, one sequence, {decode_steps} steps per run, with the step replayed from a CUDA graph and launched kernel by kernel, interleaved; median of {reps} after a warm-up (min - max).\n")?;
+    writeln!(report, "| model | weights | prefill tensor cores tok/s | TFLOP/s | of bf16 peak | prefill exact f32 tok/s | decode tok/s (graph) | weight GB/s | of bandwidth | decode tok/s (launches) | TC vs exact: top-1, max logit diff |")?;
+    writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|")?;
+    let mut profiles = String::new();
+    let mut batches = String::new();
+    let mut bridges = String::new();
+    let mut energy = String::new();
     let mut model = Some(gpu);
     for spec in specs {
         progress(&format!("loading {spec}"));
@@ -67,41 +84,55 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
         progress(&format!("uploading {spec} to the GPU"));
         let mut g = GpuQwen35::upload(model.take().expect("one GPU"), net, Precision::TensorCores)?;
         let vocab = net.config.vocab_size.min(248044);
-        let tokens: Vec<u32> = (0..prompt as u32).map(|i| (i * 7919 + 13) % vocab as u32).collect();
+        let tokens: Vec<u32> = (0..prompt.max(2048) as u32).map(|i| (i * 7919 + 13) % vocab as u32).collect();
+        let prompt_tokens = &tokens[..prompt];
         progress(&format!("{spec}: prefill"));
         let mut tc_logits = Vec::new();
         let (tc, tc_lo, tc_hi) = time(reps, || {
             let mut st = g.new_state()?;
-            tc_logits = g.forward(&tokens, &mut st, Logits::Last)?;
+            tc_logits = g.forward(prompt_tokens, &mut st, Logits::Last)?;
             Ok(())
         })?;
         g.precision = Precision::Exact;
         let mut exact_logits = Vec::new();
         let (ex, _, _) = time(reps.min(2), || {
             let mut st = g.new_state()?;
-            exact_logits = g.forward(&tokens, &mut st, Logits::Last)?;
+            exact_logits = g.forward(prompt_tokens, &mut st, Logits::Last)?;
             Ok(())
         })?;
         g.precision = Precision::TensorCores;
         let diff = tc_logits.iter().zip(&exact_logits).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         let same_top = argmax(&tc_logits) == argmax(&exact_logits);
+
         progress(&format!("{spec}: decode"));
-        let mut st = g.new_state()?;
-        g.forward(&tokens[..13], &mut st, Logits::Last)?;
-        let mut steps = Vec::with_capacity(decode_steps);
-        let mut next = argmax(&st.last_logits) as u32;
-        for _ in 0..decode_steps {
+        // Per-step seconds of `decode_steps` greedy steps from a fresh 13-token state.
+        let decode_run = |g: &GpuQwen35| -> Result<f64> {
+            let mut st = g.new_state()?;
+            g.forward(&tokens[..13], &mut st, Logits::Last)?;
+            let mut next = argmax(&st.last_logits) as u32;
             let t = Instant::now();
-            let l = g.forward(&[next], &mut st, Logits::Last)?;
-            steps.push(t.elapsed().as_secs_f64());
-            next = argmax(&l) as u32;
+            for _ in 0..decode_steps {
+                next = argmax(&g.forward(&[next], &mut st, Logits::Last)?) as u32;
+            }
+            Ok(t.elapsed().as_secs_f64() / decode_steps as f64)
+        };
+        let (mut with_graph, mut launched) = (Vec::new(), Vec::new());
+        decode_run(&g)?;
+        for _ in 0..reps {
+            for graphs in [true, false] {
+                g.graphs = graphs;
+                let s = decode_run(&g)?;
+                if graphs { with_graph.push(s) } else { launched.push(s) }
+            }
         }
-        let (step, _, _) = stats(&mut steps);
+        g.graphs = true;
+        let (step, _, _) = stats(&mut with_graph);
+        let (step_launched, _, _) = stats(&mut launched);
         let flops = net.prefill_flops(prompt);
         let weight_rate = g.weight_bytes() as f64 / step;
         writeln!(
             report,
-            "| {spec} | {:.1} GB | {:.0} ({:.0} - {:.0}) | {:.0} | {:.0}% | {:.0} | {:.0} | {:.0} | {:.0}% | {}, {diff:.2e} |",
+            "| {spec} | {:.1} GB | {:.0} ({:.0} - {:.0}) | {:.0} | {:.0}% | {:.0} | {:.0} | {:.0} | {:.0}% | {:.0} | {}, {diff:.2e} |",
             g.weight_bytes() as f64 / 1e9,
             prompt as f64 / tc,
             prompt as f64 / tc_hi,
@@ -112,9 +143,146 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
             1.0 / step,
             weight_rate / 1e9,
             100.0 * weight_rate / bandwidth,
+            1.0 / step_launched,
             if same_top { "same" } else { "differs" },
         )?;
+
+        // Where a decode step goes: each kernel timed with events (launched one by one).
+        progress(&format!("{spec}: decode profile"));
+        g.graphs = false;
+        let mut st = g.new_state()?;
+        g.forward(&tokens[..13], &mut st, Logits::Last)?;
+        let profiled = 8;
+        g.gpu.start_profile();
+        for i in 0..profiled {
+            g.forward(&[tokens[20 + i]], &mut st, Logits::Last)?;
+        }
+        let profile = g.gpu.finish_profile()?;
+        g.graphs = true;
+        let total: f64 = profile.iter().map(|p| p.1).sum();
+        writeln!(profiles, "\n{spec}: {:.0} µs of kernels per step ({:.0} launches), against {:.0} µs per step with the graph:\n", 1e3 * total / profiled as f64, profile.iter().map(|p| p.2).sum::<usize>() as f64 / profiled as f64, 1e6 * step)?;
+        writeln!(profiles, "| kernel | µs per step | launches per step | share |\n|---|---|---|---|")?;
+        for (name, ms, count) in &profile {
+            writeln!(profiles, "| {name} | {:.1} | {} | {:.0}% |", 1e3 * ms / profiled as f64, count / profiled, 100.0 * ms / total)?;
+        }
+
+        // Several sequences per step: every weight read once for all of them.
+        progress(&format!("{spec}: batched decode"));
+        let mut one = 0.0;
+        for n in [1usize, 2, 4, 8] {
+            let mut states = (0..n)
+                .map(|i| {
+                    let mut st = g.new_state()?;
+                    g.forward(&tokens[i..13 + i], &mut st, Logits::Last)?;
+                    Ok(st)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let ids: Vec<u32> = (0..n as u32).map(|i| 100 + i).collect();
+            let mut step_once = || -> Result<()> {
+                if n == 1 {
+                    g.forward(&ids, &mut states[0], Logits::Last)?;
+                } else {
+                    let mut refs: Vec<_> = states.iter_mut().collect();
+                    g.decode_batch(&ids, &mut refs)?;
+                }
+                Ok(())
+            };
+            step_once()?;
+            let mut rates = Vec::new();
+            for _ in 0..reps {
+                let t = Instant::now();
+                for _ in 0..decode_steps {
+                    step_once()?;
+                }
+                rates.push((n * decode_steps) as f64 / t.elapsed().as_secs_f64());
+            }
+            let (rate, lo, hi) = stats(&mut rates);
+            if n == 1 {
+                one = rate;
+            }
+            writeln!(batches, "| {spec} | {n} | {rate:.0} ({lo:.0} - {hi:.0}) | {:.2}x |", rate / one)?;
+        }
+
+        // The bridge between devices: a prefilled state copied GPU -> host, host -> GPU, GPU ->
+        // GPU (the same one, and the peer where there are two).
+        progress(&format!("{spec}: bridge"));
+        let mut peer_model = match peer.take() {
+            Some(p) => Some(GpuQwen35::upload(p, net, Precision::TensorCores)?),
+            None => None,
+        };
+        for len in [410usize, 2048] {
+            let mut st = g.new_state()?;
+            g.forward(&tokens[..len], &mut st, Logits::Last)?;
+            let host = st.download()?;
+            let mb = st.bytes() as f64 / 1e6;
+            let mut row = |what: &str, (s, lo, hi): (f64, f64, f64)| writeln!(bridges, "| {spec} | {len} | {what} | {mb:.1} | {:.2} ({:.2} - {:.2}) | {:.1} |", s * 1e3, lo * 1e3, hi * 1e3, mb / 1e3 / s);
+            row("GPU -> host (device to host)", time(reps, || st.download().map(drop))?)?;
+            row("host -> GPU (host to device)", time(reps, || g.upload_state(&host).map(drop))?)?;
+            row("GPU -> same GPU (device to device)", time(reps, || g.copy_state(&st).map(drop))?)?;
+            if let Some(p) = &peer_model {
+                row(&format!("cuda:{ordinal} -> cuda:{} (peer)", ordinal + 1), time(reps, || p.copy_state(&st).map(drop))?)?;
+            }
+        }
+        peer = peer_model.take().map(GpuQwen35::into_gpu);
+
+        // Energy per token from the GPU's own counter.
+        progress(&format!("{spec}: energy"));
+        match &meter {
+            Ok(m) => {
+                let (j_prefill, w_prefill) = joules_per_token(m, prompt, || {
+                    let mut st = g.new_state()?;
+                    g.forward(prompt_tokens, &mut st, Logits::Last).map(drop)
+                })?;
+                let mut st = g.new_state()?;
+                g.forward(&tokens[..13], &mut st, Logits::Last)?;
+                let (j_decode, w_decode) = joules_per_token(m, decode_steps, || {
+                    for i in 0..decode_steps {
+                        g.forward(&[tokens[i]], &mut st, Logits::Last)?;
+                    }
+                    if st.position > 4096 {
+                        st = g.new_state()?;
+                        g.forward(&tokens[..13], &mut st, Logits::Last)?;
+                    }
+                    Ok(())
+                })?;
+                writeln!(energy, "| {spec} | {:.2} mJ | {w_prefill:.0} W | {:.1} mJ | {w_decode:.0} W |", j_prefill * 1e3, j_decode * 1e3)?;
+            }
+            Err(e) => writeln!(energy, "| {spec} | no energy counter: {e:#} | | | |")?,
+        }
         model = Some(g.into_gpu());
     }
+    writeln!(report, "\n### Where a decode step goes (kernel by kernel, CUDA events)\n{profiles}")?;
+    writeln!(report, "\n### Batched decode (one step for every sequence; one sequence: the graph)\n\n| model | sequences | aggregate tok/s | vs one |\n|---|---|---|---|\n{batches}")?;
+    writeln!(
+        report,
+        "\n### The bridge between devices (a prefilled state, median of {reps}; {})\n\n| model | tokens | copy | MB | ms | GB/s |\n|---|---|---|---|---|---|\n{bridges}",
+        if peer.is_some() { "peer copy between two GPUs of one host" } else { "one GPU here: no peer copy" }
+    )?;
+    writeln!(report, "\n### Energy (the GPU's NVML energy counter over runs of 2 s or more; the whole board, idle power included)\n")?;
+    if let Some(w) = idle_watts {
+        writeln!(report, "Idle power before the runs: {w:.0} W.\n")?;
+    }
+    writeln!(report, "| model | per prefill token ({prompt}-token prompts) | average power | per decode token | average power |\n|---|---|---|---|---|\n{energy}")?;
     Ok(())
+}
+
+/// The board's power while nothing runs, over one second.
+fn idle_power(m: &EnergyMeter) -> Result<f64> {
+    let (e0, t) = (m.millijoules()?, Instant::now());
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    Ok((m.millijoules()? - e0) as f64 / 1e3 / t.elapsed().as_secs_f64())
+}
+
+/// Joules per token and average watts of `run` (which handles `tokens` tokens), repeated for
+/// at least 2 s so that the counter's coarse updates do not matter.
+fn joules_per_token(m: &EnergyMeter, tokens: usize, mut run: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+    run()?;
+    let (e0, t) = (m.millijoules()?, Instant::now());
+    let mut runs = 0;
+    while runs == 0 || t.elapsed().as_secs_f64() < 2.0 {
+        run()?;
+        runs += 1;
+    }
+    let joules = (m.millijoules()? - e0) as f64 / 1e3;
+    Ok((joules / (runs * tokens) as f64, joules / t.elapsed().as_secs_f64()))
 }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use tandem_core::chat::Message;
-use tandem_core::engine::{Engine, Placement};
+use tandem_core::engine::{Engine, Placement, Resident};
 use tandem_core::load::LoadedModel;
 use tandem_core::scheduler::{self, Event, Generation, PipelineConfig, Request};
 use tandem_core::session::{Scaffold, Session};
@@ -54,9 +54,10 @@ pub fn transfer(report: &mut String, model: &LoadedModel, engine: &Placement, le
         // On its own thread: an engine pinned to cores pins the thread that makes it.
         let mut state = std::thread::scope(|s| {
             s.spawn(|| -> Result<State> {
-                let mut state = State::new(cfg);
-                Engine::new(engine, net)?.prefill(&prompt_of(n, model.sampleable_vocab()), &mut state)?;
-                Ok(state)
+                let engine = Engine::new(engine, net)?;
+                let mut state = engine.new_state()?;
+                engine.prefill(&prompt_of(n, model.sampleable_vocab()), &mut state)?;
+                state.into_host()
             })
             .join()
             .expect("prefill thread")
@@ -366,14 +367,15 @@ pub fn concurrency(report: &mut String, model: &LoadedModel, config: &PipelineCo
             let mut step_rates: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];
             let mut bases = Vec::new();
             for i in 0..*counts.iter().max().unwrap_or(&1) {
-                let mut st = State::new(&net.config);
+                let mut st = engine.new_state()?;
                 engine.prefill(&prompt_of(13 + i, vocab), &mut st)?;
-                bases.push(st);
+                bases.push(st.into_host()?);
             }
             for _ in 0..reps {
                 for (c, &n) in counts.iter().enumerate() {
-                    let mut states: Vec<State> = bases[..n].to_vec();
-                    let mut refs: Vec<&mut State> = states.iter_mut().collect();
+                    // Copies of the prefilled states, already on the engine's device.
+                    let mut states: Vec<Resident> = bases[..n].iter().map(|b| engine.adopt(Resident::Host(b.clone()))).collect::<Result<_>>()?;
+                    let mut refs: Vec<&mut Resident> = states.iter_mut().collect();
                     let tokens: Vec<u32> = (0..n as u32).map(|i| 100 + i).collect();
                     let t = Instant::now();
                     for _ in 0..steps {
