@@ -342,13 +342,10 @@ impl<'m> Engine<'m> {
         })
     }
 
-    /// `adopt`, in place.
+    /// `adopt`, in place (a state already here is moved out and back, nothing copied).
     fn adopt_in_place(&self, state: &mut Resident) -> Result<()> {
-        let here = matches!((&self.backend, &*state), (Backend::Cpu(_), Resident::Host(_))) || matches!((&self.backend, &*state), (Backend::Cuda(g), Resident::Gpu(s)) if s.ordinal() == g.gpu.ordinal);
-        if !here {
-            let moved = std::mem::replace(state, Resident::Host(State { position: 0, layers: Vec::new(), last_logits: Vec::new() }));
-            *state = self.adopt(moved)?;
-        }
+        let moved = std::mem::replace(state, Resident::Host(State { position: 0, layers: Vec::new(), last_logits: Vec::new() }));
+        *state = self.adopt(moved)?;
         Ok(())
     }
 
