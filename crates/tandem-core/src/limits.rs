@@ -207,8 +207,10 @@ unsafe fn bf16_avx512(iters: u64) -> f64 {
 
 pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
-    if v.is_empty() {
-        return f64::NAN;
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        // An even count: the mean of the two middle values.
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
-    v[v.len() / 2]
 }

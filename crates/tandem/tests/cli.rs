@@ -116,6 +116,9 @@ fn bad_input_fails_cleanly_with_a_named_cause() {
         (vec!["generate".into(), "--model".into(), tiny(), "--prompts-file".into(), "/no/prompts.txt".into()], "/no/prompts.txt"),
         (vec!["verify".into(), "--model".into(), tiny(), "--reference".into(), "/no/ref.safetensors".into()], "/no/ref.safetensors"),
         (vec!["frobnicate".into()], "unknown command"),
+        (vec!["bench".into(), "--sections".into(), "modes,tables".into()], "unknown section \"tables\""),
+        (vec!["bench".into(), "--quant".into(), "fp4".into()], "--quant \"fp4\""),
+        (vec!["bench".into(), "--sections".into(), "dispatch".into(), "--out".into(), std::env::temp_dir().join("tandem-cli-bad-bench").to_string_lossy().into_owned(), "--prefill".into(), "cpu:cores=99".into(), "--model".into(), tiny(), "--quick".into()], "core 99"),
     ];
     for (args, needle) in cases {
         let a: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -125,6 +128,49 @@ fn bad_input_fails_cleanly_with_a_named_cause() {
         assert!(err.contains(needle), "{args:?}: expected {needle:?} in {err}");
         assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
     }
+}
+
+/// The study's tables as `tandem bench` writes them: the Markdown report on stdout and in the
+/// output folder, every raw run in runs.json (counted per section), the plots as SVG files.
+/// The tiny fixture keeps it to seconds; the multi-turn table needs a tokenizer, so it runs in
+/// CI's `bench --quick` on the synthetic model instead.
+#[test]
+fn bench_writes_the_study_tables_their_raw_runs_and_plots() {
+    let dir = std::env::temp_dir().join(format!("tandem-cli-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let o = tandem(&[
+        "bench", "--quick", "--model", &tiny(), "--sections", "energy,modes,dispatch,crossover,concurrency", "--prefill", "cpu:threads=1,dispatch=batched:4",
+        "--decode", "cpu:threads=1", "--out", dir.to_str().unwrap(),
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    // Sections in the report's order whatever order they were asked in.
+    let at = |h: &str| out.find(h).unwrap_or_else(|| panic!("no {h:?} in {out}"));
+    assert!(at("## Modes") < at("## Batched against sequential dispatch") && at("## Concurrency") < at("## Crossover") && at("## Crossover") < at("## Energy"));
+    assert_eq!(std::fs::read_to_string(dir.join("report.md")).unwrap(), out);
+    // The dispatch table: 74 one-token dispatches, then three of 32 (22 rows padded), then one.
+    for row in ["| sequential | 74 | 74 (0) |", "| batched:32 | 3 | 96 (22) |", "| dynamic | 1 | 74 (0) |"] {
+        assert!(out.contains(row), "no {row:?} in {out}");
+    }
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("runs.json")).unwrap()).unwrap();
+    assert_eq!(doc["complete"], true);
+    assert_eq!(doc["prefill_engine"], "cpu:threads=1,dispatch=batched:4");
+    let runs = doc["runs"].as_array().unwrap();
+    let count = |section: &str| runs.iter().filter(|r| r["section"] == section).count();
+    // --quick: one repetition; modes: 3 modes x 2 prompts; dispatch: 3; crossover: 2 engines x
+    // 3 lengths; concurrency: 4 decode-step runs and 4 pipeline runs.
+    assert_eq!((count("modes"), count("dispatch"), count("crossover"), count("concurrency")), (6, 3, 6, 8), "{doc}");
+    for r in runs.iter().filter(|r| r["section"] == "modes") {
+        assert!(r["ttft_ms"].as_f64().unwrap() > 0.0 && r["generated"] == 8, "{r}");
+    }
+    for plot in ["modes.svg", "crossover.svg", "concurrency.svg"] {
+        let svg = std::fs::read_to_string(dir.join(plot)).unwrap_or_else(|e| panic!("{plot}: {e}"));
+        assert!(svg.starts_with("<svg") && svg.matches("<circle").count() >= 6, "{plot}: {svg}");
+    }
+    // Energy: figures where a counter can be read, else the reason for each counter.
+    let energy = &out[at("## Energy")..];
+    assert!(energy.contains("joules per token") || (energy.contains("No power counter") && energy.contains("RAPL")), "{energy}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The golden fixture on the GPU, through the CLI as a user runs it. Where no NVIDIA driver is

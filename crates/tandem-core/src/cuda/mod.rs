@@ -113,6 +113,13 @@ pub fn gpu_count() -> Result<usize> {
     CudaContext::device_count().map(|n| n as usize).map_err(|e| anyhow::anyhow!("cannot count GPUs: {e:?}"))
 }
 
+/// The names of this machine's CUDA GPUs, by ordinal (without compiling any kernels).
+pub fn gpu_names() -> Result<Vec<String>> {
+    (0..gpu_count()?)
+        .map(|i| CudaContext::new(i).and_then(|c| c.name()).map_err(|e| anyhow::anyhow!("cuda:{i}: {e:?}")))
+        .collect()
+}
+
 impl Gpu {
     /// Open GPU `ordinal`: checks that the driver, NVRTC and cuBLAS libraries load, that the GPU
     /// exists, and compiles the kernels for it.

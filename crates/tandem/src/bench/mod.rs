@@ -11,7 +11,10 @@
 //! of one moment).
 
 use std::fmt::Write as _;
+use std::io::IsTerminal as _;
+use std::path::Path;
 use std::process::{Command, ExitCode};
+use std::sync::OnceLock;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -23,26 +26,78 @@ use tandem_core::state::State;
 use crate::args::Args;
 
 pub mod cuda;
+mod energy;
 pub mod pipeline;
+mod study;
+mod svg;
 
-/// The report's sections, in order.
-const SECTIONS: [&str; 4] = ["kernels", "transfer", "multiturn", "concurrency"];
+/// The report's sections, in order (the study's tables 1-7 after the engine kernels).
+const SECTIONS: [&str; 8] = ["kernels", "modes", "dispatch", "transfer", "multiturn", "concurrency", "crossover", "energy"];
 /// Sections run only when named.
 const GPU_SECTIONS: [&str; 1] = ["cuda"];
 
 pub const USAGE: &str = "\
-tandem bench [--model M] [--threads N | --cores 0,1] [--quant bf16,int8] [--prompts 13,74,133,410]
-             [--decode-tokens 32] [--reps 3] [--quick] [--json FILE] [--isa avx512|avx2|portable]
+tandem bench [--model M] [--prefill PLACEMENT] [--decode PLACEMENT] [--quant bf16,int8]
+             [--sections kernels,modes,...] [--quick] [--out DIR] [--reps 3]
+             [--threads N | --cores 0,1] [--prompts 13,74,410] [--decode-tokens 32]
+             [--isa avx512|avx2|portable]
 
-Measures the machine (read bandwidth, f32 FMA peak, bf16 dot peak), then prefill tok/s per
-prompt length and decode tok/s for each weight format, as absolute figures and as fractions of
-the measured ceilings, and the peak resident memory of a generate run of each format.
-Default model: synthetic:qwen3.5-0.8b. --quick: one repetition, prompts 13 and 74, 8 decode tokens.
+Measures the machine (read bandwidth, f32 FMA peak, bf16 dot peak), then each section:
+  kernels      prefill and decode tok/s of each weight format (--quant) on all cores
+               (--threads/--cores), against the measured ceilings; int8 quality; peak memory
+  modes        the study's tables 1-2: prefill engine alone, decode engine alone, hybrid, on
+               prompts of 13, 28, 74 and 6, 133, 410 tokens
+  dispatch     table 2: sequential, batched:32 and dynamic dispatch of a 74-token prompt
+  transfer     table 3: state transfer split into serialize / read / rebuild
+  multiturn    table 4: three turns with and without sessions, measured
+  concurrency  table 5: 1, 2, 4, 8 concurrent requests
+  crossover    table 6: prefill tok/s of each engine from 8 to 2048 tokens
+  energy       table 7: joules per prefill and decode token from RAPL or NVML, where present
+The engines: --prefill and --decode placements (default cpu:cores=0 and cpu:cores=1).
+Repetitions (--reps, default 2; the multi-turn conversations once unless --reps is given):
+interleaved, after a warm-up, reported as median with min and max.
+Default model: synthetic:qwen3.5-0.8b. --quick: a run of a minute or two (fewer prompts,
+repetitions and tokens). The Markdown report goes to stdout and, with a JSON file of every raw
+run and SVG plots, to --out (default ./tandem-bench).
 
 --sections cuda [--device cuda:N] [--model M1,M2] [--prompts 2048] [--decode-tokens 64]:
 the CUDA engine on GPU N against the GPU's measured tensor-core peak and memory bandwidth
 (default models synthetic:qwen3.5-0.8b and synthetic:qwen3.5-9b).
 ";
+
+/// What a run produces: the Markdown report, every raw measurement (the JSON file) and the
+/// plots.
+#[derive(Default)]
+pub struct Record {
+    pub report: String,
+    runs: Vec<serde_json::Value>,
+    plots: Vec<(String, String)>,
+}
+
+impl Record {
+    /// One raw measurement of `section` (an object of its parameters and results).
+    pub fn run(&mut self, section: &str, mut run: serde_json::Value) {
+        run["section"] = section.into();
+        self.runs.push(run);
+    }
+
+    pub fn plot(&mut self, file: &str, chart: svg::Chart) {
+        self.plots.push((file.to_string(), chart.render()));
+    }
+
+    /// report.md, runs.json (with `header`) and the plots, into `dir`.
+    fn write(&self, dir: &Path, mut header: serde_json::Value) -> Result<()> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating the output folder {}", dir.display()))?;
+        let put = |name: &str, text: &str| std::fs::write(dir.join(name), text).with_context(|| format!("writing {}", dir.join(name).display()));
+        put("report.md", &self.report)?;
+        header["runs"] = self.runs.clone().into();
+        put("runs.json", &serde_json::to_string_pretty(&header)?)?;
+        for (name, svg) in &self.plots {
+            put(name, svg)?;
+        }
+        Ok(())
+    }
+}
 
 struct Sample {
     quant: String,
@@ -59,7 +114,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         print!("{USAGE}");
         return Ok(ExitCode::SUCCESS);
     }
-    let args = Args::parse(argv, &["model", "threads", "cores", "quant", "prompts", "decode-tokens", "reps", "json", "isa", "sections", "prefill", "decode", "device"], &["quick"])?;
+    let args = Args::parse(argv, &["model", "threads", "cores", "quant", "prompts", "decode-tokens", "reps", "out", "isa", "sections", "prefill", "decode", "device"], &["quick"])?;
     let quick = args.flag("quick");
     let sections: Vec<&str> = args.str("sections").map(|s| s.split(',').map(str::trim).collect()).unwrap_or(SECTIONS.to_vec());
     if let Some(bad) = sections.iter().find(|s| !SECTIONS.contains(s) && !GPU_SECTIONS.contains(s)) {
@@ -86,72 +141,78 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             bail!("--quant {q:?}: benchmark formats are bf16 (as stored) and int8");
         }
     }
-    let prompts: Vec<usize> = parse_list(args.str("prompts").unwrap_or(if quick { "13,74" } else { "13,74,133,410" }), "--prompts")?;
+    let prompts: Vec<usize> = parse_list(args.str("prompts").unwrap_or(if quick { "13,74" } else { "13,74,410" }), "--prompts")?;
     let decode_tokens: usize = args.get("decode-tokens", if quick { 8 } else { 32 })?;
-    let reps: usize = args.get("reps", if quick { 1 } else { 3 })?;
+    let reps: usize = args.get("reps", if quick { 1 } else { 2 })?;
+    // A conversation of three 100-token replies per variant takes minutes on a small CPU.
+    let conversations = if args.str("reps").is_some() { reps } else { 1 };
     if reps == 0 || decode_tokens == 0 || prompts.is_empty() {
         bail!("--reps, --decode-tokens and --prompts must be positive");
     }
+    let out_dir = std::path::PathBuf::from(args.str("out").unwrap_or("tandem-bench"));
     let pool = crate::make_pool(&args)?;
     let threads = pool.threads();
+    let config = pipeline_config(&args)?;
+    started();
 
-    let mut report = String::new();
+    let mut rec = Record::default();
     let steal_start = cpu_steal();
     progress("measuring the machine's limits");
     let bw_bytes = if quick { 256 << 20 } else { 1 << 30 };
     let bandwidth = limits::read_bandwidth(&pool, bw_bytes, if quick { 3 } else { 7 });
     let fma_peak = limits::fma_peak(&pool, if quick { 3 } else { 7 });
     let bf16_peak = limits::bf16_dot_peak(&pool, if quick { 3 } else { 7 });
-    writeln!(report, "# tandem bench\n")?;
-    writeln!(report, "## Machine\n")?;
-    writeln!(report, "| | |\n|---|---|")?;
-    writeln!(report, "| CPU | {} ({} logical cores) |", cpu_model(), std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))?;
+    writeln!(rec.report, "# tandem bench\n")?;
+    writeln!(rec.report, "## Machine\n")?;
+    writeln!(rec.report, "| | |\n|---|---|")?;
+    writeln!(rec.report, "| CPU | {} ({} logical cores) |", cpu_model(), std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))?;
+    writeln!(rec.report, "| memory | {} |", total_memory().map(|b| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)).unwrap_or_else(|| "unknown".into()))?;
     writeln!(
-        report,
-        "| engine threads | {threads}{} |",
+        rec.report,
+        "| engine threads (kernels section) | {threads}{} |",
         if pool.cores().is_empty() { String::new() } else { format!(" pinned to cores {:?}", pool.cores()) }
     )?;
-    writeln!(report, "| kernels | {} |", limits::isa())?;
-    writeln!(report, "| read bandwidth ({threads} threads, at the start) | {:.1} GB/s |", bandwidth / 1e9)?;
-    writeln!(report, "| f32 FMA peak ({threads} threads, at the start) | {:.1} GFLOP/s |", fma_peak / 1e9)?;
+    writeln!(rec.report, "| two-engine sections | prefill engine {}, decode engine {} |", config.prefill, config.decode)?;
+    writeln!(rec.report, "| kernels | {} |", limits::isa())?;
+    writeln!(rec.report, "| read bandwidth ({threads} threads, at the start) | {:.1} GB/s |", bandwidth / 1e9)?;
+    writeln!(rec.report, "| f32 FMA peak ({threads} threads, at the start) | {:.1} GFLOP/s |", fma_peak / 1e9)?;
     match bf16_peak {
-        Some(p) => writeln!(report, "| bf16 dot peak ({threads} threads) | {:.1} GFLOP/s (not used: tandem keeps activations f32) |", p / 1e9)?,
-        None => writeln!(report, "| bf16 dot peak | no AVX-512 BF16 on this CPU |")?,
+        Some(p) => writeln!(rec.report, "| bf16 dot peak ({threads} threads) | {:.1} GFLOP/s (not used: tandem keeps activations f32) |", p / 1e9)?,
+        None => writeln!(rec.report, "| bf16 dot peak | no AVX-512 BF16 on this CPU |")?,
     }
+    writeln!(rec.report, "| GPUs | {} |", gpus())?;
 
     progress(&format!("loading {spec}"));
     let model = tandem_core::load::LoadedModel::load(&spec)?;
     let mut samples = Vec::new();
-    if sections.contains(&"kernels") {
-        kernels(&mut report, &mut samples, &model, &pool, &spec, &quants, &prompts, decode_tokens, reps)?;
-    }
-    if let Err(e) = pipeline_sections(&mut report, &model, &args, &sections, quick, reps, &spec) {
-        print!("{report}");
-        return Err(e);
+    let chosen: Vec<&str> = SECTIONS.iter().copied().filter(|s| sections.contains(s)).collect();
+    let mut result = Ok(());
+    for (i, &section) in chosen.iter().enumerate() {
+        progress(&format!("section {}/{}: {section}", i + 1, chosen.len()));
+        result = match section {
+            "kernels" => kernels(&mut rec, &mut samples, &model, &pool, &spec, &quants, &prompts, decode_tokens, reps),
+            _ => pipeline_section(&mut rec, section, &model, &config, quick, reps, conversations, &spec),
+        };
+        if result.is_err() {
+            break;
+        }
     }
     if let (Some(a), Some(b)) = (steal_start, cpu_steal()) {
         let (steal, total) = (b.0 - a.0, b.1 - a.1);
-        writeln!(report, "\nCPU time taken by the hypervisor (steal) during this run: {:.0}%.", 100.0 * steal as f64 / total.max(1) as f64)?;
+        writeln!(rec.report, "\nCPU time taken by the hypervisor (steal) during this run: {:.0}%. Wall time of the run: {}.", 100.0 * steal as f64 / total.max(1) as f64, clock())?;
     }
-    print!("{report}");
-
-    if let Some(path) = args.str("json") {
-        let runs: Vec<serde_json::Value> = samples
-            .iter()
-            .map(|s| {
-                serde_json::json!({"weights": s.quant, "phase": s.kind, "tokens": s.tokens, "seconds": s.seconds,
-                    "read_bandwidth_bytes_per_s": s.bandwidth, "fma_peak_flops": s.fma_peak})
-            })
-            .collect();
-        let doc = serde_json::json!({
-            "model": spec, "threads": threads, "cpu": cpu_model(), "kernels": limits::isa(),
-            "read_bandwidth_bytes_per_s": bandwidth, "fma_peak_flops": fma_peak, "bf16_dot_peak_flops": bf16_peak,
-            "runs": runs,
-        });
-        std::fs::write(path, serde_json::to_string_pretty(&doc)?).with_context(|| format!("writing {path}"))?;
-        eprintln!("raw runs written to {path}");
-    }
-    Ok(ExitCode::SUCCESS)
+    print!("{}", rec.report);
+    let header = serde_json::json!({
+        "tandem": env!("CARGO_PKG_VERSION"), "unix_time": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        "model": spec, "quick": quick, "sections": chosen, "reps": reps,
+        "cpu": cpu_model(), "logical_cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1), "memory_bytes": total_memory(),
+        "kernels": limits::isa(), "kernel_threads": threads, "prefill_engine": config.prefill.to_string(), "decode_engine": config.decode.to_string(),
+        "read_bandwidth_bytes_per_s": bandwidth, "fma_peak_flops": fma_peak, "bf16_dot_peak_flops": bf16_peak,
+        "complete": result.is_ok(),
+    });
+    rec.write(&out_dir, header)?;
+    eprintln!("[bench] report, raw runs (runs.json) and plots written to {}/", out_dir.display());
+    result.map(|()| ExitCode::SUCCESS)
 }
 
 fn parse_list(s: &str, flag: &str) -> Result<Vec<usize>> {
@@ -178,21 +239,76 @@ fn cpu_model() -> String {
         .unwrap_or_else(|| std::env::consts::ARCH.to_string())
 }
 
-fn progress(msg: &str) {
-    eprintln!("[bench] {msg}");
+/// Installed memory in bytes (MemTotal of /proc/meminfo).
+fn total_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: u64 = info.lines().find(|l| l.starts_with("MemTotal:"))?.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
-fn progress_bar(done: usize, total: usize) {
-    let width = 30;
-    let filled = width * done / total.max(1);
-    eprint!("\r[bench] [{}{}] {done}/{total} runs", "#".repeat(filled), ".".repeat(width - filled));
+/// The GPUs the CUDA driver reports, or why there are none.
+fn gpus() -> String {
+    match tandem_core::cuda::gpu_names() {
+        Ok(names) if names.is_empty() => "none".into(),
+        Ok(names) => names.iter().enumerate().map(|(i, n)| format!("cuda:{i} {n}")).collect::<Vec<_>>().join(", "),
+        Err(e) => format!("none ({e:#})"),
+    }
+}
+
+static START: OnceLock<Instant> = OnceLock::new();
+
+fn started() {
+    START.get_or_init(Instant::now);
+}
+
+/// Time since the run started, as m:ss.
+fn clock() -> String {
+    let s = START.get_or_init(Instant::now).elapsed().as_secs();
+    format!("{}:{:02}", s / 60, s % 60)
+}
+
+fn progress(msg: &str) {
+    eprintln!("[bench {}] {msg}", clock());
+}
+
+/// A progress bar on stderr for the runs of one section: redrawn in place on a terminal, one
+/// line when the section's runs are done otherwise (a log stays readable).
+pub struct Bar {
+    label: String,
+    done: usize,
+    total: usize,
+    terminal: bool,
+}
+
+impl Bar {
+    pub fn new(label: &str, total: usize) -> Bar {
+        let bar = Bar { label: label.to_string(), done: 0, total, terminal: std::io::stderr().is_terminal() };
+        if bar.terminal {
+            bar.draw();
+        }
+        bar
+    }
+
+    pub fn tick(&mut self) {
+        self.done += 1;
+        if self.terminal || self.done == self.total {
+            self.draw();
+        }
+    }
+
+    fn draw(&self) {
+        let width = 30;
+        let filled = width * self.done.min(self.total) / self.total.max(1);
+        let end = if self.done >= self.total { "\n" } else { "" };
+        eprint!("\r[bench {}] {} [{}{}] {}/{} runs{end}", clock(), self.label, "#".repeat(filled), ".".repeat(width - filled), self.done, self.total);
+    }
 }
 
 /// Prefill and decode rates of each weight format against the measured ceilings, int8 quality,
 /// and peak memory.
 #[allow(clippy::too_many_arguments)]
 fn kernels(
-    report: &mut String,
+    rec: &mut Record,
     samples: &mut Vec<Sample>,
     model: &tandem_core::load::LoadedModel,
     pool: &tandem_core::pool::Pool,
@@ -221,8 +337,7 @@ fn kernels(
         net.forward(&pool, &prompt_of(8), &mut st, Logits::Last)?;
         net.forward(&pool, &[1], &mut st, Logits::Last)?;
     }
-    let total = reps * nets.len() * (prompts.len() + 1);
-    let mut done = 0;
+    let mut bar = Bar::new("kernels", reps * nets.len() * (prompts.len() + 1));
     // The ceilings again, just before each run (about a quarter of a second).
     let ceilings = || (limits::read_bandwidth(&pool, 256 << 20, 2), limits::fma_peak(&pool, 2));
     for _ in 0..reps {
@@ -234,8 +349,7 @@ fn kernels(
                 let t = Instant::now();
                 net.forward(&pool, &prompt, &mut st, Logits::Last)?;
                 samples.push(Sample { quant: q.clone(), kind: "prefill", tokens: n, seconds: t.elapsed().as_secs_f64(), bandwidth, fma_peak });
-                done += 1;
-                progress_bar(done, total);
+                bar.tick();
             }
             // Decode: greedy tokens after a 13-token prompt (whose prefill is not timed).
             let mut st = State::new(&net.config);
@@ -247,24 +361,29 @@ fn kernels(
                 logits = net.forward(&pool, &[id], &mut st, Logits::Last)?;
             }
             samples.push(Sample { quant: q.clone(), kind: "decode", tokens: decode_tokens, seconds: t.elapsed().as_secs_f64(), bandwidth, fma_peak });
-            done += 1;
-            progress_bar(done, total);
+            bar.tick();
         }
     }
-    eprintln!();
+    for s in samples.iter() {
+        rec.run(
+            "kernels",
+            serde_json::json!({"weights": s.quant, "phase": s.kind, "tokens": s.tokens, "seconds": s.seconds, "threads": threads,
+                "read_bandwidth_bytes_per_s": s.bandwidth, "fma_peak_flops": s.fma_peak}),
+        );
+    }
 
     let fma_ceiling = limits::median(&mut samples.iter().map(|s| s.fma_peak).collect::<Vec<_>>());
     let bandwidth_ceiling = limits::median(&mut samples.iter().map(|s| s.bandwidth).collect::<Vec<_>>());
     writeln!(
-        report,
+        rec.report,
         "\nCeilings during the runs (median of {} measurements, one before each run): read bandwidth {:.1} GB/s, f32 FMA peak {:.1} GFLOP/s.",
         samples.len(),
         bandwidth_ceiling / 1e9,
         fma_ceiling / 1e9
     )?;
-    writeln!(report, "\n## Prefill ({spec}, {threads} threads, median of {reps} after a warm-up)\n")?;
-    writeln!(report, "| weights | prompt tokens | tok/s (median) | min - max | GFLOP/token | GFLOP/s | of FMA peak | ceiling tok/s |")?;
-    writeln!(report, "|---|---|---|---|---|---|---|---|")?;
+    writeln!(rec.report, "\n## Prefill ({spec}, {threads} threads, median of {reps} after a warm-up)\n")?;
+    writeln!(rec.report, "| weights | prompt tokens | tok/s (median) | min - max | GFLOP/token | GFLOP/s | of FMA peak | ceiling tok/s |")?;
+    writeln!(rec.report, "|---|---|---|---|---|---|---|---|")?;
     for (q, net) in &nets {
         for &n in prompts {
             let runs: Vec<&Sample> = samples.iter().filter(|s| &s.quant == q && s.kind == "prefill" && s.tokens == n).collect();
@@ -273,7 +392,7 @@ fn kernels(
             let fraction = med * flops_per_token / fma_ceiling;
             let ceiling = fma_ceiling / flops_per_token;
             writeln!(
-                report,
+                rec.report,
                 "| {q} | {n} | {med:.1} | {lo:.1} - {hi:.1} | {:.2} | {:.1} | {:.0}% | {ceiling:.1} |",
                 flops_per_token / 1e9,
                 med * flops_per_token / 1e9,
@@ -281,9 +400,9 @@ fn kernels(
             )?;
         }
     }
-    writeln!(report, "\n## Decode ({spec}, one sequence, {decode_tokens} tokens after a 13-token prompt)\n")?;
-    writeln!(report, "| weights | tok/s (median) | min - max | MB read/token | GB/s | of bandwidth | ceiling tok/s |")?;
-    writeln!(report, "|---|---|---|---|---|---|---|")?;
+    writeln!(rec.report, "\n## Decode ({spec}, one sequence, {decode_tokens} tokens after a 13-token prompt)\n")?;
+    writeln!(rec.report, "| weights | tok/s (median) | min - max | MB read/token | GB/s | of bandwidth | ceiling tok/s |")?;
+    writeln!(rec.report, "|---|---|---|---|---|---|---|")?;
     for (q, net) in &nets {
         let runs: Vec<&Sample> = samples.iter().filter(|s| &s.quant == q && s.kind == "decode").collect();
         // Weights streamed + the state read (at the middle of the decoded span).
@@ -294,7 +413,7 @@ fn kernels(
         let fraction = med * bytes / bandwidth_ceiling;
         let ceiling = bandwidth_ceiling / bytes;
         writeln!(
-            report,
+            rec.report,
             "| {q} | {med:.2} | {lo:.2} - {hi:.2} | {:.0} | {:.1} | {:.0}% | {ceiling:.1} |",
             bytes / 1e6,
             med * bytes / 1e9,
@@ -304,19 +423,21 @@ fn kernels(
 
     if nets.len() > 1 {
         progress("int8 quality against the stored weights");
-        writeln!(report, "\n## int8 against the stored weights ({spec}, a 133-token prompt, 16 greedy tokens)\n")?;
-        writeln!(report, "| prompt | positions | top-1 agreement | largest logit difference | greedy ids identical |")?;
-        writeln!(report, "|---|---|---|---|---|")?;
+        writeln!(rec.report, "\n## int8 against the stored weights ({spec}, a 133-token prompt, 16 greedy tokens)\n")?;
+        writeln!(rec.report, "| prompt | positions | top-1 agreement | largest logit difference | greedy ids identical |")?;
+        writeln!(rec.report, "|---|---|---|---|---|")?;
         let row = tandem_core::quality::compare(&pool, &nets[0].1, &nets[1].1, "random ids", &prompt_of(133), 16, vocab)?;
-        writeln!(report, "{row}")?;
+        writeln!(rec.report, "{row}")?;
     }
 
     progress("peak memory (a generate run per format in a child process)");
-    writeln!(report, "\n## Memory (`tandem generate` of a 410-token prompt + 8 tokens, each format in its own process)\n")?;
-    writeln!(report, "| weights | weights held | state | peak RSS | peak / (weights + state) |")?;
-    writeln!(report, "|---|---|---|---|---|")?;
+    // The longest prompt of the run (410 in a full run).
+    let memory_prompt = prompts.iter().copied().max().unwrap_or(410);
+    writeln!(rec.report, "\n## Memory (`tandem generate` of a {memory_prompt}-token prompt + 8 tokens, each format in its own process)\n")?;
+    writeln!(rec.report, "| weights | weights held | state | peak RSS | peak / (weights + state) |")?;
+    writeln!(rec.report, "|---|---|---|---|---|")?;
     for (q, net) in &nets {
-        let ids: Vec<String> = prompt_of(410).iter().map(|i| i.to_string()).collect();
+        let ids: Vec<String> = prompt_of(memory_prompt).iter().map(|i| i.to_string()).collect();
         let mut cmd = Command::new(std::env::current_exe()?);
         cmd.args(["generate", "--model", &spec, "--token-ids", &ids.join(","), "--max-tokens", "8", "--ids-out", "--threads", &threads.to_string()]);
         if q == "int8" {
@@ -331,38 +452,52 @@ fn kernels(
             .and_then(|s| s.parse().ok())
             .with_context(|| format!("no peak RSS in the generate summary: {err}"))?;
         let mut st = State::new(&net.config);
-        net.forward(&pool, &prompt_of(418), &mut st, Logits::Last)?;
+        net.forward(&pool, &prompt_of(memory_prompt + 8), &mut st, Logits::Last)?;
         let (w, s) = (net.weight_bytes() as f64 / 1e9, st.bytes() as f64 / 1e9);
-        writeln!(report, "| {q} | {w:.2} GB | {:.0} MB | {peak_gb:.2} GB | {:.2} |", s * 1e3, peak_gb / (w + s))?;
+        writeln!(rec.report, "| {q} | {w:.2} GB | {:.0} MB | {peak_gb:.2} GB | {:.2} |", s * 1e3, peak_gb / (w + s))?;
+        rec.run("memory", serde_json::json!({"weights": q, "prompt_tokens": memory_prompt, "generated": 8, "weight_gb": w, "state_gb": s, "peak_rss_gb": peak_gb}));
     }
     Ok(())
 }
 
-/// The two-engine sections: the engines of `--prefill`/`--decode` (default: prefill on core 0,
-/// decode on core 1, or both on one thread on a one-core machine).
-fn pipeline_sections(report: &mut String, model: &tandem_core::load::LoadedModel, args: &Args, sections: &[&str], quick: bool, reps: usize, spec: &str) -> Result<()> {
+/// The engines of the two-engine sections: `--prefill`/`--decode` (default: prefill on core 0,
+/// decode on core 1, or both on one thread on a one-core machine), hybrid, moving the state.
+fn pipeline_config(args: &Args) -> Result<tandem_core::scheduler::PipelineConfig> {
     use tandem_core::engine::Placement;
     use tandem_core::scheduler::{Mode, PipelineConfig, Transfer};
     let two = std::thread::available_parallelism().map(|n| n.get() >= 2).unwrap_or(false);
     let (p, d) = if two { ("cpu:cores=0", "cpu:cores=1") } else { ("cpu:threads=1", "cpu:threads=1") };
-    let config = PipelineConfig {
+    Ok(PipelineConfig {
         mode: Mode::Hybrid,
         prefill: Placement::parse(args.str("prefill").unwrap_or(p)).context("--prefill")?,
         decode: Placement::parse(args.str("decode").unwrap_or(d)).context("--decode")?,
         transfer: Transfer::Move,
         max_batch: 8,
-    };
-    if sections.contains(&"transfer") {
-        pipeline::transfer(report, model, &config.decode, &[74, 410], if quick { 3 } else { 7 }, spec)?;
+    })
+}
+
+/// One of the two-engine sections (the study's tables), full or `--quick`.
+#[allow(clippy::too_many_arguments)]
+fn pipeline_section(rec: &mut Record, section: &str, model: &tandem_core::load::LoadedModel, config: &tandem_core::scheduler::PipelineConfig, quick: bool, reps: usize, conversations: usize, spec: &str) -> Result<()> {
+    match section {
+        "modes" => {
+            let prompts: &[usize] = if quick { &[13, 74] } else { &[13, 28, 74, 6, 133, 410] };
+            study::modes(rec, model, config, prompts, 8, reps, spec)
+        }
+        "dispatch" => study::dispatch(rec, model, &config.prefill, 74, if quick { 1 } else { reps }, spec),
+        "transfer" => pipeline::transfer(rec, model, &config.decode, &[74, 410], if quick { 3 } else { 5 }, spec),
+        // --quick: two turns, replies of 16 tokens, and the typing fed 12 words at a time (else
+        // 6: each update costs prefill passes over the weights on one core, ~0.5 s here).
+        "multiturn" => {
+            let (turns, reply, words_per_update) = if quick { (2, 16, 12) } else { (3, 100, 6) };
+            pipeline::multiturn(rec, model, config, turns, 74, reply, words_per_update, conversations, spec)
+        }
+        "concurrency" => pipeline::concurrency(rec, model, config, &[1, 2, 4, 8], 13, 8, reps, spec),
+        "crossover" => {
+            let lengths: &[usize] = if quick { &[8, 64, 256] } else { &[8, 32, 128, 512, 2048] };
+            study::crossover(rec, model, config, lengths, reps, spec)
+        }
+        "energy" => energy::section(rec, model, config, if quick { 74 } else { 410 }, spec),
+        _ => unreachable!("sections are checked against SECTIONS"),
     }
-    if sections.contains(&"multiturn") {
-        // --quick: replies of 16 tokens, and the typing fed 12 words at a time (else 3: each
-        // update costs a prefill pass over the weights on one core, ~0.15 s here).
-        let (reply, words_per_update) = if quick { (16, 12) } else { (100, 3) };
-        pipeline::multiturn(report, model, &config, 3, 74, reply, words_per_update, if quick { 1 } else { reps.min(2) }, spec)?;
-    }
-    if sections.contains(&"concurrency") {
-        pipeline::concurrency(report, model, &config, &[1, 2, 4, 8], 13, if quick { 8 } else { 32 }, if quick { 1 } else { reps }, spec)?;
-    }
-    Ok(())
 }

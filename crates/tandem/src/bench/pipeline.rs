@@ -18,7 +18,8 @@ use tandem_core::session::{Scaffold, Session};
 use tandem_core::state::bridge;
 use tandem_core::state::{LayerState, State};
 
-use super::{progress, stats};
+use super::svg::{Chart, Series};
+use super::{progress, stats, Record};
 use crate::generate::ms;
 
 /// `(median, min, max)` of durations, in ms.
@@ -32,14 +33,14 @@ pub fn prompt_of(n: usize, vocab: usize) -> Vec<u32> {
 }
 
 /// Table 3: each transfer kind in its three parts, at the given prompt lengths.
-pub fn transfer(report: &mut String, model: &LoadedModel, engine: &Placement, lengths: &[usize], reps: usize, spec: &str) -> Result<()> {
+pub fn transfer(rec: &mut Record, model: &LoadedModel, engine: &Placement, lengths: &[usize], reps: usize, spec: &str) -> Result<()> {
     progress("state transfer");
     let net = &model.net;
     let fp = net.fingerprint();
     let cfg = &net.config;
-    writeln!(report, "\n## State transfer ({spec}; median of {reps}, min - max in brackets; ms)\n")?;
-    writeln!(report, "| transfer | prompt tokens | state | serialize | read | rebuild | total |")?;
-    writeln!(report, "|---|---|---|---|---|---|---|")?;
+    writeln!(rec.report, "\n## State transfer ({spec}; median of {reps}, min - max in brackets; ms)\n")?;
+    writeln!(rec.report, "| transfer | prompt tokens | state | serialize | read | rebuild | total |")?;
+    writeln!(rec.report, "|---|---|---|---|---|---|---|")?;
     // A child process that receives states on its stdin (one end of a Unix socket pair).
     let (mut to_child, child_end) = UnixStream::pair().context("socket pair for the receiving process")?;
     let mut child = Command::new(std::env::current_exe()?)
@@ -176,12 +177,15 @@ pub fn transfer(report: &mut String, model: &LoadedModel, engine: &Placement, le
         std::hint::black_box(&dst);
         floors.push((n, ms_stats(&copies).0));
         for (name, runs) in &rows {
+            for p in runs {
+                rec.run("transfer", serde_json::json!({"transfer": name, "prompt_tokens": n, "state_bytes": state.bytes(), "serialize_ms": ms(p.0), "read_ms": ms(p.1), "rebuild_ms": ms(p.2)}));
+            }
             let part = |f: &dyn Fn(&Parts) -> Duration| {
                 let (m, lo, hi) = ms_stats(&runs.iter().map(f).collect::<Vec<_>>());
                 format!("{m:.2} ({lo:.2} - {hi:.2})")
             };
             writeln!(
-                report,
+                rec.report,
                 "| {name} | {n} | {mb:.1} MB | {} | {} | {} | {} |",
                 part(&|p| p.0),
                 part(&|p| p.1),
@@ -193,9 +197,9 @@ pub fn transfer(report: &mut String, model: &LoadedModel, engine: &Placement, le
     drop(to_child);
     child.wait()?;
     for (n, copy) in floors {
-        writeln!(report, "\nOne memcpy of the {n}-token state on one core, measured in this run: {copy:.2} ms (a transfer that copies the state twice, into a file and out of it, costs at least {:.1} ms here).", 2.0 * copy)?;
+        writeln!(rec.report, "\nOne memcpy of the {n}-token state on one core, measured in this run: {copy:.2} ms (a transfer that copies the state twice, into a file and out of it, costs at least {:.1} ms here).", 2.0 * copy)?;
     }
-    writeln!(report, "\nMove: the time for the state to reach the other thread (no copy). Serialize: the state written out with its checksum; read: the header and layer table checked; rebuild: the checksum of every byte verified and the engine's state made from them. The pipeline's file row is the file transfer of `tandem generate --transfer file`: the prefill engine writes into a state file it keeps mapped (one copy, checksummed on the way), the decode engine checks it and uses the recurrent states and conv windows where they lie, copying only K/V and the logits into a finished request's buffers. The new-file row maps a file it did not write and copies everything out (a first handoff, new pages on both sides). The processes row streams to a separate `tandem state-receive` process. Over a socket the payload is received straight into the state, so rebuild includes the wait for the bytes.")?;
+    writeln!(rec.report, "\nMove: the time for the state to reach the other thread (no copy). Serialize: the state written out with its checksum; read: the header and layer table checked; rebuild: the checksum of every byte verified and the engine's state made from them. The pipeline's file row is the file transfer of `tandem generate --transfer file`: the prefill engine writes into a state file it keeps mapped (one copy, checksummed on the way), the decode engine checks it and uses the recurrent states and conv windows where they lie, copying only K/V and the logits into a finished request's buffers. The new-file row maps a file it did not write and copies everything out (a first handoff, new pages on both sides). The processes row streams to a separate `tandem state-receive` process. Over a socket the payload is received straight into the state, so rebuild includes the wait for the bytes.")?;
     Ok(())
 }
 
@@ -264,7 +268,7 @@ struct TurnTimes {
 /// `reply_tokens`-token reply) three ways: the whole conversation prefilled at each turn (no
 /// session), a session whose messages are sent whole, and a session typed ahead.
 #[allow(clippy::too_many_arguments)]
-pub fn multiturn(report: &mut String, model: &LoadedModel, config: &PipelineConfig, turns: usize, msg_tokens: usize, reply_tokens: usize, words_per_update: usize, reps: usize, spec: &str) -> Result<()> {
+pub fn multiturn(rec: &mut Record, model: &LoadedModel, config: &PipelineConfig, turns: usize, msg_tokens: usize, reply_tokens: usize, words_per_update: usize, reps: usize, spec: &str) -> Result<()> {
     progress("multi-turn conversations");
     let messages = user_messages(model, turns, msg_tokens)?;
     let tok = model.tokenizer.as_ref().context("needs a tokenizer")?;
@@ -284,23 +288,52 @@ pub fn multiturn(report: &mut String, model: &LoadedModel, config: &PipelineConf
         Ok(())
     })?;
     writeln!(
-        report,
-        "\n## Multi-turn ({spec}; {turns} turns, {msg_tokens}-token user messages, {reply_tokens}-token replies; prefill {} -> decode {}; median of {reps})\n",
-        config.prefill, config.decode
+        rec.report,
+        "\n## Multi-turn ({spec}; {turns} turns, {msg_tokens}-token user messages, {reply_tokens}-token replies; prefill {} -> decode {}; {})\n",
+        config.prefill,
+        config.decode,
+        if reps > 1 { format!("median of {reps} conversations per variant, min - max in brackets") } else { "one conversation per variant".to_string() }
     )?;
-    writeln!(report, "| variant | turn | TTFT ms | turn total ms | tokens prefilled at send | engine work ahead of send ms |")?;
-    writeln!(report, "|---|---|---|---|---|---|")?;
+    for (v, runs) in results.iter().enumerate() {
+        for (rep, run) in runs.iter().enumerate() {
+            for (t, x) in run.iter().enumerate() {
+                rec.run(
+                    "multiturn",
+                    serde_json::json!({"variant": VARIANTS[v], "repetition": rep, "turn": t + 1, "ttft_ms": ms(x.ttft), "total_ms": ms(x.total),
+                        "tokens_prefilled_at_send": x.at_send, "ahead_ms": ms(x.ahead), "reply_tokens": reply_tokens}),
+                );
+            }
+        }
+    }
+    rec.plot(
+        "multiturn.svg",
+        Chart {
+            title: &format!("Time to first token per turn ({spec}, median)"),
+            x_label: "turn",
+            y_label: "TTFT ms (log scale)",
+            log_x: false,
+            log_y: true,
+            series: results
+                .iter()
+                .enumerate()
+                .map(|(v, runs)| Series { name: VARIANTS[v].split(':').next().unwrap_or(VARIANTS[v]).to_string(), points: (0..turns).map(|t| ((t + 1) as f64, ms_stats(&runs.iter().map(|r| r[t].ttft).collect::<Vec<_>>()).0)).collect() })
+                .collect(),
+        },
+    );
+    writeln!(rec.report, "| variant | turn | TTFT ms | turn total ms | tokens prefilled at send | engine work ahead of send ms |")?;
+    writeln!(rec.report, "|---|---|---|---|---|---|")?;
     for (v, runs) in results.iter().enumerate() {
         for t in 0..turns {
             let col = |f: &dyn Fn(&TurnTimes) -> Duration| ms_stats(&runs.iter().map(|r| f(&r[t])).collect::<Vec<_>>());
             let (ttft, lo, hi) = col(&|x| x.ttft);
             let (total, _, _) = col(&|x| x.total);
             let (ahead, _, _) = col(&|x| x.ahead);
-            writeln!(report, "| {} | {} | {ttft:.1} ({lo:.1} - {hi:.1}) | {total:.0} | {} | {ahead:.0} |", VARIANTS[v], t + 1, runs[0][t].at_send)?;
+            let spread = if reps > 1 { format!(" ({lo:.1} - {hi:.1})") } else { String::new() };
+            writeln!(rec.report, "| {} | {} | {ttft:.1}{spread} | {total:.0} | {} | {ahead:.0} |", VARIANTS[v], t + 1, runs[0][t].at_send)?;
         }
     }
     writeln!(
-        report,
+        rec.report,
         "\nTyped ahead: the message is fed {words_per_update} word(s) at a time as it is typed (as fast as the engine takes it: a person types slower), the next turn's template is applied as soon as a reply ends, and the closing template speculatively after each update. TTFT is from send to the first token sampled."
     )?;
     Ok(())
@@ -353,11 +386,11 @@ fn with_session(p: &scheduler::Pipeline, model: &LoadedModel, tok: &tandem_core:
 
 /// Table 5: aggregate decode throughput of batched steps, and N concurrent requests through
 /// the pipeline.
-pub fn concurrency(report: &mut String, model: &LoadedModel, config: &PipelineConfig, counts: &[usize], prompt_tokens: usize, max_tokens: usize, reps: usize, spec: &str) -> Result<()> {
+pub fn concurrency(rec: &mut Record, model: &LoadedModel, config: &PipelineConfig, counts: &[usize], prompt_tokens: usize, max_tokens: usize, reps: usize, spec: &str) -> Result<()> {
     progress("concurrency");
     let net = &model.net;
     let vocab = model.sampleable_vocab();
-    writeln!(report, "\n## Concurrency ({spec}; decode engine {})\n", config.decode)?;
+    writeln!(rec.report, "\n## Concurrency ({spec}; decode engine {})\n", config.decode)?;
     // The decode engine alone: one step advances every sequence of the batch (on its own
     // thread: a pinned engine pins the thread that makes it).
     let steps = max_tokens.clamp(4, 16);
@@ -389,19 +422,25 @@ pub fn concurrency(report: &mut String, model: &LoadedModel, config: &PipelineCo
         .join()
         .expect("decode thread")
     })?;
-    writeln!(report, "| sequences per step | aggregate decode tok/s | min - max | vs one sequence |")?;
-    writeln!(report, "|---|---|---|---|")?;
+    for (c, &n) in counts.iter().enumerate() {
+        for r in &step_rates[c] {
+            rec.run("concurrency", serde_json::json!({"kind": "decode step", "sequences": n, "steps": steps, "aggregate_tok_s": r}));
+        }
+    }
+    writeln!(rec.report, "| sequences per step | aggregate decode tok/s | min - max | vs one sequence |")?;
+    writeln!(rec.report, "|---|---|---|---|")?;
     let one = stats(&mut step_rates[0].clone()).0;
     for (c, &n) in counts.iter().enumerate() {
         let (m, lo, hi) = stats(&mut step_rates[c]);
-        writeln!(report, "| {n} | {m:.1} | {lo:.1} - {hi:.1} | {:.2}x |", m / one)?;
+        writeln!(rec.report, "| {n} | {m:.1} | {lo:.1} - {hi:.1} | {:.2}x |", m / one)?;
     }
 
     // Through the pipeline: N requests submitted at once.
-    writeln!(report, "\nThrough the pipeline ({} mode, prefill {} -> decode {}): N requests of {prompt_tokens} prompt tokens submitted at once, {max_tokens} tokens each; median of {reps}.\n", config.mode.name(), config.prefill, config.decode)?;
-    writeln!(report, "| requests | aggregate output tok/s | TTFT p50 ms | TTFT p99 ms | per-request decode tok/s (median) |")?;
-    writeln!(report, "|---|---|---|---|---|")?;
+    writeln!(rec.report, "\nThrough the pipeline ({} mode, prefill {} -> decode {}): N requests of {prompt_tokens} prompt tokens submitted at once, {max_tokens} tokens each; median of {reps}.\n", config.mode.name(), config.prefill, config.decode)?;
+    writeln!(rec.report, "| requests | aggregate output tok/s | TTFT p50 ms | TTFT p99 ms | per-request decode tok/s (median) |")?;
+    writeln!(rec.report, "|---|---|---|---|---|")?;
     let mut rows: Vec<Vec<(f64, f64, f64, f64)>> = vec![Vec::new(); counts.len()];
+    let mut runs = Vec::new();
     scheduler::run(net, config, |p| {
         for _ in 0..reps {
             for (c, &n) in counts.iter().enumerate() {
@@ -439,15 +478,36 @@ pub fn concurrency(report: &mut String, model: &LoadedModel, config: &PipelineCo
                 let wall = start.elapsed().as_secs_f64();
                 ttfts.sort_by(f64::total_cmp);
                 let p99 = ttfts[((ttfts.len() as f64 * 0.99).ceil() as usize).saturating_sub(1)];
+                runs.push(serde_json::json!({"kind": "pipeline", "requests": n, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+                    "generated": generated, "wall_s": wall, "ttft_ms": ttfts, "decode_tok_s": rates}));
                 rows[c].push((generated as f64 / wall, stats(&mut ttfts.clone()).0, p99, stats(&mut rates).0));
             }
         }
         Ok(())
     })?;
-    for (c, &n) in counts.iter().enumerate() {
-        let col = |f: fn(&(f64, f64, f64, f64)) -> f64| stats(&mut rows[c].iter().map(f).collect::<Vec<_>>()).0;
-        writeln!(report, "| {n} | {:.1} | {:.0} | {:.0} | {:.2} |", col(|r| r.0), col(|r| r.1), col(|r| r.2), col(|r| r.3))?;
+    for run in runs {
+        rec.run("concurrency", run);
     }
+    let col = |c: usize, f: fn(&(f64, f64, f64, f64)) -> f64| stats(&mut rows[c].iter().map(f).collect::<Vec<_>>()).0;
+    for (c, &n) in counts.iter().enumerate() {
+        writeln!(rec.report, "| {n} | {:.1} | {:.0} | {:.0} | {:.2} |", col(c, |r| r.0), col(c, |r| r.1), col(c, |r| r.2), col(c, |r| r.3))?;
+    }
+    let curve = |f: fn(&(f64, f64, f64, f64)) -> f64| counts.iter().enumerate().map(|(c, &n)| (n as f64, col(c, f))).collect();
+    rec.plot(
+        "concurrency.svg",
+        Chart {
+            title: &format!("Throughput against concurrency ({spec}, median)"),
+            x_label: "concurrent requests (sequences per decode step)",
+            y_label: "output tok/s",
+            log_x: false,
+            log_y: false,
+            series: vec![
+                Series { name: "decode steps alone".into(), points: counts.iter().enumerate().map(|(c, &n)| (n as f64, stats(&mut step_rates[c].clone()).0)).collect() },
+                Series { name: "through the pipeline".into(), points: curve(|r| r.0) },
+                Series { name: "per request (pipeline)".into(), points: curve(|r| r.3) },
+            ],
+        },
+    );
     Ok(())
 }
 
