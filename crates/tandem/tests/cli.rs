@@ -140,7 +140,7 @@ fn bench_writes_the_study_tables_their_raw_runs_and_plots() {
     let _ = std::fs::remove_dir_all(&dir);
     let o = tandem(&[
         "bench", "--quick", "--model", &tiny(), "--sections", "energy,modes,dispatch,crossover,concurrency", "--prefill", "cpu:threads=1,dispatch=batched:4",
-        "--decode", "cpu:threads=1", "--out", dir.to_str().unwrap(),
+        "--decode", "cpu:threads=1", "--quant", "int8", "--out", dir.to_str().unwrap(),
     ]);
     let out = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(o.status.success(), "{out}\n{}", stderr(&o));
@@ -148,6 +148,8 @@ fn bench_writes_the_study_tables_their_raw_runs_and_plots() {
     let at = |h: &str| out.find(h).unwrap_or_else(|| panic!("no {h:?} in {out}"));
     assert!(at("## Modes") < at("## Batched against sequential dispatch") && at("## Concurrency") < at("## Crossover") && at("## Crossover") < at("## Energy"));
     assert_eq!(std::fs::read_to_string(dir.join("report.md")).unwrap(), out);
+    // The two-engine sections run the --quant format.
+    assert!(out.contains("| two-engine sections | prefill engine cpu:threads=1,dispatch=batched:4, decode engine cpu:threads=1,dispatch=dynamic, int8 weights |"), "{out}");
     // The dispatch table: 74 one-token dispatches, then three of 32 (22 rows padded), then one.
     for row in ["| sequential | 74 | 74 (0) |", "| batched:32 | 3 | 96 (22) |", "| dynamic | 1 | 74 (0) |"] {
         assert!(out.contains(row), "no {row:?} in {out}");

@@ -45,6 +45,7 @@ tandem bench [--model M] [--prefill PLACEMENT] [--decode PLACEMENT] [--quant bf1
 Measures the machine (read bandwidth, f32 FMA peak, bf16 dot peak), then each section:
   kernels      prefill and decode tok/s of each weight format (--quant) on all cores
                (--threads/--cores), against the measured ceilings; int8 quality; peak memory
+               (the other sections run the first format of --quant)
   modes        the study's tables 1-2: prefill engine alone, decode engine alone, hybrid, on
                prompts of 13, 28, 74 and 6, 133, 410 tokens
   dispatch     table 2: sequential, batched:32 and dynamic dispatch of a 74-token prompt
@@ -172,7 +173,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         "| engine threads (kernels section) | {threads}{} |",
         if pool.cores().is_empty() { String::new() } else { format!(" pinned to cores {:?}", pool.cores()) }
     )?;
-    writeln!(rec.report, "| two-engine sections | prefill engine {}, decode engine {} |", config.prefill, config.decode)?;
+    writeln!(rec.report, "| two-engine sections | prefill engine {}, decode engine {}, {} weights |", config.prefill, config.decode, quants[0])?;
     writeln!(rec.report, "| kernels | {} |", limits::isa())?;
     writeln!(rec.report, "| read bandwidth ({threads} threads, at the start) | {:.1} GB/s |", bandwidth / 1e9)?;
     writeln!(rec.report, "| f32 FMA peak ({threads} threads, at the start) | {:.1} GFLOP/s |", fma_peak / 1e9)?;
@@ -183,12 +184,20 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     writeln!(rec.report, "| GPUs | {} |", gpus())?;
 
     progress(&format!("loading {spec}"));
-    let model = tandem_core::load::LoadedModel::load(&spec)?;
+    let mut model = tandem_core::load::LoadedModel::load(&spec)?;
     let mut samples = Vec::new();
     let chosen: Vec<&str> = SECTIONS.iter().copied().filter(|s| sections.contains(s)).collect();
     let mut result = Ok(());
+    let mut quantized = false;
     for (i, &section) in chosen.iter().enumerate() {
         progress(&format!("section {}/{}: {section}", i + 1, chosen.len()));
+        // The two-engine sections run the first format of --quant (the kernels section, which
+        // compares them all, makes its own copies from the stored weights first).
+        if section != "kernels" && quants[0] == "int8" && !quantized {
+            progress("quantizing to int8 for the two-engine sections");
+            model.net.quantize_int8(&pool);
+            quantized = true;
+        }
         result = match section {
             "kernels" => kernels(&mut rec, &mut samples, &model, &pool, &spec, &quants, &prompts, decode_tokens, reps),
             _ => pipeline_section(&mut rec, section, &model, &config, quick, reps, conversations, &spec),
@@ -206,7 +215,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         "tandem": env!("CARGO_PKG_VERSION"), "unix_time": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         "model": spec, "quick": quick, "sections": chosen, "reps": reps,
         "cpu": cpu_model(), "logical_cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1), "memory_bytes": total_memory(),
-        "kernels": limits::isa(), "kernel_threads": threads, "prefill_engine": config.prefill.to_string(), "decode_engine": config.decode.to_string(),
+        "kernels": limits::isa(), "kernel_threads": threads, "prefill_engine": config.prefill.to_string(), "decode_engine": config.decode.to_string(), "weights": quants,
         "read_bandwidth_bytes_per_s": bandwidth, "fma_peak_flops": fma_peak, "bf16_dot_peak_flops": bf16_peak,
         "complete": result.is_ok(),
     });
