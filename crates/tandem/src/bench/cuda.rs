@@ -7,12 +7,12 @@ use std::fmt::Write as _;
 use std::time::Instant;
 
 use anyhow::Result;
-use tandem_core::cuda::nvml::EnergyMeter;
 use tandem_core::cuda::qwen35::{GpuQwen35, Precision};
 use tandem_core::cuda::Gpu;
 use tandem_core::model::Logits;
 use tandem_core::sampling::argmax;
 
+use super::energy::{self, Counter};
 use super::{progress, stats};
 
 /// Median seconds of `reps` runs of `f` after one warm-up; `f` ends synchronized.
@@ -63,9 +63,9 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
         n if n > ordinal + 1 => Some(Gpu::open(ordinal + 1)?),
         _ => None,
     };
-    let meter = gpu.pci_bus_id().and_then(|id| EnergyMeter::open(&id));
+    let meter = energy::nvml(&gpu);
     let idle_watts = match &meter {
-        Ok(m) => Some(idle_power(m)?),
+        Ok(m) => Some(energy::idle_watts(std::slice::from_ref(m))?[0]),
         Err(_) => None,
     };
 
@@ -266,23 +266,10 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
     Ok(())
 }
 
-/// The board's power while nothing runs, over one second.
-fn idle_power(m: &EnergyMeter) -> Result<f64> {
-    let (e0, t) = (m.millijoules()?, Instant::now());
-    std::thread::sleep(std::time::Duration::from_secs(1));
-    Ok((m.millijoules()? - e0) as f64 / 1e3 / t.elapsed().as_secs_f64())
-}
-
-/// Joules per token and average watts of `run` (which handles `tokens` tokens), repeated for
-/// at least 2 s so that the counter's coarse updates do not matter.
-fn joules_per_token(m: &EnergyMeter, tokens: usize, mut run: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+/// Joules per token and average watts of `run` (which handles `tokens` tokens), after one
+/// warm-up run, repeated for at least 2 s so that the counter's coarse updates do not matter.
+fn joules_per_token(m: &Counter, tokens: usize, mut run: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
     run()?;
-    let (e0, t) = (m.millijoules()?, Instant::now());
-    let mut runs = 0;
-    while runs == 0 || t.elapsed().as_secs_f64() < 2.0 {
-        run()?;
-        runs += 1;
-    }
-    let joules = (m.millijoules()? - e0) as f64 / 1e3;
-    Ok((joules / (runs * tokens) as f64, joules / t.elapsed().as_secs_f64()))
+    let (joules, seconds, runs) = energy::over_two_seconds(std::slice::from_ref(m), run)?;
+    Ok((joules[0] / (runs * tokens) as f64, joules[0] / seconds))
 }

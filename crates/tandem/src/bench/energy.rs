@@ -8,15 +8,16 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use tandem_core::cuda::nvml::EnergyMeter;
+use tandem_core::cuda::Gpu;
 use tandem_core::engine::{Engine, Placement, Resident};
 use tandem_core::load::LoadedModel;
 use tandem_core::scheduler::PipelineConfig;
 
-use super::pipeline::prompt_of;
+use super::pipeline::{on_engine, prompt_of};
 use super::{progress, Record};
 
 /// One energy counter.
-enum Counter {
+pub(super) enum Counter {
     /// A CPU package's RAPL zone: its energy_uj file, wrapping at `range_uj`.
     Rapl { name: String, file: PathBuf, range_uj: u64 },
     /// A GPU board (NVML's total energy).
@@ -93,6 +94,12 @@ fn virtual_machine() -> &'static str {
     }
 }
 
+/// A GPU board's NVML counter, or why it has none.
+pub(super) fn nvml(gpu: &Gpu) -> Result<Counter> {
+    let meter = gpu.pci_bus_id().and_then(|id| EnergyMeter::open(&id))?;
+    Ok(Counter::Nvml { name: format!("cuda:{} {} (NVML)", gpu.ordinal, gpu.name), meter })
+}
+
 /// The counters that see an engine's work: the CPU packages, and its GPU's board.
 fn counters(engine: &Engine) -> (Vec<Counter>, Vec<String>) {
     let (mut found, mut missing) = (Vec::new(), Vec::new());
@@ -101,8 +108,8 @@ fn counters(engine: &Engine) -> (Vec<Counter>, Vec<String>) {
         Err(why) => missing.push(why),
     }
     if let Some(g) = engine.gpu() {
-        match g.gpu.pci_bus_id().and_then(|id| EnergyMeter::open(&id)) {
-            Ok(meter) => found.push(Counter::Nvml { name: format!("cuda:{} {} (NVML)", g.gpu.ordinal, g.gpu.name), meter }),
+        match nvml(&g.gpu) {
+            Ok(c) => found.push(c),
             Err(e) => missing.push(format!("NVML (cuda:{}): {e:#}", g.gpu.ordinal)),
         }
     }
@@ -121,13 +128,18 @@ struct Measured {
     tokens: usize,
 }
 
-/// Every counter over repetitions of `run` (each handling `tokens` tokens) lasting 2 s or more
-/// in all, so that the counters' update intervals do not matter; idle power over 1 s before.
-fn measure(counters: &[Counter], tokens: usize, mut run: impl FnMut() -> Result<()>) -> Result<Vec<Measured>> {
-    let idle_start: Vec<f64> = counters.iter().map(Counter::read).collect::<Result<_>>()?;
+/// Each counter's power while nothing runs, over one second, in watts.
+pub(super) fn idle_watts(counters: &[Counter]) -> Result<Vec<f64>> {
+    let start: Vec<f64> = counters.iter().map(Counter::read).collect::<Result<_>>()?;
     let t = Instant::now();
     std::thread::sleep(Duration::from_secs(1));
-    let idle_seconds = t.elapsed().as_secs_f64();
+    let seconds = t.elapsed().as_secs_f64();
+    counters.iter().zip(start).map(|(c, s)| Ok(c.used(s, c.read()?) / seconds)).collect()
+}
+
+/// Repeat `run` for 2 s or more in all, so that the counters' update intervals do not matter:
+/// each counter's joules, the seconds taken and the number of runs.
+pub(super) fn over_two_seconds(counters: &[Counter], mut run: impl FnMut() -> Result<()>) -> Result<(Vec<f64>, f64, usize)> {
     let start: Vec<f64> = counters.iter().map(Counter::read).collect::<Result<_>>()?;
     let t = Instant::now();
     let mut runs = 0;
@@ -136,12 +148,21 @@ fn measure(counters: &[Counter], tokens: usize, mut run: impl FnMut() -> Result<
         runs += 1;
     }
     let seconds = t.elapsed().as_secs_f64();
-    let mut out = Vec::new();
-    for (i, c) in counters.iter().enumerate() {
-        let end = c.read()?;
-        out.push(Measured { counter: c.name().to_string(), idle_watts: c.used(idle_start[i], start[i]) / idle_seconds, joules: c.used(start[i], end), seconds, tokens: runs * tokens });
-    }
-    Ok(out)
+    let joules = counters.iter().zip(start).map(|(c, s)| Ok(c.used(s, c.read()?))).collect::<Result<_>>()?;
+    Ok((joules, seconds, runs))
+}
+
+/// Every counter over repetitions of `run` (each handling `tokens` tokens), with idle power
+/// over 1 s before.
+fn measure(counters: &[Counter], tokens: usize, run: impl FnMut() -> Result<()>) -> Result<Vec<Measured>> {
+    let idle = idle_watts(counters)?;
+    let (joules, seconds, runs) = over_two_seconds(counters, run)?;
+    Ok(counters
+        .iter()
+        .zip(idle)
+        .zip(joules)
+        .map(|((c, idle_watts), joules)| Measured { counter: c.name().to_string(), idle_watts, joules, seconds, tokens: runs * tokens })
+        .collect())
 }
 
 /// Table 7: joules per prefill token on the prefill engine (`prompt_tokens`-token prompts) and
@@ -153,40 +174,34 @@ pub fn section(rec: &mut Record, model: &LoadedModel, config: &PipelineConfig, p
     let mut missing: Vec<String> = Vec::new();
     for (phase, placement) in roles {
         progress(&format!("energy: {phase} on {placement}"));
-        // On its own thread: a pinned engine pins the thread that makes it.
-        let (measured, why) = std::thread::scope(|s| {
-            s.spawn(|| -> Result<(Vec<Measured>, Vec<String>)> {
-                let engine = Engine::new(placement, &model.net)?;
-                let (found, why) = counters(&engine);
-                if found.is_empty() {
-                    return Ok((Vec::new(), why));
-                }
-                let measured = if phase == "prefill" {
-                    let prompt = prompt_of(prompt_tokens, vocab);
-                    measure(&found, prompt_tokens, || {
-                        let mut state = engine.new_state()?;
-                        engine.prefill(&prompt, &mut state).map(drop)
-                    })?
-                } else {
-                    let steps = 8;
+        let (measured, why) = on_engine(placement, &model.net, |engine| {
+            let (found, why) = counters(&engine);
+            if found.is_empty() {
+                return Ok((Vec::new(), why));
+            }
+            let measured = if phase == "prefill" {
+                let prompt = prompt_of(prompt_tokens, vocab);
+                measure(&found, prompt_tokens, || {
                     let mut state = engine.new_state()?;
-                    engine.prefill(&prompt_of(13, vocab), &mut state)?;
-                    measure(&found, steps, || {
-                        if state.position() > 2048 {
-                            state = engine.new_state()?;
-                            engine.prefill(&prompt_of(13, vocab), &mut state)?;
-                        }
-                        for i in 0..steps {
-                            let mut one: [&mut Resident; 1] = [&mut state];
-                            engine.decode(&[100 + i as u32], &mut one)?;
-                        }
-                        Ok(())
-                    })?
-                };
-                Ok((measured, why))
-            })
-            .join()
-            .expect("energy thread")
+                    engine.prefill(&prompt, &mut state).map(drop)
+                })?
+            } else {
+                let steps = 8;
+                let mut state = engine.new_state()?;
+                engine.prefill(&prompt_of(13, vocab), &mut state)?;
+                measure(&found, steps, || {
+                    if state.position() > 2048 {
+                        state = engine.new_state()?;
+                        engine.prefill(&prompt_of(13, vocab), &mut state)?;
+                    }
+                    for i in 0..steps {
+                        let mut one: [&mut Resident; 1] = [&mut state];
+                        engine.decode(&[100 + i as u32], &mut one)?;
+                    }
+                    Ok(())
+                })?
+            };
+            Ok((measured, why))
         })?;
         if measured.is_empty() {
             rows.push((phase, placement.to_string(), None));

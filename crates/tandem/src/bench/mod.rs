@@ -87,11 +87,11 @@ impl Record {
     }
 
     /// report.md, runs.json (with `header`) and the plots, into `dir`.
-    fn write(&self, dir: &Path, mut header: serde_json::Value) -> Result<()> {
+    fn write(self, dir: &Path, mut header: serde_json::Value) -> Result<()> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating the output folder {}", dir.display()))?;
         let put = |name: &str, text: &str| std::fs::write(dir.join(name), text).with_context(|| format!("writing {}", dir.join(name).display()));
         put("report.md", &self.report)?;
-        header["runs"] = self.runs.clone().into();
+        header["runs"] = self.runs.into();
         put("runs.json", &serde_json::to_string_pretty(&header)?)?;
         for (name, svg) in &self.plots {
             put(name, svg)?;

@@ -13,6 +13,7 @@ use anyhow::{bail, Context, Result};
 use tandem_core::chat::Message;
 use tandem_core::engine::{Engine, Placement, Resident};
 use tandem_core::load::LoadedModel;
+use tandem_core::model::Qwen35;
 use tandem_core::scheduler::{self, Event, Generation, PipelineConfig, Request};
 use tandem_core::session::{Scaffold, Session};
 use tandem_core::state::bridge;
@@ -30,6 +31,12 @@ fn ms_stats(v: &[Duration]) -> (f64, f64, f64) {
 /// A prompt of exactly `n` tokens (ids spread over the vocabulary).
 pub fn prompt_of(n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|i| ((i * 7919 + 17) % vocab) as u32).collect()
+}
+
+/// Run `work` on an engine of `placement` made on a thread of its own: an engine pinned to
+/// cores pins the thread that makes it, which must not be the bench's.
+pub fn on_engine<T: Send>(placement: &Placement, net: &Qwen35, work: impl FnOnce(Engine) -> Result<T> + Send) -> Result<T> {
+    std::thread::scope(|s| s.spawn(|| work(Engine::new(placement, net)?)).join().expect("engine thread"))
 }
 
 /// Table 3: each transfer kind in its three parts, at the given prompt lengths.
@@ -52,16 +59,10 @@ pub fn transfer(rec: &mut Record, model: &LoadedModel, engine: &Placement, lengt
     let mut child_out = BufReader::new(child.stdout.take().expect("piped"));
     let mut floors = Vec::new();
     for &n in lengths {
-        // On its own thread: an engine pinned to cores pins the thread that makes it.
-        let mut state = std::thread::scope(|s| {
-            s.spawn(|| -> Result<State> {
-                let engine = Engine::new(engine, net)?;
-                let mut state = engine.new_state()?;
-                engine.prefill(&prompt_of(n, model.sampleable_vocab()), &mut state)?;
-                state.into_host()
-            })
-            .join()
-            .expect("prefill thread")
+        let mut state = on_engine(engine, net, |engine| {
+            let mut state = engine.new_state()?;
+            engine.prefill(&prompt_of(n, model.sampleable_vocab()), &mut state)?;
+            state.into_host()
         })?;
         let mb = state.bytes() as f64 / 1e6;
         type Parts = (Duration, Duration, Duration);
@@ -391,36 +392,30 @@ pub fn concurrency(rec: &mut Record, model: &LoadedModel, config: &PipelineConfi
     let net = &model.net;
     let vocab = model.sampleable_vocab();
     writeln!(rec.report, "\n## Concurrency ({spec}; decode engine {})\n", config.decode)?;
-    // The decode engine alone: one step advances every sequence of the batch (on its own
-    // thread: a pinned engine pins the thread that makes it).
+    // The decode engine alone: one step advances every sequence of the batch.
     let steps = max_tokens.clamp(4, 16);
-    let mut step_rates: Vec<Vec<f64>> = std::thread::scope(|s| {
-        s.spawn(|| -> Result<Vec<Vec<f64>>> {
-            let engine = Engine::new(&config.decode, net)?;
-            let mut step_rates: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];
-            let mut bases = Vec::new();
-            for i in 0..*counts.iter().max().unwrap_or(&1) {
-                let mut st = engine.new_state()?;
-                engine.prefill(&prompt_of(13 + i, vocab), &mut st)?;
-                bases.push(st.into_host()?);
-            }
-            for _ in 0..reps {
-                for (c, &n) in counts.iter().enumerate() {
-                    // Copies of the prefilled states, already on the engine's device.
-                    let mut states: Vec<Resident> = bases[..n].iter().map(|b| engine.adopt(Resident::Host(b.clone()))).collect::<Result<_>>()?;
-                    let mut refs: Vec<&mut Resident> = states.iter_mut().collect();
-                    let tokens: Vec<u32> = (0..n as u32).map(|i| 100 + i).collect();
-                    let t = Instant::now();
-                    for _ in 0..steps {
-                        engine.decode(&tokens, &mut refs)?;
-                    }
-                    step_rates[c].push((n * steps) as f64 / t.elapsed().as_secs_f64());
+    let mut step_rates: Vec<Vec<f64>> = on_engine(&config.decode, net, |engine| {
+        let mut step_rates: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];
+        let mut bases = Vec::new();
+        for i in 0..*counts.iter().max().unwrap_or(&1) {
+            let mut st = engine.new_state()?;
+            engine.prefill(&prompt_of(13 + i, vocab), &mut st)?;
+            bases.push(st.into_host()?);
+        }
+        for _ in 0..reps {
+            for (c, &n) in counts.iter().enumerate() {
+                // Copies of the prefilled states, already on the engine's device.
+                let mut states: Vec<Resident> = bases[..n].iter().map(|b| engine.adopt(Resident::Host(b.clone()))).collect::<Result<_>>()?;
+                let mut refs: Vec<&mut Resident> = states.iter_mut().collect();
+                let tokens: Vec<u32> = (0..n as u32).map(|i| 100 + i).collect();
+                let t = Instant::now();
+                for _ in 0..steps {
+                    engine.decode(&tokens, &mut refs)?;
                 }
+                step_rates[c].push((n * steps) as f64 / t.elapsed().as_secs_f64());
             }
-            Ok(step_rates)
-        })
-        .join()
-        .expect("decode thread")
+        }
+        Ok(step_rates)
     })?;
     for (c, &n) in counts.iter().enumerate() {
         for r in &step_rates[c] {
