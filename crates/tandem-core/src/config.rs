@@ -165,6 +165,7 @@ impl Qwen35Config {
             "qwen3.5-0.8b" => (1024, 24, 8, 2, 16, 3584, true),
             "qwen3.5-2b" => (2048, 24, 8, 2, 16, 6144, true),
             "qwen3.5-9b" => (4096, 32, 16, 4, 32, 12288, false),
+            "tiny" => return Some(Self::tiny()),
             _ => return None,
         };
         Some(Qwen35Config {
@@ -189,6 +190,37 @@ impl Qwen35Config {
             linear_value_head_dim: 128,
             linear_conv_kernel_dim: 4,
         })
+    }
+}
+
+impl Qwen35Config {
+    /// Not a published shape: Qwen3.5's vocabulary and layer pattern (three DeltaNet layers,
+    /// then gated attention) at widths small enough that a server with real text in and out
+    /// runs thousands of requests in a test.
+    fn tiny() -> Self {
+        let layers = 4;
+        Qwen35Config {
+            hidden_size: 64,
+            num_hidden_layers: layers,
+            intermediate_size: 128,
+            vocab_size: 248320,
+            rms_norm_eps: 1e-6,
+            max_position_embeddings: 32768,
+            tie_word_embeddings: true,
+            layer_types: (0..layers)
+                .map(|i| if (i + 1) % 4 == 0 { LayerType::FullAttention } else { LayerType::LinearAttention })
+                .collect(),
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            head_dim: 32,
+            rope_theta: 1e7,
+            partial_rotary_factor: 0.25,
+            linear_num_key_heads: 2,
+            linear_num_value_heads: 2,
+            linear_key_head_dim: 32,
+            linear_value_head_dim: 32,
+            linear_conv_kernel_dim: 4,
+        }
     }
 }
 

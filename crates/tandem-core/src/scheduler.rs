@@ -10,7 +10,7 @@
 //! only tokens it sampled.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -175,12 +175,44 @@ pub enum Event {
     Failed { id: u64, error: String },
 }
 
-/// The caller's side of a running pipeline.
+impl Event {
+    /// The request the event belongs to.
+    pub fn id(&self) -> u64 {
+        match self {
+            Event::Token { id, .. } | Event::Done { id, .. } | Event::Failed { id, .. } => *id,
+        }
+    }
+}
+
+/// Time the engines spent computing, in nanoseconds, since the pipeline started: prefill work
+/// (the prefill engine's, or the single engine's prefills) and decode steps.
+#[derive(Default)]
+struct Busy {
+    prefill_ns: AtomicU64,
+    decode_ns: AtomicU64,
+}
+
+impl Busy {
+    fn add(counter: &AtomicU64, since: Instant) {
+        counter.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+}
+
+/// The caller's side of a running pipeline. Clones submit to the same engines; the pipeline
+/// stops once every clone is dropped (after `run`'s body returns).
+#[derive(Clone)]
 pub struct Pipeline {
     requests: Sender<(Request, Instant)>,
+    busy: Arc<Busy>,
 }
 
 impl Pipeline {
+    /// Engine time spent on (prefill, decode) work since the pipeline started.
+    pub fn busy(&self) -> (Duration, Duration) {
+        let get = |c: &AtomicU64| Duration::from_nanos(c.load(Ordering::Relaxed));
+        (get(&self.busy.prefill_ns), get(&self.busy.decode_ns))
+    }
+
     /// Queue a request; its events arrive on `request.events`.
     pub fn submit(&self, request: Request) -> Result<()> {
         self.requests.send((request, Instant::now())).map_err(|_| anyhow::anyhow!("the pipeline has stopped"))
@@ -248,7 +280,8 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
         bail!("max batch must be at least 1");
     }
     let (req_tx, req_rx) = channel::<(Request, Instant)>();
-    let pipeline = Pipeline { requests: req_tx };
+    let busy = Arc::new(Busy::default());
+    let pipeline = Pipeline { requests: req_tx, busy: Arc::clone(&busy) };
     std::thread::scope(|s| {
         let (ready_tx, ready_rx) = channel::<Result<()>>();
         let mut threads = Vec::new();
@@ -257,9 +290,10 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                 let placement = if config.mode == Mode::PrefillEngine { &config.prefill } else { &config.decode };
                 let ready = ready_tx.clone();
                 let max_batch = config.max_batch;
+                let busy = &busy;
                 threads.push(s.spawn(move || {
                     if let Some(engine) = start_engine(placement, net, &ready, "engine") {
-                        single_engine_loop(&engine, req_rx, max_batch);
+                        single_engine_loop(&engine, req_rx, max_batch, busy);
                     }
                 }));
             }
@@ -275,15 +309,16 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                 };
                 let (ready_p, ready_d) = (ready_tx.clone(), ready_tx.clone());
                 let transfer = config.transfer.clone();
+                let busy = &busy;
                 threads.push(s.spawn(move || {
                     if let Some(engine) = start_engine(&config.prefill, net, &ready_p, "prefill engine") {
-                        prefill_loop(&engine, req_rx, hand_tx, &transfer, socket_tx);
+                        prefill_loop(&engine, req_rx, hand_tx, &transfer, socket_tx, busy);
                     }
                 }));
                 let max_batch = config.max_batch;
                 threads.push(s.spawn(move || {
                     if let Some(engine) = start_engine(&config.decode, net, &ready_d, "decode engine") {
-                        decode_loop(&engine, hand_rx, socket_rx, max_batch);
+                        decode_loop(&engine, hand_rx, socket_rx, max_batch, busy);
                     }
                 }));
             }
@@ -336,9 +371,15 @@ enum Payload {
     Socket,
 }
 
-/// Prefill `request` on `engine`; None means the request failed and was answered.
-fn prefill_request(engine: &Engine, request: &mut Request, submitted: Instant) -> Option<(Resident, Timings)> {
+/// Prefill `request` on `engine`; None means the request failed or was cancelled while it
+/// queued, and was answered.
+fn prefill_request(engine: &Engine, request: &mut Request, submitted: Instant, busy: &Busy) -> Option<(Resident, Timings)> {
     let mut timings = Timings { queued: submitted.elapsed(), ..Default::default() };
+    if request.cancel.load(Ordering::Relaxed) {
+        let _ = request.events.send(Event::Done { id: request.id, finish: Finish::Cancelled, timings, state: None });
+        return None;
+    }
+    let started = Instant::now();
     let result = match request.start.take() {
         Some(state) => Ok(Resident::Host(state)),
         None => engine.new_state(),
@@ -354,6 +395,7 @@ fn prefill_request(engine: &Engine, request: &mut Request, submitted: Instant) -
         let stats = engine.prefill(&request.tokens, &mut state)?;
         Ok((state, stats))
     });
+    Busy::add(&busy.prefill_ns, started);
     match result {
         Ok((state, stats)) => {
             timings.prefill = stats;
@@ -375,7 +417,7 @@ fn finish_prefill_only(request: Request, state: Resident, timings: Timings) {
     let _ = request.events.send(event);
 }
 
-fn single_engine_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, max_batch: usize) {
+fn single_engine_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, max_batch: usize, busy: &Busy) {
     let mut active: Vec<Active> = Vec::new();
     let mut open = true;
     while open || !active.is_empty() {
@@ -388,7 +430,7 @@ fn single_engine_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, m
                 }
                 break;
             };
-            if let Some((state, timings)) = prefill_request(engine, &mut request, submitted) {
+            if let Some((state, timings)) = prefill_request(engine, &mut request, submitted, busy) {
                 if request.max_tokens == 0 {
                     finish_prefill_only(request, state, timings);
                 } else {
@@ -396,7 +438,7 @@ fn single_engine_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, m
                 }
             }
         }
-        step(engine, &mut active, None);
+        step(engine, &mut active, None, busy);
     }
 }
 
@@ -408,7 +450,7 @@ struct SocketEnd {
     sent: Result<Receiver<Duration>, Sender<Duration>>,
 }
 
-fn prefill_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, handoffs: Sender<Handoff>, transfer: &Transfer, mut socket: Option<SocketEnd>) {
+fn prefill_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, handoffs: Sender<Handoff>, transfer: &Transfer, mut socket: Option<SocketEnd>, busy: &Busy) {
     let fingerprint = engine.net.fingerprint();
     // The file transfer's state files: one is free to write when no state holds it.
     let mut files: Vec<Arc<StateFile>> = Vec::new();
@@ -429,7 +471,7 @@ fn prefill_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, handoff
                 }
             }
         }
-        let Some((state, mut timings)) = prefill_request(engine, &mut request, submitted) else { continue };
+        let Some((state, mut timings)) = prefill_request(engine, &mut request, submitted, busy) else { continue };
         if request.max_tokens == 0 {
             finish_prefill_only(request, state, timings);
             continue;
@@ -511,7 +553,7 @@ fn free_state_file(files: &mut Vec<Arc<StateFile>>, dir: &std::path::Path) -> an
     Ok(files.len() - 1)
 }
 
-fn decode_loop(engine: &Engine, handoffs: Receiver<Handoff>, mut socket: Option<SocketEnd>, max_batch: usize) {
+fn decode_loop(engine: &Engine, handoffs: Receiver<Handoff>, mut socket: Option<SocketEnd>, max_batch: usize, busy: &Busy) {
     let fingerprint = engine.net.fingerprint();
     let cfg = &engine.net.config;
     let mut active: Vec<Active> = Vec::new();
@@ -571,7 +613,7 @@ fn decode_loop(engine: &Engine, handoffs: Receiver<Handoff>, mut socket: Option<
                 }
             }
         }
-        step(engine, &mut active, Some(&mut spare));
+        step(engine, &mut active, Some(&mut spare), busy);
     }
 }
 
@@ -583,7 +625,7 @@ fn activate(request: Request, state: Resident, timings: Timings, submitted: Inst
 /// Sample one token for every active sequence (from the logits its state carries), answer the
 /// finished ones (keeping up to two of their states in `spare` when given), and decode the rest
 /// in one batched step.
-fn step(engine: &Engine, active: &mut Vec<Active>, mut spare: Option<&mut Vec<State>>) {
+fn step(engine: &Engine, active: &mut Vec<Active>, mut spare: Option<&mut Vec<State>>, busy: &Busy) {
     let ctx = engine.net.config.max_position_embeddings;
     let mut tokens = Vec::with_capacity(active.len());
     let mut i = 0;
@@ -637,7 +679,10 @@ fn step(engine: &Engine, active: &mut Vec<Active>, mut spare: Option<&mut Vec<St
         return;
     }
     let mut states: Vec<&mut Resident> = active.iter_mut().map(|a| &mut a.state).collect();
-    if let Err(e) = engine.decode(&tokens, &mut states) {
+    let started = Instant::now();
+    let decoded = engine.decode(&tokens, &mut states);
+    Busy::add(&busy.decode_ns, started);
+    if let Err(e) = decoded {
         // A step that fails fails every sequence in it (inputs are checked before anything is
         // applied, so no state was changed).
         for a in active.drain(..) {

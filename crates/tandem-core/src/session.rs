@@ -33,7 +33,7 @@ use crate::state::State;
 
 /// Tokens held back from the end of partially typed text: the last word may still grow (and
 /// merge into longer tokens) as typing goes on.
-const HOLD_BACK: usize = 2;
+pub const HOLD_BACK: usize = 2;
 /// States kept part way into a turn (besides the turn's start). Each is a full state copy; an
 /// older one is dropped first, which only lengthens the prefill after an edit.
 const MAX_SNAPSHOTS: usize = 4;

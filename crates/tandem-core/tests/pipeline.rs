@@ -309,3 +309,37 @@ fn batched_dispatch_counts_its_padding() {
     assert_eq!(st.position(), 74);
     assert_eq!(engine.placement.dispatch, Dispatch::Batched(32));
 }
+
+/// A request cancelled while it waits for the prefill engine is answered without being
+/// prefilled; the engines' busy time counts the work they did.
+#[test]
+fn a_request_cancelled_in_the_queue_is_never_prefilled() {
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    for mode in [Mode::Hybrid, Mode::DecodeEngine] {
+        let c = config(mode, "cpu:threads=1", "cpu:threads=1", Transfer::Move, 4);
+        scheduler::run(&m.net, &c, |p| {
+            let (tx, rx) = channel();
+            let cancelled = request(1, vec![5; 40], 8, tx.clone());
+            cancelled.cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+            p.submit(cancelled)?;
+            p.submit(request(2, vec![6; 12], 3, tx))?;
+            let mut tokens = [0, 0];
+            for e in rx {
+                match e {
+                    Event::Token { id, .. } => tokens[id as usize - 1] += 1,
+                    Event::Done { id: 1, finish, timings, .. } => {
+                        assert_eq!((finish, timings.prefill.tokens), (Finish::Cancelled, 0), "{mode:?}");
+                    }
+                    Event::Done { id: 2, finish, .. } => assert_eq!(finish, Finish::Length),
+                    Event::Done { .. } => unreachable!(),
+                    Event::Failed { error, .. } => panic!("{error}"),
+                }
+            }
+            assert_eq!(tokens, [0, 3], "{mode:?}");
+            let (prefill, decode) = p.busy();
+            assert!(prefill > std::time::Duration::ZERO && decode > std::time::Duration::ZERO, "{mode:?}: busy {prefill:?} {decode:?}");
+            Ok(())
+        })
+        .unwrap();
+    }
+}

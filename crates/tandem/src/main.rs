@@ -4,6 +4,7 @@ mod args;
 mod bench;
 mod chat;
 mod generate;
+mod serve;
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -21,10 +22,12 @@ USAGE:
   tandem chat     --model M [--system TEXT] [options]
   tandem verify   --model DIR --reference FILE [--device cpu|cuda:N [--precision exact|tensor-cores]]
   tandem bench    [--model M] [--quant bf16,int8] [--quick] ...   (tandem bench --help)
+  tandem serve    --model M [--port 8000] [engine options] ...    (tandem serve --help)
 
 MODELS:
   a Hugging Face Qwen3.5 checkpoint directory (config.json + safetensors), or
   synthetic:qwen3.5-0.8b | synthetic:qwen3.5-2b | synthetic:qwen3.5-9b (real shapes, random weights)
+  synthetic:tiny (the real vocabulary at small widths: tests and smoke runs)
 
 ENGINES (generate, chat):
   --prefill PLACEMENT    the prefill engine, e.g. cpu:cores=0,dispatch=batched:32
@@ -87,6 +90,11 @@ fn main() -> ExitCode {
         }
         Some("chat") => chat::run(&argv[1..]),
         Some("verify") => cmd_verify(&argv[1..]),
+        Some("serve") if wants_help(&argv[1..]) => {
+            print!("{}", serve::USAGE);
+            return ExitCode::SUCCESS;
+        }
+        Some("serve") => serve::run(&argv[1..]),
         Some("bench") => bench::run(&argv[1..]),
         // The receiving end of the cross-process bridge measurement (started by bench).
         Some("state-receive") => bench::pipeline::state_receive(&argv[1..]),

@@ -13,7 +13,9 @@ use crate::rng::{hash_str, Rng};
 use crate::tensor::{f32_to_bf16, DType, HeapStorage, Storage, Tensor};
 
 /// The names accepted after `synthetic:`.
-pub const NAMES: [&str; 3] = ["qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-9b"];
+/// `tiny` is no published shape: the real vocabulary and layer pattern at small widths, for
+/// tests and smoke runs of the server.
+pub const NAMES: [&str; 4] = ["qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-9b", "tiny"];
 
 /// Seed of every synthetic model: fixed, so runs on different machines compare.
 const SEED: u64 = 0x7A9D_E35;

@@ -1,0 +1,461 @@
+//! The OpenAI wire format: request bodies read field by field (so that an error names the
+//! field and what was wrong with it), the error object, and the response and chunk objects.
+//! Fields tandem does not know are ignored, as OpenAI-compatible servers do, so that clients
+//! sending extra options keep working; a known field of the wrong type or out of range is a 400.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Map, Value};
+use tandem_core::chat::Message;
+use tandem_core::sampling::SamplingParams;
+
+/// An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}` with its status.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+    /// Seconds, for a 429.
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    pub fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+        ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), param: Some(param.into()), code: None, retry_after: None }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> ApiError {
+        ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), param: None, code: None, retry_after: None }
+    }
+
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError { status, message: message.into(), param: None, code: Some(code), retry_after: None }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self.status {
+            StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+            s if s.is_server_error() => "server_error",
+            _ => "invalid_request_error",
+        }
+    }
+
+    pub fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind(), "param": self.param, "code": self.code}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, [(header::CONTENT_TYPE, "application/json")], self.body().to_string()).into_response();
+        if let Some(s) = self.retry_after {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        response
+    }
+}
+
+/// What both endpoints share.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// The model asked for (None: the served one).
+    pub model: Option<String>,
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    /// `stream_options.include_usage`: a last chunk with the usage.
+    pub include_usage: bool,
+    /// tandem's extension: a conversation's cached states are matched within its session.
+    pub session_id: Option<String>,
+}
+
+pub struct ChatRequest {
+    pub options: Options,
+    pub messages: Vec<Message>,
+    /// `chat_template_kwargs.enable_thinking` (default off, as `tandem chat`).
+    pub enable_thinking: bool,
+}
+
+pub enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+pub struct CompletionRequest {
+    pub options: Options,
+    pub prompt: Prompt,
+}
+
+/// The body as a JSON object.
+pub fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
+    match v {
+        Value::Object(m) => Ok(m),
+        other => Err(ApiError::bad_request(format!("the request body must be a JSON object, not {}", type_name(&other)))),
+    }
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Typed, optional fields of a request object; null counts as absent.
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl Fields<'_> {
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.0.get(key).filter(|v| !v.is_null())
+    }
+
+    fn wrong(key: &str, want: &str, v: &Value) -> ApiError {
+        ApiError::invalid(key, format!("{key} must be {want}, not {} ({v})", type_name(v)))
+    }
+
+    fn bool(&self, key: &str) -> Result<Option<bool>, ApiError> {
+        self.get(key).map(|v| v.as_bool().ok_or_else(|| Self::wrong(key, "a boolean", v))).transpose()
+    }
+
+    fn str(&self, key: &str) -> Result<Option<&str>, ApiError> {
+        self.get(key).map(|v| v.as_str().ok_or_else(|| Self::wrong(key, "a string", v))).transpose()
+    }
+
+    fn f64(&self, key: &str) -> Result<Option<f64>, ApiError> {
+        self.get(key).map(|v| v.as_f64().ok_or_else(|| Self::wrong(key, "a number", v))).transpose()
+    }
+
+    fn i64(&self, key: &str) -> Result<Option<i64>, ApiError> {
+        self.get(key).map(|v| v.as_i64().ok_or_else(|| Self::wrong(key, "an integer", v))).transpose()
+    }
+
+    fn object(&self, key: &str) -> Result<Option<Fields<'_>>, ApiError> {
+        self.get(key).map(|v| v.as_object().map(Fields).ok_or_else(|| Self::wrong(key, "an object", v))).transpose()
+    }
+
+    /// A number that must lie in `[lo, hi]`.
+    fn in_range(&self, key: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
+        match self.f64(key)? {
+            Some(x) if !(lo..=hi).contains(&x) => Err(ApiError::invalid(key, format!("{key} = {x} is out of range: it must be between {lo} and {hi}"))),
+            x => Ok(x),
+        }
+    }
+
+    /// Accepted only at the value that changes nothing (tandem does not implement it).
+    fn only(&self, key: &str, neutral: &Value) -> Result<(), ApiError> {
+        match self.get(key) {
+            Some(v) if v != neutral => Err(ApiError::invalid(key, format!("{key} = {v} is not supported by tandem (only {neutral})"))),
+            _ => Ok(()),
+        }
+    }
+}
+
+fn options(f: &Fields, max_tokens_keys: &[&str]) -> Result<Options, ApiError> {
+    let mut max_tokens = None;
+    for key in max_tokens_keys {
+        if let Some(n) = f.i64(key)? {
+            if n < 1 {
+                return Err(ApiError::invalid(key, format!("{key} = {n} is out of range: at least 1 token must be generated")));
+            }
+            max_tokens = Some(n as usize);
+        }
+    }
+    let top_k = match f.i64("top_k")? {
+        // -1 (vLLM) and 0 both mean no limit.
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 => k as usize,
+        Some(k) => return Err(ApiError::invalid("top_k", format!("top_k = {k} is out of range: give a positive number, or -1 or 0 for all tokens"))),
+    };
+    let top_p = f.in_range("top_p", 0.0, 1.0)?.unwrap_or(1.0);
+    if top_p == 0.0 {
+        return Err(ApiError::invalid("top_p", "top_p = 0 keeps no token: give a value in (0, 1]"));
+    }
+    let seed = match f.get("seed") {
+        // Without a seed each request samples differently, as OpenAI's do.
+        None => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
+        Some(v) => v.as_u64().or_else(|| v.as_i64().map(|s| s as u64)).ok_or_else(|| Fields::wrong("seed", "an integer", v))?,
+    };
+    let sampling = SamplingParams { temperature: f.in_range("temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32, top_k, top_p: top_p as f32, seed };
+    sampling.validate().map_err(|e| ApiError::bad_request(format!("{e:#}")))?;
+    let stop = match f.get("stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a.iter().map(|s| s.as_str().map(str::to_string).ok_or_else(|| Fields::wrong("stop", "a string or an array of strings", s))).collect::<Result<_, _>>()?,
+        Some(v) => return Err(Fields::wrong("stop", "a string or an array of strings", v)),
+    };
+    if stop.len() > 4 || stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid("stop", "stop takes up to 4 non-empty strings"));
+    }
+    let n = f.i64("n")?.unwrap_or(1);
+    if n != 1 {
+        return Err(ApiError::invalid("n", format!("n = {n} is not supported: tandem returns one choice per request (n = 1)")));
+    }
+    f.only("presence_penalty", &json!(0))?;
+    f.only("frequency_penalty", &json!(0))?;
+    f.only("logprobs", &json!(false))?;
+    f.only("echo", &json!(false))?;
+    f.only("best_of", &json!(1))?;
+    let stream = f.bool("stream")?.unwrap_or(false);
+    let include_usage = match f.object("stream_options")? {
+        Some(o) => o.bool("include_usage")?.unwrap_or(false),
+        None => false,
+    };
+    Ok(Options { model: f.str("model")?.map(str::to_string), max_tokens, sampling, stop, stream, include_usage, session_id: f.str("session_id")?.map(str::to_string) })
+}
+
+/// The text of a message's `content`: a string, or an array of `{"type": "text", "text"}` parts.
+fn content_text(i: usize, v: Option<&Value>) -> Result<String, ApiError> {
+    let param = format!("messages[{i}].content");
+    match v {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    (kind, _) => return Err(ApiError::invalid(&param, format!("{param}[{j}]: only text parts are supported (got type {kind:?})"))),
+                }
+            }
+            Ok(text)
+        }
+        Some(other) => Err(ApiError::invalid(&param, format!("{param} must be a string or an array of text parts, not {}", type_name(other)))),
+    }
+}
+
+pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
+    let map = parse_object(body)?;
+    let f = Fields(&map);
+    let options = options(&f, &["max_tokens", "max_completion_tokens"])?;
+    f.only("tools", &json!([]))?;
+    let raw = match f.get("messages") {
+        None => return Err(ApiError::invalid("messages", "messages is required")),
+        Some(Value::Array(a)) => a,
+        Some(v) => return Err(Fields::wrong("messages", "an array of messages", v)),
+    };
+    if raw.is_empty() {
+        return Err(ApiError::invalid("messages", "messages is empty: give at least one message"));
+    }
+    let mut messages = Vec::with_capacity(raw.len());
+    for (i, m) in raw.iter().enumerate() {
+        let Some(obj) = m.as_object() else {
+            return Err(ApiError::invalid(&format!("messages[{i}]"), format!("messages[{i}] must be an object with role and content, not {}", type_name(m))));
+        };
+        let role = match obj.get("role") {
+            Some(Value::String(r)) if ["system", "user", "assistant", "developer"].contains(&r.as_str()) => r.clone(),
+            Some(Value::String(r)) => return Err(ApiError::invalid(&format!("messages[{i}].role"), format!("messages[{i}].role {r:?} is not supported: system, user, assistant or developer"))),
+            other => return Err(ApiError::invalid(&format!("messages[{i}].role"), format!("messages[{i}].role is required and must be a string (got {})", other.map_or("nothing", type_name)))),
+        };
+        // The Qwen3.5 template knows system, user and assistant; OpenAI's "developer" is the system.
+        let role = if role == "developer" { "system".to_string() } else { role };
+        let mut message = Message::new(&role, &content_text(i, obj.get("content"))?);
+        if let Some(r) = obj.get("reasoning_content").and_then(Value::as_str) {
+            message.reasoning_content = Some(r.to_string());
+        }
+        messages.push(message);
+    }
+    let enable_thinking = match f.object("chat_template_kwargs")? {
+        Some(k) => k.bool("enable_thinking")?.unwrap_or(false),
+        None => false,
+    };
+    Ok(ChatRequest { options, messages, enable_thinking })
+}
+
+pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
+    let map = parse_object(body)?;
+    let f = Fields(&map);
+    let options = options(&f, &["max_tokens"])?;
+    f.only("suffix", &Value::Null)?;
+    let prompt = match f.get("prompt") {
+        None => return Err(ApiError::invalid("prompt", "prompt is required")),
+        Some(Value::String(s)) if s.is_empty() => return Err(ApiError::invalid("prompt", "prompt is empty")),
+        Some(Value::String(s)) => Prompt::Text(s.clone()),
+        Some(Value::Array(a)) if a.is_empty() => return Err(ApiError::invalid("prompt", "prompt is empty")),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => Prompt::Text(a[0].as_str().unwrap_or_default().to_string()),
+        Some(Value::Array(a)) => Prompt::Ids(
+            a.iter()
+                .map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| ApiError::invalid("prompt", format!("prompt: {x} is not a token id (one prompt per request: a string, or an array of token ids)"))))
+                .collect::<Result<_, _>>()?,
+        ),
+        Some(v) => return Err(Fields::wrong("prompt", "a string or an array of token ids", v)),
+    };
+    Ok(CompletionRequest { options, prompt })
+}
+
+/// `typing` (tandem's extension): the conversation so far, its last message being typed.
+pub struct TypingRequest {
+    pub model: Option<String>,
+    pub messages: Vec<Message>,
+    pub session_id: String,
+    pub enable_thinking: bool,
+}
+
+pub fn parse_typing(body: &[u8]) -> Result<TypingRequest, ApiError> {
+    let chat = parse_chat(body)?;
+    let session_id = chat.options.session_id.ok_or_else(|| ApiError::invalid("session_id", "session_id is required: typed-ahead states are kept for one session"))?;
+    if chat.messages.last().is_some_and(|m| m.role != "user") {
+        return Err(ApiError::invalid("messages", "the last message is the one being typed: its role must be user"));
+    }
+    Ok(TypingRequest { model: chat.options.model, messages: chat.messages, session_id, enable_thinking: chat.enable_thinking })
+}
+
+/// Which endpoint a response is for.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Endpoint {
+    Chat,
+    Completion,
+}
+
+impl Endpoint {
+    pub fn name(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chat",
+            Endpoint::Completion => "completions",
+        }
+    }
+}
+
+/// The parts of a response that do not change from chunk to chunk.
+pub struct ResponseHead {
+    pub endpoint: Endpoint,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
+
+pub struct Usage {
+    pub prompt: usize,
+    pub completion: usize,
+    /// Prompt tokens whose state came from the session cache.
+    pub cached: usize,
+}
+
+impl Usage {
+    pub fn json(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt,
+            "completion_tokens": self.completion,
+            "total_tokens": self.prompt + self.completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached},
+        })
+    }
+}
+
+impl ResponseHead {
+    fn object(&self, stream: bool) -> &'static str {
+        match (self.endpoint, stream) {
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Completion, _) => "text_completion",
+        }
+    }
+
+    fn wrap(&self, stream: bool, choices: Value, usage: Option<&Usage>) -> Value {
+        let mut v = json!({"id": self.id, "object": self.object(stream), "created": self.created, "model": self.model, "choices": choices});
+        if let Some(u) = usage {
+            v["usage"] = u.json();
+        }
+        v
+    }
+
+    /// The whole response of a request that did not stream.
+    pub fn complete(&self, text: &str, finish: &str, usage: &Usage) -> Value {
+        let choice = match self.endpoint {
+            Endpoint::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": null}),
+            Endpoint::Completion => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null}),
+        };
+        self.wrap(false, json!([choice]), Some(usage))
+    }
+
+    /// A streamed chunk: the first one of a chat carries the role; the last one the finish.
+    pub fn chunk(&self, text: &str, first: bool, finish: Option<&str>) -> Value {
+        let choice = match self.endpoint {
+            Endpoint::Chat => {
+                let delta = match (first, finish) {
+                    (true, _) => json!({"role": "assistant", "content": text}),
+                    (false, Some(_)) if text.is_empty() => json!({}),
+                    _ => json!({"content": text}),
+                };
+                json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null})
+            }
+            Endpoint::Completion => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null}),
+        };
+        self.wrap(true, json!([choice]), None)
+    }
+
+    /// `stream_options.include_usage`: a chunk with no choices and the usage.
+    pub fn usage_chunk(&self, usage: &Usage) -> Value {
+        self.wrap(true, json!([]), Some(usage))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat_err(body: &str) -> ApiError {
+        parse_chat(body.as_bytes()).err().expect("refused")
+    }
+
+    #[test]
+    fn a_chat_request_reads_every_option() {
+        let r = parse_chat(br#"{"model":"m","messages":[{"role":"developer","content":"Be brief."},{"role":"user","content":[{"type":"text","text":"Hi"}]}],
+            "max_completion_tokens":7,"temperature":0,"top_p":0.5,"top_k":-1,"seed":3,"stop":"x","stream":true,"stream_options":{"include_usage":true},
+            "session_id":"s1","chat_template_kwargs":{"enable_thinking":true},"user":"ignored","presence_penalty":0}"#)
+            .unwrap_or_else(|e| panic!("{}", e.message));
+        assert_eq!(r.messages, vec![Message::new("system", "Be brief."), Message::new("user", "Hi")]);
+        let o = r.options;
+        assert_eq!((o.model.as_deref(), o.max_tokens, o.stream, o.include_usage, o.session_id.as_deref()), (Some("m"), Some(7), true, true, Some("s1")));
+        assert_eq!((o.sampling.temperature, o.sampling.top_p, o.sampling.top_k, o.sampling.seed), (0.0, 0.5, 0, 3));
+        assert_eq!(o.stop, vec!["x".to_string()]);
+        assert!(r.enable_thinking);
+    }
+
+    #[test]
+    fn bad_requests_name_the_field() {
+        for (body, param, says) in [
+            (r#"{"messages":[]}"#, "messages", "empty"),
+            (r#"{"messages":"hi"}"#, "messages", "must be an array"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":"5"}"#, "max_tokens", "must be an integer, not a string"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":0}"#, "max_tokens", "out of range"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"temperature":3}"#, "temperature", "between 0 and 2"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"n":2}"#, "n", "not supported"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"stop":["a","b","c","d","e"]}"#, "stop", "up to 4"),
+            (r#"{"messages":[{"role":"robot","content":"x"}]}"#, "messages[0].role", "not supported"),
+            (r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#, "messages[0].content", "only text parts"),
+        ] {
+            let e = chat_err(body);
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{body}");
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+            assert!(e.message.contains(says), "{body}: {}", e.message);
+        }
+        let e = chat_err("{\"messages\": [");
+        assert!(e.message.contains("not valid JSON") && e.param.is_none(), "{}", e.message);
+        assert!(chat_err("[1]").message.contains("must be a JSON object"));
+    }
+
+    #[test]
+    fn completion_prompts_are_text_or_ids() {
+        assert!(matches!(parse_completion(br#"{"prompt":"hi"}"#).ok().map(|r| r.prompt), Some(Prompt::Text(t)) if t == "hi"));
+        assert!(matches!(parse_completion(br#"{"prompt":[1,2]}"#).ok().map(|r| r.prompt), Some(Prompt::Ids(v)) if v == [1, 2]));
+        let e = parse_completion(br#"{"prompt":[1,-2]}"#).err().unwrap();
+        assert!(e.message.contains("-2 is not a token id"), "{}", e.message);
+    }
+
+    #[test]
+    fn errors_have_the_openai_shape() {
+        let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", "busy");
+        e.retry_after = Some(2);
+        assert_eq!(e.body(), json!({"error": {"message": "busy", "type": "rate_limit_error", "param": null, "code": "queue_full"}}));
+        let r = e.into_response();
+        assert_eq!(r.headers()[header::RETRY_AFTER], "2");
+    }
+}

@@ -1,0 +1,182 @@
+//! From the async handlers to the engine threads and back. Handlers never compute: they submit
+//! requests to the pipeline (whose engines run on their own threads) and await its events,
+//! which one router thread hands to each request's channel. A request's handle cancels it when
+//! dropped, so a client that goes away (its stream or handler future dropped) stops its
+//! sequence at the next decode step, or before its prefill if it is still queued.
+//!
+//! Admission: at most `--max-concurrent` requests hold a sequence slot (the decode batch);
+//! up to `--max-queue` more wait for one; past that a request is refused at once (429).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tandem_core::sampling::SamplingParams;
+use tandem_core::scheduler::{Event, Generation, Pipeline, Request};
+use tandem_core::state::State;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+
+type Routes = Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<Event>>>>;
+
+pub struct Engines {
+    pipeline: Pipeline,
+    /// The one sender every request's events go to (read by the router thread).
+    events: std::sync::mpsc::Sender<Event>,
+    routes: Routes,
+    next_id: AtomicU64,
+    slots: Arc<Semaphore>,
+    max_concurrent: usize,
+    max_queue: usize,
+    waiting: Arc<AtomicUsize>,
+    /// Mean seconds a request held its slot (for Retry-After), as f64 bits.
+    mean_hold: AtomicU64,
+}
+
+/// A request refused because the queue is full; `retry_after` in seconds.
+pub struct QueueFull {
+    pub retry_after: u64,
+}
+
+/// A sequence slot; the request holding it is counted as active.
+pub struct Slot {
+    _permit: OwnedSemaphorePermit,
+}
+
+/// A submitted request: its events, in order. Dropping it cancels the request.
+pub struct Running {
+    id: u64,
+    pub events: mpsc::UnboundedReceiver<Event>,
+    cancel: Arc<AtomicBool>,
+    routes: Routes,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        // After the request finished this changes nothing; before, the engine drops it.
+        self.cancel.store(true, Ordering::Relaxed);
+        self.routes.lock().expect("routes lock").remove(&self.id);
+    }
+}
+
+impl Running {
+    /// Stop the request now (a stop string matched): its state is dropped.
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Engines {
+    pub fn start(pipeline: Pipeline, max_concurrent: usize, max_queue: usize) -> Arc<Engines> {
+        let (events, rx) = std::sync::mpsc::channel::<Event>();
+        let routes: Routes = Arc::default();
+        let router_routes = Arc::clone(&routes);
+        std::thread::Builder::new()
+            .name("tandem-router".into())
+            .spawn(move || {
+                // Ends when every sender is gone: the Engines and the pipeline's requests.
+                for event in rx {
+                    let id = event.id();
+                    let last = !matches!(event, Event::Token { .. });
+                    let mut routes = router_routes.lock().expect("routes lock");
+                    let target = if last { routes.remove(&id) } else { routes.get(&id).cloned() };
+                    drop(routes);
+                    // A request whose handle is gone was cancelled: its events are dropped.
+                    if let Some(tx) = target {
+                        let _ = tx.send(event);
+                    }
+                }
+            })
+            .expect("spawning the router thread");
+        Arc::new(Engines {
+            pipeline,
+            events,
+            routes,
+            next_id: AtomicU64::new(1),
+            slots: Arc::new(Semaphore::new(max_concurrent)),
+            max_concurrent,
+            max_queue,
+            waiting: Arc::new(AtomicUsize::new(0)),
+            mean_hold: AtomicU64::new(1f64.to_bits()),
+        })
+    }
+
+    /// Wait for a sequence slot, or be refused when the queue is full.
+    pub async fn admit(&self) -> Result<Slot, QueueFull> {
+        if let Ok(permit) = Arc::clone(&self.slots).try_acquire_owned() {
+            return Ok(Slot { _permit: permit });
+        }
+        // Counted while waiting, and uncounted however the wait ends (the client may go away).
+        struct Waiting(Arc<AtomicUsize>);
+        impl Drop for Waiting {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        if self.waiting.fetch_add(1, Ordering::Relaxed) >= self.max_queue {
+            self.waiting.fetch_sub(1, Ordering::Relaxed);
+            // Roughly when a slot frees for this request: the queue ahead of it, served
+            // max_concurrent at a time, at the mean time a request holds a slot.
+            let mean = f64::from_bits(self.mean_hold.load(Ordering::Relaxed));
+            let rounds = (self.max_queue + 1) as f64 / self.max_concurrent as f64;
+            return Err(QueueFull { retry_after: (mean * rounds).ceil().clamp(1.0, 60.0) as u64 });
+        }
+        let _waiting = Waiting(Arc::clone(&self.waiting));
+        let permit = Arc::clone(&self.slots).acquire_owned().await.expect("the slot semaphore is never closed");
+        Ok(Slot { _permit: permit })
+    }
+
+    /// Record how long a finished request held its slot (for Retry-After).
+    pub fn held(&self, d: Duration) {
+        let old = f64::from_bits(self.mean_hold.load(Ordering::Relaxed));
+        self.mean_hold.store((0.9 * old + 0.1 * d.as_secs_f64()).to_bits(), Ordering::Relaxed);
+    }
+
+    pub fn queued(&self) -> usize {
+        self.waiting.load(Ordering::Relaxed)
+    }
+
+    pub fn active(&self) -> usize {
+        self.max_concurrent - self.slots.available_permits()
+    }
+
+    /// Engine time spent on (prefill, decode) work.
+    pub fn busy(&self) -> (Duration, Duration) {
+        self.pipeline.busy()
+    }
+
+    /// Run `tokens` applied to `start` (a fresh state when None), then sample as `params` says
+    /// (`max_tokens` 0: prefill only, the state comes back in `Done`; so does the final state
+    /// with `return_state`).
+    pub fn submit(&self, start: Option<State>, tokens: Vec<u32>, params: Generation, return_state: bool) -> anyhow::Result<Running> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.routes.lock().expect("routes lock").insert(id, tx);
+        let cancel = Arc::new(AtomicBool::new(false));
+        let running = Running { id, events: rx, cancel: Arc::clone(&cancel), routes: Arc::clone(&self.routes) };
+        self.pipeline.submit(Request {
+            id,
+            start,
+            tokens,
+            max_tokens: params.max_tokens,
+            sampling: params.sampling,
+            vocab: params.vocab,
+            stop_ids: params.stop_ids,
+            return_state,
+            cancel,
+            events: self.events.clone(),
+        })?;
+        Ok(running)
+    }
+
+    /// Prefill `tokens` into `start` (fresh when None) and return the state.
+    pub async fn prefill(&self, start: Option<State>, tokens: Vec<u32>) -> anyhow::Result<State> {
+        let prefill_only = Generation { max_tokens: 0, sampling: SamplingParams::default(), vocab: usize::MAX, stop_ids: Vec::new() };
+        let mut running = self.submit(start, tokens, prefill_only, true)?;
+        match running.events.recv().await {
+            Some(Event::Done { state: Some(state), .. }) => Ok(state),
+            Some(Event::Failed { error, .. }) => anyhow::bail!("{error}"),
+            _ => anyhow::bail!("the engines stopped before the prefill finished"),
+        }
+    }
+}

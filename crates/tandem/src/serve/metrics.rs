@@ -1,0 +1,160 @@
+//! `/metrics` in the Prometheus text format (version 0.0.4), written by hand: a few counters,
+//! gauges and two histograms need no client library.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Time to first token: from the request's arrival to its first token, queueing included.
+const TTFT_BUCKETS: [f64; 15] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+/// Time per output token after the first.
+const TPOT_BUCKETS: [f64; 13] = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5];
+
+struct Histogram {
+    bounds: &'static [f64],
+    /// Per bucket (not cumulative), and one past the last bound.
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram { bounds, counts: vec![0; bounds.len() + 1], sum: 0.0, count: 0 }
+    }
+
+    fn observe(&mut self, seconds: f64) {
+        let i = self.bounds.iter().position(|&b| seconds <= b).unwrap_or(self.bounds.len());
+        self.counts[i] += 1;
+        self.sum += seconds;
+        self.count += 1;
+    }
+
+    fn write(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            cumulative += c;
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}", self.count, self.sum, self.count);
+    }
+}
+
+/// Counters that only go up, by name.
+#[derive(Default)]
+pub struct Counters {
+    pub prompt_tokens: AtomicU64,
+    /// Prompt tokens actually prefilled (the rest came from cached states).
+    pub prefilled_tokens: AtomicU64,
+    pub reused_tokens: AtomicU64,
+    pub generation_tokens: AtomicU64,
+    pub session_hits: AtomicU64,
+    pub session_misses: AtomicU64,
+    pub typing_requests: AtomicU64,
+}
+
+pub struct Metrics {
+    pub counters: Counters,
+    ttft: Mutex<Histogram>,
+    tpot: Mutex<Histogram>,
+    /// Finished requests by (endpoint, outcome).
+    outcomes: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
+}
+
+/// Readings taken when `/metrics` is asked for.
+pub struct Gauges {
+    pub queued: usize,
+    pub active: usize,
+    pub session_bytes: usize,
+    pub session_entries: usize,
+    pub prefill_busy: Duration,
+    pub decode_busy: Duration,
+}
+
+pub fn add(counter: &AtomicU64, n: usize) {
+    counter.fetch_add(n as u64, Ordering::Relaxed);
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        Metrics { counters: Counters::default(), ttft: Mutex::new(Histogram::new(&TTFT_BUCKETS)), tpot: Mutex::new(Histogram::new(&TPOT_BUCKETS)), outcomes: Mutex::new(BTreeMap::new()) }
+    }
+
+    pub fn ttft(&self, d: Duration) {
+        self.ttft.lock().expect("metrics lock").observe(d.as_secs_f64());
+    }
+
+    pub fn tpot(&self, d: Duration) {
+        self.tpot.lock().expect("metrics lock").observe(d.as_secs_f64());
+    }
+
+    pub fn outcome(&self, endpoint: &'static str, outcome: &'static str) {
+        *self.outcomes.lock().expect("metrics lock").entry((endpoint, outcome)).or_default() += 1;
+    }
+
+    pub fn render(&self, g: &Gauges) -> String {
+        let mut out = String::new();
+        let c = &self.counters;
+        let counter = |out: &mut String, name: &str, help: &str, v: &AtomicU64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", v.load(Ordering::Relaxed));
+        };
+        let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        };
+        gauge(&mut out, "tandem_queue_depth", "Requests waiting for a sequence slot (past --max-concurrent).", g.queued as f64);
+        gauge(&mut out, "tandem_active_sequences", "Requests holding a sequence slot (prefilling or decoding).", g.active as f64);
+        counter(&mut out, "tandem_prompt_tokens_total", "Prompt tokens of requests served.", &c.prompt_tokens);
+        counter(&mut out, "tandem_prefilled_tokens_total", "Prompt tokens prefilled (not covered by a cached state).", &c.prefilled_tokens);
+        counter(&mut out, "tandem_generation_tokens_total", "Tokens generated.", &c.generation_tokens);
+        counter(&mut out, "tandem_session_hits_total", "Requests that continued a cached conversation state.", &c.session_hits);
+        counter(&mut out, "tandem_session_misses_total", "Requests that found no cached state to continue.", &c.session_misses);
+        counter(&mut out, "tandem_session_reused_tokens_total", "Prompt tokens covered by cached states.", &c.reused_tokens);
+        counter(&mut out, "tandem_typing_requests_total", "Typing-ahead requests served.", &c.typing_requests);
+        gauge(&mut out, "tandem_session_memory_bytes", "Bytes of cached conversation states.", g.session_bytes as f64);
+        gauge(&mut out, "tandem_session_entries", "Cached conversation states.", g.session_entries as f64);
+        let _ = writeln!(out, "# HELP tandem_engine_busy_seconds_total Time the engines spent computing, by kind of work.\n# TYPE tandem_engine_busy_seconds_total counter");
+        let _ = writeln!(out, "tandem_engine_busy_seconds_total{{work=\"prefill\"}} {}", g.prefill_busy.as_secs_f64());
+        let _ = writeln!(out, "tandem_engine_busy_seconds_total{{work=\"decode\"}} {}", g.decode_busy.as_secs_f64());
+        let _ = writeln!(out, "# HELP tandem_requests_total Requests answered, by endpoint and outcome.\n# TYPE tandem_requests_total counter");
+        for ((endpoint, outcome), n) in self.outcomes.lock().expect("metrics lock").iter() {
+            let _ = writeln!(out, "tandem_requests_total{{endpoint=\"{endpoint}\",outcome=\"{outcome}\"}} {n}");
+        }
+        self.ttft.lock().expect("metrics lock").write(&mut out, "tandem_time_to_first_token_seconds", "From a request's arrival to its first token.");
+        self.tpot.lock().expect("metrics lock").write(&mut out, "tandem_time_per_output_token_seconds", "Time per generated token after the first.");
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histograms_are_cumulative_with_sum_and_count() {
+        let m = Metrics::new();
+        m.ttft(Duration::from_millis(3));
+        m.ttft(Duration::from_millis(70));
+        m.ttft(Duration::from_secs(100));
+        m.outcome("chat", "stop");
+        add(&m.counters.session_hits, 2);
+        let g = Gauges { queued: 1, active: 2, session_bytes: 10, session_entries: 1, prefill_busy: Duration::from_millis(1500), decode_busy: Duration::ZERO };
+        let text = m.render(&g);
+        for line in [
+            "tandem_time_to_first_token_seconds_bucket{le=\"0.0025\"} 0",
+            "tandem_time_to_first_token_seconds_bucket{le=\"0.005\"} 1",
+            "tandem_time_to_first_token_seconds_bucket{le=\"0.1\"} 2",
+            "tandem_time_to_first_token_seconds_bucket{le=\"60\"} 2",
+            "tandem_time_to_first_token_seconds_bucket{le=\"+Inf\"} 3",
+            "tandem_time_to_first_token_seconds_count 3",
+            "tandem_queue_depth 1",
+            "tandem_session_hits_total 2",
+            "tandem_engine_busy_seconds_total{work=\"prefill\"} 1.5",
+            "tandem_requests_total{endpoint=\"chat\",outcome=\"stop\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+    }
+}

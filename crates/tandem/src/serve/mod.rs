@@ -1,0 +1,274 @@
+//! `tandem serve`: an OpenAI-compatible HTTP server over the two-engine pipeline.
+//!
+//! request → `routes` (parse, render the chat template, tokenize) → `generation` (the session
+//! cache's longest matching state, a checkpoint at the turn boundary) → `engines` (admission,
+//! the pipeline's engine threads, events routed back) → text deltas → JSON or SSE.
+//!
+//! The HTTP side runs on a small tokio runtime; the model runs only on the engines' threads.
+
+mod api;
+mod cache;
+mod engines;
+mod generation;
+mod metrics;
+mod routes;
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use anyhow::{bail, Context, Result};
+use axum::routing::{get, post};
+use axum::Router;
+use tandem_core::chat::{ChatTemplate, Message};
+use tandem_core::scheduler;
+use tandem_core::session::HOLD_BACK;
+use tandem_core::tokenizer::Tokenizer;
+
+use crate::args::Args;
+use crate::generate::{pipeline_config, ENGINE_OPTIONS};
+use api::ApiError;
+use cache::StateCache;
+use engines::Engines;
+use metrics::Metrics;
+
+pub const USAGE: &str = "\
+tandem serve: an OpenAI-compatible server (chat completions, completions, streaming)
+
+USAGE:
+  tandem serve --model M [--host 127.0.0.1] [--port 8000] [options]
+
+ENDPOINTS:
+  POST /v1/chat/completions   messages -> reply (stream: server-sent events ending in [DONE])
+  POST /v1/completions        prompt (text or token ids) -> continuation
+  GET  /v1/models, GET /health, GET /metrics (Prometheus)
+  POST /v1/chat/typing        tandem's extension: {messages, session_id}, the last message being
+                              typed; prefills it ahead so that sending it costs no prefill
+  Request options: max_tokens (max_completion_tokens), temperature (default 1), top_p, top_k,
+  seed, stop (up to 4 strings), n=1, stream, stream_options.include_usage, session_id,
+  chat_template_kwargs.enable_thinking (default off). Unknown fields are ignored.
+
+OPTIONS:
+  --prefill PLACEMENT, --decode PLACEMENT, --mode, --transfer, --threads, --cores, --quant, --isa
+                           the engines, as for tandem generate (tandem --help)
+  --max-concurrent N       sequences running at once: the decode batch (default 8)
+  --max-queue N            requests waiting for a sequence past that; more are refused with 429
+                           and Retry-After (default 64)
+  --max-context N          most tokens of prompt plus reply (default: the model's context)
+  --session-memory SIZE    memory for cached conversation states, e.g. 512MiB, 4GiB; 0 turns
+                           conversation reuse off (default 2GiB)
+  --served-model-name NAME the model's name in the API (default: --model as given)
+
+Conversations are reused without any client change: a request whose prompt starts with the
+tokens of a cached state (the last turn boundary of an earlier prompt, or the end of an earlier
+reply) continues that state and prefills only the rest.
+";
+
+/// Everything the handlers share.
+pub struct App {
+    engines: Arc<Engines>,
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    stop_ids: Vec<u32>,
+    /// Ids that may be sampled and sent.
+    vocab: usize,
+    im_start: Option<u32>,
+    model_name: String,
+    max_context: usize,
+    max_concurrent: usize,
+    max_queue: usize,
+    session_memory: usize,
+    cache: Mutex<StateCache>,
+    metrics: Metrics,
+    started: u64,
+    next_id: AtomicU64,
+}
+
+/// Stands for the message being typed while the conversation is rendered.
+const TYPING_MARK: &str = "\u{E000}tandem-typing\u{E000}";
+
+impl App {
+    fn request_id(&self) -> String {
+        format!("{:x}{:06x}", self.started, self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    fn render(&self, messages: &[Message], generation_prompt: bool, enable_thinking: bool) -> Result<String, ApiError> {
+        self.template.render(messages, generation_prompt, enable_thinking).map_err(|e| ApiError::invalid("messages", format!("the chat template refused the messages: {e:#}")))
+    }
+
+    fn encode(&self, text: &str) -> Result<Vec<u32>, ApiError> {
+        self.tokenizer.encode(text).map_err(|e| ApiError::invalid("messages", format!("{e:#}")))
+    }
+
+    /// The prompt of a chat request: the template with the generation prompt, tokenized.
+    fn chat_prompt(&self, messages: &[Message], enable_thinking: bool) -> Result<Vec<u32>, ApiError> {
+        self.encode(&self.render(messages, true, enable_thinking)?)
+    }
+
+    /// For typing ahead: the tokens of the conversation up to the typed text's last few tokens
+    /// (which may still change as typing goes on), and the whole prompt sending it now makes.
+    fn typing_prompts(&self, messages: &[Message], enable_thinking: bool) -> Result<(Vec<u32>, Vec<u32>), ApiError> {
+        let (last, earlier) = messages.split_last().expect("parse_typing checks there is a message");
+        let mut marked = earlier.to_vec();
+        marked.push(Message::new(&last.role, TYPING_MARK));
+        let rendered = self.render(&marked, false, enable_thinking)?;
+        let (before, _) = rendered.split_once(TYPING_MARK).ok_or_else(|| ApiError::bad_request("the chat template drops the last message, so it cannot be typed ahead"))?;
+        let mut stable = self.encode(&format!("{before}{}", last.content))?;
+        stable.truncate(stable.len().saturating_sub(HOLD_BACK));
+        Ok((stable, self.chat_prompt(messages, enable_thinking)?))
+    }
+}
+
+/// `512MiB`, `2GiB`, `1.5G`, `100000` (bytes), `0`.
+fn parse_size(s: &str) -> Result<usize> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.trim().parse().map_err(|_| anyhow::anyhow!("--session-memory {s:?}: expected a size such as 512MiB or 4GiB"))?;
+    let scale = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" | "kib" => 1024.0,
+        "m" | "mb" | "mib" => 1024.0 * 1024.0,
+        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        _ => bail!("--session-memory {s:?}: unknown unit {unit:?} (use B, KiB, MiB or GiB)"),
+    };
+    if !(n >= 0.0 && n.is_finite()) {
+        bail!("--session-memory {s:?} must be a size of 0 or more");
+    }
+    Ok((n * scale) as usize)
+}
+
+pub fn run(argv: &[String]) -> Result<ExitCode> {
+    let mut with_value = vec!["model", "host", "port", "max-concurrent", "max-queue", "max-context", "session-memory", "served-model-name"];
+    with_value.extend(ENGINE_OPTIONS.iter().filter(|o| **o != "max-batch"));
+    let args = Args::parse(argv, &with_value, &[])?;
+    let max_concurrent: usize = args.get("max-concurrent", 8)?;
+    if max_concurrent == 0 {
+        bail!("--max-concurrent must be at least 1");
+    }
+    let max_queue: usize = args.get("max-queue", 64)?;
+    let session_memory = parse_size(args.str("session-memory").unwrap_or("2GiB"))?;
+    let mut config = pipeline_config(&args)?;
+    config.max_batch = max_concurrent;
+    let host = args.str("host").unwrap_or("127.0.0.1");
+    let port: u16 = args.get("port", 8000)?;
+    let addr: SocketAddr = format!("{host}:{port}").parse().or_else(|_| format!("[{host}]:{port}").parse()).with_context(|| format!("--host {host:?} is not an IP address"))?;
+
+    let spec = args.required("model")?;
+    let model = crate::load_model(spec, &args)?;
+    let vocab = model.sampleable_vocab();
+    let Some(tokenizer) = model.tokenizer else {
+        bail!("{spec} has no tokenizer.json: the server takes and returns text, so it needs the checkpoint's tokenizer");
+    };
+    let model_context = model.net.config.max_position_embeddings;
+    let max_context: usize = args.get("max-context", model_context)?;
+    if max_context < 2 || max_context > model_context {
+        bail!("--max-context {max_context}: give 2 to {model_context} tokens (the model's context)");
+    }
+    let model_name = args.str("served-model-name").unwrap_or(spec).to_string();
+    let listener = std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
+    listener.set_nonblocking(true)?;
+    let bound = listener.local_addr()?;
+
+    scheduler::run(&model.net, &config, |pipeline| {
+        let app = Arc::new(App {
+            engines: Engines::start(pipeline.clone(), max_concurrent, max_queue),
+            im_start: tokenizer.token_id("<|im_start|>"),
+            tokenizer,
+            template: model.chat_template,
+            stop_ids: model.stop_ids,
+            vocab,
+            model_name,
+            max_context,
+            max_concurrent,
+            max_queue,
+            session_memory,
+            cache: Mutex::new(StateCache::new(session_memory)),
+            metrics: Metrics::new(),
+            started: generation::unix_now(),
+            next_id: AtomicU64::new(1),
+        });
+        let router = Router::new()
+            .route("/v1/chat/completions", post(routes::chat_completions))
+            .route("/v1/completions", post(routes::completions))
+            .route("/v1/chat/typing", post(routes::typing))
+            .route("/v1/models", get(routes::models))
+            .route("/health", get(routes::health))
+            .route("/metrics", get(routes::metrics))
+            .fallback(routes::not_found)
+            .method_not_allowed_fallback(routes::method_not_allowed)
+            .with_state(Arc::clone(&app));
+        // Blocking threads render, tokenize and copy states; a few suffice, and each thread
+        // that ever allocated keeps a malloc arena, so an unbounded pool grows memory under load.
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).max_blocking_threads(4).enable_all().build().context("starting the HTTP runtime")?;
+        eprintln!(
+            "tandem serve: {} ({}), mode {}, prefill {} -> decode {}, up to {max_concurrent} sequences, {max_queue} queued, context {max_context}, session memory {} MiB",
+            app.model_name,
+            app.template.origin,
+            config.mode.name(),
+            config.prefill,
+            config.decode,
+            session_memory >> 20
+        );
+        eprintln!("listening on http://{bound}");
+        let served = runtime.block_on(async {
+            let listener = tokio::net::TcpListener::from_std(listener)?;
+            let (stopping, mut stop_seen) = tokio::sync::watch::channel(false);
+            let server = axum::serve(listener, router).with_graceful_shutdown(async move {
+                shutdown_signal().await;
+                eprintln!("tandem serve: stopping; requests in flight get {} s to finish", SHUTDOWN_GRACE.as_secs());
+                let _ = stopping.send(true);
+            });
+            // Past the grace period the runtime is dropped, which cancels what is left.
+            let deadline = async {
+                let _ = stop_seen.changed().await;
+                tokio::time::sleep(SHUTDOWN_GRACE).await;
+            };
+            tokio::select! {
+                served = server => served,
+                _ = deadline => Ok(()),
+            }
+        });
+        // Dropping the runtime drops every handler and with them their pipeline handles.
+        drop(runtime);
+        drop(app);
+        eprintln!("tandem serve: stopped");
+        served.context("serving HTTP")
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// How long requests in flight may run on after Ctrl-C or SIGTERM.
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Ctrl-C or SIGTERM: stop taking connections and finish the requests in flight.
+async fn shutdown_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_units() {
+        assert_eq!(parse_size("0").unwrap(), 0);
+        assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_size("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_size("1.5g").unwrap(), 3 << 29);
+        assert!(format!("{:#}", parse_size("2 parsecs").unwrap_err()).contains("unknown unit"));
+        assert!(parse_size("-1G").is_err());
+    }
+}

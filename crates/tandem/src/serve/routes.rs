@@ -1,0 +1,200 @@
+//! The HTTP endpoints. Each handler parses and checks its request, renders and tokenizes on a
+//! blocking thread, and hands the tokens to a `Generation`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State as AppState;
+use axum::http::{header, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream::{self, StreamExt};
+use serde_json::{json, Value};
+
+use super::api::{self, ApiError, Endpoint, Options, Prompt, ResponseHead};
+use super::cache::Kind;
+use super::generation::{checkpoint_owned, lookup, unix_now, Generation, Piece, Prepared};
+use super::metrics::{add, Gauges};
+use super::App;
+
+type Body = Result<Bytes, BytesRejection>;
+
+fn json_response(v: Value) -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], v.to_string()).into_response()
+}
+
+/// The request body, or the extractor's reason for refusing it (too large, unreadable).
+fn body(body: Body) -> Result<Bytes, ApiError> {
+    body.map_err(|e| ApiError { status: e.status(), message: e.body_text(), param: None, code: None, retry_after: None })
+}
+
+fn check_model(app: &App, asked: Option<&str>) -> Result<(), ApiError> {
+    match asked {
+        Some(m) if m != app.model_name => {
+            let mut e = ApiError::new(StatusCode::NOT_FOUND, "model_not_found", format!("the model {m:?} does not exist here; this server serves {:?} (GET /v1/models)", app.model_name));
+            e.param = Some("model".into());
+            Err(e)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Run `f` on a blocking thread (rendering and tokenizing are CPU work).
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", format!("tokenizing: {e}"))))
+}
+
+pub async fn chat_completions(AppState(app): AppState<Arc<App>>, raw: Body) -> Response {
+    let arrived = Instant::now();
+    let result = async {
+        let req = api::parse_chat(&body(raw)?)?;
+        check_model(&app, req.options.model.as_deref())?;
+        let a = Arc::clone(&app);
+        let prompt = blocking(move || a.chat_prompt(&req.messages, req.enable_thinking).map(|p| (p, req.options))).await;
+        let (prompt, options) = prompt?;
+        serve(&app, Prepared::new(&app, Endpoint::Chat, prompt, options, arrived)?).await
+    };
+    result.await.unwrap_or_else(|e| refuse(&app, Endpoint::Chat, e))
+}
+
+pub async fn completions(AppState(app): AppState<Arc<App>>, raw: Body) -> Response {
+    let arrived = Instant::now();
+    let result = async {
+        let req = api::parse_completion(&body(raw)?)?;
+        check_model(&app, req.options.model.as_deref())?;
+        let prompt = match req.prompt {
+            Prompt::Ids(ids) => ids,
+            Prompt::Text(text) => {
+                let a = Arc::clone(&app);
+                blocking(move || a.tokenizer.encode(&text).map_err(|e| ApiError::invalid("prompt", format!("{e:#}")))).await?
+            }
+        };
+        serve(&app, Prepared::new(&app, Endpoint::Completion, prompt, req.options, arrived)?).await
+    };
+    result.await.unwrap_or_else(|e| refuse(&app, Endpoint::Completion, e))
+}
+
+/// Count a refused request (a 429 was counted when it was refused) and answer it.
+fn refuse(app: &App, endpoint: Endpoint, e: ApiError) -> Response {
+    if e.status != StatusCode::TOO_MANY_REQUESTS {
+        app.metrics.outcome(endpoint.name(), if e.status.is_client_error() { "invalid" } else { "error" });
+    }
+    e.into_response()
+}
+
+async fn serve(app: &Arc<App>, p: Prepared) -> Result<Response, ApiError> {
+    let head = ResponseHead { endpoint: p.endpoint, id: format!("{}-{}", if p.endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" }, app.request_id()), created: unix_now(), model: app.model_name.clone() };
+    let Options { stream, include_usage, .. } = p.options;
+    let mut generation = Generation::start(app, p).await?;
+    if stream {
+        return Ok(stream_response(head, generation, include_usage));
+    }
+    // Dropped with the handler when the client goes away: that cancels the request.
+    let mut text = String::new();
+    while let Some(piece) = generation.next().await {
+        match piece {
+            Piece::Text(t) => text.push_str(&t),
+            Piece::Finished { finish, usage } => return Ok(json_response(head.complete(&text, finish, &usage))),
+            Piece::Failed(e) => return Err(e),
+        }
+    }
+    Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", "the generation ended without finishing"))
+}
+
+/// Server-sent events: a chunk per text delta (a chat's first carries the role), a last chunk
+/// with the finish reason, the usage chunk when asked for, then `data: [DONE]`.
+fn stream_response(head: ResponseHead, generation: Generation, include_usage: bool) -> Response {
+    let data = |v: Value| SseEvent::default().data(v.to_string());
+    let head = Arc::new(head);
+    let opening = match head.endpoint {
+        Endpoint::Chat => vec![data(head.chunk("", true, None))],
+        Endpoint::Completion => Vec::new(),
+    };
+    let events = stream::unfold(Some(generation), move |generation| {
+        let head = Arc::clone(&head);
+        async move {
+            let mut g = generation?;
+            let events = match g.next().await? {
+                Piece::Text(t) => vec![data(head.chunk(&t, false, None))],
+                Piece::Finished { finish, usage } => {
+                    let mut v = vec![data(head.chunk("", false, Some(finish)))];
+                    if include_usage {
+                        v.push(data(head.usage_chunk(&usage)));
+                    }
+                    v.push(SseEvent::default().data("[DONE]"));
+                    v
+                }
+                Piece::Failed(e) => vec![data(e.body()), SseEvent::default().data("[DONE]")],
+            };
+            Some((stream::iter(events), Some(g)))
+        }
+    });
+    let all = stream::iter(opening).chain(events.flatten()).map(Ok::<_, Infallible>);
+    Sse::new(all).keep_alive(KeepAlive::new().interval(Duration::from_secs(5))).into_response()
+}
+
+/// `POST /v1/chat/typing` (tandem's extension): the conversation with the message being typed
+/// as its last one. Prefills what can no longer change of the typed text (all but its last
+/// tokens) and the whole prompt that sending the text as it stands would make, both kept for
+/// the session; a chat request that then sends it finds its prompt already prefilled.
+pub async fn typing(AppState(app): AppState<Arc<App>>, raw: Body) -> Response {
+    let result = async {
+        let req = api::parse_typing(&body(raw)?)?;
+        check_model(&app, req.model.as_deref())?;
+        let a = Arc::clone(&app);
+        let (stable, full) = blocking(move || a.typing_prompts(&req.messages, req.enable_thinking)).await?;
+        let _slot = app.engines.admit().await.map_err(|full| {
+            let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", "the server is busy; typing ahead can wait");
+            e.retry_after = Some(full.retry_after);
+            e
+        })?;
+        add(&app.metrics.counters.typing_requests, 1);
+        let session = Some(req.session_id.clone());
+        let mut prefilled = 0;
+        let mut cached = 0;
+        for (tokens, kind) in [(stable, Kind::Typed), (full, Kind::Speculative)] {
+            let hit = lookup(&app, &tokens, session.as_deref()).await;
+            let (start, have) = hit.map_or((None, 0), |h| (Some(h.state), h.reused));
+            if kind == Kind::Typed {
+                cached = have;
+            }
+            if have == tokens.len() {
+                continue;
+            }
+            let state = app.engines.prefill(start, tokens[have..].to_vec()).await.map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", format!("{e:#}")))?;
+            prefilled += tokens.len() - have;
+            checkpoint_owned(&app, tokens, state, session.clone(), kind).await;
+        }
+        Ok(json_response(json!({"object": "chat.typing", "session_id": req.session_id, "cached_tokens": cached, "prefilled_tokens": prefilled})))
+    };
+    result.await.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+pub async fn models(AppState(app): AppState<Arc<App>>) -> Response {
+    json_response(json!({"object": "list", "data": [{"id": app.model_name, "object": "model", "created": app.started, "owned_by": "tandem", "max_model_len": app.max_context}]}))
+}
+
+pub async fn health() -> Response {
+    json_response(json!({"status": "ok"}))
+}
+
+pub async fn metrics(AppState(app): AppState<Arc<App>>) -> Response {
+    let (session_bytes, session_entries) = {
+        let c = app.cache.lock().expect("cache lock");
+        (c.bytes(), c.len())
+    };
+    let (prefill_busy, decode_busy) = app.engines.busy();
+    let g = Gauges { queued: app.engines.queued(), active: app.engines.active(), session_bytes, session_entries, prefill_busy, decode_busy };
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render(&g)).into_response()
+}
+
+pub async fn not_found() -> Response {
+    ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint: see POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics").into_response()
+}
+
+pub async fn method_not_allowed() -> Response {
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "this endpoint does not take that method (completions and typing are POST; models, health and metrics GET)").into_response()
+}

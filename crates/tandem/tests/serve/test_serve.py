@@ -1,0 +1,425 @@
+"""`tandem serve` against real clients: the official `openai` Python package and curl.
+
+Started by crates/tandem/tests/serve.rs (which installs the package into a virtualenv), or by
+hand:  TANDEM=target/release/tandem python crates/tandem/tests/serve/test_serve.py
+
+Each check starts its own server (synthetic:tiny unless TANDEM_MODEL says otherwise) on a free
+port, talks to it over loopback, and stops it. Prints what it measured; exits 1 on a failure.
+"""
+
+import asyncio
+import http.client
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+
+TANDEM = os.environ.get("TANDEM", "target/release/tandem")
+MODEL = os.environ.get("TANDEM_MODEL", "synthetic:tiny")
+ENGINES = os.environ.get("TANDEM_ENGINES", "").split()
+
+
+class Server:
+    """A `tandem serve` process on a free loopback port."""
+
+    def __init__(self, *extra):
+        cmd = [TANDEM, "serve", "--model", MODEL, "--port", "0", *ENGINES, *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.log = []
+        found = threading.Event()
+
+        def read():
+            for line in self.proc.stderr:
+                self.log.append(line.rstrip())
+                m = re.search(r"listening on http://([\d.]+):(\d+)", line)
+                if m:
+                    self.host, self.port = m.group(1), int(m.group(2))
+                    found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not found.wait(120):
+            self.proc.kill()
+            raise RuntimeError("tandem serve did not start:\n" + "\n".join(self.log))
+        self.url = f"http://{self.host}:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise RuntimeError("tandem serve did not stop within 30 s of SIGTERM")
+
+    def request(self, method, path, body=None):
+        """(status, headers, body text) of one plain HTTP request."""
+        c = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        c.request(method, path, body=body, headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        out = (r.status, dict(r.getheaders()), r.read().decode())
+        c.close()
+        return out
+
+    def metrics(self):
+        """/metrics as {name{labels}: value}."""
+        _, _, text = self.request("GET", "/metrics")
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def rss_kib(self):
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+
+    def curl(self, *args):
+        r = subprocess.run(["curl", "-sS", *args], capture_output=True, text=True, timeout=60)
+        return r.stdout
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+def wait_until(pred, what, seconds=10.0):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"not within {seconds} s: {what}")
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+def api_and_sdk():
+    with Server("--max-context", "256") as s:
+        c = s.client
+        models = c.models.list()
+        check([m.id for m in models.data] == [MODEL], f"/v1/models lists the model: {models}")
+
+        r = c.chat.completions.create(model=MODEL, messages=user("Tell me about tandem bicycles."), max_tokens=12, temperature=0)
+        text = r.choices[0].message.content
+        check(r.object == "chat.completion" and r.choices[0].finish_reason == "length", f"a whole chat response: {r}")
+        check(r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12, f"usage: {r.usage}")
+        check(isinstance(text, str) and text, "the reply has text")
+
+        # Streaming gives the same greedy text, from a cached state this time.
+        stream = c.chat.completions.create(model=MODEL, messages=user("Tell me about tandem bicycles."), max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True})
+        deltas, finish, usage = [], None, None
+        for chunk in stream:
+            if chunk.usage:
+                usage = chunk.usage
+            for ch in chunk.choices:
+                deltas.append(ch.delta.content or "")
+                finish = ch.finish_reason or finish
+        check("".join(deltas) == text, f"streamed {''.join(deltas)!r} == whole {text!r}")
+        check(finish == "length" and usage.completion_tokens == 12, f"stream finish {finish}, usage {usage}")
+        check(usage.prompt_tokens_details.cached_tokens > 0, f"the repeated prompt continued a cached state: {usage}")
+
+        # Completions, whole and streamed; stop strings cut the text where they start.
+        r = c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=16, temperature=0)
+        full = r.choices[0].text
+        check(r.object == "text_completion" and r.usage.completion_tokens == 16, f"completion: {r}")
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=16, temperature=0, stream=True))
+        check(streamed == full, f"completion streamed {streamed!r} == {full!r}")
+        stop = full[len(full) // 2 :][:3]
+        r = c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=16, temperature=0, stop=[stop])
+        check(r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop", f"stop {stop!r}: {r.choices[0].text!r} from {full!r}")
+
+        # Seeds: the same seed samples the same text; another seed another text.
+        kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0, top_p=0.95)
+        a, b = (c.completions.create(seed=7, **kw).choices[0].text for _ in range(2))
+        other = c.completions.create(seed=8, **kw).choices[0].text
+        check(a == b and a != other, f"seed 7 twice {a!r} {b!r}, seed 8 {other!r}")
+        r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, extra_body={"top_k": 1}, temperature=1.0)
+        greedy = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0).choices[0].text
+        check(r.choices[0].text == greedy, "top_k = 1 is greedy")
+
+        # Bad requests: OpenAI-style errors with the right status; the server keeps serving.
+        def refused(status, param, **kw):
+            try:
+                c.chat.completions.create(**{"model": MODEL, "messages": user("hi"), **kw})
+            except openai.APIStatusError as e:
+                err = e.body if isinstance(e.body, dict) and "message" in e.body else e.body["error"]
+                check(e.status_code == status and err.get("param") == param, f"{kw}: {e.status_code} {err}")
+                return err["message"]
+            raise AssertionError(f"{kw} was accepted")
+
+        refused(404, "model", model="gpt-4")
+        refused(400, "messages", messages=[])
+        refused(400, "max_tokens", max_tokens=0)
+        refused(400, "max_tokens", extra_body={"max_tokens": "ten"})
+        refused(400, "temperature", temperature=5)
+        refused(400, "n", n=3)
+        m = refused(400, "messages", messages=user("word " * 300), max_tokens=10)
+        check("context is 256 tokens" in m, f"a prompt past --max-context says so: {m}")
+        m = refused(400, "messages", messages=user("word " * 40), max_tokens=250)
+        check("250 more were asked for" in m, f"a reply that would not fit says so: {m}")
+        r = c.chat.completions.create(model=MODEL, messages=user("still serving?"), max_tokens=3, temperature=0)
+        check(r.usage.completion_tokens == 3, "the server serves after refusing")
+        print(f"  openai {openai.__version__}: models, chat and completions (whole and streamed), stop, seed, top_k, 8 refusals")
+
+
+def curl_checks():
+    with Server() as s:
+        body = json.dumps({"model": MODEL, "messages": user("Hello"), "max_tokens": 5, "temperature": 0})
+        out = json.loads(s.curl(s.url + "/v1/chat/completions", "-H", "Content-Type: application/json", "-d", body))
+        check(out["choices"][0]["message"]["role"] == "assistant" and out["usage"]["completion_tokens"] == 5, f"curl chat: {out}")
+        sse = s.curl("-N", s.url + "/v1/chat/completions", "-d", json.dumps({**json.loads(body), "stream": True}))
+        events = [line[6:] for line in sse.splitlines() if line.startswith("data: ")]
+        check(events[-1] == "[DONE]", f"the stream ends with data: [DONE]: {events[-2:]}")
+        chunks = [json.loads(e) for e in events[:-1]]
+        check(all(ch["object"] == "chat.completion.chunk" for ch in chunks) and chunks[-1]["choices"][0]["finish_reason"] == "length", "chunks")
+        check("".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks) == out["choices"][0]["message"]["content"], "curl stream == whole")
+
+        code = s.curl("-o", "/dev/null", "-w", "%{http_code}", s.url + "/v1/chat/completions", "-d", '{"messages": [{"role": "user", "content": "hi"}')
+        check(code == "400", f"malformed JSON: {code}")
+        err = json.loads(s.curl(s.url + "/v1/chat/completions", "-d", '{"messages": [{"role": "user"'))["error"]
+        check(err["type"] == "invalid_request_error" and "not valid JSON" in err["message"], f"malformed JSON error: {err}")
+        err = json.loads(s.curl(s.url + "/v1/completions", "-d", '{"prompt": "x", "stop": 5}'))["error"]
+        check(err["param"] == "stop", f"a field of the wrong type: {err}")
+        check(json.loads(s.curl(s.url + "/health")) == {"status": "ok"}, "/health")
+        status, _, text = s.request("GET", "/v1/nothing")
+        check(status == 404 and json.loads(text)["error"]["code"] == "not_found", "unknown path")
+        status, _, _ = s.request("GET", "/v1/chat/completions")
+        check(status == 405, "wrong method")
+        metrics = s.curl(s.url + "/metrics")
+        for name in ["tandem_time_to_first_token_seconds_bucket", "tandem_time_per_output_token_seconds_bucket", "tandem_queue_depth", "tandem_active_sequences",
+                     "tandem_prompt_tokens_total", "tandem_generation_tokens_total", 'tandem_engine_busy_seconds_total{work="prefill"}', "tandem_session_hits_total"]:
+            check(name in metrics, f"/metrics has {name}")
+        check(s.metrics()['tandem_requests_total{endpoint="chat",outcome="invalid"}'] == 2, "invalid requests are counted")
+        print("  curl: chat whole and streamed ([DONE]), malformed JSON, wrong type, 404, 405, /health, /metrics")
+
+
+def conversation(s, history_words, label):
+    """Two turns of one conversation, as an unmodified client sends them: the second turn
+    repeats the whole history. Returns (turn-2 usage, turn-2 TTFT in s, cold TTFT in s)."""
+    c = s.client
+    system = {"role": "system", "content": f"You are assistant {label}."}
+    first = [system, {"role": "user", "content": " ".join(f"w{i}" for i in range(history_words))}]
+    r = c.chat.completions.create(model=MODEL, messages=first, max_tokens=8, temperature=0)
+    second = first + [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "And then?"}]
+
+    def ttft(messages):
+        t = time.perf_counter()
+        stream = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True})
+        first_token, usage = None, None
+        for chunk in stream:
+            if chunk.usage:
+                usage = chunk.usage
+            if first_token is None and chunk.choices and chunk.choices[0].delta.content:
+                first_token = time.perf_counter() - t
+        return first_token, usage
+
+    hits = s.metrics()["tandem_session_hits_total"]
+    warm, usage = ttft(second)
+    check(s.metrics()["tandem_session_hits_total"] == hits + 1, "the second turn is a session hit")
+    # The same conversation under another system prompt: nothing cached covers it.
+    cold, cold_usage = ttft([{"role": "system", "content": f"You are assistant {label}, cold."}] + second[1:])
+    check(cold_usage.prompt_tokens_details.cached_tokens == 0, f"cold: {cold_usage}")
+    return usage, warm, cold
+
+
+def multi_turn():
+    with Server() as s:
+        rows = []
+        for words in (50, 400, 1600):
+            usage, warm, cold = conversation(s, words, f"h{words}")
+            new = usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens
+            rows.append((words, usage.prompt_tokens, new, warm, cold))
+        for words, prompt, new, warm, cold in rows:
+            print(f"  turn 2 after a {words}-word message: prompt {prompt} tokens, prefilled {new}, TTFT {warm * 1e3:.1f} ms (whole prompt: {cold * 1e3:.1f} ms)")
+        news = {new for _, _, new, _, _ in rows}
+        check(max(news) - min(news) <= 4, f"turn 2 prefills the same few tokens whatever the history: {rows}")
+        check(rows[-1][1] > 8 * rows[-1][2], f"most of a long history is reused: {rows[-1]}")
+    print("  multi-turn: the second turn continues the first turn's state (session hit); its prefill does not grow with the history")
+
+
+def typing_ahead():
+    with Server() as s:
+        history = [{"role": "system", "content": "Be brief."}]
+        text = "Could you explain how a recurrent state differs from a KV cache"
+        pre = None
+        for cut in (10, 30, len(text)):
+            status, _, body = s.request("POST", "/v1/chat/typing", json.dumps({"model": MODEL, "session_id": "u1", "messages": history + user(text[:cut])}))
+            check(status == 200, f"typing: {status} {body}")
+            pre = json.loads(body)
+        check(pre["cached_tokens"] > 0, f"typing continues its earlier snapshot: {pre}")
+        r = s.client.chat.completions.create(model=MODEL, messages=history + user(text), max_tokens=4, temperature=0, extra_body={"session_id": "u1"})
+        check(r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens, f"sent as typed: nothing left to prefill: {r.usage}")
+        other = s.client.chat.completions.create(model=MODEL, messages=history + user(text), max_tokens=4, temperature=0, extra_body={"session_id": "u2"})
+        check(other.usage.prompt_tokens_details.cached_tokens == 0, "another session does not see u1's states")
+        check(other.choices[0].message.content == r.choices[0].message.content, "typed-ahead state gives the same reply as a cold prefill")
+        status, _, body = s.request("POST", "/v1/chat/typing", json.dumps({"messages": user("x")}))
+        check(status == 400 and json.loads(body)["error"]["param"] == "session_id", f"typing needs a session: {body}")
+        print(f"  typing ahead: message prefilled while typed ({pre}); sent as typed, {r.usage.prompt_tokens} of {r.usage.prompt_tokens} prompt tokens cached")
+
+
+def read_events(sock_file, n):
+    """Read n SSE data lines from a raw HTTP response."""
+    got = 0
+    while got < n:
+        line = sock_file.readline()
+        if not line:
+            raise AssertionError("the stream ended early")
+        if line.startswith(b"data: "):
+            got += 1
+
+
+def raw_post(s, path, body):
+    sock = socket.create_connection((s.host, s.port))
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def cancellation():
+    with Server() as s:
+        long = {"model": MODEL, "messages": user("Go on forever."), "max_tokens": 30000, "temperature": 0}
+        sock = raw_post(s, "/v1/chat/completions", {**long, "stream": True})
+        read_events(sock.makefile("rb"), 5)
+        check(s.metrics()["tandem_active_sequences"] == 1, "the stream is running")
+        sock.close()
+        t = time.monotonic()
+        wait_until(lambda: s.metrics()["tandem_active_sequences"] == 0, "a closed stream frees its sequence")
+        freed = time.monotonic() - t
+        check(s.metrics()['tandem_requests_total{endpoint="chat",outcome="cancelled"}'] == 1, "counted as cancelled")
+        generated = s.metrics()["tandem_generation_tokens_total"]
+        time.sleep(0.3)
+        check(s.metrics()["tandem_generation_tokens_total"] == generated, "no tokens are generated for it afterwards")
+
+        sock = raw_post(s, "/v1/chat/completions", long)
+        wait_until(lambda: s.metrics()["tandem_generation_tokens_total"] > generated + 5, "the whole-response request runs")
+        sock.close()
+        wait_until(lambda: s.metrics()["tandem_active_sequences"] == 0, "a client that leaves before a whole response cancels it")
+        check(s.metrics()['tandem_requests_total{endpoint="chat",outcome="cancelled"}'] == 2, "counted as cancelled")
+        r = s.client.chat.completions.create(model=MODEL, messages=user("next"), max_tokens=2)
+        check(r.usage.completion_tokens == 2, "serving on")
+        print(f"  cancellation: a client closing its stream freed its sequence in {freed * 1e3:.0f} ms; a whole-response client too")
+
+
+def shutdown():
+    s = Server()
+    stream = raw_post(s, "/v1/chat/completions", {"model": MODEL, "messages": user("Go on."), "max_tokens": 30000, "stream": True})
+    read_events(stream.makefile("rb"), 2)
+    t = time.monotonic()
+    s.proc.terminate()
+    code = s.proc.wait(30)
+    took = time.monotonic() - t
+    check(code == 0 and 9 < took < 20, f"SIGTERM with a stream in flight: exit {code} after {took:.1f} s (10 s of grace)")
+    check(any("stopping" in line for line in s.log) and any(line.endswith("stopped") for line in s.log), "\n".join(s.log))
+    print(f"  shutdown: SIGTERM with a stream in flight: the request had its 10 s, then the server exited cleanly ({took:.1f} s)")
+
+
+def queue_and_429():
+    with Server("--max-concurrent", "1", "--max-queue", "1") as s:
+        long = {"model": MODEL, "messages": user("Go on."), "max_tokens": 30000, "temperature": 0, "stream": True}
+        first = raw_post(s, "/v1/chat/completions", long)
+        read_events(first.makefile("rb"), 2)
+        second = raw_post(s, "/v1/chat/completions", long)
+        wait_until(lambda: s.metrics()["tandem_queue_depth"] == 1, "the second request queues")
+        status, headers, body = s.request("POST", "/v1/chat/completions", json.dumps({**long, "max_tokens": 2}))
+        err = json.loads(body)["error"]
+        check(status == 429 and int(headers.get("retry-after", headers.get("Retry-After", "0"))) >= 1 and err["type"] == "rate_limit_error", f"past the queue: {status} {headers} {err}")
+        try:
+            s.client.chat.completions.create(model=MODEL, messages=user("x"), max_tokens=2)
+            raise AssertionError("the openai client got through a full queue")
+        except openai.RateLimitError as e:
+            check(e.status_code == 429, "openai sees RateLimitError")
+        first.close()
+        read_events(second.makefile("rb"), 2)
+        check(s.metrics()["tandem_queue_depth"] == 0 and s.metrics()["tandem_active_sequences"] == 1, "the queued request runs once the first leaves")
+        second.close()
+        wait_until(lambda: s.metrics()["tandem_active_sequences"] == 0, "all freed")
+        print(f"  queue: past --max-concurrent 1 a request waits; past --max-queue 1, 429 with Retry-After {headers.get('retry-after')}")
+
+
+def load_test(clients=32, requests=256):
+    with Server("--max-concurrent", "8", "--max-queue", "16", "--session-memory", "64MiB") as s:
+        prompts = [f"Request {i}: say something about the number {i * 7919 % 1000}." for i in range(requests)]
+        lengths = [8 + i % 17 for i in range(requests)]
+        # What each prompt gives alone (greedy), to find any stream that got another's tokens.
+        expected = [s.client.chat.completions.create(model=MODEL, messages=user(p), max_tokens=n, temperature=0).choices[0].message.content for p, n in zip(prompts, lengths)]
+        baseline = s.rss_kib()
+        aclient = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        results = [None] * requests
+        refusals = [0]
+        next_i = iter(range(requests))
+
+        async def worker():
+            # A refused request is retried after its Retry-After (at most 1 s here), 3 times.
+            for i in next_i:
+                for attempt in range(4):
+                    try:
+                        stream = await aclient.chat.completions.create(model=MODEL, messages=user(prompts[i]), max_tokens=lengths[i], temperature=0, stream=True, stream_options={"include_usage": True})
+                        text, usage = [], None
+                        async for chunk in stream:
+                            usage = chunk.usage or usage
+                            text.extend(ch.delta.content or "" for ch in chunk.choices)
+                        results[i] = ("done", "".join(text), usage)
+                        break
+                    except openai.RateLimitError as e:
+                        results[i] = ("refused", e.response.headers.get("retry-after"), None)
+                        refusals[0] += 1
+                        await asyncio.sleep(min(1.0, float(results[i][1] or 1)))
+
+        async def run():
+            await asyncio.gather(*(worker() for _ in range(clients)))
+            await aclient.close()
+
+        t = time.monotonic()
+        asyncio.run(asyncio.wait_for(run(), 300))
+        took = time.monotonic() - t
+        done = [i for i, r in enumerate(results) if r and r[0] == "done"]
+        refused = [i for i, r in enumerate(results) if r and r[0] == "refused"]
+        check(len(done) + len(refused) == requests, f"every request completed or was refused: {len(done)} + {len(refused)} of {requests}")
+        check(all(results[i][2] is not None and results[i][2].completion_tokens == lengths[i] for i in done), "every completed stream has its usage")
+        mixed = [i for i in done if results[i][1] != expected[i]]
+        check(not mixed, f"streams whose text is not their own prompt's: {mixed[:5]}")
+        check(all(results[i][1] and int(results[i][1]) >= 1 for i in refused), "refusals carry Retry-After")
+        wait_until(lambda: s.metrics()["tandem_active_sequences"] == 0 and s.metrics()["tandem_queue_depth"] == 0, "idle after the load")
+        after = s.rss_kib()
+        m = s.metrics()
+        check(m["tandem_session_memory_bytes"] <= 64 << 20, "the session cache stays within --session-memory")
+        check(after - baseline < 48 * 1024, f"memory back to its baseline: {baseline} KiB before, {after} KiB after")
+        check(refusals[0] > 0, "the load went past --max-queue (else raise it)")
+        print(f"  load: {clients} streaming clients, {requests} requests in {took:.1f} s: {len(done)} completed with their own text, {len(refused)} refused (429) after 3 retries"
+              f" ({refusals[0]} refusals in all);"
+              f" RSS {baseline // 1024} MiB before, {after // 1024} MiB after")
+
+
+def main():
+    checks = [api_and_sdk, curl_checks, multi_turn, typing_ahead, cancellation, shutdown, queue_and_429, load_test]
+    only = sys.argv[1:]
+    failed = 0
+    for f in checks:
+        if only and f.__name__ not in only:
+            continue
+        t = time.monotonic()
+        print(f"{f.__name__}:", flush=True)
+        try:
+            f()
+            print(f"  ok ({time.monotonic() - t:.1f} s)", flush=True)
+        except Exception as e:  # noqa: BLE001 - report every check
+            failed += 1
+            print(f"  FAILED: {type(e).__name__}: {e}", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
