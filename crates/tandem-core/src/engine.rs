@@ -362,7 +362,7 @@ impl<'m> Engine<'m> {
             let part = &tokens[at..at + real];
             match (&self.backend, &mut *state) {
                 (Backend::Cuda(g), Resident::Gpu(s)) => {
-                    g.forward(part, s, Logits::Last)?;
+                    g.apply(part, s)?;
                 }
                 (Backend::Cpu(pool), Resident::Host(s)) => match self.placement.dispatch {
                     Dispatch::Sequential | Dispatch::Dynamic => {
@@ -406,7 +406,7 @@ impl<'m> Engine<'m> {
                     Resident::Host(_) => unreachable!("adopted"),
                 }).collect();
                 if let [state] = &mut on_gpu[..] {
-                    g.forward(tokens, state, Logits::Last)?;
+                    g.apply(tokens, state)?;
                     return Ok(());
                 }
                 g.decode_batch(tokens, &mut on_gpu)

@@ -69,16 +69,19 @@ extern "C" __global__ void rms_norm(const float* x, const float* scale, float* o
     for (int c = threadIdx.x; c < d; c += blockDim.x) out[(size_t)blockIdx.x * d + c] = xr[c] * inv * scale[c];
 }
 
-// x += y.
-extern "C" __global__ void add_inplace(float* x, const float* y, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) x[i] += y[i];
-}
-
 // gate = silu(gate) * up.
 extern "C" __global__ void swiglu(float* gate, const float* up, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) gate[i] = siluf_(gate[i]) * up[i];
+}
+
+// inv[row] = 1 / rms(x[row, :]) (for the GEMV's IN_NORM). Grid: rows.
+extern "C" __global__ void rms_inv(const float* x, float* inv, int d, float eps) {
+    const float* xr = x + (size_t)blockIdx.x * d;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) ss += xr[c] * xr[c];
+    ss = block_sum(ss);
+    if (threadIdx.x == 0) inv[blockIdx.x] = 1.0f / sqrtf(ss / d + eps);
 }
 
 // Round f32 to bf16, nearest even (the operand of a tensor-core GEMM).
@@ -91,79 +94,134 @@ extern "C" __global__ void to_bf16(const float* x, bf16_t* y, int n) {
     }
 }
 
-// The dot products of bf16 row `row` (k values) with the t <= 8 input rows of x, one warp, 8
-// bf16 per lane per load (k a multiple of 8); every lane gets the sums.
-#define GEMV_MAX_T 8
-__device__ __forceinline__ void warp_dots(const uint4* row, const float* x, int k, int t, float* acc) {
-    int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int m = 0; m < GEMV_MAX_T; m++) acc[m] = 0.0f;
-// Not unrolled: unrolling by 4 measured slower on an H100 (9B decode 85 vs 121 tok/s).
-#pragma unroll 1
-    for (int c = lane; c < k / 8; c += 32) {
-        uint4 p = row[c];
-        float wv[8];
-        wv[0] = __uint_as_float(p.x << 16); wv[1] = __uint_as_float(p.x & 0xffff0000u);
-        wv[2] = __uint_as_float(p.y << 16); wv[3] = __uint_as_float(p.y & 0xffff0000u);
-        wv[4] = __uint_as_float(p.z << 16); wv[5] = __uint_as_float(p.z & 0xffff0000u);
-        wv[6] = __uint_as_float(p.w << 16); wv[7] = __uint_as_float(p.w & 0xffff0000u);
-#pragma unroll
-        for (int m = 0; m < GEMV_MAX_T; m++) {
-            if (m < t) {
-                const float4* xp = (const float4*)(x + (size_t)m * k + c * 8);
-                float4 a = xp[0], b = xp[1];
-                acc[m] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w + wv[4] * b.x + wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
-            }
-        }
+// The decode GEMV: out_j[m, r] (+)= in(x)[m, :] . W_j[r, :] for t <= T tokens (T = 1 or 8) and
+// up to four matrices of the same input in one launch (a layer's input projections). What the
+// weights are multiplied with (MODE) is computed on the fly, saving a launch and a round trip
+// through memory per product:
+//   IN_PLAIN  x itself;
+//   IN_NORM   rms_norm(x) * scale (x2 = scale): the block's input RMSNorm (model/qwen35.rs),
+//             with 1 / rms of each row from rms_inv;
+//   IN_SWIGLU silu(x) * x2 (x = gate, x2 = up): the MLP's down projection.
+// Each block of 256 threads (8 warps) takes units of `rb` rows (1, 2, 4 or 8), 8 / rb warps per
+// row, so that a matrix of few rows still has enough loads in flight; the warps' partial sums
+// are added in a fixed order (the same bits on every run). Lanes read 8 bf16 at a time from the
+// first instruction on (no prologue: the kernels are short, and a block that waits before its
+// first load leaves the memory idle). Matrix j's rows are the next
+// ceil(n_j / rb) units; `accumulate` adds into out (a residual).
+#define IN_PLAIN 0
+#define IN_NORM 1
+#define IN_SWIGLU 2
+
+template <int T, int MODE>
+__device__ __forceinline__ void gemv_chunk(uint4 p, const float* x, const float* x2, int k, int t, int c, float* acc) {
+    float wv[8];
+    wv[0] = __uint_as_float(p.x << 16); wv[1] = __uint_as_float(p.x & 0xffff0000u);
+    wv[2] = __uint_as_float(p.y << 16); wv[3] = __uint_as_float(p.y & 0xffff0000u);
+    wv[4] = __uint_as_float(p.z << 16); wv[5] = __uint_as_float(p.z & 0xffff0000u);
+    wv[6] = __uint_as_float(p.w << 16); wv[7] = __uint_as_float(p.w & 0xffff0000u);
+    float4 s0, s1;
+    if (MODE == IN_NORM) {
+        const float4* sp = (const float4*)(x2 + c * 8);
+        s0 = sp[0]; s1 = sp[1];
     }
 #pragma unroll
-    for (int m = 0; m < GEMV_MAX_T; m++)
-        if (m < t) acc[m] = warp_sum(acc[m]);
+    for (int m = 0; m < T; m++) {
+        if (m < t) {
+            const float4* xp = (const float4*)(x + (size_t)m * k + c * 8);
+            float4 a = xp[0], b = xp[1];
+            if (MODE == IN_NORM) {
+                a.x *= s0.x; a.y *= s0.y; a.z *= s0.z; a.w *= s0.w;
+                b.x *= s1.x; b.y *= s1.y; b.z *= s1.z; b.w *= s1.w;
+            } else if (MODE == IN_SWIGLU) {
+                const float4* up = (const float4*)(x2 + (size_t)m * k + c * 8);
+                float4 ua = up[0], ub = up[1];
+                a.x = siluf_(a.x) * ua.x; a.y = siluf_(a.y) * ua.y; a.z = siluf_(a.z) * ua.z; a.w = siluf_(a.w) * ua.w;
+                b.x = siluf_(b.x) * ub.x; b.y = siluf_(b.y) * ub.y; b.z = siluf_(b.z) * ub.z; b.w = siluf_(b.w) * ub.w;
+            }
+            acc[m] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w + wv[4] * b.x + wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
+        }
+    }
 }
 
-// Lane 0 writes (or adds, with `accumulate`) row r's sums into out[t, n]. Unrolled with a bound
-// test, so that acc stays in registers.
-__device__ __forceinline__ void store_sums(float* out, int n, int r, int t, const float* acc, int accumulate) {
-    if ((threadIdx.x & 31) == 0)
+template <int T, int MODE>
+__device__ void gemv_body(const bf16_t* w0, float* o0, int n0, const bf16_t* w1, float* o1, int n1, const bf16_t* w2, float* o2, int n2,
+                          const bf16_t* w3, float* o3, int n3, const float* x, const float* x2, const float* inv, int k, int t, int rb, int accumulate) {
+    __shared__ float parts[8][T];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int b0 = (n0 + rb - 1) / rb, b1 = (n1 + rb - 1) / rb, b2 = (n2 + rb - 1) / rb, b3 = (n3 + rb - 1) / rb;
+    int wpr = 8 / rb;
+    for (int unit = blockIdx.x; unit < b0 + b1 + b2 + b3; unit += gridDim.x) {
+        // Which matrix this unit's rows belong to (selects, not an indexed array: registers).
+        int block = unit;
+        const bf16_t* w = w0;
+        float* out = o0;
+        int n = n0;
+        if (block >= b0) { block -= b0; w = w1; out = o1; n = n1;
+            if (block >= b1) { block -= b1; w = w2; out = o2; n = n2;
+                if (block >= b2) { block -= b2; w = w3; out = o3; n = n3; } } }
+        int r = block * rb + warp / wpr, part = warp % wpr;
+        float acc[T];
 #pragma unroll
-        for (int m = 0; m < GEMV_MAX_T; m++)
-            if (m < t) out[(size_t)m * n + r] = (accumulate ? out[(size_t)m * n + r] : 0.0f) + acc[m];
+        for (int m = 0; m < T; m++) acc[m] = 0.0f;
+        if (r < n) {
+            const uint4* row = (const uint4*)(w + (size_t)r * k);
+            int kc = k / 8, step = wpr * 32;
+            int c = part * 32 + lane;
+            // Not unrolled: four loads ahead measured slower on an H100 (9B decode 98 against
+            // 113 tok/s, all else equal; 85 against 121 with the earlier one-matrix kernel).
+#pragma unroll 1
+            for (; c < kc; c += step) gemv_chunk<T, MODE>(row[c], x, x2, k, t, c, acc);
+        }
+#pragma unroll
+        for (int m = 0; m < T; m++) acc[m] = warp_sum(acc[m]);
+        if (wpr == 1) {
+            // One warp per row: it writes its sums itself, and the warps run on unsynchronised.
+            if (r < n && lane == 0)
+#pragma unroll
+                for (int m = 0; m < T; m++)
+                    if (m < t) {
+                        size_t at = (size_t)m * n + r;
+                        out[at] = (accumulate ? out[at] : 0.0f) + (MODE == IN_NORM ? acc[m] * inv[m] : acc[m]);
+                    }
+            continue;
+        }
+        if (lane == 0)
+#pragma unroll
+            for (int m = 0; m < T; m++) parts[warp][m] = acc[m];
+        __syncthreads();
+        if (r < n && part == 0 && lane == 0) {
+#pragma unroll
+            for (int m = 0; m < T; m++) {
+                if (m < t) {
+                    float s = 0.0f;
+                    for (int q = 0; q < wpr; q++) s += parts[warp + q][m];
+                    if (MODE == IN_NORM) s *= inv[m];
+                    size_t at = (size_t)m * n + r;
+                    out[at] = (accumulate ? out[at] : 0.0f) + s;
+                }
+            }
+        }
+        __syncthreads();
+    }
 }
 
-// out[m, r] (+)= x[m, :] . W[r, :] for t <= 8 tokens, one warp per row; `accumulate` adds to
-// out (a residual connection). Grid: ceil(n / 8).
-extern "C" __global__ void gemv_bf16(const bf16_t* w, const float* x, float* out, int n, int k, int t, int accumulate) {
-    int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= n) return;
-    float acc[GEMV_MAX_T];
-    warp_dots((const uint4*)(w + (size_t)r * k), x, k, t, acc);
-    store_sums(out, n, r, t, acc, accumulate);
-}
+#define GEMV_KERNEL(NAME, T, MODE)                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const bf16_t* w0, float* o0, int n0, const bf16_t* w1, float* o1, int n1, \
+                                                           const bf16_t* w2, float* o2, int n2, const bf16_t* w3, float* o3, int n3,   \
+                                                           const float* x, const float* x2, const float* inv, int k, int t, int rb, int accumulate) { \
+        gemv_body<T, MODE>(w0, o0, n0, w1, o1, n1, w2, o2, n2, w3, o3, n3, x, x2, inv, k, t, rb, accumulate);                        \
+    }
+GEMV_KERNEL(gemv_t1_plain, 1, IN_PLAIN)
+GEMV_KERNEL(gemv_t1_norm, 1, IN_NORM)
+GEMV_KERNEL(gemv_t1_swiglu, 1, IN_SWIGLU)
+GEMV_KERNEL(gemv_t8_plain, 8, IN_PLAIN)
+GEMV_KERNEL(gemv_t8_norm, 8, IN_NORM)
+GEMV_KERNEL(gemv_t8_swiglu, 8, IN_SWIGLU)
 
-// Up to four products of the same input in one launch (a layer's input projections): matrix j
-// has n_j rows (0: unused) and writes out_j[t, n_j]; its rows take the next ceil(n_j / 8) blocks.
-extern "C" __global__ void gemv_bf16_multi(const bf16_t* w0, float* o0, int n0, const bf16_t* w1, float* o1, int n1, const bf16_t* w2, float* o2, int n2,
-                                           const bf16_t* w3, float* o3, int n3, const float* x, int k, int t) {
-    // Which matrix this block's rows belong to (selects, not an indexed array: registers).
-    int warps = blockDim.x >> 5;
-    int b0 = (n0 + warps - 1) / warps, b1 = (n1 + warps - 1) / warps, b2 = (n2 + warps - 1) / warps;
-    int block = blockIdx.x;
-    const bf16_t* w = w0;
-    float* out = o0;
-    int n = n0;
-    if (block >= b0) { block -= b0; w = w1; out = o1; n = n1;
-        if (block >= b1) { block -= b1; w = w2; out = o2; n = n2;
-            if (block >= b2) { block -= b2; w = w3; out = o3; n = n3; } } }
-    int r = block * warps + (threadIdx.x >> 5);
-    if (r >= n) return;
-    float acc[GEMV_MAX_T];
-    warp_dots((const uint4*)(w + (size_t)r * k), x, k, t, acc);
-    store_sums(out, n, r, t, acc, 0);
-}
-
-// out[m, r] = x[m, :] . W[r, :] for any t, in f32 (the exact path of a prefill): 64 x 64 output
-// tiles, 16 x 16 threads of 4 x 4 outputs each, k in steps of 16.
-extern "C" __global__ void gemm_bf16_f32(const bf16_t* w, const float* x, float* out, int n, int k, int t) {
+// out[m, r] (+)= x[m, :] . W[r, :] for any t, in f32 (the exact path of a prefill): 64 x 64
+// output tiles, 16 x 16 threads of 4 x 4 outputs each, k in steps of 16; `accumulate` adds to
+// out (a residual connection).
+extern "C" __global__ void gemm_bf16_f32(const bf16_t* w, const float* x, float* out, int n, int k, int t, int accumulate) {
     __shared__ float ws[16][65];
     __shared__ float xs[16][65];
     int r0 = blockIdx.x * 64, m0 = blockIdx.y * 64;
@@ -195,26 +253,32 @@ extern "C" __global__ void gemm_bf16_f32(const bf16_t* w, const float* x, float*
         if (m >= t) continue;
         for (int i = 0; i < 4; i++) {
             int r = r0 + tx * 4 + i;
-            if (r < n) out[(size_t)m * n + r] = acc[i][j];
+            if (r < n) out[(size_t)m * n + r] = (accumulate ? out[(size_t)m * n + r] : 0.0f) + acc[i][j];
         }
     }
 }
 
-// Causal depthwise conv + SiLU (qwen35.rs causal_conv_silu): one thread per channel runs over
-// the t tokens with its K-column window, then leaves the last K raw columns in `conv`
-// ([K, cd], oldest first).
-extern "C" __global__ void conv_silu(float* conv, const float* qkv, const float* taps, float* out, int t, int cd, int kk) {
+// Causal depthwise conv + SiLU of a prefill (qwen35.rs causal_conv_silu), one thread per (token,
+// channel): the window of token i is the raw inputs i - kk + 1 ..= i, those before the call read
+// from the conv state `conv` ([kk, cd], oldest first). Grid: (t, ceil(cd / 256)).
+__device__ __forceinline__ float conv_input(const float* conv, const float* qkv, int p, int c, int cd, int kk) {
+    return p >= 0 ? qkv[(size_t)p * cd + c] : conv[(size_t)(kk + p) * cd + c];
+}
+extern "C" __global__ void conv_silu_rows(const float* conv, const float* qkv, const float* taps, float* out, int t, int cd, int kk) {
+    int i = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= cd) return;
+    float acc = 0.0f;
+    for (int j = 0; j < kk; j++) acc = fmaf(taps[(size_t)j * cd + c], conv_input(conv, qkv, i - kk + 1 + j, c, cd, kk), acc);
+    out[(size_t)i * cd + c] = siluf_(acc);
+}
+
+// After conv_silu_rows: the conv state becomes the last kk raw inputs (one thread per channel
+// reads its old columns before it writes any).
+extern "C" __global__ void conv_state_tail(float* conv, const float* qkv, int t, int cd, int kk) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= cd) return;
     float win[8];
-    for (int j = 0; j < kk; j++) win[j] = conv[(size_t)j * cd + c];
-    for (int i = 0; i < t; i++) {
-        for (int j = 0; j + 1 < kk; j++) win[j] = win[j + 1];
-        win[kk - 1] = qkv[(size_t)i * cd + c];
-        float acc = 0.0f;
-        for (int j = 0; j < kk; j++) acc = fmaf(taps[(size_t)j * cd + c], win[j], acc);
-        out[(size_t)i * cd + c] = siluf_(acc);
-    }
+    for (int j = 0; j < kk; j++) win[j] = conv_input(conv, qkv, t - kk + j, c, cd, kk);
     for (int j = 0; j < kk; j++) conv[(size_t)j * cd + c] = win[j];
 }
 
@@ -228,43 +292,297 @@ extern "C" __global__ void l2norm_qk(float* mixed, int cd, int hk, int dk, float
     if (threadIdx.x < dk) v[threadIdx.x] = x * inv * (head < hk ? q_scale : 1.0f);
 }
 
-// The gated delta rule over t tokens (deltanet.rs recurrent_step, token after token). One block
-// per value head, one thread per value column j, which holds column j of the head's state in
-// registers for the whole call.
+// A DeltaNet layer's mixer for a few tokens (decode), in one launch: causal conv + SiLU, l2 norm
+// of q and k (q scaled by 1/sqrt(dk)), the gated delta rule token after token
+// (deltanet.rs recurrent_step) and the gated RMSNorm (model/qwen35.rs), from the projections
+// (qkv, z, b, a) to the core output. One block per key head with its value heads (so that the
+// block owns every conv channel it reads: no other block writes them); each value column is
+// held by 4 adjacent lanes, DK / 4 state rows each, in registers for the whole call.
+// Block: (hv / hk) * dv * 4 threads (at most 1024).
 template <int DK>
-__device__ void deltanet_body(float* state, const float* mixed, const float* bproj, const float* aproj, const float* neg_a, const float* dt_bias, float* core, int t, int hk, int hv, int dv, int cd) {
-    __shared__ float qs[DK], ks[DK];
-    int head = blockIdx.x, j = threadIdx.x;
-    int kh = head / (hv / hk), kd = hk * DK, vd = hv * dv;
-    float* sh = state + (size_t)head * DK * dv;
-    float s[DK];
+__device__ void deltanet_step_body(float* conv, float* state, const float* qkv, const float* z, const float* bproj, const float* aproj, const float* taps,
+                                   const float* neg_a, const float* dt_bias, const float* norm_w, float* core, int t, int hk, int hv, int dv, int cd, int kk, float eps) {
+    constexpr int R = DK / 4;
+    __shared__ float sq[DK], sk[DK], sv[1024], stats[2], head_ss[32];
+    int kh = blockIdx.x, ratio = hv / hk, kd = hk * DK, vd = hv * dv;
+    int tid = threadIdx.x, col = tid >> 2, sub = tid & 3;
+    int vl = col / dv, j = col % dv, vh = kh * ratio + vl;
+    int nc = 2 * DK + ratio * dv;
+    // The conv channel this thread owns (if any): q, then k, then v of this key head.
+    int ch = tid < DK ? kh * DK + tid : tid < 2 * DK ? kd + kh * DK + (tid - DK) : 2 * kd + kh * ratio * dv + (tid - 2 * DK);
+    float win[8];
+    if (tid < nc)
+        for (int q = 0; q < kk; q++) win[q] = conv[(size_t)q * cd + ch];
+    float* sh = state + (size_t)vh * DK * dv;
+    float s[R];
 #pragma unroll
-    for (int i = 0; i < DK; i++) s[i] = sh[(size_t)i * dv + j];
+    for (int i = 0; i < R; i++) s[i] = sh[(size_t)(sub * R + i) * dv + j];
+    float wj = norm_w[j];
     for (int tok = 0; tok < t; tok++) {
-        const float* row = mixed + (size_t)tok * cd;
-        __syncthreads();
-        for (int i = j; i < DK; i += blockDim.x) {
-            qs[i] = row[kh * DK + i];
-            ks[i] = row[kd + kh * DK + i];
+        if (tid < nc) {
+            for (int q = 0; q + 1 < kk; q++) win[q] = win[q + 1];
+            win[kk - 1] = qkv[(size_t)tok * cd + ch];
+            float acc = 0.0f;
+            for (int q = 0; q < kk; q++) acc = fmaf(taps[(size_t)q * cd + ch], win[q], acc);
+            float y = siluf_(acc);
+            if (tid < DK) sq[tid] = y; else if (tid < 2 * DK) sk[tid - DK] = y; else sv[tid - 2 * DK] = y;
         }
         __syncthreads();
-        float beta = sigmoidf_(bproj[tok * hv + head]);
-        float alpha = expf(neg_a[head] * softplusf_(aproj[tok * hv + head] + dt_bias[head]));
+        // Warp 0: 1 / |q| (times 1/sqrt(dk)); warp 1: 1 / |k|.
+        if (tid < 64) {
+            const float* v = tid < 32 ? sq : sk;
+            float ss = 0.0f;
+            for (int i = tid & 31; i < DK; i += 32) ss += v[i] * v[i];
+            ss = warp_sum(ss);
+            if ((tid & 31) == 0) stats[tid >> 5] = 1.0f / sqrtf(ss + 1e-6f) * (tid < 32 ? rsqrtf((float)DK) : 1.0f);
+        }
+        __syncthreads();
+        float qn = stats[0], kn = stats[1];
+        float beta = sigmoidf_(bproj[tok * hv + vh]);
+        float alpha = expf(neg_a[vh] * softplusf_(aproj[tok * hv + vh] + dt_bias[vh]));
         float m = 0.0f;
 #pragma unroll
-        for (int i = 0; i < DK; i++) { s[i] *= alpha; m += s[i] * ks[i]; }
-        float u = beta * (row[2 * kd + head * dv + j] - m);
+        for (int i = 0; i < R; i++) { s[i] *= alpha; m += s[i] * (sk[sub * R + i] * kn); }
+        m += __shfl_xor_sync(0xffffffffu, m, 1);
+        m += __shfl_xor_sync(0xffffffffu, m, 2);
+        float u = beta * (sv[vl * dv + j] - m);
         float o = 0.0f;
 #pragma unroll
-        for (int i = 0; i < DK; i++) { s[i] += ks[i] * u; o += s[i] * qs[i]; }
-        core[(size_t)tok * vd + head * dv + j] = o;
+        for (int i = 0; i < R; i++) { s[i] += (sk[sub * R + i] * kn) * u; o += s[i] * (sq[sub * R + i] * qn); }
+        o += __shfl_xor_sync(0xffffffffu, o, 1);
+        o += __shfl_xor_sync(0xffffffffu, o, 2);
+        // Gated RMSNorm over the value head's dv outputs: each warp holds 8 columns of one head.
+        float ss = warp_sum(sub == 0 ? o * o : 0.0f);
+        if ((tid & 31) == 0) head_ss[tid >> 5] = ss;
+        __syncthreads();
+        int per_head = dv * 4 / 32;
+        float total = 0.0f;
+        for (int q = 0; q < per_head; q++) total += head_ss[vl * per_head + q];
+        if (sub == 0) {
+            float inv = 1.0f / sqrtf(total / dv + eps);
+            size_t at = (size_t)tok * vd + vh * dv + j;
+            core[at] = wj * (o * inv) * siluf_(z[at]);
+        }
+        __syncthreads();
     }
 #pragma unroll
-    for (int i = 0; i < DK; i++) sh[(size_t)i * dv + j] = s[i];
+    for (int i = 0; i < R; i++) sh[(size_t)(sub * R + i) * dv + j] = s[i];
+    if (tid < nc)
+        for (int q = 0; q < kk; q++) conv[(size_t)q * cd + ch] = win[q];
 }
-extern "C" __global__ void deltanet_32(float* s, const float* mixed, const float* b, const float* a, const float* na, const float* dt, float* core, int t, int hk, int hv, int dv, int cd) { deltanet_body<32>(s, mixed, b, a, na, dt, core, t, hk, hv, dv, cd); }
-extern "C" __global__ void deltanet_64(float* s, const float* mixed, const float* b, const float* a, const float* na, const float* dt, float* core, int t, int hk, int hv, int dv, int cd) { deltanet_body<64>(s, mixed, b, a, na, dt, core, t, hk, hv, dv, cd); }
-extern "C" __global__ void deltanet_128(float* s, const float* mixed, const float* b, const float* a, const float* na, const float* dt, float* core, int t, int hk, int hv, int dv, int cd) { deltanet_body<128>(s, mixed, b, a, na, dt, core, t, hk, hv, dv, cd); }
+#define DELTANET_STEP(NAME, DK)                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(1024) NAME(float* conv, float* state, const float* qkv, const float* z, const float* b, const float* a, const float* taps, \
+                                    const float* na, const float* dt, const float* nw, float* core, int t, int hk, int hv, int dv, int cd, int kk, float eps) { \
+        deltanet_step_body<DK>(conv, state, qkv, z, b, a, taps, na, dt, nw, core, t, hk, hv, dv, cd, kk, eps);                               \
+    }
+DELTANET_STEP(deltanet_step_32, 32)
+DELTANET_STEP(deltanet_step_64, 64)
+DELTANET_STEP(deltanet_step_128, 128)
+
+// The chunked gated delta rule of a prefill (deltanet.rs chunked_body), in two kernels.
+// Part 1, every (chunk of 64 tokens, value head) at once, as it needs no state: the cumulative
+// log-decay G, the matrices A = (beta k . k^T) * decay (strictly lower) and P = (q . k^T) * decay
+// (lower with the diagonal), and by forward substitution (I + A) U = beta v and
+// (I + A) W = beta k exp(G). Writes gcum [t, hv], U [t, hv, dv], W [t, hv, dk] and
+// P [chunks, hv, 64, 64]. `mixed` holds the conv output with q and k already l2-normalised.
+// Block: 256 threads (at least dk + dv); grid: (chunks, hv).
+#define CHUNK 64
+extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prep(const float* mixed, const float* bproj, const float* aproj, const float* neg_a, const float* dt_bias,
+                                                                      float* gcum, float* U, float* W, float* P, int t, int hk, int hv, int dk, int dv, int cd) {
+    __shared__ float qs[CHUNK][33], ks[CHUNK][33], as[CHUNK][CHUNK + 1], gc[CHUNK], bt[CHUNK];
+    int chunk = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    int c0 = chunk * CHUNK, n = min(CHUNK, t - c0);
+    int kh = h / (hv / hk), kd = hk * dk;
+    if (tid < CHUNK) {
+        float g = 0.0f, b = 0.0f;
+        if (tid < n) {
+            g = neg_a[h] * softplusf_(aproj[(size_t)(c0 + tid) * hv + h] + dt_bias[h]);
+            b = sigmoidf_(bproj[(size_t)(c0 + tid) * hv + h]);
+        }
+        gc[tid] = g;
+        bt[tid] = b;
+    }
+    __syncthreads();
+    if (tid == 0)
+        for (int i = 1; i < n; i++) gc[i] += gc[i - 1];
+    __syncthreads();
+    if (tid < n) gcum[(size_t)(c0 + tid) * hv + h] = gc[tid];
+    // k . k^T and q . k^T, 4 x 4 entries per thread, over dk in steps of 32.
+    int ty = tid / 16, tx = tid % 16;
+    float accA[4][4] = {{0}}, accP[4][4] = {{0}};
+    for (int d0 = 0; d0 < dk; d0 += 32) {
+        for (int e = tid; e < CHUNK * 32; e += blockDim.x) {
+            int i = e / 32, dd = e % 32;
+            const float* row = mixed + (size_t)(c0 + i) * cd;
+            qs[i][dd] = i < n ? row[kh * dk + d0 + dd] : 0.0f;
+            ks[i][dd] = i < n ? row[kd + kh * dk + d0 + dd] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int dd = 0; dd < 32; dd++) {
+            float qa[4], ka[4], kb[4];
+#pragma unroll
+            for (int r = 0; r < 4; r++) { qa[r] = qs[ty * 4 + r][dd]; ka[r] = ks[ty * 4 + r][dd]; kb[r] = ks[tx * 4 + r][dd]; }
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) { accA[r][c] += ka[r] * kb[c]; accP[r][c] += qa[r] * kb[c]; }
+        }
+        __syncthreads();
+    }
+    float* Pc = P + ((size_t)chunk * hv + h) * CHUNK * CHUNK;
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            int i = ty * 4 + r, jj = tx * 4 + c;
+            float decay = jj <= i ? expf(gc[i] - gc[jj]) : 0.0f;
+            as[i][jj] = jj < i ? bt[i] * accA[r][c] * decay : 0.0f;
+            Pc[i * CHUNK + jj] = accP[r][c] * decay;
+        }
+    __syncthreads();
+    // Forward substitution, one column of U (threads < dv) or W (the next dk) per thread, the
+    // column in registers (the loops are unrolled).
+    if (tid < dv + dk) {
+        bool is_u = tid < dv;
+        int d = is_u ? tid : tid - dv;
+        const float* src = mixed + (is_u ? 2 * kd + h * dv + d : kd + kh * dk + d);
+        float col[CHUNK];
+#pragma unroll
+        for (int i = 0; i < CHUNK; i++) {
+            float acc = 0.0f;
+            if (i < n) acc = is_u ? bt[i] * src[(size_t)(c0 + i) * cd] : bt[i] * src[(size_t)(c0 + i) * cd] * expf(gc[i]);
+#pragma unroll
+            for (int jj = 0; jj < i; jj++) acc -= as[i][jj] * col[jj];
+            col[i] = acc;
+        }
+        float* dst = is_u ? U + (size_t)h * dv + d : W + (size_t)h * dk + d;
+        size_t stride = (size_t)hv * (is_u ? dv : dk);
+        for (int i = 0; i < n; i++) dst[(size_t)(c0 + i) * stride] = col[i];
+    }
+}
+
+// Part 2, the state's way through the chunks (in order), one block per (value head, DS value
+// columns): V' = U - W S, O = (q exp(G)) S + P V', S <- exp(G_last) S + (k exp(G_last - G))^T V'.
+// The DS columns of S live in shared memory; thread (group, col) takes rows RPG * group .. of
+// the chunk's products. Block: 256 threads; grid: (hv, dv / DS).
+template <int DS>
+__device__ void deltanet_chunk_state_body(float* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P, float* core, int t, int hk, int hv,
+                                          int dk, int dv, int cd) {
+    constexpr int G = 256 / DS, RPG = CHUNK / G;
+    __shared__ float S[128][DS], vp[CHUNK][DS + 1], gc[CHUNK];
+    // xs and ys (32 key channels of W, q or k for every row), or P.
+    __shared__ float tiles[2 * CHUNK * 33];
+    float(*xs)[33] = (float(*)[33])tiles;
+    float(*ys)[33] = (float(*)[33])(tiles + CHUNK * 33);
+    float(*ps)[CHUNK] = (float(*)[CHUNK])tiles;
+    int h = blockIdx.x, col0 = blockIdx.y * DS, tid = threadIdx.x, col = tid % DS, grp = tid / DS;
+    int kh = h / (hv / hk), kd = hk * dk, vd = hv * dv;
+    float* sh = state + (size_t)h * dk * dv;
+    for (int e = tid; e < dk * DS; e += blockDim.x) S[e / DS][e % DS] = sh[(size_t)(e / DS) * dv + col0 + e % DS];
+    int chunks = (t + CHUNK - 1) / CHUNK;
+    for (int chunk = 0; chunk < chunks; chunk++) {
+        int c0 = chunk * CHUNK, n = min(CHUNK, t - c0);
+        __syncthreads();
+        if (tid < CHUNK) gc[tid] = tid < n ? gcum[(size_t)(c0 + tid) * hv + h] : 0.0f;
+        __syncthreads();
+        // This chunk's U and P, loaded now and used after W S: their loads run meanwhile.
+        const float* Pc = P + ((size_t)chunk * hv + h) * CHUNK * CHUNK;
+        float ur[RPG], pr[CHUNK * CHUNK / 256];
+#pragma unroll
+        for (int r = 0; r < RPG; r++) {
+            int i = grp * RPG + r;
+            ur[r] = i < n ? U[((size_t)(c0 + i) * hv + h) * dv + col0 + col] : 0.0f;
+        }
+#pragma unroll
+        for (int q = 0; q < CHUNK * CHUNK / 256; q++) pr[q] = Pc[tid + q * 256];
+        // W S and (q exp(G)) S, the next 32 key channels loaded while these are multiplied.
+        constexpr int PER = CHUNK * 32 / 256;
+        float rx[PER], ry[PER];
+        auto load_wq = [&](int d0) {
+#pragma unroll
+            for (int q = 0; q < PER; q++) {
+                int e = tid + q * 256, i = e / 32, dd = e % 32;
+                bool in = i < n;
+                rx[q] = in ? W[((size_t)(c0 + i) * hv + h) * dk + d0 + dd] : 0.0f;
+                ry[q] = in ? mixed[(size_t)(c0 + i) * cd + kh * dk + d0 + dd] * expf(gc[i]) : 0.0f;
+            }
+        };
+        float accv[RPG], acco[RPG];
+#pragma unroll
+        for (int r = 0; r < RPG; r++) accv[r] = acco[r] = 0.0f;
+        load_wq(0);
+        for (int d0 = 0; d0 < dk; d0 += 32) {
+#pragma unroll
+            for (int q = 0; q < PER; q++) {
+                int e = tid + q * 256;
+                xs[e / 32][e % 32] = rx[q];
+                ys[e / 32][e % 32] = ry[q];
+            }
+            __syncthreads();
+            if (d0 + 32 < dk) load_wq(d0 + 32);
+#pragma unroll 8
+            for (int dd = 0; dd < 32; dd++) {
+                float sv = S[d0 + dd][col];
+#pragma unroll
+                for (int r = 0; r < RPG; r++) { accv[r] += xs[grp * RPG + r][dd] * sv; acco[r] += ys[grp * RPG + r][dd] * sv; }
+            }
+            __syncthreads();
+        }
+#pragma unroll
+        for (int r = 0; r < RPG; r++) {
+            int i = grp * RPG + r;
+            vp[i][col] = i < n ? ur[r] - accv[r] : 0.0f;
+        }
+#pragma unroll
+        for (int q = 0; q < CHUNK * CHUNK / 256; q++) {
+            int e = tid + q * 256;
+            ps[e / CHUNK][e % CHUNK] = pr[q];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < RPG; r++) {
+            int i = grp * RPG + r;
+            if (i < n) {
+                float o = acco[r];
+                for (int jj = 0; jj <= i; jj++) o += ps[i][jj] * vp[jj][col];
+                core[(size_t)(c0 + i) * vd + h * dv + col0 + col] = o;
+            }
+        }
+        // S <- exp(G_last) S + (k exp(G_last - G))^T V', 32 key channels at a time, the next
+        // ones loaded while these are added.
+        float gl = gc[n - 1], el = expf(gl);
+        auto load_k = [&](int d0) {
+#pragma unroll
+            for (int q = 0; q < PER; q++) {
+                int e = tid + q * 256, i = e / 32, dd = e % 32;
+                rx[q] = i < n ? mixed[(size_t)(c0 + i) * cd + kd + kh * dk + d0 + dd] * expf(gl - gc[i]) : 0.0f;
+            }
+        };
+        load_k(0);
+        for (int d0 = 0; d0 < dk; d0 += 32) {
+            __syncthreads();
+#pragma unroll
+            for (int q = 0; q < PER; q++) {
+                int e = tid + q * 256;
+                xs[e / 32][e % 32] = rx[q];
+            }
+            __syncthreads();
+            if (d0 + 32 < dk) load_k(d0 + 32);
+            for (int dd = grp; dd < 32; dd += G) {
+                float acc = S[d0 + dd][col] * el;
+                for (int i = 0; i < n; i++) acc += xs[i][dd] * vp[i][col];
+                S[d0 + dd][col] = acc;
+            }
+        }
+    }
+    __syncthreads();
+    for (int e = tid; e < dk * DS; e += blockDim.x) sh[(size_t)(e / DS) * dv + col0 + e % DS] = S[e / DS][e % DS];
+}
+extern "C" __global__ void __launch_bounds__(256, 3) deltanet_chunk_state(float* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P,
+                                                                       float* core, int t, int hk, int hv, int dk, int dv, int cd) {
+    deltanet_chunk_state_body<16>(state, mixed, gcum, U, W, P, core, t, hk, hv, dk, dv, cd);
+}
 
 // core = w * (core / rms(core)) * silu(z), per head row of width dv. Grid: tokens * value heads.
 extern "C" __global__ void gated_rms_norm(float* core, const float* z, const float* w, int dv, float eps) {
@@ -278,28 +596,32 @@ extern "C" __global__ void gated_rms_norm(float* core, const float* z, const flo
 
 // Per token: split the interleaved query/gate heads, RMSNorm q and k heads with their
 // zero-centred weights, rotate the first 2 * half channels (NeoX pairs c, c + half) at
-// position pos[0] + token. Grid: (tokens, hq + hkv); block: a warp multiple >= d.
-extern "C" __global__ void qk_norm_rope(const float* qg, float* q, float* gate, float* k, const float* q_norm, const float* k_norm,
-                                        const float* inv_freq, int hq, int hkv, int d, int half, const u32* pos, float eps) {
+// position pos[0] + token; keys and values go straight into the caches kc, vc at that row.
+// Grid: (tokens, hq + hkv); block: a warp multiple >= d.
+extern "C" __global__ void qk_norm_rope(const float* qg, float* q, float* gate, const float* k, const float* v, float* kc, float* vc, const float* q_norm,
+                                        const float* k_norm, const float* inv_freq, int hq, int hkv, int d, int half, const u32* pos, float eps) {
     int pos0 = (int)pos[0];
-    __shared__ float v[1024];
+    __shared__ float sv[1024];
     int tok = blockIdx.x, head = blockIdx.y, c = threadIdx.x;
     bool is_q = head < hq;
-    const float* src = is_q ? qg + ((size_t)tok * hq + head) * 2 * d : k + ((size_t)tok * hkv + (head - hq)) * d;
-    float* dst = is_q ? q + ((size_t)tok * hq + head) * d : k + ((size_t)tok * hkv + (head - hq)) * d;
+    int kh = head - hq;
+    size_t kv_at = (size_t)tok * hkv + kh, cache_at = (size_t)(pos0 + tok) * hkv + kh;
+    const float* src = is_q ? qg + ((size_t)tok * hq + head) * 2 * d : k + kv_at * d;
+    float* dst = is_q ? q + ((size_t)tok * hq + head) * d : kc + cache_at * d;
     const float* w = is_q ? q_norm : k_norm;
     float x = c < d ? src[c] : 0.0f;
     if (is_q && c < d) gate[((size_t)tok * hq + head) * d + c] = src[d + c];
+    if (!is_q && c < d) vc[cache_at * d + c] = v[kv_at * d + c];
     float inv = 1.0f / sqrtf(block_sum(x * x) / d + eps);
-    if (c < d) v[c] = x * inv * w[c];
+    if (c < d) sv[c] = x * inv * w[c];
     __syncthreads();
     if (c < d) {
-        float y = v[c];
+        float y = sv[c];
         if (c < 2 * half) {
             int i = c < half ? c : c - half;
             float angle = (float)(pos0 + tok) * inv_freq[i];
             float cs = (float)cos((double)angle), sn = (float)sin((double)angle);
-            y = c < half ? v[c] * cs - v[c + half] * sn : v[c] * cs + v[c - half] * sn;
+            y = c < half ? sv[c] * cs - sv[c + half] * sn : sv[c] * cs + sv[c - half] * sn;
         }
         dst[c] = y;
     }
@@ -343,11 +665,122 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
     }
 }
 
-// Append t rows of keys and values (n = t * row values each) to the caches at row pos[0].
-extern "C" __global__ void kv_append(const float* k, const float* v, float* kc, float* vc, const u32* pos, int row, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    size_t at = (size_t)pos[0] * row + i;
-    kc[at] = k[i];
-    vc[at] = v[i];
+// Causal GQA attention of a prefill, tiled (flash attention, in f32): one block per (64 queries,
+// query head) walks the visible keys 64 at a time with an online softmax, so each key and value
+// row is read once per 64 queries and no buffer grows with the context. S = Q K^T: thread
+// (ty, tx) holds rows 4ty.. and keys 4tx..; O: rows 4ty.., columns tx + 16c. The 16 threads of
+// a row group are one half-warp (row max and sum by shuffles). d <= 256, a multiple of 16.
+// Grid: (ceil(t / 64), hq); block: 256.
+#define AQ 64
+#define AK 64
+extern "C" __global__ void __launch_bounds__(256) attention_tiled(const float* q, const float* kc, const float* vc, const float* gate, float* out, int t, int hq,
+                                                                  int hkv, int d, const u32* pos) {
+    // qs/ks (staged 32 channels at a time for S) share their memory with vs (16 keys of V).
+    __shared__ float tiles[2 * AQ * 33];
+    __shared__ float ps[AQ][AK + 1];
+    float(*qs)[33] = (float(*)[33])tiles;
+    float(*ks)[33] = (float(*)[33])(tiles + AQ * 33);
+    float* vs = tiles;
+    int pos0 = (int)pos[0];
+    int q0 = blockIdx.x * AQ, h = blockIdx.y, kvh = h / (hq / hkv);
+    int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
+    int rows = min(AQ, t - q0);
+    int kend = pos0 + q0 + rows;  // keys 0..kend - 1 are visible to some row of this block
+    float scale = 1.0f / sqrtf((float)d);
+    float m[4], l[4], o[4][16];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        m[r] = NEG_INF;
+        l[r] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 16; c++) o[r][c] = 0.0f;
+    }
+    for (int k0 = 0; k0 < kend; k0 += AK) {
+        float sc[4][4] = {{0}};
+        for (int d0 = 0; d0 < d; d0 += 32) {
+            __syncthreads();
+            for (int e = tid; e < AQ * 32; e += 256) {
+                int i = e / 32, dd = e % 32;
+                bool dok = d0 + dd < d;
+                qs[i][dd] = (i < rows && dok) ? q[((size_t)(q0 + i) * hq + h) * d + d0 + dd] : 0.0f;
+                ks[i][dd] = (k0 + i < kend && dok) ? kc[((size_t)(k0 + i) * hkv + kvh) * d + d0 + dd] : 0.0f;
+            }
+            __syncthreads();
+#pragma unroll 8
+            for (int dd = 0; dd < 32; dd++) {
+                float a[4], b[4];
+#pragma unroll
+                for (int r = 0; r < 4; r++) { a[r] = qs[ty * 4 + r][dd]; b[r] = ks[tx * 4 + r][dd]; }
+#pragma unroll
+                for (int r = 0; r < 4; r++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) sc[r][c] += a[r] * b[c];
+            }
+        }
+        // Online softmax: mask, new row max, rescale what was summed so far.
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            int qp = pos0 + q0 + ty * 4 + r;
+            float mx = NEG_INF;
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                int kp = k0 + tx * 4 + c;
+                sc[r][c] = kp <= qp ? sc[r][c] * scale : NEG_INF;
+                mx = fmaxf(mx, sc[r][c]);
+            }
+            for (int off = 8; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            float mn = fmaxf(m[r], mx);
+            // A row past the prompt's end sees nothing (mn = -inf): keep it at zero.
+            float corr = mn == NEG_INF ? 1.0f : expf(m[r] - mn);
+            float sum = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                float p = mn == NEG_INF ? 0.0f : expf(sc[r][c] - mn);
+                ps[ty * 4 + r][tx * 4 + c] = p;
+                sum += p;
+            }
+            for (int off = 8; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+            m[r] = mn;
+            l[r] = l[r] * corr + sum;
+#pragma unroll
+            for (int c = 0; c < 16; c++) o[r][c] *= corr;
+        }
+        // O += P V, 16 keys of V at a time.
+        for (int j0 = 0; j0 < AK; j0 += 16) {
+            __syncthreads();
+            for (int e = tid; e < 16 * d; e += 256) {
+                int jj = e / d, dd = e % d;
+                vs[jj * d + dd] = k0 + j0 + jj < kend ? vc[((size_t)(k0 + j0 + jj) * hkv + kvh) * d + dd] : 0.0f;
+            }
+            __syncthreads();
+#pragma unroll 4
+            for (int jj = 0; jj < 16; jj++) {
+                float p[4];
+#pragma unroll
+                for (int r = 0; r < 4; r++) p[r] = ps[ty * 4 + r][j0 + jj];
+#pragma unroll
+                for (int c = 0; c < 16; c++) {
+                    if (tx + 16 * c < d) {
+                        float v = vs[jj * d + tx + 16 * c];
+#pragma unroll
+                        for (int r = 0; r < 4; r++) o[r][c] += p[r] * v;
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        int i = ty * 4 + r;
+        if (i >= rows) continue;
+        float inv = 1.0f / l[r];
+#pragma unroll
+        for (int c = 0; c < 16; c++) {
+            int col = tx + 16 * c;
+            if (col < d) {
+                size_t at = ((size_t)(q0 + i) * hq + h) * d + col;
+                out[at] = o[r][c] * inv * sigmoidf_(gate[at]);
+            }
+        }
+    }
 }

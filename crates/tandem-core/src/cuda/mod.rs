@@ -15,24 +15,31 @@ pub mod nvml;
 pub mod qwen35;
 
 const KERNELS: &str = include_str!("kernels.cu");
-const KERNEL_NAMES: [&str; 17] = [
+const KERNEL_NAMES: &[&str] = &[
     "embed",
     "rms_norm",
-    "add_inplace",
+    "rms_inv",
     "swiglu",
     "to_bf16",
-    "gemv_bf16",
-    "gemv_bf16_multi",
+    "gemv_t1_plain",
+    "gemv_t1_norm",
+    "gemv_t1_swiglu",
+    "gemv_t8_plain",
+    "gemv_t8_norm",
+    "gemv_t8_swiglu",
     "gemm_bf16_f32",
-    "conv_silu",
+    "conv_silu_rows",
+    "conv_state_tail",
     "l2norm_qk",
-    "deltanet_32",
-    "deltanet_64",
-    "deltanet_128",
+    "deltanet_step_32",
+    "deltanet_step_64",
+    "deltanet_step_128",
+    "deltanet_chunk_prep",
+    "deltanet_chunk_state",
     "gated_rms_norm",
     "qk_norm_rope",
     "attention",
-    "kv_append",
+    "attention_tiled",
 ];
 
 /// One GPU with a stream that every launch and copy of tandem goes through (so they run in
@@ -43,6 +50,10 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     pub blas: CudaBlas,
     kernels: HashMap<&'static str, CudaFunction>,
+    sms: u32,
+    /// Blocks of 256 threads of a kernel that run at once on the whole GPU with so many bytes
+    /// of dynamic shared memory (the grid of a kernel that loops over its work), as measured.
+    resident: std::sync::Mutex<HashMap<(&'static str, u32), u32>>,
     /// While profiling: each launch's kernel with events recorded before and after it.
     profile: std::sync::Mutex<Option<Vec<(&'static str, CudaEvent, CudaEvent)>>>,
 }
@@ -93,6 +104,55 @@ impl<T> Drop for Pinned<T> {
         let _ = self.ctx.bind_to_thread();
         // SAFETY: allocated by malloc_host in `new`, freed once.
         let _ = unsafe { cudarc::driver::result::free_host(self.ptr as *mut std::ffi::c_void) };
+    }
+}
+
+/// Two page-locked buffers through which states come from the GPU to host memory: a copy into
+/// pageable memory runs at a fraction of the bus's speed (the driver stages it through a buffer
+/// of its own, one piece at a time), and with two buffers the CPU's copy of one piece overlaps
+/// the GPU's copy of the next.
+pub struct Staging {
+    buffers: [Pinned<f32>; 2],
+}
+
+/// Values per staging buffer (8 MB each).
+const STAGING_VALUES: usize = 2 << 20;
+
+impl Staging {
+    pub fn new(gpu: &Gpu) -> Result<Staging> {
+        Ok(Staging { buffers: [Pinned::new(gpu, STAGING_VALUES)?, Pinned::new(gpu, STAGING_VALUES)?] })
+    }
+
+    /// The first `n` values at device address `src`, copied to a new host vector.
+    pub fn download(&mut self, stream: &CudaStream, src: u64, n: usize) -> Result<Vec<f32>> {
+        let err = |e| anyhow::anyhow!("copying a state from the GPU: {e:?}");
+        stream.context().bind_to_thread().map_err(err)?;
+        let mut out = Vec::with_capacity(n);
+        // The piece in flight: its buffer, length and the event after its copy.
+        let mut in_flight: Option<(usize, usize, CudaEvent)> = None;
+        let (mut at, mut which) = (0, 0);
+        loop {
+            let next = if at < n {
+                let len = STAGING_VALUES.min(n - at);
+                // SAFETY: src holds n values; the buffer is not read until the event has passed
+                // and not written again until its piece has been copied out (below).
+                unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut self.buffers[which].as_mut_slice()[..len], src + 4 * at as u64, stream.cu_stream()) }.map_err(err)?;
+                let done = stream.record_event(None).map_err(err)?;
+                at += len;
+                which ^= 1;
+                Some((which ^ 1, len, done))
+            } else {
+                None
+            };
+            if let Some((b, len, done)) = in_flight.take() {
+                done.synchronize().map_err(err)?;
+                out.extend_from_slice(&self.buffers[b].as_slice()[..len]);
+            }
+            match next {
+                Some(piece) => in_flight = Some(piece),
+                None => return Ok(out),
+            }
+        }
     }
 }
 
@@ -154,8 +214,9 @@ impl Gpu {
         let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), options: vec!["-std=c++17".into()], ..Default::default() };
         let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: compiling tandem's kernels for {arch} failed: {e:?}"))?;
         let module = ctx.load_module(ptx).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: loading the kernels: {e:?}"))?;
+        let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: {e:?}"))? as u32;
         let mut kernels = HashMap::new();
-        for name in KERNEL_NAMES {
+        for &name in KERNEL_NAMES {
             let f = module.load_function(name).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: kernel {name}: {e:?}"))?;
             kernels.insert(name, f);
         }
@@ -163,32 +224,50 @@ impl Gpu {
         // CUDA graph on it, and two engines on one GPU run side by side on their own streams.
         let stream = ctx.new_stream().map_err(|e| anyhow::anyhow!("cuda:{ordinal}: creating a stream: {e:?}"))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: cuBLAS: {e:?}"))?;
-        Ok(Gpu { ordinal, name, stream, blas, kernels, profile: std::sync::Mutex::new(None) })
+        Ok(Gpu { ordinal, name, stream, blas, kernels, sms, resident: Default::default(), profile: std::sync::Mutex::new(None) })
     }
 
     /// Launch kernel `name` on the stream.
     pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, shared: u32, args: &[Arg]) -> Result<()> {
         let (&name, f) = self.kernels.get_key_value(name).with_context(|| format!("no kernel {name}"))?;
-        let mut profile = self.profile.lock().unwrap_or_else(|e| e.into_inner());
-        let timed = |s: &CudaStream| s.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT));
-        let before = match profile.as_ref() {
-            Some(_) => Some(timed(&self.stream).map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.ordinal))?),
-            None => None,
-        };
-        let mut b = self.stream.launch_builder(f);
-        for a in args {
-            match a {
-                Arg::Ptr(p) => b.arg(p),
-                Arg::I32(i) => b.arg(i),
-                Arg::F32(x) => b.arg(x),
-            };
+        self.timed(name, || {
+            let mut b = self.stream.launch_builder(f);
+            for a in args {
+                match a {
+                    Arg::Ptr(p) => b.arg(p),
+                    Arg::I32(i) => b.arg(i),
+                    Arg::F32(x) => b.arg(x),
+                };
+            }
+            let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: shared };
+            // SAFETY: every kernel of kernels.cu is launched through the typed wrappers of
+            // cuda/qwen35.rs, which pass its parameters in order with the sizes it was written for.
+            unsafe { b.launch(cfg) }.map_err(|e| anyhow::anyhow!("cuda:{}: launching {name}: {e:?}", self.ordinal)).map(drop)
+        })
+    }
+
+    /// How many blocks of 256 threads of kernel `name` with `shared` bytes of dynamic shared
+    /// memory the GPU runs at once.
+    pub fn resident_blocks(&self, name: &str, shared: u32) -> Result<u32> {
+        let (&name, f) = self.kernels.get_key_value(name).with_context(|| format!("no kernel {name}"))?;
+        let mut known = self.resident.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&n) = known.get(&(name, shared)) {
+            return Ok(n);
         }
-        let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: shared };
-        // SAFETY: every kernel of kernels.cu is launched through the typed wrappers of
-        // cuda/qwen35.rs, which pass its parameters in order with the sizes it was written for.
-        unsafe { b.launch(cfg) }.map_err(|e| anyhow::anyhow!("cuda:{}: launching {name}: {e:?}", self.ordinal))?;
+        let per_sm = f.occupancy_max_active_blocks_per_multiprocessor(256, shared as usize, None).map_err(|e| anyhow::anyhow!("cuda:{}: kernel {name}: {e:?}", self.ordinal))?;
+        let n = per_sm.max(1) * self.sms;
+        known.insert((name, shared), n);
+        Ok(n)
+    }
+
+    /// Queue `work` on the stream; while profiling, between two events recorded under `name`.
+    fn timed(&self, name: &'static str, work: impl FnOnce() -> Result<()>) -> Result<()> {
+        let mut profile = self.profile.lock().unwrap_or_else(|e| e.into_inner());
+        let event = || self.stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.ordinal));
+        let before = if profile.is_some() { Some(event()?) } else { None };
+        work()?;
         if let (Some(list), Some(before)) = (profile.as_mut(), before) {
-            list.push((name, before, timed(&self.stream).map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.ordinal))?));
+            list.push((name, before, event()?));
         }
         Ok(())
     }
@@ -256,10 +335,12 @@ impl Gpu {
 
     /// `out[t, n] = x[t, k] · W[n, k]ᵀ` in bf16 on tensor cores with f32 sums (cuBLAS; x and W
     /// bf16, out f32): column-major `C[n, t] = W[k, n]ᵀ · X[k, t]`, which is row-major `out[t, n]`.
-    pub fn gemm_bf16(&self, xb: u64, t: usize, w: u64, n: usize, k: usize, out: u64) -> Result<()> {
-        let (alpha, beta) = (1.0f32, 0.0f32);
+    /// With `accumulate` the product is added to `out`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_bf16(&self, xb: u64, t: usize, w: u64, n: usize, k: usize, out: u64, accumulate: bool) -> Result<()> {
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         // SAFETY: the three buffers hold t·k bf16, n·k bf16 and t·n f32 values.
-        unsafe {
+        self.timed("cuBLAS GEMM (bf16)", || unsafe {
             cudarc::cublas::result::gemm_ex(
                 *self.blas.handle(),
                 cublasOperation_t::CUBLAS_OP_T,
@@ -282,7 +363,7 @@ impl Gpu {
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map_err(|e| anyhow::anyhow!("cuda:{}: cuBLAS GEMM {t}x{k} by {n}x{k}: {e:?}", self.ordinal))
+        .map_err(|e| anyhow::anyhow!("cuda:{}: cuBLAS GEMM {t}x{k} by {n}x{k}: {e:?}", self.ordinal)))
     }
 
     /// This GPU's PCI address as NVML writes it ("00000000:65:00.0").

@@ -1,24 +1,25 @@
 //! Qwen3.5 on one GPU: the forward pass of model/qwen35.rs, layer by layer, with the weights
-//! (bf16, as stored) and the request state in GPU memory. Activations are f32. Products of up
-//! to 8 tokens (decode) run the bf16 GEMV kernel in f32; longer ones (prefill) run either the
-//! f32 GEMM kernel (`Precision::Exact`, what `verify` checks) or cuBLAS on tensor cores with the
-//! activations rounded to bf16 (`Precision::TensorCores`, the fast prefill).
+//! (bf16, as stored) and the request state in GPU memory. Activations are f32.
 //!
-//! A decode step of one sequence is captured once as a CUDA graph (with its buffers, the token
-//! coming in and the logits going out through page-locked memory) and replayed per token; several
-//! sequences decode in one batched step (`decode_batch`), every weight read once for all. In a
-//! decode step each layer's input projections run as one launch, and the output projections add
-//! into the residual stream themselves.
-//!
-//! Missing (see the README): the chunked DeltaNet for prefill (the recurrent step runs token
-//! after token, exact but slow on long prompts) and tiled attention, which keep prefill far from
-//! the tensor-core peak.
+//! Two shapes of work. Up to 8 token rows (decode, and very short prompts): bf16 GEMVs in f32
+//! that normalise their input themselves (each layer's input projections in one launch, the
+//! SwiGLU inside the down projection, the output projections adding into the residual stream),
+//! a DeltaNet mixer in one launch per sequence (conv, l2 norm, the delta rule token after
+//! token, gated norm) and attention over the cache; a decode step of one sequence is captured
+//! once as a CUDA graph (the token coming in and the logits going out through page-locked
+//! memory) and replayed per token, and several sequences decode in one batched step
+//! (`decode_batch`), every weight read once for all. More rows (prefill): GEMMs, either the f32
+//! kernel (`Precision::Exact`, what `verify` checks) or cuBLAS on tensor cores with the
+//! activations rounded to bf16 (`Precision::TensorCores`), the chunked delta rule
+//! (deltanet.rs `chunked`: the chunks' matrices all at once, then the state through the chunks)
+//! and tiled causal attention.
 
 use anyhow::{bail, Context, Result};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaSlice;
 
-use super::{Arg, Gpu, Pinned};
+use super::{Arg, Gpu, Pinned, Staging};
+use std::sync::{Arc, Mutex};
 use crate::config::Qwen35Config;
 use crate::model::qwen35::Mixer;
 use crate::model::{Logits, Qwen35};
@@ -34,10 +35,25 @@ pub enum Precision {
     TensorCores,
 }
 
-/// The most positions one attention row can see: its scores live in 48 KB of shared memory.
+/// The most positions one decode row can see: its attention scores live in 48 KB of shared
+/// memory (the prefill's tiled attention has no such limit).
 pub const MAX_CONTEXT: usize = 12 * 1024;
-/// Products of at most this many tokens take the GEMV kernel.
+/// Products of at most this many tokens take the GEMV kernels, and sequences of at most this
+/// many rows the one-launch DeltaNet step and the untiled attention.
 const GEMV_MAX_T: usize = 8;
+/// Tokens per chunk of the chunked delta rule (kernels.cu CHUNK, deltanet.rs CHUNK).
+const DELTANET_CHUNK: usize = 64;
+
+/// What a GEMV multiplies the weights with (kernels.cu IN_PLAIN, IN_NORM, IN_SWIGLU).
+#[derive(Clone, Copy)]
+enum GemvInput {
+    /// x itself.
+    Plain,
+    /// rms_norm(x) times this scale (a block's input norm).
+    Norm(u64),
+    /// silu(x) times this `up` (the MLP's down projection).
+    Swiglu(u64),
+}
 
 struct GpuMatrix {
     w: CudaSlice<u16>,
@@ -93,6 +109,8 @@ pub struct GpuQwen35 {
     /// Replay decode steps from CUDA graphs (on by default; off to time the launches).
     pub graphs: bool,
     weight_bytes: usize,
+    /// Page-locked buffers for states crossing to and from the host, shared with the states.
+    staging: Arc<Mutex<Staging>>,
 }
 
 /// A request's state in GPU memory: the same arrays as `State`, K/V with room to grow, and
@@ -105,6 +123,8 @@ pub struct GpuState {
     /// Logits of the last applied token, on the host (sampling runs there).
     pub last_logits: Vec<f32>,
     step: Option<StepGraph>,
+    /// The staging buffers of the engine that made this state (for `download`).
+    staging: Arc<Mutex<Staging>>,
 }
 
 enum GpuLayerState {
@@ -145,7 +165,8 @@ struct Workspace {
     sequences: usize,
     x: CudaSlice<f32>,
     xn: CudaSlice<f32>,
-    mixed: CudaSlice<f32>,
+    /// 1 / rms of each row of a GEMV's input (decode-sized calls).
+    rms_inv: CudaSlice<f32>,
     // DeltaNet
     qkv: CudaSlice<f32>,
     conv_out: CudaSlice<f32>,
@@ -153,6 +174,11 @@ struct Workspace {
     core: CudaSlice<f32>,
     beta: CudaSlice<f32>,
     alpha: CudaSlice<f32>,
+    /// The chunked delta rule's cumulative decay, U, W and P (prefill rows only).
+    gcum: CudaSlice<f32>,
+    chunk_u: CudaSlice<f32>,
+    chunk_w: CudaSlice<f32>,
+    chunk_p: CudaSlice<f32>,
     // attention
     qg: CudaSlice<f32>,
     k: CudaSlice<f32>,
@@ -178,18 +204,24 @@ impl Workspace {
         let (qd, kvd) = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
         let widest = h.max(vd).max(qd).max(f);
         let xb = if rows > GEMV_MAX_T && net.precision == Precision::TensorCores { rows * widest } else { 1 };
+        let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
+        let chunked = if rows > GEMV_MAX_T { rows } else { 0 };
         Ok(Workspace {
             io: g.scratch(sequences + rows)?,
             sequences,
             x: g.scratch(rows * h)?,
             xn: g.scratch(rows * h)?,
-            mixed: g.scratch(rows * h)?,
+            rms_inv: g.scratch(rows.min(GEMV_MAX_T))?,
             qkv: g.scratch(rows * cd)?,
             conv_out: g.scratch(rows * cd)?,
             z: g.scratch(rows * vd)?,
             core: g.scratch(rows * vd)?,
             beta: g.scratch(rows * hv)?,
             alpha: g.scratch(rows * hv)?,
+            gcum: g.scratch(chunked * hv)?,
+            chunk_u: g.scratch(chunked * hv * dv)?,
+            chunk_w: g.scratch(chunked * hv * dk)?,
+            chunk_p: g.scratch(chunked.div_ceil(DELTANET_CHUNK) * hv * DELTANET_CHUNK * DELTANET_CHUNK)?,
             qg: g.scratch(rows * 2 * qd)?,
             k: g.scratch(rows * kvd)?,
             v: g.scratch(rows * kvd)?,
@@ -231,8 +263,15 @@ impl GpuQwen35 {
         if c.linear_key_head_dim != 32 && c.linear_key_head_dim != 64 && c.linear_key_head_dim != 128 {
             bail!("the CUDA DeltaNet kernel is built for key heads of 32, 64 or 128 channels, this model has {}", c.linear_key_head_dim);
         }
-        if c.linear_value_head_dim > 1024 || c.head_dim > 1024 || c.linear_conv_kernel_dim > 8 {
-            bail!("the CUDA kernels take head dims up to 1024 and conv kernels up to 8 (this model: {} / {} / {})", c.linear_value_head_dim, c.head_dim, c.linear_conv_kernel_dim);
+        let (dk, dv, ratio) = (c.linear_key_head_dim, c.linear_value_head_dim, c.linear_num_value_heads / c.linear_num_key_heads.max(1));
+        if dv % 32 != 0 || dk + dv > 256 || ratio * dv * 4 > 1024 || c.linear_conv_kernel_dim > 8 {
+            bail!(
+                "the CUDA DeltaNet kernels take value heads of a multiple of 32 channels, key + value head dims up to 256, (value heads per key head) x value dim x 4 up to 1024 threads and conv kernels up to 8 (this model: dk {dk}, dv {dv}, {ratio} value heads per key head, conv {})",
+                c.linear_conv_kernel_dim
+            );
+        }
+        if c.head_dim > 256 || c.head_dim % 16 != 0 {
+            bail!("the CUDA attention kernels take head dims that are a multiple of 16 up to 256 (this model: {})", c.head_dim);
         }
         let mut weight_bytes = 0;
         let mut mat = |m: &Matrix, name: &str| -> Result<GpuMatrix> {
@@ -287,8 +326,9 @@ impl GpuQwen35 {
         }
         let final_norm = gpu.upload(&net.final_norm)?;
         let inv_freq = gpu.upload(&net.inv_freq)?;
+        let staging = Arc::new(Mutex::new(Staging::new(&gpu)?));
         gpu.synchronize()?;
-        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, weight_bytes })
+        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, weight_bytes, staging })
     }
 
     /// Give the GPU back (to load another model on it).
@@ -318,24 +358,28 @@ impl GpuQwen35 {
         let g = &self.gpu;
         let row = self.config.num_key_value_heads * self.config.head_dim;
         let capacity = (s.position + 256).next_power_of_two();
+        // Straight from pageable memory: staging through the page-locked buffers measured slower
+        // this way (H100: 12.9 against 8.1 ms for 72 MB), as the CPU's copy into them is the
+        // slow part and the driver pipelines its own staging better.
+        let copy = |host: &[f32], len: usize| -> Result<CudaSlice<f32>> {
+            let mut dev = g.scratch::<f32>(len)?;
+            if !host.is_empty() {
+                g.stream.memcpy_htod(host, &mut dev.slice_mut(..host.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying a state to the GPU: {e:?}", g.ordinal))?;
+            }
+            Ok(dev)
+        };
         let layers = s
             .layers
             .iter()
             .map(|l| {
                 Ok(match l {
-                    LayerState::Linear { conv, recurrent } => GpuLayerState::Linear { conv: g.upload(conv)?, recurrent: g.upload(recurrent)? },
-                    LayerState::Full { k, v } => {
-                        let (mut kd, mut vd) = (g.zeros::<f32>(capacity * row)?, g.zeros::<f32>(capacity * row)?);
-                        if !k.is_empty() {
-                            g.stream.memcpy_htod(&k[..], &mut kd.slice_mut(..k.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying keys to the GPU: {e:?}", g.ordinal))?;
-                            g.stream.memcpy_htod(&v[..], &mut vd.slice_mut(..v.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying values to the GPU: {e:?}", g.ordinal))?;
-                        }
-                        GpuLayerState::Full { k: kd, v: vd }
-                    }
+                    LayerState::Linear { conv, recurrent } => GpuLayerState::Linear { conv: copy(conv, conv.len())?, recurrent: copy(recurrent, recurrent.len())? },
+                    // The rows past the position are never read before they are written.
+                    LayerState::Full { k, v } => GpuLayerState::Full { k: copy(k, capacity * row)?, v: copy(v, capacity * row)? },
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(GpuState { position: s.position, layers, capacity, last_logits: s.last_logits.clone(), step: None })
+        Ok(GpuState { position: s.position, layers, capacity, last_logits: s.last_logits.clone(), step: None, staging: self.staging.clone() })
     }
 
     /// A state of another GPU (or of another engine on this one) copied to this GPU: the
@@ -365,7 +409,7 @@ impl GpuQwen35 {
             })
             .collect::<Result<_>>()?;
         g.synchronize()?;
-        Ok(GpuState { position: s.position, layers, capacity: s.capacity, last_logits: s.last_logits.clone(), step: None })
+        Ok(GpuState { position: s.position, layers, capacity: s.capacity, last_logits: s.last_logits.clone(), step: None, staging: self.staging.clone() })
     }
 
     /// GPU state to host state (the bridge's device-to-host copy).
@@ -382,13 +426,25 @@ impl GpuQwen35 {
         Ok(logits)
     }
 
+    /// Apply `tokens` to `state`, leaving the last token's logits in `state.last_logits` (what
+    /// the engines run: no copy of the logits comes back).
+    pub fn apply(&self, tokens: &[u32], state: &mut GpuState) -> Result<()> {
+        if tokens.len() == 1 && self.graphs {
+            self.check(tokens, state.position)?;
+            self.grow_kv(state, state.position + 1)?;
+            return self.replay_step(tokens[0], state);
+        }
+        self.forward(tokens, state, Logits::Last).map(drop)
+    }
+
     /// Apply `tokens` to `state`; the logits of the last token, or of every token. One token
     /// (a decode step) replays the state's captured step when `graphs` is on.
     pub fn forward(&self, tokens: &[u32], state: &mut GpuState, which: Logits) -> Result<Vec<f32>> {
         self.check(tokens, state.position)?;
         self.grow_kv(state, state.position + tokens.len())?;
         if tokens.len() == 1 && self.graphs {
-            return self.replay_step(tokens[0], state);
+            self.replay_step(tokens[0], state)?;
+            return Ok(state.last_logits.clone());
         }
         let t = tokens.len();
         let logit_rows = if which == Logits::All { t } else { 1 };
@@ -451,7 +507,7 @@ impl GpuQwen35 {
 
     /// A decode step through the state's captured graph (captured now if it has none, or if
     /// its K/V caches moved since).
-    fn replay_step(&self, token: u32, state: &mut GpuState) -> Result<Vec<f32>> {
+    fn replay_step(&self, token: u32, state: &mut GpuState) -> Result<()> {
         let g = &self.gpu;
         let v = self.config.vocab_size;
         if state.step.as_ref().is_none_or(|s| s.capacity != state.capacity || !std::sync::Arc::ptr_eq(&s.stream, &g.stream)) {
@@ -482,7 +538,7 @@ impl GpuQwen35 {
         state.position += 1;
         state.last_logits.clear();
         state.last_logits.extend_from_slice(step.logits_host.as_slice());
-        Ok(state.last_logits.clone())
+        Ok(())
     }
 
     /// Make room for `end` K/V rows (doubling), keeping the rows in use.
@@ -530,12 +586,50 @@ impl GpuQwen35 {
             self.mlp(layer, ws, t)?;
         }
         let n = t - logits_from;
-        let normed = g.ptr(&ws.normed);
-        self.rms_norm(x + (logits_from * h * 4) as u64, g.ptr(&self.final_norm), normed, n, h)?;
-        match &self.lm_head {
-            Some(m) => self.matmul(ws, normed, n, m, g.ptr(&ws.logits)),
-            None => self.matmul_raw(ws, normed, n, g.ptr(&self.embed), c.vocab_size, h, g.ptr(&ws.logits)),
+        let last = x + (logits_from * h * 4) as u64;
+        let (head, logits) = (self.lm_head.as_ref().map_or(g.ptr(&self.embed), |m| g.ptr(&m.w)), g.ptr(&ws.logits));
+        if n <= GEMV_MAX_T {
+            return self.gemv(ws, GemvInput::Norm(g.ptr(&self.final_norm)), &[(head, logits, c.vocab_size)], last, h, n, false);
         }
+        let normed = g.ptr(&ws.normed);
+        self.rms_norm(last, g.ptr(&self.final_norm), normed, n, h)?;
+        self.matmul_raw(ws, normed, n, head, c.vocab_size, h, logits)
+    }
+
+    /// The decode GEMV (kernels.cu gemv_*): `out_j[t, n_j] (+)= input(x)[t, k] · W_jᵀ` for t <= 8
+    /// and up to four matrices `(weights, out, n_j)` of the same input, in one launch.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv(&self, ws: &Workspace, input: GemvInput, mats: &[(u64, u64, usize)], x: u64, k: usize, t: usize, accumulate: bool) -> Result<()> {
+        debug_assert!(t <= GEMV_MAX_T && !mats.is_empty() && mats.len() <= 4);
+        let g = &self.gpu;
+        let inv = g.ptr(&ws.rms_inv);
+        let (mode, x2) = match input {
+            GemvInput::Plain => ("plain", 0),
+            GemvInput::Norm(scale) => {
+                g.launch("rms_inv", (t as u32, 1, 1), 256, 0, &[Arg::Ptr(x), Arg::Ptr(inv), Arg::I32(k as i32), Arg::F32(self.config.rms_norm_eps)])?;
+                ("norm", scale)
+            }
+            GemvInput::Swiglu(up) => ("swiglu", up),
+        };
+        let name = format!("gemv_t{}_{mode}", if t == 1 { 1 } else { 8 });
+        // Rows per unit of work: the number whose units fill the resident blocks best in their
+        // last round (a matrix of few rows gets several warps per row, so that its loads are
+        // spread over the GPU), as long as every lane of a row's warps has 8 columns to read;
+        // of equals, the most rows per unit.
+        let resident = self.gpu.resident_blocks(&name, 0)? as usize;
+        let units = |rb: usize| mats.iter().map(|m| m.2.div_ceil(rb)).sum::<usize>();
+        let fill = |rb: usize| units(rb) as f64 / (units(rb).div_ceil(resident) * resident) as f64;
+        let rb = [8usize, 4, 2, 1].into_iter().filter(|&rb| rb == 8 || (8 / rb) * 256 <= k).fold(8, |best, rb| if fill(rb) > fill(best) + 0.02 { rb } else { best });
+        let mut args = Vec::with_capacity(19);
+        for j in 0..4 {
+            match mats.get(j) {
+                Some(&(w, out, n)) => args.extend([Arg::Ptr(w), Arg::Ptr(out), Arg::I32(n as i32)]),
+                None => args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0)]),
+            }
+        }
+        args.extend([Arg::Ptr(x), Arg::Ptr(x2), Arg::Ptr(inv), Arg::I32(k as i32), Arg::I32(t as i32), Arg::I32(rb as i32), Arg::I32(accumulate as i32)]);
+        // A block per unit: the GPU's block scheduler evens out the last round.
+        self.gpu.launch(&name, (units(rb) as u32, 1, 1), 256, 0, &args)
     }
 
     fn rms_norm(&self, x: u64, w: u64, out: u64, rows: usize, d: usize) -> Result<()> {
@@ -545,70 +639,77 @@ impl GpuQwen35 {
         self.gpu.launch("rms_norm", (rows as u32, 1, 1), threads, 0, &[Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(out), Arg::I32(d as i32), Arg::F32(self.config.rms_norm_eps)])
     }
 
-    fn add(&self, x: u64, y: u64, n: usize) -> Result<()> {
-        self.gpu.launch("add_inplace", (n.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(x), Arg::Ptr(y), Arg::I32(n as i32)])
-    }
-
-    /// `out[t, rows] = x[t, cols] · Wᵀ`.
-    fn matmul(&self, ws: &Workspace, x: u64, t: usize, m: &GpuMatrix, out: u64) -> Result<()> {
-        self.matmul_raw(ws, x, t, self.gpu.ptr(&m.w), m.rows, m.cols, out)
-    }
-
+    /// `out[t, n] = x[t, k] · W[n, k]ᵀ` (W at device address `w`).
     #[allow(clippy::too_many_arguments)]
     fn matmul_raw(&self, ws: &Workspace, x: u64, t: usize, w: u64, n: usize, k: usize, out: u64) -> Result<()> {
-        let g = &self.gpu;
         if t <= GEMV_MAX_T {
-            // 8 warps per block, one row each.
-            return g.launch("gemv_bf16", (n.div_ceil(8) as u32, 1, 1), 256, 0, &[Arg::Ptr(w), Arg::Ptr(x), Arg::Ptr(out), Arg::I32(n as i32), Arg::I32(k as i32), Arg::I32(t as i32), Arg::I32(0)]);
+            return self.gemv(ws, GemvInput::Plain, &[(w, out, n)], x, k, t, false);
         }
+        let input = self.gemm_input(ws, x, t, k)?;
+        self.gemm(input, t, w, n, k, out, false)
+    }
+
+    /// The input of prefill GEMMs, `x[t, k]` (f32): for tensor cores rounded to bf16 into
+    /// `ws.xb` (once for all the products of that input).
+    fn gemm_input(&self, ws: &Workspace, x: u64, t: usize, k: usize) -> Result<u64> {
+        if self.precision == Precision::Exact {
+            return Ok(x);
+        }
+        let g = &self.gpu;
+        let xb = g.ptr(&ws.xb);
+        g.launch("to_bf16", ((t * k).div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(x), Arg::Ptr(xb), Arg::I32((t * k) as i32)])?;
+        Ok(xb)
+    }
+
+    /// `out[t, n] (+)= input[t, k] · W[n, k]ᵀ` for prefill: `input` from `gemm_input`.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(&self, input: u64, t: usize, w: u64, n: usize, k: usize, out: u64, accumulate: bool) -> Result<()> {
+        let g = &self.gpu;
         match self.precision {
-            Precision::Exact => g.launch("gemm_bf16_f32", (n.div_ceil(64) as u32, t.div_ceil(64) as u32, 1), 256, 0, &[Arg::Ptr(w), Arg::Ptr(x), Arg::Ptr(out), Arg::I32(n as i32), Arg::I32(k as i32), Arg::I32(t as i32)]),
-            Precision::TensorCores => {
-                let xb = g.ptr(&ws.xb);
-                g.launch("to_bf16", ((t * k).div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(x), Arg::Ptr(xb), Arg::I32((t * k) as i32)])?;
-                g.gemm_bf16(xb, t, w, n, k, out)
-            }
+            Precision::Exact => g.launch(
+                "gemm_bf16_f32",
+                (n.div_ceil(64) as u32, t.div_ceil(64) as u32, 1),
+                256,
+                0,
+                &[Arg::Ptr(w), Arg::Ptr(input), Arg::Ptr(out), Arg::I32(n as i32), Arg::I32(k as i32), Arg::I32(t as i32), Arg::I32(accumulate as i32)],
+            ),
+            Precision::TensorCores => g.gemm_bf16(input, t, w, n, k, out, accumulate),
         }
     }
 
-    /// Several products of the RMS-normalised input `rms_norm(x[t, k]) * norm` (normalised into
-    /// `ws.xn`): for decode-sized t one launch for all of them, else a GEMM each.
+    /// Several products of the RMS-normalised input `rms_norm(x[t, k]) * norm`: for decode-sized
+    /// t one launch for all of them (the GEMV normalises), else the norm into `ws.xn` and a GEMM
+    /// each.
     fn project(&self, ws: &Workspace, x: u64, norm: &CudaSlice<f32>, t: usize, mats: &[(&GpuMatrix, u64)]) -> Result<()> {
         let g = &self.gpu;
         let k = mats[0].0.cols;
+        debug_assert!(mats.iter().all(|(m, _)| m.cols == k));
+        if t <= GEMV_MAX_T && mats.len() <= 4 {
+            let list: Vec<(u64, u64, usize)> = mats.iter().map(|&(m, out)| (g.ptr(&m.w), out, m.rows)).collect();
+            return self.gemv(ws, GemvInput::Norm(g.ptr(norm)), &list, x, k, t, false);
+        }
         let xn = g.ptr(&ws.xn);
         self.rms_norm(x, g.ptr(norm), xn, t, k)?;
-        if t > GEMV_MAX_T || mats.len() > 4 {
-            return mats.iter().try_for_each(|&(m, out)| self.matmul(ws, xn, t, m, out));
-        }
-        let mut args = Vec::with_capacity(15);
-        let mut blocks = 0;
-        for j in 0..4 {
-            match mats.get(j) {
-                Some(&(m, out)) => {
-                    debug_assert_eq!(m.cols, k);
-                    args.extend([Arg::Ptr(g.ptr(&m.w)), Arg::Ptr(out), Arg::I32(m.rows as i32)]);
-                    blocks += m.rows.div_ceil(8);
-                }
-                None => args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0)]),
-            }
-        }
-        args.extend([Arg::Ptr(xn), Arg::I32(k as i32), Arg::I32(t as i32)]);
-        g.launch("gemv_bf16_multi", (blocks as u32, 1, 1), 256, 0, &args)
+        let input = self.gemm_input(ws, xn, t, k)?;
+        mats.iter().try_for_each(|&(m, out)| self.gemm(input, t, g.ptr(&m.w), m.rows, k, out, false))
     }
 
     /// `x += input · Wᵀ`: a block's output added to the residual stream (for decode-sized t in
-    /// the GEMV itself).
-    fn project_residual(&self, ws: &Workspace, input: u64, t: usize, m: &GpuMatrix) -> Result<()> {
+    /// the GEMV itself). With `up`, the input is `silu(input) * up` (the MLP).
+    fn project_residual(&self, ws: &Workspace, input: u64, up: Option<u64>, t: usize, m: &GpuMatrix) -> Result<()> {
         let g = &self.gpu;
         let x = g.ptr(&ws.x);
         if t <= GEMV_MAX_T {
-            let args = [Arg::Ptr(g.ptr(&m.w)), Arg::Ptr(input), Arg::Ptr(x), Arg::I32(m.rows as i32), Arg::I32(m.cols as i32), Arg::I32(t as i32), Arg::I32(1)];
-            return g.launch("gemv_bf16", (m.rows.div_ceil(8) as u32, 1, 1), 256, 0, &args);
+            let how = up.map_or(GemvInput::Plain, GemvInput::Swiglu);
+            return self.gemv(ws, how, &[(g.ptr(&m.w), x, m.rows)], input, m.cols, t, true);
         }
-        let mixed = g.ptr(&ws.mixed);
-        self.matmul(ws, input, t, m, mixed)?;
-        self.add(x, mixed, t * m.rows)
+        if let Some(up) = up {
+            let n = t * m.cols;
+            g.launch("swiglu", (n.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(input), Arg::Ptr(up), Arg::I32(n as i32)])?;
+        }
+        // The GEMM adds into the residual stream itself.
+        let input = self.gemm_input(ws, input, t, m.cols)?;
+        self.gemm(input, t, g.ptr(&m.w), m.rows, m.cols, x, true)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -621,48 +722,46 @@ impl GpuQwen35 {
         let (qkv, z, beta, alpha, conv_out, core) = (g.ptr(&ws.qkv), g.ptr(&ws.z), g.ptr(&ws.beta), g.ptr(&ws.alpha), g.ptr(&ws.conv_out), g.ptr(&ws.core));
         self.project(ws, x, norm, t, &[(&m.in_proj_qkv, qkv), (&m.in_proj_z, z), (&m.in_proj_b, beta), (&m.in_proj_a, alpha)])?;
         let f32_at = |base: u64, row: usize, width: usize| base + (row * width * 4) as u64;
+        let (taps, neg_a, dt_bias, norm_w) = (g.ptr(&m.conv_taps), g.ptr(&m.neg_a), g.ptr(&m.dt_bias), g.ptr(&m.norm));
+        let eps = Arg::F32(c.rms_norm_eps);
         for (s, r) in states.iter_mut().zip(rows) {
-            let GpuLayerState::Linear { conv, .. } = &s.layers[li] else { bail!("layer {li}: state kind differs from the model's") };
-            g.launch(
-                "conv_silu",
-                (cd.div_ceil(128) as u32, 1, 1),
-                128,
-                0,
-                &[Arg::Ptr(g.ptr(conv)), Arg::Ptr(f32_at(qkv, r.first, cd)), Arg::Ptr(g.ptr(&m.conv_taps)), Arg::Ptr(f32_at(conv_out, r.first, cd)), Arg::I32(r.count as i32), Arg::I32(cd as i32), Arg::I32(kk as i32)],
-            )?;
+            let GpuLayerState::Linear { conv, recurrent } = &s.layers[li] else { bail!("layer {li}: state kind differs from the model's") };
+            let (conv, recurrent) = (g.ptr(conv), g.ptr(recurrent));
+            let (qkv, z, beta, alpha, conv_out, core) = (f32_at(qkv, r.first, cd), f32_at(z, r.first, vd), f32_at(beta, r.first, hv), f32_at(alpha, r.first, hv), f32_at(conv_out, r.first, cd), f32_at(core, r.first, vd));
+            let (count, dims) = (r.count as i32, [Arg::I32(hk as i32), Arg::I32(hv as i32)]);
+            if r.count <= GEMV_MAX_T {
+                // Conv, norms, the delta rule and the gated norm in one launch.
+                let kernel = match dk {
+                    32 => "deltanet_step_32",
+                    64 => "deltanet_step_64",
+                    _ => "deltanet_step_128",
+                };
+                let threads = (hv / hk * dv * 4) as u32;
+                let args = [
+                    Arg::Ptr(conv), Arg::Ptr(recurrent), Arg::Ptr(qkv), Arg::Ptr(z), Arg::Ptr(beta), Arg::Ptr(alpha), Arg::Ptr(taps), Arg::Ptr(neg_a), Arg::Ptr(dt_bias), Arg::Ptr(norm_w), Arg::Ptr(core),
+                    Arg::I32(count), dims[0], dims[1], Arg::I32(dv as i32), Arg::I32(cd as i32), Arg::I32(kk as i32), eps,
+                ];
+                g.launch(kernel, (hk as u32, 1, 1), threads, 0, &args)?;
+                continue;
+            }
+            // A prefill: the conv over all rows at once, then the chunked delta rule.
+            let conv_args = [Arg::Ptr(conv), Arg::Ptr(qkv), Arg::Ptr(taps), Arg::Ptr(conv_out), Arg::I32(count), Arg::I32(cd as i32), Arg::I32(kk as i32)];
+            g.launch("conv_silu_rows", (r.count as u32, cd.div_ceil(256) as u32, 1), 256, 0, &conv_args)?;
+            g.launch("conv_state_tail", (cd.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(conv), Arg::Ptr(qkv), Arg::I32(count), Arg::I32(cd as i32), Arg::I32(kk as i32)])?;
+            let block = dk.next_multiple_of(32) as u32;
+            g.launch("l2norm_qk", (r.count as u32, 2 * hk as u32, 1), block, 0, &[Arg::Ptr(conv_out), Arg::I32(cd as i32), Arg::I32(hk as i32), Arg::I32(dk as i32), Arg::F32(1.0 / (dk as f32).sqrt())])?;
+            let (gcum, cu, cw, cp) = (g.ptr(&ws.gcum), g.ptr(&ws.chunk_u), g.ptr(&ws.chunk_w), g.ptr(&ws.chunk_p));
+            let shape = [Arg::I32(count), dims[0], dims[1], Arg::I32(dk as i32), Arg::I32(dv as i32), Arg::I32(cd as i32)];
+            let mut prep = vec![Arg::Ptr(conv_out), Arg::Ptr(beta), Arg::Ptr(alpha), Arg::Ptr(neg_a), Arg::Ptr(dt_bias), Arg::Ptr(gcum), Arg::Ptr(cu), Arg::Ptr(cw), Arg::Ptr(cp)];
+            prep.extend(shape);
+            g.launch("deltanet_chunk_prep", (r.count.div_ceil(DELTANET_CHUNK) as u32, hv as u32, 1), 256, 0, &prep)?;
+            let mut walk = vec![Arg::Ptr(recurrent), Arg::Ptr(conv_out), Arg::Ptr(gcum), Arg::Ptr(cu), Arg::Ptr(cw), Arg::Ptr(cp), Arg::Ptr(core)];
+            walk.extend(shape);
+            // 16 value columns per block (kernels.cu deltanet_chunk_state).
+            g.launch("deltanet_chunk_state", (hv as u32, (dv / 16) as u32, 1), 256, 0, &walk)?;
+            g.launch("gated_rms_norm", ((r.count * hv) as u32, 1, 1), dv.next_multiple_of(32).min(256) as u32, 0, &[Arg::Ptr(core), Arg::Ptr(z), Arg::Ptr(norm_w), Arg::I32(dv as i32), eps])?;
         }
-        let block = dk.next_multiple_of(32) as u32;
-        g.launch("l2norm_qk", (t as u32, 2 * hk as u32, 1), block, 0, &[Arg::Ptr(conv_out), Arg::I32(cd as i32), Arg::I32(hk as i32), Arg::I32(dk as i32), Arg::F32(1.0 / (dk as f32).sqrt())])?;
-        let kernel = match dk {
-            32 => "deltanet_32",
-            64 => "deltanet_64",
-            _ => "deltanet_128",
-        };
-        for (s, r) in states.iter_mut().zip(rows) {
-            let GpuLayerState::Linear { recurrent, .. } = &s.layers[li] else { bail!("layer {li}: state kind differs from the model's") };
-            g.launch(
-                kernel,
-                (hv as u32, 1, 1),
-                dv as u32,
-                0,
-                &[
-                    Arg::Ptr(g.ptr(recurrent)),
-                    Arg::Ptr(f32_at(conv_out, r.first, cd)),
-                    Arg::Ptr(f32_at(beta, r.first, hv)),
-                    Arg::Ptr(f32_at(alpha, r.first, hv)),
-                    Arg::Ptr(g.ptr(&m.neg_a)),
-                    Arg::Ptr(g.ptr(&m.dt_bias)),
-                    Arg::Ptr(f32_at(core, r.first, vd)),
-                    Arg::I32(r.count as i32),
-                    Arg::I32(hk as i32),
-                    Arg::I32(hv as i32),
-                    Arg::I32(dv as i32),
-                    Arg::I32(cd as i32),
-                ],
-            )?;
-        }
-        g.launch("gated_rms_norm", ((t * hv) as u32, 1, 1), dv.next_multiple_of(32).min(256) as u32, 0, &[Arg::Ptr(core), Arg::Ptr(z), Arg::Ptr(g.ptr(&m.norm)), Arg::I32(dv as i32), Arg::F32(c.rms_norm_eps)])?;
-        self.project_residual(ws, core, t, &m.out_proj)
+        self.project_residual(ws, g.ptr(&ws.core), None, t, &m.out_proj)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -677,6 +776,9 @@ impl GpuQwen35 {
         let row = hkv * d;
         for (i, (s, r)) in states.iter_mut().zip(rows).enumerate() {
             let pos = ws.position_of(g, i);
+            let GpuLayerState::Full { k: kc, v: vc } = &s.layers[li] else { bail!("layer {li}: state kind differs from the model's") };
+            let (kc, vc) = (g.ptr(kc), g.ptr(vc));
+            // Norms and RoPE; keys and values go into the caches at their rows.
             g.launch(
                 "qk_norm_rope",
                 (r.count as u32, (hq + hkv) as u32, 1),
@@ -687,6 +789,9 @@ impl GpuQwen35 {
                     Arg::Ptr(f32_at(q, r.first, hq * d)),
                     Arg::Ptr(f32_at(gate, r.first, hq * d)),
                     Arg::Ptr(f32_at(k, r.first, row)),
+                    Arg::Ptr(f32_at(v, r.first, row)),
+                    Arg::Ptr(kc),
+                    Arg::Ptr(vc),
                     Arg::Ptr(g.ptr(&m.q_norm)),
                     Arg::Ptr(g.ptr(&m.k_norm)),
                     Arg::Ptr(g.ptr(&self.inv_freq)),
@@ -698,29 +803,24 @@ impl GpuQwen35 {
                     Arg::F32(c.rms_norm_eps),
                 ],
             )?;
-            let GpuLayerState::Full { k: kc, v: vc } = &s.layers[li] else { bail!("layer {li}: state kind differs from the model's") };
-            let (kc, vc) = (g.ptr(kc), g.ptr(vc));
-            let n = r.count * row;
-            g.launch("kv_append", (n.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(f32_at(k, r.first, row)), Arg::Ptr(f32_at(v, r.first, row)), Arg::Ptr(kc), Arg::Ptr(vc), Arg::Ptr(pos), Arg::I32(row as i32), Arg::I32(n as i32)])?;
+            let (q, gate, attn) = (f32_at(q, r.first, hq * d), f32_at(gate, r.first, hq * d), f32_at(attn, r.first, hq * d));
+            if r.count > GEMV_MAX_T {
+                let args = [Arg::Ptr(q), Arg::Ptr(kc), Arg::Ptr(vc), Arg::Ptr(gate), Arg::Ptr(attn), Arg::I32(r.count as i32), Arg::I32(hq as i32), Arg::I32(hkv as i32), Arg::I32(d as i32), Arg::Ptr(pos)];
+                g.launch("attention_tiled", (r.count.div_ceil(64) as u32, hq as u32, 1), 256, 0, &args)?;
+                continue;
+            }
             let shared = (visible.unwrap_or(s.position + r.count) * 4) as u32;
-            g.launch(
-                "attention",
-                (r.count as u32, hq as u32, 1),
-                128,
-                shared,
-                &[Arg::Ptr(f32_at(q, r.first, hq * d)), Arg::Ptr(kc), Arg::Ptr(vc), Arg::Ptr(f32_at(gate, r.first, hq * d)), Arg::Ptr(f32_at(attn, r.first, hq * d)), Arg::I32(hq as i32), Arg::I32(hkv as i32), Arg::I32(d as i32), Arg::Ptr(pos)],
-            )?;
+            let args = [Arg::Ptr(q), Arg::Ptr(kc), Arg::Ptr(vc), Arg::Ptr(gate), Arg::Ptr(attn), Arg::I32(hq as i32), Arg::I32(hkv as i32), Arg::I32(d as i32), Arg::Ptr(pos)];
+            g.launch("attention", (r.count as u32, hq as u32, 1), 128, shared, &args)?;
         }
-        self.project_residual(ws, attn, t, &m.o_proj)
+        self.project_residual(ws, attn, None, t, &m.o_proj)
     }
 
     fn mlp(&self, l: &Layer, ws: &Workspace, t: usize) -> Result<()> {
         let g = &self.gpu;
         let (x, gate, up) = (g.ptr(&ws.x), g.ptr(&ws.ffn_gate), g.ptr(&ws.ffn_up));
         self.project(ws, x, &l.post_attention_norm, t, &[(&l.gate_proj, gate), (&l.up_proj, up)])?;
-        let f = self.config.intermediate_size;
-        g.launch("swiglu", ((t * f).div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(gate), Arg::Ptr(up), Arg::I32((t * f) as i32)])?;
-        self.project_residual(ws, gate, t, &l.down_proj)
+        self.project_residual(ws, gate, Some(up), t, &l.down_proj)
     }
 }
 
@@ -744,10 +844,10 @@ impl GpuState {
             GpuLayerState::Full { k, .. } => Some(k.len() / self.capacity * self.position),
             _ => None,
         });
-        let down = |s: &CudaSlice<f32>, n: usize| -> Result<Vec<f32>> {
-            let mut host = vec![0.0f32; n];
-            stream.memcpy_dtoh(&s.slice(..n), &mut host[..]).map_err(|e| anyhow::anyhow!("copying a state from the GPU: {e:?}"))?;
-            Ok(host)
+        let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        let mut down = |s: &CudaSlice<f32>, n: usize| -> Result<Vec<f32>> {
+            let (src, _sync) = cudarc::driver::DevicePtr::device_ptr(s, stream);
+            staging.download(stream, src, n)
         };
         let layers = self
             .layers

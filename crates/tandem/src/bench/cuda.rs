@@ -39,7 +39,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
     let b = gpu.zeros::<u16>(n * n)?;
     let c = gpu.zeros::<f32>(n * n)?;
     let (gemm_s, _, _) = time(reps.max(3), || {
-        gpu.gemm_bf16(gpu.ptr(&a), n, gpu.ptr(&b), n, n, gpu.ptr(&c))?;
+        gpu.gemm_bf16(gpu.ptr(&a), n, gpu.ptr(&b), n, n, gpu.ptr(&c), false)?;
         gpu.synchronize()
     })?;
     let tc_peak = 2.0 * (n * n * n) as f64 / gemm_s;
@@ -112,7 +112,8 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
             let mut next = argmax(&st.last_logits) as u32;
             let t = Instant::now();
             for _ in 0..decode_steps {
-                next = argmax(&g.forward(&[next], &mut st, Logits::Last)?) as u32;
+                g.apply(&[next], &mut st)?;
+                next = argmax(&st.last_logits) as u32;
             }
             Ok(t.elapsed().as_secs_f64() / decode_steps as f64)
         };
@@ -164,6 +165,18 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
         writeln!(profiles, "| kernel | µs per step | launches per step | share |\n|---|---|---|---|")?;
         for (name, ms, count) in &profile {
             writeln!(profiles, "| {name} | {:.1} | {} | {:.0}% |", 1e3 * ms / profiled as f64, count / profiled, 100.0 * ms / total)?;
+        }
+        // Where a prefill goes (tensor cores), kernel by kernel and the cuBLAS GEMMs.
+        progress(&format!("{spec}: prefill profile"));
+        let mut st = g.new_state()?;
+        g.gpu.start_profile();
+        g.forward(prompt_tokens, &mut st, Logits::Last)?;
+        let profile = g.gpu.finish_profile()?;
+        let total: f64 = profile.iter().map(|p| p.1).sum();
+        writeln!(profiles, "\n{spec}, prefill of {prompt} tokens (tensor cores): {total:.1} ms of kernels ({} launches), against {:.1} ms per prefill unprofiled:\n", profile.iter().map(|p| p.2).sum::<usize>(), 1e3 * tc)?;
+        writeln!(profiles, "| kernel | ms | launches | share |\n|---|---|---|---|")?;
+        for (name, ms, count) in &profile {
+            writeln!(profiles, "| {name} | {ms:.2} | {count} | {:.0}% |", 100.0 * ms / total)?;
         }
 
         // Several sequences per step: every weight read once for all of them.
@@ -251,7 +264,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
         }
         model = Some(g.into_gpu());
     }
-    writeln!(report, "\n### Where a decode step goes (kernel by kernel, CUDA events)\n{profiles}")?;
+    writeln!(report, "\n### Where a decode step and a prefill go (kernel by kernel, CUDA events)\n{profiles}")?;
     writeln!(report, "\n### Batched decode (one step for every sequence; one sequence: the graph)\n\n| model | sequences | aggregate tok/s | vs one |\n|---|---|---|---|\n{batches}")?;
     writeln!(
         report,
