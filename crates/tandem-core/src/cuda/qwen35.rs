@@ -2,8 +2,8 @@
 //! (bf16, as stored) and the request state in GPU memory. Activations are f32.
 //!
 //! Two shapes of work. Up to 8 token rows (decode, and very short prompts): bf16 GEMVs in f32
-//! that normalise their input themselves (each layer's input projections in one launch, the
-//! SwiGLU inside the down projection, the output projections adding into the residual stream),
+//! that normalise their input as they read it (each layer's input projections in one launch,
+//! the output projections adding into the residual stream),
 //! a DeltaNet mixer in one launch per sequence (conv, l2 norm, the delta rule token after
 //! token, gated norm) and attention over the cache; a decode step of one sequence is captured
 //! once as a CUDA graph (the token coming in and the logits going out through page-locked
@@ -44,15 +44,13 @@ const GEMV_MAX_T: usize = 8;
 /// Tokens per chunk of the chunked delta rule (kernels.cu CHUNK, deltanet.rs CHUNK).
 const DELTANET_CHUNK: usize = 64;
 
-/// What a GEMV multiplies the weights with (kernels.cu IN_PLAIN, IN_NORM, IN_SWIGLU).
+/// What a GEMV multiplies the weights with (kernels.cu IN_PLAIN, IN_NORM).
 #[derive(Clone, Copy)]
 enum GemvInput {
     /// x itself.
     Plain,
     /// rms_norm(x) times this scale (a block's input norm).
     Norm(u64),
-    /// silu(x) times this `up` (the MLP's down projection).
-    Swiglu(u64),
 }
 
 struct GpuMatrix {
@@ -609,7 +607,6 @@ impl GpuQwen35 {
                 g.launch("rms_inv", (t as u32, 1, 1), 256, 0, &[Arg::Ptr(x), Arg::Ptr(inv), Arg::I32(k as i32), Arg::F32(self.config.rms_norm_eps)])?;
                 ("norm", scale)
             }
-            GemvInput::Swiglu(up) => ("swiglu", up),
         };
         let name = format!("gemv_t{}_{mode}", if t == 1 { 1 } else { 8 });
         // Rows per unit of work: the number whose units fill the resident blocks best in their
@@ -694,18 +691,20 @@ impl GpuQwen35 {
         mats.iter().try_for_each(|&(m, out)| self.gemm(input, t, g.ptr(&m.w), m.rows, k, out, false))
     }
 
-    /// `x += input · Wᵀ`: a block's output added to the residual stream (for decode-sized t in
-    /// the GEMV itself). With `up`, the input is `silu(input) * up` (the MLP).
+    /// `x += input · Wᵀ`: a block's output added to the residual stream (by the GEMV or GEMM
+    /// itself). With `up`, the input is `silu(input) * up` (the MLP), computed first.
     fn project_residual(&self, ws: &Workspace, input: u64, up: Option<u64>, t: usize, m: &GpuMatrix) -> Result<()> {
         let g = &self.gpu;
         let x = g.ptr(&ws.x);
-        if t <= GEMV_MAX_T {
-            let how = up.map_or(GemvInput::Plain, GemvInput::Swiglu);
-            return self.gemv(ws, how, &[(g.ptr(&m.w), x, m.rows)], input, m.cols, t, true);
-        }
+        // The SwiGLU in its own launch, also for decode: measured faster than computing it
+        // inside the down projection's GEMV (H100, 9B decode 122-123 against 115-116 tok/s,
+        // interleaved runs), which reads gate and up again for every row.
         if let Some(up) = up {
             let n = t * m.cols;
             g.launch("swiglu", (n.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(input), Arg::Ptr(up), Arg::I32(n as i32)])?;
+        }
+        if t <= GEMV_MAX_T {
+            return self.gemv(ws, GemvInput::Plain, &[(g.ptr(&m.w), x, m.rows)], input, m.cols, t, true);
         }
         // The GEMM adds into the residual stream itself.
         let input = self.gemm_input(ws, input, t, m.cols)?;
