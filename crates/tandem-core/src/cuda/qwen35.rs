@@ -3,9 +3,9 @@
 //!
 //! Two shapes of work. Up to 8 token rows (decode, and very short prompts): bf16 GEMVs in f32
 //! that normalise their input as they read it (each layer's input projections in one launch,
-//! the output projections adding into the residual stream),
-//! a DeltaNet mixer in one launch per sequence (conv, l2 norm, the delta rule token after
-//! token, gated norm) and attention over the cache; a decode step of one sequence is captured
+//! the output projections adding into the residual stream), a DeltaNet mixer in one launch per
+//! sequence (conv, l2 norm, the delta rule token after token, gated norm) and attention over
+//! the cache; a decode step of one sequence is captured
 //! once as a CUDA graph (the token coming in and the logits going out through page-locked
 //! memory) and replayed per token, and several sequences decode in one batched step
 //! (`decode_batch`), every weight read once for all. More rows (prefill): GEMMs, either the f32
@@ -18,8 +18,9 @@ use anyhow::{bail, Context, Result};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaSlice;
 
-use super::{Arg, Gpu, Pinned, Staging};
 use std::sync::{Arc, Mutex};
+
+use super::{Arg, Gpu, Pinned, Staging};
 use crate::config::Qwen35Config;
 use crate::model::qwen35::Mixer;
 use crate::model::{Logits, Qwen35};
@@ -107,7 +108,7 @@ pub struct GpuQwen35 {
     /// Replay decode steps from CUDA graphs (on by default; off to time the launches).
     pub graphs: bool,
     weight_bytes: usize,
-    /// Page-locked buffers for states crossing to and from the host, shared with the states.
+    /// Page-locked buffers for states copied from the GPU to the host, shared with the states.
     staging: Arc<Mutex<Staging>>,
 }
 
