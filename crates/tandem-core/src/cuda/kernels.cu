@@ -17,6 +17,30 @@ __device__ __forceinline__ float siluf_(float x) { return x / (1.0f + expf(-x));
 // torch softplus, threshold 20.
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
+// Programmatic dependent launch (sm_90 and later; cuda/mod.rs sets the launch attribute): a
+// kernel may start while the one before it in the stream is still running. Each kernel first
+// lets the next one launch (`griddepcontrol.launch_dependents`), then waits until the one
+// before it has finished and its writes are visible (`griddepcontrol.wait`). Before the wait a
+// kernel reads only what no kernel of the same forward call writes (weights, and in a decode
+// step the recurrent state, whose writer ran in an earlier call), so its loads overlap the
+// previous kernel; everything else comes after it. Every kernel waits, so that a kernel's end
+// implies the end of all kernels before it. Without the attribute both are no-ops.
+__device__ __forceinline__ void pdl_launch_next() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait_previous() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// The first thing a kernel does that reads nothing before the wait.
+__device__ __forceinline__ void pdl_enter() {
+    pdl_launch_next();
+    pdl_wait_previous();
+}
+
 struct Sum {
     __device__ float operator()(float a, float b) const { return a + b; }
 };
@@ -56,27 +80,46 @@ __device__ float block_max(float v) { return block_reduce(v, NEG_INF, Max()); }
 
 // x[i, :] = embedding row ids[i]. Grid: tokens.
 extern "C" __global__ void embed(const bf16_t* table, const u32* ids, float* x, int h) {
+    pdl_enter();
     const bf16_t* row = table + (size_t)ids[blockIdx.x] * h;
     for (int c = threadIdx.x; c < h; c += blockDim.x) x[(size_t)blockIdx.x * h + c] = bf16_to_f32(row[c]);
 }
 
-// out = x / rms(x) * scale, per row of width d. Grid: rows.
-extern "C" __global__ void rms_norm(const float* x, const float* scale, float* out, int d, float eps) {
+// Round f32 to bf16, nearest even (the operand of a tensor-core GEMM).
+__device__ __forceinline__ bf16_t f32_to_bf16(float x) {
+    u32 b = __float_as_uint(x);
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return (bf16_t)(b >> 16);
+}
+
+// out = x / rms(x) * scale, per row of width d; in bf16 into out_bf16 where that is not null
+// (the input of a tensor-core GEMM), else in f32 into out. Grid: rows.
+extern "C" __global__ void rms_norm(const float* x, const float* scale, float* out, bf16_t* out_bf16, int d, float eps) {
+    pdl_enter();
     const float* xr = x + (size_t)blockIdx.x * d;
     float ss = 0.0f;
     for (int c = threadIdx.x; c < d; c += blockDim.x) ss += xr[c] * xr[c];
     float inv = 1.0f / sqrtf(block_sum(ss) / d + eps);
-    for (int c = threadIdx.x; c < d; c += blockDim.x) out[(size_t)blockIdx.x * d + c] = xr[c] * inv * scale[c];
+    size_t row = (size_t)blockIdx.x * d;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float y = xr[c] * inv * scale[c];
+        if (out_bf16) out_bf16[row + c] = f32_to_bf16(y); else out[row + c] = y;
+    }
 }
 
-// gate = silu(gate) * up.
-extern "C" __global__ void swiglu(float* gate, const float* up, int n) {
+// gate = silu(gate) * up; in bf16 into out_bf16 instead where that is not null.
+extern "C" __global__ void swiglu(float* gate, const float* up, bf16_t* out_bf16, int n) {
+    pdl_enter();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) gate[i] = siluf_(gate[i]) * up[i];
+    if (i < n) {
+        float y = siluf_(gate[i]) * up[i];
+        if (out_bf16) out_bf16[i] = f32_to_bf16(y); else gate[i] = y;
+    }
 }
 
 // inv[row] = 1 / rms(x[row, :]) (for the GEMV's IN_NORM). Grid: rows.
 extern "C" __global__ void rms_inv(const float* x, float* inv, int d, float eps) {
+    pdl_enter();
     const float* xr = x + (size_t)blockIdx.x * d;
     float ss = 0.0f;
     for (int c = threadIdx.x; c < d; c += blockDim.x) ss += xr[c] * xr[c];
@@ -84,14 +127,11 @@ extern "C" __global__ void rms_inv(const float* x, float* inv, int d, float eps)
     if (threadIdx.x == 0) inv[blockIdx.x] = 1.0f / sqrtf(ss / d + eps);
 }
 
-// Round f32 to bf16, nearest even (the operand of a tensor-core GEMM).
+// y = x rounded to bf16.
 extern "C" __global__ void to_bf16(const float* x, bf16_t* y, int n) {
+    pdl_enter();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        u32 b = __float_as_uint(x[i]);
-        b += 0x7fffu + ((b >> 16) & 1u);
-        y[i] = (bf16_t)(b >> 16);
-    }
+    if (i < n) y[i] = f32_to_bf16(x[i]);
 }
 
 // The decode GEMV: out_j[m, r] (+)= in(x)[m, :] . W_j[r, :] for t <= T tokens (T = 1 or 8) and
@@ -99,16 +139,17 @@ extern "C" __global__ void to_bf16(const float* x, bf16_t* y, int n) {
 // weights are multiplied with (MODE):
 //   IN_PLAIN  x itself;
 //   IN_NORM   rms_norm(x) * scale (x2 = scale), the block's input RMSNorm (model/qwen35.rs)
-//             computed on the fly (the 1 / rms of each row from rms_inv), saving the round trip
-//             of the normalised rows through memory.
+//             computed on the fly: x * scale in the products, times the 1 / rms of each row,
+//             from `rms_inv` (the rms_inv kernel) or, where that is null, found by each block
+//             itself (from L2, while its weight loads are in flight: a launch fewer, but every
+//             block reads the whole rows; cuda/qwen35.rs gemv chooses by the row length).
 // (The SwiGLU computed the same way inside the down projection measured slower on an H100
 // than the swiglu kernel before a plain GEMV: it reads gate and up again for every row.)
-// Each block of 256 threads (8 warps) takes units of `rb` rows (1, 2, 4 or 8), 8 / rb warps per
-// row, so that a matrix of few rows still has enough loads in flight; the warps' partial sums
-// are added in a fixed order (the same bits on every run). Lanes read 8 bf16 at a time from the
-// first instruction on (no prologue: the kernels are short, and a block that waits before its
-// first load leaves the memory idle). Matrix j's rows are the next
-// ceil(n_j / rb) units; `accumulate` adds into out (a residual).
+// Each block of 256 threads (8 warps) takes one unit of `rb` rows (1, 2, 4 or 8), 8 / rb warps
+// per row, so that a matrix of few rows still has enough loads in flight; the warps' partial
+// sums are added in a fixed order (the same bits on every run). Lanes read 8 bf16 at a time.
+// Matrix j's rows are the next ceil(n_j / rb) units (blocks); `accumulate` adds into out (a
+// residual).
 #define IN_PLAIN 0
 #define IN_NORM 1
 
@@ -140,71 +181,106 @@ __device__ __forceinline__ void gemv_chunk(uint4 p, const float* x, const float*
 
 template <int T, int MODE>
 __device__ void gemv_body(const bf16_t* w0, float* o0, int n0, const bf16_t* w1, float* o1, int n1, const bf16_t* w2, float* o2, int n2,
-                          const bf16_t* w3, float* o3, int n3, const float* x, const float* x2, const float* inv, int k, int t, int rb, int accumulate) {
-    __shared__ float parts[8][T];
+                          const bf16_t* w3, float* o3, int n3, const float* x, const float* x2, const float* rms_inv, int k, int t, int rb, int accumulate,
+                          float eps) {
+    __shared__ float parts[8][T], squares[8][T];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int b0 = (n0 + rb - 1) / rb, b1 = (n1 + rb - 1) / rb, b2 = (n2 + rb - 1) / rb, b3 = (n3 + rb - 1) / rb;
+    int b0 = (n0 + rb - 1) / rb, b1 = (n1 + rb - 1) / rb, b2 = (n2 + rb - 1) / rb;
     int wpr = 8 / rb;
-    for (int unit = blockIdx.x; unit < b0 + b1 + b2 + b3; unit += gridDim.x) {
-        // Which matrix this unit's rows belong to (selects, not an indexed array: registers).
-        int block = unit;
-        const bf16_t* w = w0;
-        float* out = o0;
-        int n = n0;
-        if (block >= b0) { block -= b0; w = w1; out = o1; n = n1;
-            if (block >= b1) { block -= b1; w = w2; out = o2; n = n2;
-                if (block >= b2) { block -= b2; w = w3; out = o3; n = n3; } } }
-        int r = block * rb + warp / wpr, part = warp % wpr;
-        float acc[T];
+    // Which matrix this block's unit of rows belongs to (selects, not an indexed array:
+    // registers).
+    int block = blockIdx.x;
+    const bf16_t* w = w0;
+    float* out = o0;
+    int n = n0;
+    if (block >= b0) { block -= b0; w = w1; out = o1; n = n1;
+        if (block >= b1) { block -= b1; w = w2; out = o2; n = n2;
+            if (block >= b2) { block -= b2; w = w3; out = o3; n = n3; } } }
+    int r = block * rb + warp / wpr, part = warp % wpr;
+    const uint4* row = (const uint4*)(w + (size_t)(r < n ? r : 0) * k);
+    int kc = k / 8, step = wpr * 32;
+    int c = part * 32 + lane;
+    // The first 8 weights of each lane are loaded before waiting for the input (for a small
+    // matrix that is all of them): the weight reads overlap the kernel before.
+    uint4 first = r < n && c < kc ? row[c] : make_uint4(0, 0, 0, 0);
+    pdl_enter();
+    if (MODE == IN_NORM && !rms_inv) {
+        // Each row's sum of squares over the whole block (a few loads per thread), one
+        // partial per warp; combined once the block has synchronised, below.
 #pragma unroll
-        for (int m = 0; m < T; m++) acc[m] = 0.0f;
-        if (r < n) {
-            const uint4* row = (const uint4*)(w + (size_t)r * k);
-            int kc = k / 8, step = wpr * 32;
-            int c = part * 32 + lane;
-            // Not unrolled: four loads ahead measured slower on an H100 (9B decode 98 against
-            // 113 tok/s, all else equal; 85 against 121 with the earlier one-matrix kernel).
-#pragma unroll 1
-            for (; c < kc; c += step) gemv_chunk<T, MODE>(row[c], x, x2, k, t, c, acc);
-        }
-#pragma unroll
-        for (int m = 0; m < T; m++) acc[m] = warp_sum(acc[m]);
-        if (wpr == 1) {
-            // One warp per row: it writes its sums itself, and the warps run on unsynchronised.
-            if (r < n && lane == 0)
-#pragma unroll
-                for (int m = 0; m < T; m++)
-                    if (m < t) {
-                        size_t at = (size_t)m * n + r;
-                        out[at] = (accumulate ? out[at] : 0.0f) + (MODE == IN_NORM ? acc[m] * inv[m] : acc[m]);
-                    }
-            continue;
-        }
-        if (lane == 0)
-#pragma unroll
-            for (int m = 0; m < T; m++) parts[warp][m] = acc[m];
-        __syncthreads();
-        if (r < n && part == 0 && lane == 0) {
-#pragma unroll
-            for (int m = 0; m < T; m++) {
-                if (m < t) {
-                    float s = 0.0f;
-                    for (int q = 0; q < wpr; q++) s += parts[warp + q][m];
-                    if (MODE == IN_NORM) s *= inv[m];
-                    size_t at = (size_t)m * n + r;
-                    out[at] = (accumulate ? out[at] : 0.0f) + s;
+        for (int m = 0; m < T; m++) {
+            float ss = 0.0f;
+            if (m < t) {
+                const float4* xr = (const float4*)(x + (size_t)m * k);
+                for (int q = threadIdx.x; q < k / 4; q += 256) {
+                    float4 v = xr[q];
+                    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
                 }
             }
+            ss = warp_sum(ss);
+            if (lane == 0) squares[warp][m] = ss;
         }
+    }
+    float acc[T];
+#pragma unroll
+    for (int m = 0; m < T; m++) acc[m] = 0.0f;
+    if (r < n && c < kc) {
+        gemv_chunk<T, MODE>(first, x, x2, k, t, c, acc);
+        // One load in flight per lane: four measured slower on an H100, with and without
+        // programmatic launch (9B decode 133-135 against 133-141 tok/s, interleaved; 98
+        // against 113 before it).
+#pragma unroll 1
+        for (c += step; c < kc; c += step) gemv_chunk<T, MODE>(row[c], x, x2, k, t, c, acc);
+    }
+#pragma unroll
+    for (int m = 0; m < T; m++) acc[m] = warp_sum(acc[m]);
+    float inv[T];
+    if (MODE == IN_NORM && rms_inv) {
+#pragma unroll
+        for (int m = 0; m < T; m++) inv[m] = m < t ? rms_inv[m] : 0.0f;
+    } else if (MODE == IN_NORM) {
         __syncthreads();
+#pragma unroll
+        for (int m = 0; m < T; m++) {
+            float ss = 0.0f;
+            for (int q = 0; q < 8; q++) ss += squares[q][m];
+            inv[m] = 1.0f / sqrtf(ss / k + eps);
+        }
+    }
+    if (wpr == 1) {
+        // One warp per row: it writes its sums itself.
+        if (r < n && lane == 0)
+#pragma unroll
+            for (int m = 0; m < T; m++)
+                if (m < t) {
+                    size_t at = (size_t)m * n + r;
+                    out[at] = (accumulate ? out[at] : 0.0f) + (MODE == IN_NORM ? acc[m] * inv[m] : acc[m]);
+                }
+        return;
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int m = 0; m < T; m++) parts[warp][m] = acc[m];
+    __syncthreads();
+    if (r < n && part == 0 && lane == 0) {
+#pragma unroll
+        for (int m = 0; m < T; m++) {
+            if (m < t) {
+                float s = 0.0f;
+                for (int q = 0; q < wpr; q++) s += parts[warp + q][m];
+                if (MODE == IN_NORM) s *= inv[m];
+                size_t at = (size_t)m * n + r;
+                out[at] = (accumulate ? out[at] : 0.0f) + s;
+            }
+        }
     }
 }
 
-#define GEMV_KERNEL(NAME, T, MODE)                                                                                                     \
+#define GEMV_KERNEL(NAME, T, MODE)                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) NAME(const bf16_t* w0, float* o0, int n0, const bf16_t* w1, float* o1, int n1, \
                                                            const bf16_t* w2, float* o2, int n2, const bf16_t* w3, float* o3, int n3,   \
-                                                           const float* x, const float* x2, const float* inv, int k, int t, int rb, int accumulate) { \
-        gemv_body<T, MODE>(w0, o0, n0, w1, o1, n1, w2, o2, n2, w3, o3, n3, x, x2, inv, k, t, rb, accumulate);                        \
+                                                           const float* x, const float* x2, const float* rms_inv, int k, int t, int rb, int accumulate, float eps) { \
+        gemv_body<T, MODE>(w0, o0, n0, w1, o1, n1, w2, o2, n2, w3, o3, n3, x, x2, rms_inv, k, t, rb, accumulate, eps);               \
     }
 GEMV_KERNEL(gemv_t1_plain, 1, IN_PLAIN)
 GEMV_KERNEL(gemv_t1_norm, 1, IN_NORM)
@@ -215,6 +291,7 @@ GEMV_KERNEL(gemv_t8_norm, 8, IN_NORM)
 // output tiles, 16 x 16 threads of 4 x 4 outputs each, k in steps of 16; `accumulate` adds to
 // out (a residual connection).
 extern "C" __global__ void gemm_bf16_f32(const bf16_t* w, const float* x, float* out, int n, int k, int t, int accumulate) {
+    pdl_enter();
     __shared__ float ws[16][65];
     __shared__ float xs[16][65];
     int r0 = blockIdx.x * 64, m0 = blockIdx.y * 64;
@@ -258,6 +335,7 @@ __device__ __forceinline__ float conv_input(const float* conv, const float* qkv,
     return p >= 0 ? qkv[(size_t)p * cd + c] : conv[(size_t)(kk + p) * cd + c];
 }
 extern "C" __global__ void conv_silu_rows(const float* conv, const float* qkv, const float* taps, float* out, int t, int cd, int kk) {
+    pdl_enter();
     int i = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= cd) return;
     float acc = 0.0f;
@@ -268,6 +346,7 @@ extern "C" __global__ void conv_silu_rows(const float* conv, const float* qkv, c
 // After conv_silu_rows: the conv state becomes the last kk raw inputs (one thread per channel
 // reads its old columns before it writes any).
 extern "C" __global__ void conv_state_tail(float* conv, const float* qkv, int t, int cd, int kk) {
+    pdl_enter();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= cd) return;
     float win[8];
@@ -278,6 +357,7 @@ extern "C" __global__ void conv_state_tail(float* conv, const float* qkv, int t,
 // l2-normalise each q and k head of the conv output in place, q also scaled by q_scale.
 // Grid: (tokens, 2 * key heads); block: dk threads (rounded to a warp multiple).
 extern "C" __global__ void l2norm_qk(float* mixed, int cd, int hk, int dk, float q_scale) {
+    pdl_enter();
     int head = blockIdx.y;
     float* v = mixed + (size_t)blockIdx.x * cd + (size_t)head * dk;
     float x = threadIdx.x < dk ? v[threadIdx.x] : 0.0f;
@@ -311,6 +391,10 @@ __device__ void deltanet_step_body(float* conv, float* state, const float* qkv, 
 #pragma unroll
     for (int i = 0; i < R; i++) s[i] = sh[(size_t)(sub * R + i) * dv + j];
     float wj = norm_w[j];
+    // The state and conv window were loaded before the wait: their last writer is this kernel
+    // in an earlier forward call, and every call starts with a copy of its token ids that
+    // waits for all earlier work.
+    pdl_enter();
     for (int tok = 0; tok < t; tok++) {
         if (tid < nc) {
             for (int q = 0; q + 1 < kk; q++) win[q] = win[q + 1];
@@ -382,6 +466,7 @@ DELTANET_STEP(deltanet_step_128, 128)
 #define CHUNK 64
 extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prep(const float* mixed, const float* bproj, const float* aproj, const float* neg_a, const float* dt_bias,
                                                                       float* gcum, float* U, float* W, float* P, int t, int hk, int hv, int dk, int dv, int cd) {
+    pdl_enter();
     __shared__ float qs[CHUNK][33], ks[CHUNK][33], as[CHUNK][CHUNK + 1], gc[CHUNK], bt[CHUNK];
     int chunk = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     int c0 = chunk * CHUNK, n = min(CHUNK, t - c0);
@@ -572,13 +657,23 @@ __device__ void deltanet_chunk_state_body(float* state, const float* mixed, cons
     __syncthreads();
     for (int e = tid; e < dk * DS; e += blockDim.x) sh[(size_t)(e / DS) * dv + col0 + e % DS] = S[e / DS][e % DS];
 }
-extern "C" __global__ void __launch_bounds__(256, 3) deltanet_chunk_state(float* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P,
+// Two builds of the walk: with at most 128 registers a thread, so that two blocks share an SM
+// (a grid of more blocks than SMs runs in one round), and with all it needs (about 210, one
+// block per SM), which spills nothing: a grid that fits on the SMs takes that one.
+extern "C" __global__ void __launch_bounds__(256, 2) deltanet_chunk_state(float* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P,
                                                                        float* core, int t, int hk, int hv, int dk, int dv, int cd) {
+    pdl_enter();
+    deltanet_chunk_state_body<16>(state, mixed, gcum, U, W, P, core, t, hk, hv, dk, dv, cd);
+}
+extern "C" __global__ void __launch_bounds__(256, 1) deltanet_chunk_state_1(float* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P,
+                                                                         float* core, int t, int hk, int hv, int dk, int dv, int cd) {
+    pdl_enter();
     deltanet_chunk_state_body<16>(state, mixed, gcum, U, W, P, core, t, hk, hv, dk, dv, cd);
 }
 
 // core = w * (core / rms(core)) * silu(z), per head row of width dv. Grid: tokens * value heads.
 extern "C" __global__ void gated_rms_norm(float* core, const float* z, const float* w, int dv, float eps) {
+    pdl_enter();
     float* x = core + (size_t)blockIdx.x * dv;
     const float* g = z + (size_t)blockIdx.x * dv;
     float ss = 0.0f;
@@ -593,6 +688,7 @@ extern "C" __global__ void gated_rms_norm(float* core, const float* z, const flo
 // Grid: (tokens, hq + hkv); block: a warp multiple >= d.
 extern "C" __global__ void qk_norm_rope(const float* qg, float* q, float* gate, const float* k, const float* v, float* kc, float* vc, const float* q_norm,
                                         const float* k_norm, const float* inv_freq, int hq, int hkv, int d, int half, const u32* pos, float eps) {
+    pdl_enter();
     int pos0 = (int)pos[0];
     __shared__ float sv[1024];
     int tok = blockIdx.x, head = blockIdx.y, c = threadIdx.x;
@@ -624,6 +720,7 @@ extern "C" __global__ void qk_norm_rope(const float* qg, float* q, float* gate, 
 // shared memory, softmax, weighted sum of values; then the output gate sigmoid(gate).
 // Grid: (tokens, hq); block 128; dynamic shared memory: pos[0] + t floats or more.
 extern "C" __global__ void attention(const float* q, const float* kc, const float* vc, const float* gate, float* out, int hq, int hkv, int d, const u32* pos) {
+    pdl_enter();
     extern __shared__ float scores[];
     int pos0 = (int)pos[0];
     int tok = blockIdx.x, h = blockIdx.y;
@@ -651,8 +748,14 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
     }
     float inv = 1.0f / block_sum(sum);
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
-        float o = 0.0f;
-        for (int p = 0; p < visible; p++) o = fmaf(scores[p] * inv, vc[((size_t)p * hkv + kvh) * d + c], o);
+        // Four sums, so that four value rows are read at a time.
+        float o4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        int p = 0;
+        for (; p + 4 <= visible; p += 4)
+#pragma unroll
+            for (int u = 0; u < 4; u++) o4[u] = fmaf(scores[p + u] * inv, vc[((size_t)(p + u) * hkv + kvh) * d + c], o4[u]);
+        for (; p < visible; p++) o4[0] = fmaf(scores[p] * inv, vc[((size_t)p * hkv + kvh) * d + c], o4[0]);
+        float o = (o4[0] + o4[1]) + (o4[2] + o4[3]);
         size_t at = ((size_t)tok * hq + h) * d + c;
         out[at] = o * sigmoidf_(gate[at]);
     }
@@ -668,6 +771,7 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
 #define AK 64
 extern "C" __global__ void __launch_bounds__(256) attention_tiled(const float* q, const float* kc, const float* vc, const float* gate, float* out, int t, int hq,
                                                                   int hkv, int d, const u32* pos) {
+    pdl_enter();
     // qs/ks (staged 32 channels at a time for S) share their memory with vs (16 keys of V).
     __shared__ float tiles[2 * AQ * 33];
     __shared__ float ps[AQ][AK + 1];

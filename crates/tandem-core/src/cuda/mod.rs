@@ -9,7 +9,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr};
 
 pub mod nvml;
 pub mod qwen35;
@@ -34,6 +34,7 @@ const KERNEL_NAMES: &[&str] = &[
     "deltanet_step_128",
     "deltanet_chunk_prep",
     "deltanet_chunk_state",
+    "deltanet_chunk_state_1",
     "gated_rms_norm",
     "qk_norm_rope",
     "attention",
@@ -48,10 +49,15 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     pub blas: CudaBlas,
     kernels: HashMap<&'static str, CudaFunction>,
-    sms: u32,
-    /// Blocks of 256 threads of a kernel that run at once on the whole GPU with so many bytes
-    /// of dynamic shared memory (the grid of a kernel that loops over its work), as measured.
-    resident: std::sync::Mutex<HashMap<(&'static str, u32), u32>>,
+    /// Streaming multiprocessors.
+    pub sms: u32,
+    /// Blocks of 256 threads of a kernel that run at once on the whole GPU, by kernel, as the
+    /// driver reports them.
+    resident: std::sync::Mutex<HashMap<&'static str, u32>>,
+    /// Whether kernels launch with programmatic dependent launch (compute capability 9.0 and
+    /// later, unless TANDEM_CUDA_PDL=0): a kernel starts while the one before it finishes and
+    /// loads its weights meanwhile (kernels.cu, pdl_enter).
+    pub pdl: bool,
     /// While profiling: each launch's kernel with events recorded before and after it.
     profile: std::sync::Mutex<Option<Vec<(&'static str, CudaEvent, CudaEvent)>>>,
 }
@@ -78,10 +84,14 @@ unsafe impl<T: Send> Send for Pinned<T> {}
 
 impl<T: cudarc::driver::DeviceRepr + Copy> Pinned<T> {
     pub fn new(gpu: &Gpu, len: usize) -> Result<Pinned<T>> {
-        let ctx = gpu.stream.context().clone();
-        ctx.bind_to_thread().map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", gpu.ordinal))?;
+        Self::in_context(gpu.stream.context(), len)
+    }
+
+    fn in_context(ctx: &Arc<CudaContext>, len: usize) -> Result<Pinned<T>> {
+        let (ctx, ordinal) = (ctx.clone(), ctx.ordinal());
+        ctx.bind_to_thread().map_err(|e| anyhow::anyhow!("cuda:{ordinal}: {e:?}"))?;
         // SAFETY: a fresh allocation of len values, freed in Drop; zeroed before use.
-        let ptr = unsafe { cudarc::driver::result::malloc_host(len.max(1) * std::mem::size_of::<T>(), 0) }.map_err(|e| anyhow::anyhow!("cuda:{}: allocating {len} values of page-locked memory: {e:?}", gpu.ordinal))? as *mut T;
+        let ptr = unsafe { cudarc::driver::result::malloc_host(len.max(1) * std::mem::size_of::<T>(), 0) }.map_err(|e| anyhow::anyhow!("cuda:{ordinal}: allocating {len} values of page-locked memory: {e:?}"))? as *mut T;
         unsafe { std::ptr::write_bytes(ptr, 0, len) };
         Ok(Pinned { ptr, len, ctx })
     }
@@ -108,23 +118,25 @@ impl<T> Drop for Pinned<T> {
 /// Two page-locked buffers through which states come from the GPU to host memory: a copy into
 /// pageable memory runs at a fraction of the bus's speed (the driver stages it through a buffer
 /// of its own, one piece at a time), and with two buffers the CPU's copy of one piece overlaps
-/// the GPU's copy of the next.
+/// the GPU's copy of the next. Allocated at the first download (an engine whose states stay on
+/// the GPU never needs them).
+#[derive(Default)]
 pub struct Staging {
-    buffers: [Pinned<f32>; 2],
+    buffers: Option<[Pinned<f32>; 2]>,
 }
 
 /// Values per staging buffer (8 MB each).
 const STAGING_VALUES: usize = 2 << 20;
 
 impl Staging {
-    pub fn new(gpu: &Gpu) -> Result<Staging> {
-        Ok(Staging { buffers: [Pinned::new(gpu, STAGING_VALUES)?, Pinned::new(gpu, STAGING_VALUES)?] })
-    }
-
     /// The first `n` values at device address `src`, copied to a new host vector.
     pub fn download(&mut self, stream: &CudaStream, src: u64, n: usize) -> Result<Vec<f32>> {
         let err = |e| anyhow::anyhow!("copying a state from the GPU: {e:?}");
         stream.context().bind_to_thread().map_err(err)?;
+        let buffers = match &mut self.buffers {
+            Some(b) => b,
+            none => none.insert([Pinned::in_context(stream.context(), STAGING_VALUES)?, Pinned::in_context(stream.context(), STAGING_VALUES)?]),
+        };
         let mut out = Vec::with_capacity(n);
         // The piece in flight: its buffer, length and the event after its copy.
         let mut in_flight: Option<(usize, usize, CudaEvent)> = None;
@@ -134,7 +146,7 @@ impl Staging {
                 let len = STAGING_VALUES.min(n - at);
                 // SAFETY: src holds n values; the buffer is not read until the event has passed
                 // and not written again until its piece has been copied out (below).
-                unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut self.buffers[which].as_mut_slice()[..len], src + 4 * at as u64, stream.cu_stream()) }.map_err(err)?;
+                unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut buffers[which].as_mut_slice()[..len], src + 4 * at as u64, stream.cu_stream()) }.map_err(err)?;
                 let done = stream.record_event(None).map_err(err)?;
                 at += len;
                 which ^= 1;
@@ -144,7 +156,7 @@ impl Staging {
             };
             if let Some((b, len, done)) = in_flight.take() {
                 done.synchronize().map_err(err)?;
-                out.extend_from_slice(&self.buffers[b].as_slice()[..len]);
+                out.extend_from_slice(&buffers[b].as_slice()[..len]);
             }
             match next {
                 Some(piece) => in_flight = Some(piece),
@@ -218,43 +230,85 @@ impl Gpu {
             let f = module.load_function(name).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: kernel {name}: {e:?}"))?;
             kernels.insert(name, f);
         }
+        // Buffers come from the device's default memory pool (stream-ordered allocation). Keep
+        // what is freed in the pool instead of handing it back to the driver at every
+        // synchronisation: a prefill allocates its workspace afresh, and remapping it each time
+        // cost milliseconds.
+        if ctx.has_async_alloc() {
+            use cudarc::driver::sys;
+            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+            let mut keep = u64::MAX;
+            // SAFETY: the context's own device; the attribute takes a u64.
+            unsafe {
+                sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+                    .result()
+                    .and_then(|()| sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut keep as *mut u64 as *mut std::ffi::c_void).result())
+            }
+            .map_err(|e| anyhow::anyhow!("cuda:{ordinal}: configuring the memory pool: {e:?}"))?;
+        }
         // A stream of its own (not the legacy default stream): a decode step is captured into a
         // CUDA graph on it, and two engines on one GPU run side by side on their own streams.
         let stream = ctx.new_stream().map_err(|e| anyhow::anyhow!("cuda:{ordinal}: creating a stream: {e:?}"))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: cuBLAS: {e:?}"))?;
-        Ok(Gpu { ordinal, name, stream, blas, kernels, sms, resident: Default::default(), profile: std::sync::Mutex::new(None) })
+        let pdl = major >= 9 && std::env::var("TANDEM_CUDA_PDL").map_or(true, |v| v != "0");
+        Ok(Gpu { ordinal, name, stream, blas, kernels, sms, resident: Default::default(), pdl, profile: std::sync::Mutex::new(None) })
     }
 
-    /// Launch kernel `name` on the stream.
+    /// Launch kernel `name` on the stream (with programmatic dependent launch where the GPU
+    /// has it: see `pdl`).
     pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, shared: u32, args: &[Arg]) -> Result<()> {
+        use cudarc::driver::sys;
         let (&name, f) = self.kernels.get_key_value(name).with_context(|| format!("no kernel {name}"))?;
         self.timed(name, || {
-            let mut b = self.stream.launch_builder(f);
-            for a in args {
-                match a {
-                    Arg::Ptr(p) => b.arg(p),
-                    Arg::I32(i) => b.arg(i),
-                    Arg::F32(x) => b.arg(x),
-                };
-            }
-            let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: shared };
+            // Each argument in a slot of its own; the driver reads as many bytes from each slot
+            // as the kernel's parameter has (8 for an address, 4 for an int or a float: the low
+            // bytes of the slot on a little-endian host).
+            let mut slots: Vec<u64> = args
+                .iter()
+                .map(|a| match *a {
+                    Arg::Ptr(p) => p,
+                    Arg::I32(i) => i as u32 as u64,
+                    Arg::F32(x) => x.to_bits() as u64,
+                })
+                .collect();
+            let mut params: Vec<*mut std::ffi::c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut std::ffi::c_void).collect();
+            // SAFETY: a plain-data union; the driver reads the member its id names.
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: block,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: shared,
+                hStream: self.stream.cu_stream(),
+                attrs: &mut attr,
+                numAttrs: self.pdl as u32,
+            };
+            self.stream.context().bind_to_thread().map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.ordinal))?;
             // SAFETY: every kernel of kernels.cu is launched through the typed wrappers of
-            // cuda/qwen35.rs, which pass its parameters in order with the sizes it was written for.
-            unsafe { b.launch(cfg) }.map_err(|e| anyhow::anyhow!("cuda:{}: launching {name}: {e:?}", self.ordinal)).map(drop)
+            // cuda/qwen35.rs, which pass its parameters in order with the sizes it was written
+            // for; `slots` and `attr` outlive the call (the driver copies the arguments).
+            unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
+                .result()
+                .map_err(|e| anyhow::anyhow!("cuda:{}: launching {name}: {e:?}", self.ordinal))
         })
     }
 
-    /// How many blocks of 256 threads of kernel `name` with `shared` bytes of dynamic shared
-    /// memory the GPU runs at once.
-    pub fn resident_blocks(&self, name: &str, shared: u32) -> Result<u32> {
+    /// How many blocks of 256 threads of kernel `name` (without dynamic shared memory) the GPU
+    /// runs at once.
+    pub fn resident_blocks(&self, name: &str) -> Result<u32> {
         let (&name, f) = self.kernels.get_key_value(name).with_context(|| format!("no kernel {name}"))?;
         let mut known = self.resident.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(&n) = known.get(&(name, shared)) {
+        if let Some(&n) = known.get(name) {
             return Ok(n);
         }
-        let per_sm = f.occupancy_max_active_blocks_per_multiprocessor(256, shared as usize, None).map_err(|e| anyhow::anyhow!("cuda:{}: kernel {name}: {e:?}", self.ordinal))?;
+        let per_sm = f.occupancy_max_active_blocks_per_multiprocessor(256, 0, None).map_err(|e| anyhow::anyhow!("cuda:{}: kernel {name}: {e:?}", self.ordinal))?;
         let n = per_sm.max(1) * self.sms;
-        known.insert((name, shared), n);
+        known.insert(name, n);
         Ok(n)
     }
 

@@ -42,6 +42,8 @@ pub const MAX_CONTEXT: usize = 12 * 1024;
 /// Products of at most this many tokens take the GEMV kernels, and sequences of at most this
 /// many rows the one-launch DeltaNet step and the untiled attention.
 const GEMV_MAX_T: usize = 8;
+/// The longest GEMV input row whose 1/rms each GEMV block computes itself (see `gemv`).
+const RMS_IN_GEMV_MAX_K: usize = 2048;
 /// Tokens per chunk of the chunked delta rule (kernels.cu CHUNK, deltanet.rs CHUNK).
 const DELTANET_CHUNK: usize = 64;
 
@@ -163,9 +165,10 @@ struct Workspace {
     io: CudaSlice<u32>,
     sequences: usize,
     x: CudaSlice<f32>,
-    xn: CudaSlice<f32>,
-    /// 1 / rms of each row of a GEMV's input (decode-sized calls).
+    /// 1 / rms of each row of a long GEMV input (gemv).
     rms_inv: CudaSlice<f32>,
+    /// The normalised rows of an exact prefill's GEMM input.
+    xn: CudaSlice<f32>,
     // DeltaNet
     qkv: CudaSlice<f32>,
     conv_out: CudaSlice<f32>,
@@ -203,14 +206,15 @@ impl Workspace {
         let (qd, kvd) = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
         let widest = h.max(vd).max(qd).max(f);
         let xb = if rows > GEMV_MAX_T && net.precision == Precision::TensorCores { rows * widest } else { 1 };
+        let xn = if rows > GEMV_MAX_T && net.precision == Precision::Exact { rows * h } else { 1 };
         let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
         let chunked = if rows > GEMV_MAX_T { rows } else { 0 };
         Ok(Workspace {
             io: g.scratch(sequences + rows)?,
             sequences,
             x: g.scratch(rows * h)?,
-            xn: g.scratch(rows * h)?,
             rms_inv: g.scratch(rows.min(GEMV_MAX_T))?,
+            xn: g.scratch(xn)?,
             qkv: g.scratch(rows * cd)?,
             conv_out: g.scratch(rows * cd)?,
             z: g.scratch(rows * vd)?,
@@ -245,6 +249,16 @@ impl Workspace {
         let io: Vec<u32> = positions.iter().map(|&p| p as u32).chain(tokens.iter().copied()).collect();
         g.stream.memcpy_htod(&io[..], &mut self.io.slice_mut(..io.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying token ids: {e:?}", g.ordinal))
     }
+}
+
+/// One line of `GpuQwen35::time_decode_gemvs`: a GEMV launch of `rows` x `cols` weights
+/// (`bytes` of them) and its median time.
+pub struct GemvTiming {
+    pub what: String,
+    pub rows: usize,
+    pub cols: usize,
+    pub bytes: usize,
+    pub micros: f64,
 }
 
 /// Where one sequence's rows are in a forward call.
@@ -325,7 +339,7 @@ impl GpuQwen35 {
         }
         let final_norm = gpu.upload(&net.final_norm)?;
         let inv_freq = gpu.upload(&net.inv_freq)?;
-        let staging = Arc::new(Mutex::new(Staging::new(&gpu)?));
+        let staging = Arc::new(Mutex::new(Staging::default()));
         gpu.synchronize()?;
         Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, weight_bytes, staging })
     }
@@ -591,7 +605,7 @@ impl GpuQwen35 {
             return self.gemv(ws, GemvInput::Norm(g.ptr(&self.final_norm)), &[(head, logits, c.vocab_size)], last, h, n, false);
         }
         let normed = g.ptr(&ws.normed);
-        self.rms_norm(last, g.ptr(&self.final_norm), normed, n, h)?;
+        self.rms_norm(last, g.ptr(&self.final_norm), normed, 0, n, h)?;
         self.matmul_raw(ws, normed, n, head, c.vocab_size, h, logits)
     }
 
@@ -601,23 +615,33 @@ impl GpuQwen35 {
     fn gemv(&self, ws: &Workspace, input: GemvInput, mats: &[(u64, u64, usize)], x: u64, k: usize, t: usize, accumulate: bool) -> Result<()> {
         debug_assert!(t <= GEMV_MAX_T && !mats.is_empty() && mats.len() <= 4);
         let g = &self.gpu;
-        let inv = g.ptr(&ws.rms_inv);
+        let mut inv = 0;
         let (mode, x2) = match input {
             GemvInput::Plain => ("plain", 0),
             GemvInput::Norm(scale) => {
-                g.launch("rms_inv", (t as u32, 1, 1), 256, 0, &[Arg::Ptr(x), Arg::Ptr(inv), Arg::I32(k as i32), Arg::F32(self.config.rms_norm_eps)])?;
+                // The 1/rms of a short row is found by every block of the GEMV itself; of a
+                // long one by a kernel before it. Measured on an H100 (interleaved runs of
+                // whole decode steps): in the GEMV, the 0.8B model's (rows of 1024) steps were
+                // 1.5% faster and the 9B's (4096) 1% slower.
+                if k > RMS_IN_GEMV_MAX_K {
+                    inv = g.ptr(&ws.rms_inv);
+                    g.launch("rms_inv", (t as u32, 1, 1), 256, 0, &[Arg::Ptr(x), Arg::Ptr(inv), Arg::I32(k as i32), Arg::F32(self.config.rms_norm_eps)])?;
+                }
                 ("norm", scale)
             }
         };
         let name = format!("gemv_t{}_{mode}", if t == 1 { 1 } else { 8 });
-        // Rows per unit of work: the number whose units fill the resident blocks best in their
-        // last round (a matrix of few rows gets several warps per row, so that its loads are
-        // spread over the GPU), as long as every lane of a row's warps has 8 columns to read;
-        // of equals, the most rows per unit.
-        let resident = self.gpu.resident_blocks(&name, 0)? as usize;
+        // Rows per block: the most (of 8, 4, 2, 1) whose blocks still fill at least half of
+        // what the GPU runs at once, so that a matrix of few rows gets several warps per row
+        // and its loads are spread over the GPU (as long as every lane of a row's warps has 8
+        // columns to read). Measured on an H100, every rows-per-block for every decode GEMV of
+        // the 0.8B and 9B models (bench's GEMV table): this picks the fastest or within 4% of
+        // it; choosing instead by how full the last round of blocks is made the 0.8B model's
+        // DeltaNet input projection 1.5x slower (2 rows per block, 6 rounds of small blocks).
+        let resident = self.gpu.resident_blocks(&name)? as usize;
         let units = |rb: usize| mats.iter().map(|m| m.2.div_ceil(rb)).sum::<usize>();
-        let fill = |rb: usize| units(rb) as f64 / (units(rb).div_ceil(resident) * resident) as f64;
-        let rb = [8usize, 4, 2, 1].into_iter().filter(|&rb| rb == 8 || (8 / rb) * 256 <= k).fold(8, |best, rb| if fill(rb) > fill(best) + 0.02 { rb } else { best });
+        let allowed = [8usize, 4, 2, 1].into_iter().filter(|&rb| rb == 8 || (8 / rb) * 256 <= k);
+        let rb = allowed.clone().find(|&rb| 2 * units(rb) >= resident).unwrap_or_else(|| allowed.last().unwrap_or(8));
         let mut args = Vec::with_capacity(19);
         for j in 0..4 {
             match mats.get(j) {
@@ -625,16 +649,97 @@ impl GpuQwen35 {
                 None => args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0)]),
             }
         }
-        args.extend([Arg::Ptr(x), Arg::Ptr(x2), Arg::Ptr(inv), Arg::I32(k as i32), Arg::I32(t as i32), Arg::I32(rb as i32), Arg::I32(accumulate as i32)]);
+        args.extend([Arg::Ptr(x), Arg::Ptr(x2), Arg::Ptr(inv), Arg::I32(k as i32), Arg::I32(t as i32), Arg::I32(rb as i32), Arg::I32(accumulate as i32), Arg::F32(self.config.rms_norm_eps)]);
         // A block per unit: the GPU's block scheduler evens out the last round.
         self.gpu.launch(&name, (units(rb) as u32, 1, 1), 256, 0, &args)
     }
 
-    fn rms_norm(&self, x: u64, w: u64, out: u64, rows: usize, d: usize) -> Result<()> {
+    /// The one-token GEMVs of a decode step timed alone, by kind: the DeltaNet and attention
+    /// input and output projections, the MLP's and the LM head. Each kind's launches go through
+    /// every layer's matrices in turn (so that, as in a step, the weights come from memory and
+    /// not from the L2 cache), captured as a CUDA graph of at least `launches`, replayed `reps`
+    /// times: the median microseconds per launch. A graph of a kernel that does almost nothing
+    /// (the SwiGLU of one row) shows what a launch itself costs.
+    pub fn time_decode_gemvs(&self, launches: usize, reps: usize) -> Result<Vec<GemvTiming>> {
+        let g = &self.gpu;
+        let err = |e| anyhow::anyhow!("cuda:{}: timing the decode GEMVs: {e:?}", g.ordinal);
+        let mut ws = Workspace::new(self, 1, 1, 1)?;
+        for buf in [&mut ws.x, &mut ws.core, &mut ws.attn, &mut ws.ffn_gate, &mut ws.ffn_up] {
+            g.stream.memset_zeros(buf).map_err(err)?;
+        }
+        let ws = &ws;
+        let (x, h) = (g.ptr(&ws.x), self.config.hidden_size);
+        // Per kind: its name and, per layer of that kind, (input norm, [(matrix, out)], input).
+        type Launch<'a> = (Option<&'a CudaSlice<f32>>, Vec<(&'a GpuMatrix, u64)>, u64);
+        let mut kinds: Vec<(&str, Vec<Launch>)> = ["DeltaNet in (qkv, z, b, a)", "DeltaNet out (+ residual)", "attention in (q + gate, k, v)", "attention out (+ residual)", "MLP gate, up", "MLP down (+ residual)"]
+            .into_iter()
+            .map(|what| (what, Vec::new()))
+            .collect();
+        for l in &self.layers {
+            match &l.mixer {
+                GpuMixer::DeltaNet(m) => {
+                    kinds[0].1.push((Some(&l.input_norm), vec![(&m.in_proj_qkv, g.ptr(&ws.qkv)), (&m.in_proj_z, g.ptr(&ws.z)), (&m.in_proj_b, g.ptr(&ws.beta)), (&m.in_proj_a, g.ptr(&ws.alpha))], x));
+                    kinds[1].1.push((None, vec![(&m.out_proj, x)], g.ptr(&ws.core)));
+                }
+                GpuMixer::Attention(m) => {
+                    kinds[2].1.push((Some(&l.input_norm), vec![(&m.q_proj, g.ptr(&ws.qg)), (&m.k_proj, g.ptr(&ws.k)), (&m.v_proj, g.ptr(&ws.v))], x));
+                    kinds[3].1.push((None, vec![(&m.o_proj, x)], g.ptr(&ws.attn)));
+                }
+            }
+            kinds[4].1.push((Some(&l.post_attention_norm), vec![(&l.gate_proj, g.ptr(&ws.ffn_gate)), (&l.up_proj, g.ptr(&ws.ffn_up))], x));
+            kinds[5].1.push((None, vec![(&l.down_proj, x)], g.ptr(&ws.ffn_gate)));
+        }
+        let mut out = Vec::new();
+        let mut time = |what: &str, rows: usize, cols: usize, bytes: usize, count: usize, work: &dyn Fn() -> Result<()>| -> Result<()> {
+            let rounds = launches.div_ceil(count);
+            work()?;
+            g.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(err)?;
+            let enqueued = (0..rounds).try_for_each(|_| work());
+            let captured = g.stream.end_capture(CUgraphInstantiate_flags(0));
+            enqueued?;
+            let graph = captured.map_err(err)?.context("the captured GEMVs are empty")?;
+            graph.launch().map_err(err)?;
+            let mut micros = Vec::with_capacity(reps);
+            for _ in 0..reps {
+                let event = || g.stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(err);
+                let before = event()?;
+                graph.launch().map_err(err)?;
+                let after = event()?;
+                g.synchronize()?;
+                micros.push(before.elapsed_ms(&after).map_err(err)? as f64 * 1e3 / (rounds * count) as f64);
+            }
+            micros.sort_by(f64::total_cmp);
+            out.push(GemvTiming { what: what.to_string(), rows, cols, bytes, micros: micros[micros.len() / 2] });
+            Ok(())
+        };
+        for (what, list) in &kinds {
+            let Some((_, mats, _)) = list.first() else { continue };
+            let (rows, cols) = (mats.iter().map(|m| m.0.rows).sum::<usize>(), mats[0].0.cols);
+            time(what, rows, cols, rows * cols * 2, list.len(), &|| {
+                list.iter().try_for_each(|(norm, mats, input)| {
+                    let mats: Vec<(u64, u64, usize)> = mats.iter().map(|&(m, o)| (g.ptr(&m.w), o, m.rows)).collect();
+                    match norm {
+                        Some(n) => self.gemv(ws, GemvInput::Norm(g.ptr(n)), &mats, *input, cols, 1, false),
+                        None => self.gemv(ws, GemvInput::Plain, &mats, *input, cols, 1, true),
+                    }
+                })
+            })?;
+        }
+        let (head, v) = (self.lm_head.as_ref().map_or(g.ptr(&self.embed), |m| g.ptr(&m.w)), self.config.vocab_size);
+        time("LM head", v, h, v * h * 2, 1, &|| self.gemv(ws, GemvInput::Norm(g.ptr(&self.final_norm)), &[(head, g.ptr(&ws.logits), v)], x, h, 1, false))?;
+        let (gate, up) = (g.ptr(&ws.ffn_gate), g.ptr(&ws.ffn_up));
+        time("SwiGLU of one row (what a launch costs)", 1, h, 0, 1, &|| g.launch("swiglu", (h.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(gate), Arg::Ptr(up), Arg::Ptr(0), Arg::I32(h as i32)]))?;
+        Ok(out)
+    }
+
+    /// `rms_norm(x[rows, d]) * w` into `out` (f32), or rounded to bf16 into `out_bf16` where
+    /// that is not 0.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm(&self, x: u64, w: u64, out: u64, out_bf16: u64, rows: usize, d: usize) -> Result<()> {
         // Up to 1024 threads, about four values each: a row is one block, so a decode step's
         // norm is latency, and fewer passes per thread make it shorter.
         let threads = d.div_ceil(4).next_multiple_of(32).clamp(32, 1024) as u32;
-        self.gpu.launch("rms_norm", (rows as u32, 1, 1), threads, 0, &[Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(out), Arg::I32(d as i32), Arg::F32(self.config.rms_norm_eps)])
+        self.gpu.launch("rms_norm", (rows as u32, 1, 1), threads, 0, &[Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(out), Arg::Ptr(out_bf16), Arg::I32(d as i32), Arg::F32(self.config.rms_norm_eps)])
     }
 
     /// `out[t, n] = x[t, k] · W[n, k]ᵀ` (W at device address `w`).
@@ -676,8 +781,8 @@ impl GpuQwen35 {
     }
 
     /// Several products of the RMS-normalised input `rms_norm(x[t, k]) * norm`: for decode-sized
-    /// t one launch for all of them (the GEMV normalises), else the norm into `ws.xn` and a GEMM
-    /// each.
+    /// t one launch for all of them (the GEMV normalises), else the norm into `ws.xn` (or, for
+    /// tensor cores, in bf16 into `ws.xb`) and a GEMM each.
     fn project(&self, ws: &Workspace, x: u64, norm: &CudaSlice<f32>, t: usize, mats: &[(&GpuMatrix, u64)]) -> Result<()> {
         let g = &self.gpu;
         let k = mats[0].0.cols;
@@ -686,9 +791,18 @@ impl GpuQwen35 {
             let list: Vec<(u64, u64, usize)> = mats.iter().map(|&(m, out)| (g.ptr(&m.w), out, m.rows)).collect();
             return self.gemv(ws, GemvInput::Norm(g.ptr(norm)), &list, x, k, t, false);
         }
-        let xn = g.ptr(&ws.xn);
-        self.rms_norm(x, g.ptr(norm), xn, t, k)?;
-        let input = self.gemm_input(ws, xn, t, k)?;
+        let input = match self.precision {
+            Precision::Exact => {
+                let xn = g.ptr(&ws.xn);
+                self.rms_norm(x, g.ptr(norm), xn, 0, t, k)?;
+                xn
+            }
+            Precision::TensorCores => {
+                let xb = g.ptr(&ws.xb);
+                self.rms_norm(x, g.ptr(norm), 0, xb, t, k)?;
+                xb
+            }
+        };
         mats.iter().try_for_each(|&(m, out)| self.gemm(input, t, g.ptr(&m.w), m.rows, k, out, false))
     }
 
@@ -700,15 +814,18 @@ impl GpuQwen35 {
         // The SwiGLU in its own launch, also for decode: measured faster than computing it
         // inside the down projection's GEMV (H100, 9B decode 122-123 against 115-116 tok/s,
         // interleaved runs), which reads gate and up again for every row.
+        // For a tensor-core GEMM the SwiGLU writes the bf16 operand itself.
+        let to_bf16 = t > GEMV_MAX_T && self.precision == Precision::TensorCores;
         if let Some(up) = up {
             let n = t * m.cols;
-            g.launch("swiglu", (n.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(input), Arg::Ptr(up), Arg::I32(n as i32)])?;
+            let out_bf16 = if to_bf16 { g.ptr(&ws.xb) } else { 0 };
+            g.launch("swiglu", (n.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(input), Arg::Ptr(up), Arg::Ptr(out_bf16), Arg::I32(n as i32)])?;
         }
         if t <= GEMV_MAX_T {
             return self.gemv(ws, GemvInput::Plain, &[(g.ptr(&m.w), x, m.rows)], input, m.cols, t, true);
         }
         // The GEMM adds into the residual stream itself.
-        let input = self.gemm_input(ws, input, t, m.cols)?;
+        let input = if up.is_some() && to_bf16 { g.ptr(&ws.xb) } else { self.gemm_input(ws, input, t, m.cols)? };
         self.gemm(input, t, g.ptr(&m.w), m.rows, m.cols, x, true)
     }
 
@@ -757,8 +874,11 @@ impl GpuQwen35 {
             g.launch("deltanet_chunk_prep", (r.count.div_ceil(DELTANET_CHUNK) as u32, hv as u32, 1), 256, 0, &prep)?;
             let mut walk = vec![Arg::Ptr(recurrent), Arg::Ptr(conv_out), Arg::Ptr(gcum), Arg::Ptr(cu), Arg::Ptr(cw), Arg::Ptr(cp), Arg::Ptr(core)];
             walk.extend(shape);
-            // 16 value columns per block (kernels.cu deltanet_chunk_state).
-            g.launch("deltanet_chunk_state", (hv as u32, (dv / 16) as u32, 1), 256, 0, &walk)?;
+            // 16 value columns per block (kernels.cu deltanet_chunk_state); a grid that fits on
+            // the SMs gets the build that spills no registers.
+            let blocks = hv * dv / 16;
+            let walk_kernel = if blocks <= g.sms as usize { "deltanet_chunk_state_1" } else { "deltanet_chunk_state" };
+            g.launch(walk_kernel, (hv as u32, (dv / 16) as u32, 1), 256, 0, &walk)?;
             g.launch("gated_rms_norm", ((r.count * hv) as u32, 1, 1), dv.next_multiple_of(32).min(256) as u32, 0, &[Arg::Ptr(core), Arg::Ptr(z), Arg::Ptr(norm_w), Arg::I32(dv as i32), eps])?;
         }
         self.project_residual(ws, g.ptr(&ws.core), None, t, &m.out_proj)

@@ -73,6 +73,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
     writeln!(report, "| model | weights | prefill tensor cores tok/s | TFLOP/s | of bf16 peak | prefill exact f32 tok/s | decode tok/s (graph) | weight GB/s | of bandwidth | decode tok/s (launches) | TC vs exact: top-1, max logit diff |")?;
     writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|")?;
     let mut profiles = String::new();
+    let mut gemvs = String::new();
     let mut batches = String::new();
     let mut bridges = String::new();
     let mut energy = String::new();
@@ -147,6 +148,13 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
             1.0 / step_launched,
             if same_top { "same" } else { "differs" },
         )?;
+
+        // The decode GEMVs alone, by shape, against the bandwidth.
+        progress(&format!("{spec}: decode GEMVs"));
+        for t in g.time_decode_gemvs(40, 5)? {
+            let rate = t.bytes as f64 / (t.micros * 1e-6);
+            writeln!(gemvs, "| {spec} | {} | {} x {} | {:.1} | {:.2} | {:.0} | {:.0}% |", t.what, t.rows, t.cols, t.bytes as f64 / 1e6, t.micros, rate / 1e9, 100.0 * rate / bandwidth)?;
+        }
 
         // Where a decode step goes: each kernel timed with events (launched one by one).
         progress(&format!("{spec}: decode profile"));
@@ -265,6 +273,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
         model = Some(g.into_gpu());
     }
     writeln!(report, "\n### Where a decode step and a prefill go (kernel by kernel, CUDA events)\n{profiles}")?;
+    writeln!(report, "\n### The decode GEMVs alone (one token; each kind through every layer's matrices, a CUDA graph of 40 launches or more, median of 5 replays)\n\n| model | GEMV | weights | MB | µs per launch | GB/s | of bandwidth |\n|---|---|---|---|---|---|---|\n{gemvs}")?;
     writeln!(report, "\n### Batched decode (one step for every sequence; one sequence: the graph)\n\n| model | sequences | aggregate tok/s | vs one |\n|---|---|---|---|\n{batches}")?;
     writeln!(
         report,
