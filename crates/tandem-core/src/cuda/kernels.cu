@@ -368,39 +368,53 @@ extern "C" __global__ void l2norm_qk(float* mixed, int cd, int hk, int dk, float
 // A DeltaNet layer's mixer for a few tokens (decode), in one launch: causal conv + SiLU, l2 norm
 // of q and k (q scaled by 1/sqrt(dk)), the gated delta rule token after token
 // (deltanet.rs recurrent_step) and the gated RMSNorm (model/qwen35.rs), from the projections
-// (qkv, z, b, a) to the core output. One block per key head with its value heads (so that the
-// block owns every conv channel it reads: no other block writes them); each value column is
-// held by 4 adjacent lanes, DK / 4 state rows each, in registers for the whole call.
-// Block: (hv / hk) * dv * 4 threads (at most 1024).
+// (qkv, z, b, a) to the core output.
+// Block (vh, cb) of the grid (hv * dv / 32) owns the 32 state columns cb * 32.. of value head
+// vh: warp w holds rows w * R.. (R = DK / 16) of them and lane l column l, so that every state
+// load is one 128-byte line and a decode step spreads over hv * dv / 32 SMs (one block per key
+// head left most SMs idle: 16.7 us per layer on an H100). Every block of a key head recomputes
+// its conv, norms and gates (a few hundred values); each conv channel of v has one owner block.
+// The gated RMSNorm needs the whole head, and the key head's q/k conv window must not be
+// rewritten while one of its blocks may still read it, so each block writes its raw outputs and
+// their sum of squares per token, and the last block of the key head to finish (a counter in
+// `done`, which it resets) normalises them all and writes the q/k window.
+// Block: 512 threads; t <= 8; partial_ss: hv * (dv / 32) * 8 floats; done: hk zeroed counters.
 template <int DK>
 __device__ void deltanet_step_body(float* conv, float* state, const float* qkv, const float* z, const float* bproj, const float* aproj, const float* taps,
-                                   const float* neg_a, const float* dt_bias, const float* norm_w, float* core, int t, int hk, int hv, int dv, int cd, int kk, float eps) {
-    constexpr int R = DK / 4;
-    __shared__ float sq[DK], sk[DK], sv[1024], stats[2], head_ss[32];
-    int kh = blockIdx.x, ratio = hv / hk, kd = hk * DK, vd = hv * dv;
-    int tid = threadIdx.x, col = tid >> 2, sub = tid & 3;
-    int vl = col / dv, j = col % dv, vh = kh * ratio + vl;
-    int nc = 2 * DK + ratio * dv;
-    // The conv channel this thread owns (if any): q, then k, then v of this key head.
-    int ch = tid < DK ? kh * DK + tid : tid < 2 * DK ? kd + kh * DK + (tid - DK) : 2 * kd + kh * ratio * dv + (tid - 2 * DK);
-    float win[8];
-    if (tid < nc)
-        for (int q = 0; q < kk; q++) win[q] = conv[(size_t)q * cd + ch];
+                                   const float* neg_a, const float* dt_bias, const float* norm_w, float* core, float* partial_ss, unsigned* done, int t, int hk,
+                                   int hv, int dv, int cd, int kk, float eps) {
+    constexpr int WARPS = 16, R = DK / WARPS, CB = 32, KMAX = 8, TMAX = 8;
+    __shared__ float sq[DK], sk[DK], sv[CB], stats[2], red[WARPS][CB];
+    __shared__ bool last;
+    int blocks_per_head = dv / CB, vh = blockIdx.x / blocks_per_head, cb = blockIdx.x % blocks_per_head;
+    int ratio = hv / hk, kh = vh / ratio, kd = hk * DK, vd = hv * dv;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, j = cb * CB + lane;
+    // The conv channel this thread owns (if any): q, then k of the key head, then this block's v.
+    bool has_ch = tid < 2 * DK + CB;
+    int ch = tid < DK ? kh * DK + tid : tid < 2 * DK ? kd + kh * DK + (tid - DK) : 2 * kd + vh * dv + cb * CB + (tid - 2 * DK);
+    float win[KMAX];
+    if (has_ch) {
+#pragma unroll
+        for (int q = 0; q < KMAX; q++)
+            if (q < kk) win[q] = conv[(size_t)q * cd + ch];
+    }
     float* sh = state + (size_t)vh * DK * dv;
     float s[R];
 #pragma unroll
-    for (int i = 0; i < R; i++) s[i] = sh[(size_t)(sub * R + i) * dv + j];
-    float wj = norm_w[j];
+    for (int i = 0; i < R; i++) s[i] = sh[(size_t)(warp * R + i) * dv + j];
     // The state and conv window were loaded before the wait: their last writer is this kernel
     // in an earlier forward call, and every call starts with a copy of its token ids that
     // waits for all earlier work.
     pdl_enter();
     for (int tok = 0; tok < t; tok++) {
-        if (tid < nc) {
-            for (int q = 0; q + 1 < kk; q++) win[q] = win[q + 1];
-            win[kk - 1] = qkv[(size_t)tok * cd + ch];
+        if (has_ch) {
             float acc = 0.0f;
-            for (int q = 0; q < kk; q++) acc = fmaf(taps[(size_t)q * cd + ch], win[q], acc);
+#pragma unroll
+            for (int q = 0; q < KMAX; q++) {
+                if (q + 1 < kk) win[q] = win[q + 1];
+                else if (q + 1 == kk) win[q] = qkv[(size_t)tok * cd + ch];
+                if (q < kk) acc = fmaf(taps[(size_t)q * cd + ch], win[q], acc);
+            }
             float y = siluf_(acc);
             if (tid < DK) sq[tid] = y; else if (tid < 2 * DK) sk[tid - DK] = y; else sv[tid - 2 * DK] = y;
         }
@@ -409,9 +423,9 @@ __device__ void deltanet_step_body(float* conv, float* state, const float* qkv, 
         if (tid < 64) {
             const float* v = tid < 32 ? sq : sk;
             float ss = 0.0f;
-            for (int i = tid & 31; i < DK; i += 32) ss += v[i] * v[i];
+            for (int i = lane; i < DK; i += 32) ss += v[i] * v[i];
             ss = warp_sum(ss);
-            if ((tid & 31) == 0) stats[tid >> 5] = 1.0f / sqrtf(ss + 1e-6f) * (tid < 32 ? rsqrtf((float)DK) : 1.0f);
+            if (lane == 0) stats[warp] = 1.0f / sqrtf(ss + 1e-6f) * (warp == 0 ? rsqrtf((float)DK) : 1.0f);
         }
         __syncthreads();
         float qn = stats[0], kn = stats[1];
@@ -419,38 +433,63 @@ __device__ void deltanet_step_body(float* conv, float* state, const float* qkv, 
         float alpha = expf(neg_a[vh] * softplusf_(aproj[tok * hv + vh] + dt_bias[vh]));
         float m = 0.0f;
 #pragma unroll
-        for (int i = 0; i < R; i++) { s[i] *= alpha; m += s[i] * (sk[sub * R + i] * kn); }
-        m += __shfl_xor_sync(0xffffffffu, m, 1);
-        m += __shfl_xor_sync(0xffffffffu, m, 2);
-        float u = beta * (sv[vl * dv + j] - m);
+        for (int i = 0; i < R; i++) { s[i] *= alpha; m += s[i] * (sk[warp * R + i] * kn); }
+        red[warp][lane] = m;
+        __syncthreads();
+        m = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) m += red[w][lane];
+        float u = beta * (sv[lane] - m);
         float o = 0.0f;
 #pragma unroll
-        for (int i = 0; i < R; i++) { s[i] += (sk[sub * R + i] * kn) * u; o += s[i] * (sq[sub * R + i] * qn); }
-        o += __shfl_xor_sync(0xffffffffu, o, 1);
-        o += __shfl_xor_sync(0xffffffffu, o, 2);
-        // Gated RMSNorm over the value head's dv outputs: each warp holds 8 columns of one head.
-        float ss = warp_sum(sub == 0 ? o * o : 0.0f);
-        if ((tid & 31) == 0) head_ss[tid >> 5] = ss;
+        for (int i = 0; i < R; i++) { s[i] += (sk[warp * R + i] * kn) * u; o += s[i] * (sq[warp * R + i] * qn); }
+        __syncthreads();  // every warp has read red
+        red[warp][lane] = o;
         __syncthreads();
-        int per_head = dv * 4 / 32;
-        float total = 0.0f;
-        for (int q = 0; q < per_head; q++) total += head_ss[vl * per_head + q];
-        if (sub == 0) {
-            float inv = 1.0f / sqrtf(total / dv + eps);
-            size_t at = (size_t)tok * vd + vh * dv + j;
-            core[at] = wj * (o * inv) * siluf_(z[at]);
+        if (warp == 0) {
+            o = 0.0f;
+#pragma unroll
+            for (int w = 0; w < WARPS; w++) o += red[w][lane];
+            core[(size_t)tok * vd + vh * dv + j] = o;
+            float ss = warp_sum(o * o);
+            if (lane == 0) partial_ss[(size_t)blockIdx.x * TMAX + tok] = ss;
         }
-        __syncthreads();
+        __syncthreads();  // sq, sk, sv and red are rewritten by the next token
     }
 #pragma unroll
-    for (int i = 0; i < R; i++) sh[(size_t)(sub * R + i) * dv + j] = s[i];
-    if (tid < nc)
-        for (int q = 0; q < kk; q++) conv[(size_t)q * cd + ch] = win[q];
+    for (int i = 0; i < R; i++) sh[(size_t)(warp * R + i) * dv + j] = s[i];
+    if (tid >= 2 * DK && has_ch) {
+#pragma unroll
+        for (int q = 0; q < KMAX; q++)
+            if (q < kk) conv[(size_t)q * cd + ch] = win[q];
+    }
+    // Hand over to the last block of the key head (the pattern of the CUDA threadFenceReduction
+    // sample: outputs, fence, then the count).
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(&done[kh], 1u) == (unsigned)(ratio * blocks_per_head - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (tid < 2 * DK) {
+#pragma unroll
+        for (int q = 0; q < KMAX; q++)
+            if (q < kk) conv[(size_t)q * cd + ch] = win[q];
+    }
+    for (int e = tid; e < t * ratio * dv; e += blockDim.x) {
+        int tok = e / (ratio * dv), h = kh * ratio + (e % (ratio * dv)) / dv, c = e % dv;
+        float total = 0.0f;
+        for (int b = 0; b < blocks_per_head; b++) total += __ldcg(&partial_ss[(size_t)(h * blocks_per_head + b) * TMAX + tok]);
+        size_t at = (size_t)tok * vd + h * dv + c;
+        float inv = 1.0f / sqrtf(total / dv + eps);
+        core[at] = norm_w[c] * (__ldcg(&core[at]) * inv) * siluf_(z[at]);
+    }
+    if (tid == 0) done[kh] = 0;
 }
 #define DELTANET_STEP(NAME, DK)                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(1024) NAME(float* conv, float* state, const float* qkv, const float* z, const float* b, const float* a, const float* taps, \
-                                    const float* na, const float* dt, const float* nw, float* core, int t, int hk, int hv, int dv, int cd, int kk, float eps) { \
-        deltanet_step_body<DK>(conv, state, qkv, z, b, a, taps, na, dt, nw, core, t, hk, hv, dv, cd, kk, eps);                               \
+    extern "C" __global__ void __launch_bounds__(512) NAME(float* conv, float* state, const float* qkv, const float* z, const float* b, const float* a, const float* taps, \
+                                    const float* na, const float* dt, const float* nw, float* core, float* pss, unsigned* done, int t, int hk, int hv, int dv, int cd, int kk, float eps) { \
+        deltanet_step_body<DK>(conv, state, qkv, z, b, a, taps, na, dt, nw, core, pss, done, t, hk, hv, dv, cd, kk, eps);                    \
     }
 DELTANET_STEP(deltanet_step_32, 32)
 DELTANET_STEP(deltanet_step_64, 64)

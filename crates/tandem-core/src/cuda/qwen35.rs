@@ -193,6 +193,11 @@ struct Workspace {
     ffn_up: CudaSlice<f32>,
     /// A bf16 copy of a GEMM's input (tensor-core prefill only).
     xb: CudaSlice<u16>,
+    /// The decode DeltaNet step's hand-over between the blocks of a key head: each block's
+    /// sum of squares per token, and a count of finished blocks per key head (zero between
+    /// launches: the last block resets it).
+    step_ss: CudaSlice<f32>,
+    step_done: CudaSlice<u32>,
     /// The final-normed rows that get logits, and their logits.
     normed: CudaSlice<f32>,
     logits: CudaSlice<f32>,
@@ -234,6 +239,8 @@ impl Workspace {
             ffn_gate: g.scratch(rows * f)?,
             ffn_up: g.scratch(rows * f)?,
             xb: g.scratch(xb)?,
+            step_ss: g.scratch(hv * c.linear_value_head_dim / 32 * GEMV_MAX_T)?,
+            step_done: g.zeros(c.linear_num_key_heads)?,
             normed: g.scratch(logit_rows * h)?,
             logits: g.scratch(logit_rows * c.vocab_size)?,
         })
@@ -276,10 +283,12 @@ impl GpuQwen35 {
         if c.linear_key_head_dim != 32 && c.linear_key_head_dim != 64 && c.linear_key_head_dim != 128 {
             bail!("the CUDA DeltaNet kernel is built for key heads of 32, 64 or 128 channels, this model has {}", c.linear_key_head_dim);
         }
-        let (dk, dv, ratio) = (c.linear_key_head_dim, c.linear_value_head_dim, c.linear_num_value_heads / c.linear_num_key_heads.max(1));
-        if dv % 32 != 0 || dk + dv > 256 || ratio * dv * 4 > 1024 || c.linear_conv_kernel_dim > 8 {
+        let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
+        if dv % 32 != 0 || dk + dv > 256 || c.linear_num_key_heads == 0 || !c.linear_num_value_heads.is_multiple_of(c.linear_num_key_heads) || c.linear_conv_kernel_dim > 8 {
             bail!(
-                "the CUDA DeltaNet kernels take value heads of a multiple of 32 channels, key + value head dims up to 256, (value heads per key head) x value dim x 4 up to 1024 threads and conv kernels up to 8 (this model: dk {dk}, dv {dv}, {ratio} value heads per key head, conv {})",
+                "the CUDA DeltaNet kernels take value heads of a multiple of 32 channels, key + value head dims up to 256, a whole number of value heads per key head and conv kernels up to 8 (this model: dk {dk}, dv {dv}, {} value and {} key heads, conv {})",
+                c.linear_num_value_heads,
+                c.linear_num_key_heads,
                 c.linear_conv_kernel_dim
             );
         }
@@ -552,6 +561,23 @@ impl GpuQwen35 {
         state.last_logits.clear();
         state.last_logits.extend_from_slice(step.logits_host.as_slice());
         Ok(())
+    }
+
+    /// Seconds per decode step on the GPU alone: `steps` replays of `state`'s step graph back to
+    /// back, one wait at the end (what `apply` adds per token on top is the host's part: the
+    /// wait for the step, the copy of its logits). The state is advanced `steps` times at the
+    /// same position; a bench state only.
+    pub fn time_step_replays(&self, state: &mut GpuState, steps: usize) -> Result<f64> {
+        let g = &self.gpu;
+        let token = crate::sampling::argmax(&state.last_logits);
+        self.replay_step(token, state)?;
+        let step = state.step.as_ref().context("no step graph was captured")?;
+        let start = std::time::Instant::now();
+        for _ in 0..steps {
+            step.graph.0.launch().map_err(|e| anyhow::anyhow!("cuda:{}: replaying the decode step: {e:?}", g.ordinal))?;
+        }
+        g.synchronize()?;
+        Ok(start.elapsed().as_secs_f64() / steps as f64)
     }
 
     /// Make room for `end` K/V rows (doubling), keeping the rows in use.
@@ -853,12 +879,11 @@ impl GpuQwen35 {
                     64 => "deltanet_step_64",
                     _ => "deltanet_step_128",
                 };
-                let threads = (hv / hk * dv * 4) as u32;
                 let args = [
                     Arg::Ptr(conv), Arg::Ptr(recurrent), Arg::Ptr(qkv), Arg::Ptr(z), Arg::Ptr(beta), Arg::Ptr(alpha), Arg::Ptr(taps), Arg::Ptr(neg_a), Arg::Ptr(dt_bias), Arg::Ptr(norm_w), Arg::Ptr(core),
-                    Arg::I32(count), dims[0], dims[1], Arg::I32(dv as i32), Arg::I32(cd as i32), Arg::I32(kk as i32), eps,
+                    Arg::Ptr(g.ptr(&ws.step_ss)), Arg::Ptr(g.ptr(&ws.step_done)), Arg::I32(count), dims[0], dims[1], Arg::I32(dv as i32), Arg::I32(cd as i32), Arg::I32(kk as i32), eps,
                 ];
-                g.launch(kernel, (hk as u32, 1, 1), threads, 0, &args)?;
+                g.launch(kernel, ((hv * dv / 32) as u32, 1, 1), 512, 0, &args)?;
                 continue;
             }
             // A prefill: the conv over all rows at once, then the chunked delta rule.

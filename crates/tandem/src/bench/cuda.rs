@@ -74,6 +74,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
     writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|")?;
     let mut profiles = String::new();
     let mut gemvs = String::new();
+    let mut steps_alone = String::new();
     let mut batches = String::new();
     let mut bridges = String::new();
     let mut energy = String::new();
@@ -118,17 +119,31 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
             }
             Ok(t.elapsed().as_secs_f64() / decode_steps as f64)
         };
-        let (mut with_graph, mut launched) = (Vec::new(), Vec::new());
+        let (mut with_graph, mut launched, mut gpu_alone) = (Vec::new(), Vec::new(), Vec::new());
         decode_run(&g)?;
+        let mut replayed = g.new_state()?;
+        g.forward(&tokens[..13], &mut replayed, Logits::Last)?;
         for _ in 0..reps {
             for graphs in [true, false] {
                 g.graphs = graphs;
                 let s = decode_run(&g)?;
                 if graphs { with_graph.push(s) } else { launched.push(s) }
             }
+            g.graphs = true;
+            gpu_alone.push(g.time_step_replays(&mut replayed, decode_steps)?);
         }
-        g.graphs = true;
         let (step, _, _) = stats(&mut with_graph);
+        let (gpu_step, _, _) = stats(&mut gpu_alone);
+        // The host's greedy pick from a step's logits, which every `apply` above includes.
+        let mut picks: Vec<f64> = (0..51)
+            .map(|_| {
+                let t = Instant::now();
+                std::hint::black_box(argmax(std::hint::black_box(&replayed.last_logits)));
+                t.elapsed().as_secs_f64()
+            })
+            .collect();
+        let (pick, _, _) = stats(&mut picks);
+        writeln!(steps_alone, "| {spec} | {:.0} | {:.0} | {:.0} | {:.0} |", 1e6 * gpu_step, 1e6 * step, 1.0 / gpu_step, 1e6 * pick)?;
         let (step_launched, _, _) = stats(&mut launched);
         let flops = net.prefill_flops(prompt);
         let weight_rate = g.weight_bytes() as f64 / step;
@@ -273,6 +288,10 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
         model = Some(g.into_gpu());
     }
     writeln!(report, "\n### Where a decode step and a prefill go (kernel by kernel, CUDA events)\n{profiles}")?;
+    writeln!(
+        report,
+        "\n### A decode step on the GPU alone (its graph replayed {decode_steps} times back to back, one wait at the end; median of {reps}) against a step as `apply` runs it (a wait and the logits copied to the host each token) and the host's greedy pick (argmax of the logits, median of 51)\n\n| model | µs per step, GPU alone | µs per step, apply + argmax | tok/s, GPU alone | argmax µs |\n|---|---|---|---|---|\n{steps_alone}"
+    )?;
     writeln!(report, "\n### The decode GEMVs alone (one token; each kind through every layer's matrices, a CUDA graph of 40 launches or more, median of 5 replays)\n\n| model | GEMV | weights | MB | µs per launch | GB/s | of bandwidth |\n|---|---|---|---|---|---|---|\n{gemvs}")?;
     writeln!(report, "\n### Batched decode (one step for every sequence; one sequence: the graph)\n\n| model | sequences | aggregate tok/s | vs one |\n|---|---|---|---|\n{batches}")?;
     writeln!(
