@@ -20,7 +20,7 @@ tandem: Qwen3.5 inference, prefill and decode on their own engines
 USAGE:
   tandem generate --model M (--prompt TEXT... | --prompts-file FILE | --token-ids 1,2,3) [options]
   tandem chat     --model M [--system TEXT] [options]
-  tandem verify   --model DIR --reference FILE [--device cpu|cuda:N [--precision exact|tensor-cores]]
+  tandem verify   --model DIR --reference FILE [--device cpu|cuda:N] [--precision exact|tensor-cores]
   tandem bench    [--model M] [--quant bf16,int8] [--quick] ...   (tandem bench --help)
   tandem serve    --model M [--port 8000] [engine options] ...    (tandem serve --help)
 
@@ -192,16 +192,23 @@ fn cmd_verify(argv: &[String]) -> Result<ExitCode> {
     let pool = make_pool(&args)?;
     let mut model = load_model(args.required("model")?, &args)?;
     let reference = Path::new(args.required("reference")?);
+    use tandem_core::cuda::qwen35::{GpuQwen35, Precision};
+    let precision = match args.str("precision").unwrap_or("exact") {
+        "exact" => Precision::Exact,
+        "tensor-cores" => Precision::TensorCores,
+        other => bail!("--precision {other:?}: exact (f32 products, the default) or tensor-cores (products of more than 8 rows take bf16 inputs)"),
+    };
     let checks = match args.str("device") {
-        None | Some("cpu") => tandem_core::verify::verify(&pool, &mut model.net, reference)?,
+        None | Some("cpu") => {
+            if precision == Precision::TensorCores {
+                // The CPU engine computing as the GPU's tensor-core prefill does.
+                println!("device: cpu, precision TensorCores (the inputs of products of more than 8 rows rounded to bf16)");
+                model.net.set_gemm_inputs_bf16(true);
+            }
+            tandem_core::verify::verify(&pool, &mut model.net, reference)?
+        }
         Some(device) => {
-            use tandem_core::cuda::qwen35::{GpuQwen35, Precision};
             let ordinal = parse_cuda_device(device)?;
-            let precision = match args.str("precision").unwrap_or("exact") {
-                "exact" => Precision::Exact,
-                "tensor-cores" => Precision::TensorCores,
-                other => bail!("--precision {other:?}: exact (f32 products, the default) or tensor-cores (bf16 products)"),
-            };
             let gpu = tandem_core::cuda::Gpu::open(ordinal)?;
             println!("device: cuda:{ordinal} ({}), precision {precision:?}", gpu.name);
             let mut g = GpuQwen35::upload(gpu, &model.net, precision)?;

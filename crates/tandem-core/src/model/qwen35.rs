@@ -8,7 +8,7 @@ use crate::checkpoint::TensorSet;
 use crate::config::{LayerType, Qwen35Config};
 use crate::kernels::attention::attention_head;
 use crate::kernels::deltanet::{self, ChunkScratch};
-use crate::kernels::matmul::{gemm_group, matmul_group};
+use crate::kernels::matmul::{gemm_group, matmul_group, GEMV_MAX_TOKENS};
 use crate::pool::Pool;
 use crate::quant::quantize_int8_on;
 use crate::kernels::norm::{gated_rms_norm_inplace, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, softplus, swiglu_inplace};
@@ -26,6 +26,9 @@ pub struct Qwen35 {
     pub(crate) final_norm: Vec<f32>,
     pub(crate) layers: Vec<DecoderLayer>,
     pub(crate) inv_freq: Vec<f32>,
+    /// Round the input of every product of more than `GEMV_MAX_TOKENS` rows to bf16 (see
+    /// `set_gemm_inputs_bf16`).
+    gemm_inputs_bf16: bool,
 }
 
 #[derive(Clone)]
@@ -159,7 +162,7 @@ impl Qwen35 {
             });
         }
         let inv_freq = inv_freq(c.rope_theta, c.rotary_dim());
-        Ok(Qwen35 { config, embed_tokens, lm_head, final_norm, layers, inv_freq })
+        Ok(Qwen35 { config, embed_tokens, lm_head, final_norm, layers, inv_freq, gemm_inputs_bf16: false })
     }
 
     /// Use bf16-rounded RoPE frequencies (see `kernels::rope::inv_freq_bf16`), to compare with
@@ -167,6 +170,19 @@ impl Qwen35 {
     pub fn set_rope_frequencies_bf16(&mut self, rounded: bool) {
         let c = &self.config;
         self.inv_freq = if rounded { inv_freq_bf16(c.rope_theta, c.rotary_dim()) } else { inv_freq(c.rope_theta, c.rotary_dim()) };
+    }
+
+    /// Compute as a GPU's tensor-core prefill does (`cuda::qwen35::Precision::TensorCores`):
+    /// the input of every product of more than `GEMV_MAX_TOKENS` rows rounded to bf16 (to
+    /// nearest, ties to even) before the f32 sums; decode-sized products stay f32 as there.
+    /// The CPU reference for that arithmetic (`tandem verify --precision tensor-cores`), and a
+    /// measure of how far bf16 activations move a model's outputs.
+    pub fn set_gemm_inputs_bf16(&mut self, rounded: bool) {
+        self.gemm_inputs_bf16 = rounded;
+    }
+
+    fn pass<'p>(&self, pool: &'p Pool, gemm_only: bool) -> Pass<'p> {
+        Pass { pool, gemm_only, bf16_inputs: self.gemm_inputs_bf16 }
     }
 
     /// `--quant int8`: replace every matrix a forward pass multiplies by (the LM head too) with
@@ -292,7 +308,7 @@ impl Qwen35 {
         let mut logits = Vec::new();
         for piece in tokens.chunks(MAX_TOKENS_PER_PASS) {
             let rows = piece.len();
-            let out = self.forward_pass(&Pass { pool, gemm_only: false }, piece, &mut [Segment { state: &mut *state, rows: 0..rows, valid: rows }], which);
+            let out = self.forward_pass(&self.pass(pool, false), piece, &mut [Segment { state: &mut *state, rows: 0..rows, valid: rows }], which);
             if which == Logits::All {
                 logits.extend_from_slice(&out);
             } else {
@@ -313,7 +329,7 @@ impl Qwen35 {
         }
         self.check(tokens, state, valid)?;
         let rows = tokens.len();
-        self.forward_pass(&Pass { pool, gemm_only: true }, tokens, &mut [Segment { state, rows: 0..rows, valid }], Logits::Last);
+        self.forward_pass(&self.pass(pool, true), tokens, &mut [Segment { state, rows: 0..rows, valid }], Logits::Last);
         Ok(())
     }
 
@@ -328,7 +344,7 @@ impl Qwen35 {
             self.check(&tokens[i..i + 1], state, 1).with_context(|| format!("sequence {i} of the batch"))?;
         }
         let mut segs: Vec<Segment> = states.iter_mut().enumerate().map(|(i, st)| Segment { state: &mut **st, rows: i..i + 1, valid: 1 }).collect();
-        self.forward_pass(&Pass { pool, gemm_only: false }, tokens, &mut segs, Logits::Last);
+        self.forward_pass(&self.pass(pool, false), tokens, &mut segs, Logits::Last);
         Ok(())
     }
 
@@ -583,16 +599,25 @@ impl Qwen35 {
     }
 }
 
-/// How a pass multiplies: its pool, and whether every product is a GEMM whatever its row
+/// How a pass multiplies: its pool, whether every product is a GEMM whatever its row
 /// count (a static-shape dispatch: then a one-row dispatch computes exactly what the same row
-/// computes inside a padded one) or a single row takes the GEMV.
+/// computes inside a padded one) or a single row takes the GEMV, and whether the inputs of
+/// products of more than `GEMV_MAX_TOKENS` rows are rounded to bf16 first.
 struct Pass<'p> {
     pool: &'p Pool,
     gemm_only: bool,
+    bf16_inputs: bool,
 }
 
 impl Pass<'_> {
     fn products(&self, x: &[f32], t: usize, jobs: &mut [(&Matrix, &mut [f32])]) {
+        let rounded: Vec<f32>;
+        let x = if self.bf16_inputs && t > GEMV_MAX_TOKENS {
+            rounded = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+            &rounded
+        } else {
+            x
+        };
         if self.gemm_only {
             gemm_group(self.pool, x, t, jobs)
         } else {
@@ -686,6 +711,35 @@ fn zero_centred(t: Tensor) -> Result<Vec<f32>> {
 mod tests {
     use super::*;
 
+    /// The tensor-core emulation rounds the inputs of products of more than 8 rows, and only
+    /// those: a short forward pass is bit for bit the f32 one.
+    #[test]
+    fn bf16_gemm_inputs_round_only_products_of_more_than_8_rows() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
+        let mut m = crate::load::LoadedModel::load(dir.to_str().unwrap()).unwrap();
+        let pool = Pool::new(1);
+        let _same_kernels = crate::kernels::hold_isa();
+        let w = &m.net.lm_head;
+        let k = w.cols;
+        let x: Vec<f32> = (0..9 * k).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 1.37).collect();
+        let rounded: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+        assert!(rounded != x);
+        let run = |bf16_inputs: bool, x: &[f32], t: usize| {
+            let mut out = vec![0f32; t * w.rows];
+            Pass { pool: &pool, gemm_only: false, bf16_inputs }.products(&x[..t * k], t, &mut [(w, &mut out)]);
+            out
+        };
+        assert!(run(true, &x, 9) == run(false, &rounded, 9), "9 rows: not the product of the rounded input");
+        assert!(run(true, &x, 9) != run(false, &x, 9), "9 rows: the input was not rounded");
+        assert!(run(true, &x, 8) == run(false, &x, 8), "8 rows (a decode-sized product) were rounded");
+
+        let tokens = [3u32, 141, 59, 26, 535];
+        let plain = m.net.forward(&pool, &tokens, &mut State::new(&m.net.config), Logits::All).unwrap();
+        m.net.set_gemm_inputs_bf16(true);
+        let emulated = m.net.forward(&pool, &tokens, &mut State::new(&m.net.config), Logits::All).unwrap();
+        assert!(plain == emulated, "a 5-token pass changed under the tensor-core emulation");
+    }
+
     /// `forward` applies long inputs in pieces; the pieces start on DeltaNet chunk boundaries,
     /// so the result is bit for bit that of one pass.
     #[test]
@@ -698,7 +752,7 @@ mod tests {
         let _same_kernels = crate::kernels::hold_isa();
         let (mut one, mut pieces) = (State::new(&m.net.config), State::new(&m.net.config));
         let rows = tokens.len();
-        let want = m.net.forward_pass(&Pass { pool: &pool, gemm_only: false }, &tokens, &mut [Segment { state: &mut one, rows: 0..rows, valid: rows }], Logits::All);
+        let want = m.net.forward_pass(&m.net.pass(&pool, false), &tokens, &mut [Segment { state: &mut one, rows: 0..rows, valid: rows }], Logits::All);
         let got = m.net.forward(&pool, &tokens, &mut pieces, Logits::All).unwrap();
         assert!(want == got, "logits differ");
         assert!(one == pieces, "states differ");
