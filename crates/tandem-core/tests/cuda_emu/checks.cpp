@@ -1,0 +1,179 @@
+// The CUDA kernels run on CPU threads (shim.h) against plain double-precision references:
+// each check prints one line and the program exits non-zero if any is out of bounds.
+// Built and run by tests/cuda_on_cpu.rs from a copy of kernels.cu (kernels_emu.cu); C++17.
+#include "kernels_emu.cu"
+#include <cstdio>
+#include <random>
+
+static std::mt19937 rng(7);
+static std::vector<float> random(size_t n, float lo, float hi) {
+    std::uniform_real_distribution<float> d(lo, hi);
+    std::vector<float> v(n);
+    for (auto& x : v) x = d(rng);
+    return v;
+}
+static int failures = 0;
+// Fails where the largest difference exceeds `bound` times the largest reference value.
+static void compare(const std::string& what, const std::vector<float>& got, const std::vector<double>& want, double bound) {
+    double err = 0, big = 0;
+    for (size_t i = 0; i < got.size(); i++) {
+        err = std::max(err, std::fabs(got[i] - want[i]));
+        big = std::max(big, std::fabs(want[i]));
+    }
+    bool ok = err <= bound * big && big > 0;
+    failures += !ok;
+    printf("%s %-60s max |err| %.2e of max |ref| %.2e (bound %.0e relative)\n", ok ? "ok  " : "FAIL", what.c_str(), err, big, bound);
+}
+static double sigmoid(double x) { return 1 / (1 + std::exp(-x)); }
+static double softplus(double x) { return x > 20 ? x : std::log1p(std::exp(x)); }
+
+// Causal GQA attention of rows pos0.. (q [t, hq, d]) over caches [pos0 + t, hkv, d], gated.
+static std::vector<double> attention_ref(const std::vector<float>& q, const std::vector<float>& kc, const std::vector<float>& vc, const std::vector<float>& gate, int t, int hq, int hkv, int d, int pos0) {
+    std::vector<double> out((size_t)t * hq * d);
+    for (int tok = 0; tok < t; tok++)
+        for (int h = 0; h < hq; h++) {
+            int kvh = h / (hq / hkv), visible = pos0 + tok + 1;
+            std::vector<double> s(visible);
+            double mx = -1e300, sum = 0;
+            for (int p = 0; p < visible; p++) {
+                double a = 0;
+                for (int c = 0; c < d; c++) a += (double)q[((size_t)tok * hq + h) * d + c] * kc[((size_t)p * hkv + kvh) * d + c];
+                s[p] = a / std::sqrt((double)d);
+                mx = std::max(mx, s[p]);
+            }
+            for (auto& x : s) sum += (x = std::exp(x - mx));
+            for (int c = 0; c < d; c++) {
+                double o = 0;
+                for (int p = 0; p < visible; p++) o += s[p] * vc[((size_t)p * hkv + kvh) * d + c];
+                size_t at = ((size_t)tok * hq + h) * d + c;
+                out[at] = o / sum * sigmoid(gate[at]);
+            }
+        }
+    return out;
+}
+
+static void check_attention(int t, int pos0, int d, int hq, int hkv) {
+    auto q = random((size_t)t * hq * d, -4, 4), kc = random((size_t)(pos0 + t) * hkv * d, -1, 1), vc = random((size_t)(pos0 + t) * hkv * d, -1, 1), gate = random((size_t)t * hq * d, -2, 2);
+    auto want = attention_ref(q, kc, vc, gate, t, hq, hkv, d, pos0);
+    std::vector<float> got(want.size());
+    u32 pos = pos0;
+    std::string name;
+    if (t <= 8) {
+        launch(t, hq, 1, 128, [&] { attention(q.data(), kc.data(), vc.data(), gate.data(), got.data(), hq, hkv, d, &pos); });
+        name = "attention (decode)";
+    } else {
+        launch((t + 63) / 64, hq, 1, 256, [&] { attention_tiled(q.data(), kc.data(), vc.data(), gate.data(), got.data(), t, hq, hkv, d, &pos); });
+        name = "attention_tiled";
+    }
+    compare(name + ", " + std::to_string(t) + " rows after " + std::to_string(pos0) + ", head dim " + std::to_string(d), got, want, 1e-5);
+}
+
+// The gated delta rule of one value head, token after token: S <- alpha S; u = beta (v - S^T k);
+// S += k u^T; o = S^T q (q, k as given). S is [dk][dv].
+static void delta_rule(std::vector<double>& S, const double* q, const double* k, const double* v, double alpha, double beta, int dk, int dv, double* o) {
+    for (auto& s : S) s *= alpha;
+    for (int j = 0; j < dv; j++) {
+        double m = 0;
+        for (int i = 0; i < dk; i++) m += S[(size_t)i * dv + j] * k[i];
+        double u = beta * (v[j] - m);
+        for (int i = 0; i < dk; i++) S[(size_t)i * dv + j] += k[i] * u;
+        o[j] = 0;
+        for (int i = 0; i < dk; i++) o[j] += S[(size_t)i * dv + j] * q[i];
+    }
+}
+
+// deltanet_step: conv + SiLU, l2 norms (q times 1/sqrt(dk)), the delta rule, the gated RMSNorm;
+// two launches (3 tokens, then 1), so that the conv window and state carry over and the
+// hand-over counters must be back at zero for the second.
+template <int DK>
+static void check_deltanet_step(int hk, int hv, int dv, void (*kernel)(float*, float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, float*, float*, unsigned*, int, int, int, int, int, int, float)) {
+    const int dk = DK, kk = 4, kd = hk * dk, cd = 2 * kd + hv * dv, vd = hv * dv;
+    const float eps = 1e-6f;
+    auto conv0 = random((size_t)kk * cd, -1, 1), state0 = random((size_t)hv * dk * dv, -0.5, 0.5), taps = random((size_t)kk * cd, -0.7, 0.7);
+    auto neg_a = random(hv, -2, -0.2), dt = random(hv, -1, 1), norm_w = random(dv, 0.5, 1.5);
+    std::vector<float> conv = conv0, state = state0, partial((size_t)hv * (dv / 32) * 8);
+    std::vector<unsigned> done(hk, 0);
+    std::vector<double> S(state0.begin(), state0.end()), win(conv0.begin(), conv0.end()), want;
+    std::vector<float> got;
+    for (int t : {3, 1}) {
+        auto qkv = random((size_t)t * cd, -2, 2), z = random((size_t)t * vd, -2, 2), b = random((size_t)t * hv, -2, 2), a = random((size_t)t * hv, -2, 2);
+        std::vector<float> core((size_t)t * vd);
+        launch(hv * dv / 32, 1, 1, 512, [&] {
+            kernel(conv.data(), state.data(), qkv.data(), z.data(), b.data(), a.data(), taps.data(), neg_a.data(), dt.data(), norm_w.data(), core.data(), partial.data(), done.data(), t, hk, hv, dv, cd, kk, eps);
+        });
+        got.insert(got.end(), core.begin(), core.end());
+        for (int tok = 0; tok < t; tok++) {
+            std::vector<double> y(cd);
+            for (int ch = 0; ch < cd; ch++) {
+                for (int j = 0; j + 1 < kk; j++) win[(size_t)j * cd + ch] = win[(size_t)(j + 1) * cd + ch];
+                win[(size_t)(kk - 1) * cd + ch] = qkv[(size_t)tok * cd + ch];
+                double acc = 0;
+                for (int j = 0; j < kk; j++) acc += (double)taps[(size_t)j * cd + ch] * win[(size_t)j * cd + ch];
+                y[ch] = acc * sigmoid(acc);
+            }
+            for (int h = 0; h < hv; h++) {
+                int kh = h / (hv / hk);
+                std::vector<double> q(y.begin() + kh * dk, y.begin() + (kh + 1) * dk), k(y.begin() + kd + kh * dk, y.begin() + kd + (kh + 1) * dk), o(dv);
+                double qs = 0, ks = 0;
+                for (int i = 0; i < dk; i++) { qs += q[i] * q[i]; ks += k[i] * k[i]; }
+                for (int i = 0; i < dk; i++) { q[i] /= std::sqrt(qs + 1e-6) * std::sqrt((double)dk); k[i] /= std::sqrt(ks + 1e-6); }
+                std::vector<double> Sh(S.begin() + (size_t)h * dk * dv, S.begin() + (size_t)(h + 1) * dk * dv);
+                double alpha = std::exp(neg_a[h] * softplus(a[tok * hv + h] + dt[h])), beta = sigmoid(b[tok * hv + h]);
+                delta_rule(Sh, q.data(), k.data(), &y[2 * kd + h * dv], alpha, beta, dk, dv, o.data());
+                std::copy(Sh.begin(), Sh.end(), S.begin() + (size_t)h * dk * dv);
+                double ss = 0;
+                for (double x : o) ss += x * x;
+                double inv = 1 / std::sqrt(ss / dv + eps);
+                for (int j = 0; j < dv; j++) {
+                    double zz = z[(size_t)tok * vd + h * dv + j];
+                    want.push_back(norm_w[j] * o[j] * inv * zz * sigmoid(zz));
+                }
+            }
+        }
+    }
+    std::string name = "deltanet_step_" + std::to_string(DK) + ", " + std::to_string(hv / hk) + " value heads per key head, dv " + std::to_string(dv);
+    compare(name + ": outputs", got, want, 1e-4);
+    compare(name + ": state", state, S, 1e-4);
+    compare(name + ": conv window", conv, win, 1e-6);
+    bool reset = std::all_of(done.begin(), done.end(), [](unsigned v) { return v == 0; });
+    failures += !reset;
+    printf("%s %s: hand-over counters back at zero\n", reset ? "ok  " : "FAIL", name.c_str());
+}
+
+// The chunked rule of a prefill (l2norm_qk, deltanet_chunk_prep, deltanet_chunk_state_1) against
+// the delta rule token after token, from a non-zero state.
+static void check_chunked(int t, int hk, int hv, int dk, int dv) {
+    int chunks = (t + 63) / 64, kd = hk * dk, cd = 2 * kd + hv * dv, vd = hv * dv;
+    auto mixed = random((size_t)t * cd, -1, 1), b = random(t * hv, -2, 2), a = random(t * hv, -2, 2), neg_a = random(hv, -2, -0.2), dt = random(hv, -1, 1);
+    auto state0 = random((size_t)hv * dk * dv, -0.5, 0.5);
+    std::vector<float> gcum(t * hv), U((size_t)t * hv * dv), W((size_t)t * hv * dk), P((size_t)chunks * hv * 64 * 64), core((size_t)t * vd), state = state0;
+    launch(t, 2 * hk, 1, (dk + 31) / 32 * 32, [&] { l2norm_qk(mixed.data(), cd, hk, dk, 1.0f / std::sqrt((float)dk)); });
+    launch(chunks, hv, 1, 256, [&] { deltanet_chunk_prep(mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), t, hk, hv, dk, dv, cd); });
+    launch(hv, dv / 16, 1, 256, [&] { deltanet_chunk_state_1(state.data(), mixed.data(), gcum.data(), U.data(), W.data(), P.data(), core.data(), t, hk, hv, dk, dv, cd); });
+    std::vector<double> S(state0.begin(), state0.end()), want((size_t)t * vd);
+    for (int tok = 0; tok < t; tok++)
+        for (int h = 0; h < hv; h++) {
+            int kh = h / (hv / hk);
+            std::vector<double> q(dk), k(dk), v(dv), Sh(S.begin() + (size_t)h * dk * dv, S.begin() + (size_t)(h + 1) * dk * dv);
+            for (int i = 0; i < dk; i++) { q[i] = mixed[(size_t)tok * cd + kh * dk + i]; k[i] = mixed[(size_t)tok * cd + kd + kh * dk + i]; }
+            for (int j = 0; j < dv; j++) v[j] = mixed[(size_t)tok * cd + 2 * kd + h * dv + j];
+            double alpha = std::exp(neg_a[h] * softplus(a[tok * hv + h] + dt[h])), beta = sigmoid(b[tok * hv + h]);
+            delta_rule(Sh, q.data(), k.data(), v.data(), alpha, beta, dk, dv, &want[(size_t)tok * vd + h * dv]);
+            std::copy(Sh.begin(), Sh.end(), S.begin() + (size_t)h * dk * dv);
+        }
+    std::string name = "chunked delta rule, " + std::to_string(t) + " tokens, dk " + std::to_string(dk) + ", dv " + std::to_string(dv);
+    compare(name + ": outputs", core, want, 1e-4);
+    compare(name + ": state", state, S, 1e-4);
+}
+
+int main() {
+    check_attention(1, 12, 32, 4, 2);
+    check_attention(3, 300, 256, 8, 2);
+    check_attention(150, 100, 32, 4, 2);
+    check_attention(70, 0, 256, 8, 2);
+    check_deltanet_step<32>(2, 4, 32, deltanet_step_32);
+    check_deltanet_step<128>(2, 4, 128, deltanet_step_128);
+    check_chunked(150, 2, 4, 32, 32);
+    check_chunked(70, 1, 2, 128, 128);
+    return failures != 0;
+}

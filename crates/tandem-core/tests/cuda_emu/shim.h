@@ -1,0 +1,99 @@
+// tandem's CUDA kernels on CPU threads (tests/cuda_on_cpu.rs): one std::thread per CUDA thread,
+// one block after another, so that __shared__ can be a function-local static. Barriers stand for
+// __syncthreads and for a warp's shuffles; a thread that returns drops out of both. What this
+// checks is a kernel's logic (indexing, barriers, the hand-over between blocks), not its speed
+// and not the GPU's memory model.
+#pragma once
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <mutex>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+#include <algorithm>
+using std::min; using std::max;
+struct uint4 { unsigned x, y, z, w; };
+struct float4 { float x, y, z, w; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+struct dim3_ { unsigned x = 0, y = 0, z = 0; };
+inline thread_local dim3_ threadIdx, blockIdx;
+inline dim3_ blockDim, gridDim;
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n)
+#define __shared__ static
+#define __restrict__
+// std::barrier, for compilers without C++20: a thread that drops out lowers the count.
+class Barrier {
+    std::mutex m;
+    std::condition_variable cv;
+    int count, waiting = 0;
+    unsigned long generation = 0;
+    void release() { waiting = 0; generation++; cv.notify_all(); }
+  public:
+    explicit Barrier(int n) : count(n) {}
+    void arrive_and_wait() {
+        std::unique_lock<std::mutex> lock(m);
+        unsigned long g = generation;
+        if (++waiting == count) release();
+        else cv.wait(lock, [&] { return generation != g; });
+    }
+    void arrive_and_drop() {
+        std::unique_lock<std::mutex> lock(m);
+        if (--count > 0 && waiting == count) release();
+    }
+};
+struct Block {
+    std::unique_ptr<Barrier> all;
+    std::vector<std::unique_ptr<Barrier>> warps;
+    float xbuf[32][32];
+};
+inline Block* g_block;
+inline void __syncthreads() { g_block->all->arrive_and_wait(); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __trap() { abort(); }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
+template <typename T> inline T __ldcg(const T* p) { return *(volatile const T*)p; }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return reinterpret_cast<std::atomic<unsigned>*>(p)->fetch_add(v); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline void warp_sync() { g_block->warps[threadIdx.x >> 5]->arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float v, int m) {
+    int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    g_block->xbuf[w][l] = v;
+    warp_sync();
+    float r = g_block->xbuf[w][l ^ m];
+    warp_sync();
+    return r;
+}
+// Run `kernel` (a call of one kernel) for every block of the grid (x, y, z), `threads` each.
+template <typename F>
+void launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads, F kernel) {
+    blockDim = {threads, 1, 1};
+    gridDim = {gx, gy, gz};
+    for (unsigned z = 0; z < gz; z++)
+        for (unsigned y = 0; y < gy; y++)
+            for (unsigned x = 0; x < gx; x++) {
+                Block b;
+                b.all = std::make_unique<Barrier>(threads);
+                for (unsigned w = 0; w < threads / 32; w++) b.warps.push_back(std::make_unique<Barrier>(32));
+                g_block = &b;
+                std::vector<std::thread> ts;
+                for (unsigned t = 0; t < threads; t++)
+                    ts.emplace_back([&, t, x, y, z] {
+                        threadIdx = {t, 0, 0};
+                        blockIdx = {x, y, z};
+                        kernel();
+                        b.warps[t >> 5]->arrive_and_drop();
+                        b.all->arrive_and_drop();
+                    });
+                for (auto& th : ts) th.join();
+            }
+}

@@ -1,0 +1,37 @@
+//! The CUDA kernels (src/cuda/kernels.cu) on CPU threads, against plain double-precision
+//! references (tests/cuda_emu/checks.cpp): the decode and tiled attention, the decode DeltaNet
+//! step (two launches: the conv window, the state and the blocks' hand-over carry from one to
+//! the next) and the chunked delta rule of a prefill. A kernel's logic is checked on every
+//! machine with a C++ compiler, GPU or not (tests/cuda.rs holds the real GPU to the CPU engine
+//! where there is one). Says SKIPPED where no compiler is found.
+
+mod common;
+
+use std::process::Command;
+
+#[test]
+fn cuda_kernels_on_cpu_threads_match_their_references() {
+    let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let candidates = std::env::var("CXX").into_iter().chain(["c++", "g++", "clang++"].map(String::from));
+    let works = |c: &String| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success());
+    let Some(cxx) = candidates.into_iter().find(works) else {
+        return eprintln!("SKIPPED: the CUDA kernels on CPU threads: no C++ compiler found (set CXX)");
+    };
+    let dir = common::scratch("cuda_emu");
+    let kernels = std::fs::read_to_string(here.join("src/cuda/kernels.cu")).unwrap();
+    // Dynamic shared memory becomes a fixed array, as static shared memory does (shim.h).
+    let kernels = kernels.replace("extern __shared__ float scores[];", "static float scores[1 << 16];");
+    assert!(!kernels.contains("extern __shared__"), "kernels.cu declares dynamic shared memory that this test does not map");
+    std::fs::write(dir.join("kernels_emu.cu"), format!("#include \"shim.h\"\n{kernels}")).unwrap();
+    for f in ["shim.h", "checks.cpp"] {
+        std::fs::copy(here.join("tests/cuda_emu").join(f), dir.join(f)).unwrap();
+    }
+    let built = Command::new(&cxx).current_dir(&dir).args(["-std=c++17", "-O2", "-pthread", "-w", "checks.cpp", "-o", "checks"]).output().unwrap();
+    assert!(built.status.success(), "{cxx} could not build the kernels for the CPU:\n{}", String::from_utf8_lossy(&built.stderr));
+    let ran = Command::new(dir.join("checks")).output().unwrap();
+    let report = String::from_utf8_lossy(&ran.stdout);
+    eprintln!("{report}");
+    assert!(ran.status.success(), "kernels out of bounds against their references (lines marked FAIL):\n{report}{}", String::from_utf8_lossy(&ran.stderr));
+    assert!(report.lines().filter(|l| l.starts_with("ok")).count() >= 16, "fewer checks ran than written:\n{report}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
