@@ -166,6 +166,135 @@ static void check_chunked(int t, int hk, int hv, int dk, int dv) {
     compare(name + ": state", state, S, 1e-4);
 }
 
+// bf16 weights [n, k] from random values; `wf` gets the values they hold.
+static std::vector<bf16_t> bf16_matrix(size_t n, std::vector<float>& wf) {
+    wf = random(n, -1, 1);
+    std::vector<bf16_t> w(n);
+    for (size_t i = 0; i < n; i++) { w[i] = f32_to_bf16(wf[i]); wf[i] = bf16_to_f32(w[i]); }
+    return w;
+}
+
+// The decode GEMVs: up to four matrices of one input per launch, `rb` rows per block, the
+// input RMS-normalised on the fly (1/rms found in the block or given by rms_inv) or plain,
+// written or added to the output.
+static void check_gemv(int t, bool norm, bool given_inv, int rb, bool accumulate, std::vector<int> rows) {
+    const int k = 256;
+    const float eps = 1e-6f;
+    auto x = random((size_t)t * k, -2, 2), scale = random(k, 0.5, 1.5);
+    std::vector<std::vector<float>> wf(4), out(4);
+    std::vector<std::vector<bf16_t>> w(4);
+    rows.resize(4, 0);
+    int units = 0;
+    for (int j = 0; j < 4; j++) {
+        w[j] = bf16_matrix((size_t)std::max(rows[j], 1) * k, wf[j]);
+        out[j] = random((size_t)t * std::max(rows[j], 1), -1, 1);
+        units += (rows[j] + rb - 1) / rb;
+    }
+    std::vector<std::vector<double>> want(4);
+    for (int j = 0; j < 4; j++) {
+        want[j].assign(out[j].begin(), out[j].end());
+        for (int m = 0; m < t; m++) {
+            double ss = 0;
+            for (int c = 0; c < k; c++) ss += (double)x[m * k + c] * x[m * k + c];
+            double inv = norm ? 1 / std::sqrt(ss / k + eps) : 1;
+            for (int r = 0; r < rows[j]; r++) {
+                double acc = 0;
+                for (int c = 0; c < k; c++) acc += (double)wf[j][(size_t)r * k + c] * x[m * k + c] * (norm ? scale[c] : 1.0f);
+                double& o = want[j][(size_t)m * rows[j] + r];
+                o = (accumulate ? o : 0) + acc * inv;
+            }
+        }
+    }
+    std::vector<float> inv(t);
+    if (given_inv) launch(t, 1, 1, 256, [&] { rms_inv(x.data(), inv.data(), k, eps); });
+    auto kernel = t == 1 ? (norm ? gemv_t1_norm : gemv_t1_plain) : (norm ? gemv_t8_norm : gemv_t8_plain);
+    launch(units, 1, 1, 256, [&] {
+        kernel(w[0].data(), out[0].data(), rows[0], w[1].data(), out[1].data(), rows[1], w[2].data(), out[2].data(), rows[2], w[3].data(), out[3].data(), rows[3], x.data(),
+               scale.data(), given_inv ? inv.data() : nullptr, k, t, rb, accumulate, eps);
+    });
+    std::string name = std::string("gemv_t") + (t == 1 ? "1" : "8") + (norm ? "_norm" : "_plain") + ", " + std::to_string(t) + (t == 1 ? " token, " : " tokens, ") + std::to_string(rb) + " rows per block" +
+                       (norm ? (given_inv ? ", 1/rms given" : ", 1/rms in the block") : "") + (accumulate ? ", adding" : "");
+    for (int j = 0; j < 4; j++)
+        if (rows[j] > 0) compare(name + ": matrix " + std::to_string(j) + " (" + std::to_string(rows[j]) + " rows)", out[j], want[j], 1e-5);
+}
+
+// The f32 GEMM of an exact prefill, adding into its output.
+static void check_gemm() {
+    const int n = 70, k = 64, t = 37;
+    std::vector<float> wf;
+    auto w = bf16_matrix((size_t)n * k, wf);
+    auto x = random((size_t)t * k, -2, 2), out = random((size_t)t * n, -1, 1);
+    std::vector<double> want(out.begin(), out.end());
+    for (int m = 0; m < t; m++)
+        for (int r = 0; r < n; r++)
+            for (int c = 0; c < k; c++) want[(size_t)m * n + r] += (double)wf[(size_t)r * k + c] * x[(size_t)m * k + c];
+    launch((n + 63) / 64, (t + 63) / 64, 1, 256, [&] { gemm_bf16_f32(w.data(), x.data(), out.data(), n, k, t, 1); });
+    compare("gemm_bf16_f32, 37 x 64 by 70 x 64, adding", out, want, 1e-5);
+}
+
+// The elementwise and per-row kernels of a prefill: RMSNorm (f32 and the bf16 operand), SwiGLU,
+// the causal conv + SiLU over rows with its state carried in, and the gated RMSNorm.
+static void check_rows() {
+    const float eps = 1e-6f;
+    {
+        const int rows = 3, d = 200;
+        auto x = random(rows * d, -2, 2), scale = random(d, 0.5, 1.5);
+        std::vector<float> out(rows * d), from_bf16(rows * d);
+        std::vector<bf16_t> ob(rows * d);
+        std::vector<double> want(rows * d);
+        for (int i = 0; i < rows; i++) {
+            double ss = 0;
+            for (int c = 0; c < d; c++) ss += (double)x[i * d + c] * x[i * d + c];
+            for (int c = 0; c < d; c++) want[i * d + c] = x[i * d + c] / std::sqrt(ss / d + eps) * scale[c];
+        }
+        launch(rows, 1, 1, 256, [&] { rms_norm(x.data(), scale.data(), out.data(), nullptr, d, eps); });
+        launch(rows, 1, 1, 256, [&] { rms_norm(x.data(), scale.data(), nullptr, ob.data(), d, eps); });
+        for (int i = 0; i < rows * d; i++) from_bf16[i] = bf16_to_f32(ob[i]);
+        compare("rms_norm, 3 rows of 200", out, want, 1e-6);
+        compare("rms_norm into bf16 (the tensor-core operand)", from_bf16, want, 4e-3);
+    }
+    {
+        const int n = 1000;
+        auto gate = random(n, -4, 4), up = random(n, -2, 2);
+        std::vector<double> want(n);
+        for (int i = 0; i < n; i++) want[i] = gate[i] * sigmoid(gate[i]) * up[i];
+        launch((n + 255) / 256, 1, 1, 256, [&] { swiglu(gate.data(), up.data(), nullptr, n); });
+        compare("swiglu, 1000 values", gate, want, 1e-6);
+    }
+    {
+        const int t = 5, cd = 300, kk = 4;
+        auto conv = random((size_t)kk * cd, -1, 1), qkv = random((size_t)t * cd, -2, 2), taps = random((size_t)kk * cd, -0.7, 0.7);
+        std::vector<float> out((size_t)t * cd);
+        std::vector<double> want(out.size()), tail((size_t)kk * cd);
+        // The raw input at position i (negative: the state's columns, oldest first).
+        auto input = [&](int i, int c) -> double { return i < 0 ? conv[(size_t)(kk + i) * cd + c] : qkv[(size_t)i * cd + c]; };
+        for (int i = 0; i < t; i++)
+            for (int c = 0; c < cd; c++) {
+                double acc = 0;
+                for (int j = 0; j < kk; j++) acc += taps[(size_t)j * cd + c] * input(i - kk + 1 + j, c);
+                want[(size_t)i * cd + c] = acc * sigmoid(acc);
+            }
+        for (int j = 0; j < kk; j++)
+            for (int c = 0; c < cd; c++) tail[(size_t)j * cd + c] = input(t - kk + j, c);
+        launch(t, (cd + 255) / 256, 1, 256, [&] { conv_silu_rows(conv.data(), qkv.data(), taps.data(), out.data(), t, cd, kk); });
+        launch((cd + 255) / 256, 1, 1, 256, [&] { conv_state_tail(conv.data(), qkv.data(), t, cd, kk); });
+        compare("conv_silu_rows, 5 rows after a state", out, want, 1e-6);
+        compare("conv_state_tail: the last 4 raw inputs", conv, tail, 0);
+    }
+    {
+        const int rows = 6, dv = 32;
+        auto core = random(rows * dv, -2, 2), z = random(rows * dv, -2, 2), w = random(dv, 0.5, 1.5);
+        std::vector<double> want(rows * dv);
+        for (int i = 0; i < rows; i++) {
+            double ss = 0;
+            for (int c = 0; c < dv; c++) ss += (double)core[i * dv + c] * core[i * dv + c];
+            for (int c = 0; c < dv; c++) want[i * dv + c] = w[c] * core[i * dv + c] / std::sqrt(ss / dv + eps) * z[i * dv + c] * sigmoid(z[i * dv + c]);
+        }
+        launch(rows, 1, 1, 32, [&] { gated_rms_norm(core.data(), z.data(), w.data(), dv, eps); });
+        compare("gated_rms_norm, 6 heads of 32", core, want, 1e-6);
+    }
+}
+
 int main() {
     check_attention(1, 12, 32, 4, 2);
     check_attention(3, 300, 256, 8, 2);
@@ -175,5 +304,11 @@ int main() {
     check_deltanet_step<128>(2, 4, 128, deltanet_step_128);
     check_chunked(150, 2, 4, 32, 32);
     check_chunked(70, 1, 2, 128, 128);
+    check_gemv(1, true, false, 2, false, {40, 24, 3, 5});
+    check_gemv(5, true, true, 8, false, {17, 9});
+    check_gemv(5, false, false, 1, true, {11});
+    check_gemv(1, false, false, 4, true, {30});
+    check_gemm();
+    check_rows();
     return failures != 0;
 }
