@@ -3,9 +3,9 @@
 //! per block 1 to 8, the input normalised in the block or by rms_inv, adding into the output),
 //! the f32 GEMM, the norms, SwiGLU and the conv of a prefill, the decode and tiled attention,
 //! the decode DeltaNet step (two launches: the conv window, the state and the blocks'
-//! hand-over carry from one to the next) and the chunked delta rule of a prefill. A kernel's logic is checked on every
-//! machine with a C++ compiler, GPU or not (tests/cuda.rs holds the real GPU to the CPU engine
-//! where there is one). Says SKIPPED where no compiler is found.
+//! hand-over carry from one to the next) and the chunked delta rule of a prefill. A kernel's
+//! logic is checked on every machine with a C++ compiler, GPU or not (tests/cuda.rs holds the
+//! real GPU to the CPU engine where there is one). Says SKIPPED where no compiler is found.
 
 mod common;
 
