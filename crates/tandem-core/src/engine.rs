@@ -13,6 +13,7 @@ use anyhow::{bail, Context, Result};
 use crate::cuda::qwen35::{GpuQwen35, GpuState, Precision};
 use crate::model::{Logits, Qwen35};
 use crate::pool::Pool;
+use crate::sampling::Sampler;
 use crate::state::State;
 
 /// How an engine applies a prompt.
@@ -246,12 +247,32 @@ impl Resident {
         }
     }
 
-    /// Logits of the last applied token (always on the host: sampling runs there).
-    pub fn last_logits(&self) -> &[f32] {
+    /// Logits of the last applied token, on the host (copied there first if a GPU decode step
+    /// left them on the GPU).
+    pub fn last_logits(&mut self) -> Result<&[f32]> {
         match self {
-            Resident::Host(s) => &s.last_logits,
-            Resident::Gpu(s) => &s.last_logits,
+            Resident::Host(s) => Ok(&s.last_logits),
+            Resident::Gpu(s) => s.last_logits(),
         }
+    }
+
+    /// Whether there are logits to sample from (a fresh state has none).
+    pub fn has_logits(&self) -> bool {
+        match self {
+            Resident::Host(s) => !s.last_logits.is_empty(),
+            Resident::Gpu(s) => s.has_logits(),
+        }
+    }
+
+    /// The next token by `sampler`, from the last logits: a greedy pick the GPU already made is
+    /// taken as it is (no logits cross to the host), anything else reads the logits.
+    pub fn sample(&mut self, sampler: &mut Sampler) -> Result<u32> {
+        if let Resident::Gpu(s) = self {
+            if let Some(token) = s.last_argmax().and_then(|a| sampler.greedy_pick(a)) {
+                return Ok(token);
+            }
+        }
+        Ok(sampler.sample(self.last_logits()?))
     }
 
     /// Whether some of the state lives in a state file (see `State::in_file`).

@@ -53,6 +53,13 @@ impl Sampler {
         Sampler { params, rng, allowed: allowed_vocab, candidates: Vec::new() }
     }
 
+    /// The token this sampler picks given `argmax`, the argmax of the model's whole logits row,
+    /// where that alone decides it: greedy sampling, and an allowed id (the first largest of all
+    /// rows is then also the first largest of the allowed ones).
+    pub fn greedy_pick(&self, argmax: u32) -> Option<u32> {
+        (self.params.temperature == 0.0 && (argmax as usize) < self.allowed).then_some(argmax)
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let logits = &logits[..self.allowed.min(logits.len())];
         if self.params.temperature == 0.0 {
@@ -145,6 +152,16 @@ fn argmax_ref(logits: &[f32]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gpu_argmax_decides_only_greedy_picks_of_allowed_ids() {
+        let greedy = Sampler::new(SamplingParams::default(), 100);
+        assert_eq!(greedy.greedy_pick(42), Some(42));
+        // A padding row won: the allowed rows' argmax is another, so the logits must be read.
+        assert_eq!(greedy.greedy_pick(100), None);
+        let warm = Sampler::new(SamplingParams { temperature: 0.7, ..Default::default() }, 100);
+        assert_eq!(warm.greedy_pick(42), None);
+    }
 
     #[test]
     fn argmax_agrees_with_the_plain_loop() {

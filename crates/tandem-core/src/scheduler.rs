@@ -387,7 +387,7 @@ fn prefill_request(engine: &Engine, request: &mut Request, submitted: Instant, b
     .and_then(|mut state| {
         if request.tokens.is_empty() {
             // Nothing new (a checkpoint continued as is): its logits must already be there.
-            if state.last_logits().is_empty() {
+            if !state.has_logits() {
                 bail!("nothing to prefill and no logits in the state to sample from");
             }
             return Ok((state, PrefillStats::default()));
@@ -634,7 +634,14 @@ fn step(engine: &Engine, active: &mut Vec<Active>, mut spare: Option<&mut Vec<St
         let finish = if a.request.cancel.load(Ordering::Relaxed) {
             Some(Finish::Cancelled)
         } else {
-            let token = a.sampler.sample(a.state.last_logits());
+            let token = match a.state.sample(&mut a.sampler) {
+                Ok(token) => token,
+                Err(e) => {
+                    let a = active.remove(i);
+                    let _ = a.request.events.send(Event::Failed { id: a.request.id, error: format!("sampling: {e:#}") });
+                    continue;
+                }
+            };
             let now = Instant::now();
             let first = *a.first_token.get_or_insert(now);
             if a.timings.generated == 0 {

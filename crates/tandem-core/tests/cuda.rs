@@ -42,12 +42,39 @@ fn state_error(got: &State, want: &State) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// Whether a GPU is there to run `what` on; if not, says that `what` was skipped and why.
+fn gpu_or_skip(what: &str) -> bool {
+    match tandem_core::cuda::gpu_count() {
+        Ok(n) if n > 0 => true,
+        Ok(_) => {
+            eprintln!("SKIPPED: {what}: the driver reports no GPU");
+            false
+        }
+        Err(why) => {
+            eprintln!("SKIPPED: {what}: {why:#}");
+            false
+        }
+    }
+}
+
+/// GPU 0 where it has bf16 mma instructions (compute capability 8.0 and later) for `what`;
+/// else None, having said that `what` was skipped and why.
+fn mma_gpu_or_skip(what: &str) -> Option<Gpu> {
+    if !gpu_or_skip(what) {
+        return None;
+    }
+    let g = Gpu::open(0).unwrap();
+    if !g.bf16_mma {
+        eprintln!("SKIPPED: {what}: {} has no bf16 mma (compute capability below 8.0)", g.name);
+        return None;
+    }
+    Some(g)
+}
+
 #[test]
 fn gpu_prefill_and_decode_match_the_cpu_engine() {
-    match tandem_core::cuda::gpu_count() {
-        Ok(n) if n > 0 => {}
-        Ok(_) => return eprintln!("SKIPPED: the CUDA kernels against the CPU engine: the driver reports no GPU"),
-        Err(why) => return eprintln!("SKIPPED: the CUDA kernels against the CPU engine: {why:#}"),
+    if !gpu_or_skip("the CUDA kernels against the CPU engine") {
+        return;
     }
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let tokens = prompt("p4");
@@ -72,13 +99,122 @@ fn gpu_prefill_and_decode_match_the_cpu_engine() {
         let mut cpu_dec = cpu.clone();
         for step in 0..8 {
             let id = argmax(&cpu_dec.last_logits);
-            assert_eq!(argmax(&on_gpu.last_logits), id, "dispatches {splits:?}: decode step {step} picks another token");
+            assert_eq!(argmax(on_gpu.last_logits().unwrap()), id, "dispatches {splits:?}: decode step {step} picks another token");
             let g = gpu.forward(&[id], &mut on_gpu, Logits::Last).unwrap();
             let c = m.net.forward(&pool, &[id], &mut cpu_dec, Logits::Last).unwrap();
             let err = max_abs_diff(&g, &c);
             assert!(err <= LOGIT_TOL, "dispatches {splits:?}: decode step {step}: logits differ by up to {err:.2e}");
+            // The replayed step's own greedy pick (argmax_rows) is the host's argmax of its logits.
+            assert_eq!(on_gpu.last_argmax(), Some(argmax(&g)), "dispatches {splits:?}: decode step {step}: the GPU's argmax");
         }
         let err = state_error(&gpu.download_state(&on_gpu).unwrap(), &cpu_dec);
         assert!(err <= STATE_REL_TOL, "dispatches {splits:?}: states after decode differ by up to {err:.2e} (relative)");
+    }
+}
+
+/// A decode step far into the context: the decode attention splits its 5,000 visible
+/// positions into chunks scored by separate blocks and merged by the last one (a prompt of
+/// pseudo-random ids; the CPU engine is the reference).
+#[test]
+fn decode_at_5000_positions_matches_the_cpu_engine() {
+    if !gpu_or_skip("long-context decode on the GPU") {
+        return;
+    }
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let mut rng = tandem_core::rng::Rng::new(5);
+    let tokens: Vec<u32> = (0..5000).map(|_| (rng.next_f64() * m.net.config.vocab_size as f64) as u32).collect();
+    let pool = Pool::new(1);
+    let mut cpu = State::new(&m.net.config);
+    m.net.forward(&pool, &tokens, &mut cpu, Logits::Last).unwrap();
+    let gpu = GpuQwen35::upload(Gpu::open(0).unwrap(), &m.net, Precision::Exact).unwrap();
+    let mut on_gpu = gpu.new_state().unwrap();
+    gpu.forward(&tokens, &mut on_gpu, Logits::Last).unwrap();
+    for step in 0..4 {
+        let id = argmax(&cpu.last_logits);
+        assert_eq!(argmax(on_gpu.last_logits().unwrap()), id, "decode step {step} picks another token");
+        let g = gpu.forward(&[id], &mut on_gpu, Logits::Last).unwrap();
+        let c = m.net.forward(&pool, &[id], &mut cpu, Logits::Last).unwrap();
+        let err = max_abs_diff(&g, &c);
+        assert!(err <= LOGIT_TOL, "decode step {step} at position {}: logits differ by up to {err:.2e}", 5000 + step);
+    }
+}
+
+/// The tensor-core prefill attention (bf16 mma, kernels.cu attention_mma_*) against the f32
+/// tiled kernel, its reference, on random queries, keys, values and gates: head dims 32 and
+/// 256, 150 queries after 100 cached positions (a last block of 22 rows; key tiles that start
+/// before the queries and cross the diagonal). bf16 operands: within 1% of the largest output.
+#[test]
+fn mma_attention_matches_the_f32_tiles() {
+    let Some(g) = mma_gpu_or_skip("the tensor-core attention kernel") else { return };
+    use tandem_core::cuda::Arg;
+    let mut rng = tandem_core::rng::Rng::new(11);
+    for (d, hq, hkv) in [(32usize, 4usize, 2usize), (256, 8, 2)] {
+        let (pos0, t) = (100usize, 150usize);
+        let mut random = |len: usize, scale: f32| -> Vec<f32> { (0..len).map(|_| (rng.next_f64() * 2.0 - 1.0) as f32 * scale).collect() };
+        let (q, kc, vc, gate) = (random(t * hq * d, 4.0), random((pos0 + t) * hkv * d, 1.0), random((pos0 + t) * hkv * d, 1.0), random(t * hq * d, 2.0));
+        let (q, kc, vc, gate) = (g.upload(&q).unwrap(), g.upload(&kc).unwrap(), g.upload(&vc).unwrap(), g.upload(&gate).unwrap());
+        let pos = g.upload(&[pos0 as u32]).unwrap();
+        let (want, got) = (g.zeros::<f32>(t * hq * d).unwrap(), g.zeros::<f32>(t * hq * d).unwrap());
+        let grid = (t.div_ceil(64) as u32, hq as u32, 1);
+        let common = |out: &cudarc::driver::CudaSlice<f32>| vec![Arg::Ptr(g.ptr(&q)), Arg::Ptr(g.ptr(&kc)), Arg::Ptr(g.ptr(&vc)), Arg::Ptr(g.ptr(&gate)), Arg::Ptr(g.ptr(out)), Arg::I32(t as i32), Arg::I32(hq as i32), Arg::I32(hkv as i32)];
+        let mut tiled = common(&want);
+        tiled.extend([Arg::I32(d as i32), Arg::Ptr(g.ptr(&pos))]);
+        g.launch("attention_tiled", grid, 256, 0, &tiled).unwrap();
+        let mut mma = common(&got);
+        mma.push(Arg::Ptr(g.ptr(&pos)));
+        g.launch(&format!("attention_mma_{d}"), grid, 256, 0, &mma).unwrap();
+        let (want, got) = (g.download(&want, t * hq * d).unwrap(), g.download(&got, t * hq * d).unwrap());
+        let largest = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let err = max_abs_diff(&got, &want);
+        eprintln!("head dim {d}: mma against f32 tiles: max |err| {err:.2e} of max |out| {largest:.2e}");
+        assert!(largest > 0.05, "head dim {d}: the reference output is degenerate");
+        assert!(err <= 1e-2 * largest, "head dim {d}: the mma attention differs by {err:.2e} (largest output {largest:.2e})");
+    }
+}
+
+/// The tensor-core state walk (kernels.cu deltanet_chunk_state_mma_*) against the f32 walk,
+/// its reference, from the same chunk matrices (deltanet_chunk_prep of random projections with
+/// q and k l2-normalised) and the same non-zero start state: 150 tokens (three chunks, the
+/// last partial), key and value heads of 32 and of 128 channels. bf16 operands: outputs and
+/// final state within 2% of their largest values.
+#[test]
+fn mma_state_walk_matches_the_f32_walk() {
+    let Some(g) = mma_gpu_or_skip("the tensor-core state walk") else { return };
+    use tandem_core::cuda::Arg;
+    let mut rng = tandem_core::rng::Rng::new(13);
+    for (hk, hv, dk, dv) in [(2usize, 4usize, 32usize, 32usize), (2, 4, 128, 128)] {
+        let (t, chunks) = (150usize, 3usize);
+        let cd = 2 * hk * dk + hv * dv;
+        let mut random = |len: usize, lo: f32, hi: f32| -> Vec<f32> { (0..len).map(|_| lo + (hi - lo) * rng.next_f64() as f32).collect() };
+        let mixed = g.upload(&random(t * cd, -1.0, 1.0)).unwrap();
+        let (beta, alpha) = (g.upload(&random(t * hv, -2.0, 2.0)).unwrap(), g.upload(&random(t * hv, -2.0, 2.0)).unwrap());
+        let (neg_a, dt_bias) = (g.upload(&vec![-1.0f32; hv]).unwrap(), g.upload(&vec![0.0f32; hv]).unwrap());
+        let start = random(hv * dk * dv, -0.5, 0.5);
+        let (gcum, u, w, p) = (g.zeros::<f32>(t * hv).unwrap(), g.zeros::<f32>(t * hv * dv).unwrap(), g.zeros::<f32>(t * hv * dk).unwrap(), g.zeros::<f32>(chunks * hv * 64 * 64).unwrap());
+        let i = |v: usize| Arg::I32(v as i32);
+        g.launch("l2norm_qk", (t as u32, 2 * hk as u32, 1), dk.next_multiple_of(32) as u32, 0, &[Arg::Ptr(g.ptr(&mixed)), i(cd), i(hk), i(dk), Arg::F32(1.0 / (dk as f32).sqrt())]).unwrap();
+        let prep = [
+            Arg::Ptr(g.ptr(&mixed)), Arg::Ptr(g.ptr(&beta)), Arg::Ptr(g.ptr(&alpha)), Arg::Ptr(g.ptr(&neg_a)), Arg::Ptr(g.ptr(&dt_bias)),
+            Arg::Ptr(g.ptr(&gcum)), Arg::Ptr(g.ptr(&u)), Arg::Ptr(g.ptr(&w)), Arg::Ptr(g.ptr(&p)), i(t), i(hk), i(hv), i(dk), i(dv), i(cd),
+        ];
+        g.launch("deltanet_chunk_prep", (chunks as u32, hv as u32, 1), 256, 0, &prep).unwrap();
+        let mut results = Vec::new();
+        for (kernel, threads) in [("deltanet_chunk_state_1".to_string(), 256), (format!("deltanet_chunk_state_mma_{dk}"), 128)] {
+            let (state, core) = (g.upload(&start).unwrap(), g.zeros::<f32>(t * hv * dv).unwrap());
+            let args = [
+                Arg::Ptr(g.ptr(&state)), Arg::Ptr(g.ptr(&mixed)), Arg::Ptr(g.ptr(&gcum)), Arg::Ptr(g.ptr(&u)), Arg::Ptr(g.ptr(&w)), Arg::Ptr(g.ptr(&p)),
+                Arg::Ptr(g.ptr(&core)), i(t), i(hk), i(hv), i(dk), i(dv), i(cd),
+            ];
+            g.launch(&kernel, (hv as u32, (dv / 16) as u32, 1), threads, 0, &args).unwrap();
+            results.push((g.download(&core, t * hv * dv).unwrap(), g.download(&state, hv * dk * dv).unwrap()));
+        }
+        let (want, got) = (&results[0], &results[1]);
+        for (what, a, b) in [("outputs", &got.0, &want.0), ("final state", &got.1, &want.1)] {
+            let largest = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let err = max_abs_diff(a, b);
+            eprintln!("dk {dk}, dv {dv}: {what}: max |err| {err:.2e} of max |value| {largest:.2e}");
+            assert!(largest > 0.01, "dk {dk}: the reference {what} are degenerate");
+            assert!(err <= 2e-2 * largest, "dk {dk}, dv {dv}: the tensor-core walk's {what} differ by {err:.2e} (largest {largest:.2e})");
+        }
     }
 }

@@ -35,10 +35,18 @@ const KERNEL_NAMES: &[&str] = &[
     "deltanet_chunk_prep",
     "deltanet_chunk_state",
     "deltanet_chunk_state_1",
+    "deltanet_chunk_state_mma_32",
+    "deltanet_chunk_state_mma_64",
+    "deltanet_chunk_state_mma_128",
     "gated_rms_norm",
     "qk_norm_rope",
     "attention",
     "attention_tiled",
+    "attention_mma_32",
+    "attention_mma_64",
+    "attention_mma_128",
+    "attention_mma_256",
+    "argmax_rows",
 ];
 
 /// One GPU with a stream that every launch and copy of tandem goes through (so they run in
@@ -58,6 +66,9 @@ pub struct Gpu {
     /// later, unless TANDEM_CUDA_PDL=0): a kernel starts while the one before it finishes and
     /// loads its weights meanwhile (kernels.cu, pdl_enter).
     pub pdl: bool,
+    /// Whether the GPU has bf16 mma instructions (compute capability 8.0 and later): the
+    /// tensor-core prefill's attention kernel needs them.
+    pub bf16_mma: bool,
     /// While profiling: each launch's kernel with events recorded before and after it.
     profile: std::sync::Mutex<Option<Vec<(&'static str, CudaEvent, CudaEvent)>>>,
 }
@@ -251,7 +262,7 @@ impl Gpu {
         let stream = ctx.new_stream().map_err(|e| anyhow::anyhow!("cuda:{ordinal}: creating a stream: {e:?}"))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: cuBLAS: {e:?}"))?;
         let pdl = major >= 9 && std::env::var("TANDEM_CUDA_PDL").map_or(true, |v| v != "0");
-        Ok(Gpu { ordinal, name, stream, blas, kernels, sms, resident: Default::default(), pdl, profile: std::sync::Mutex::new(None) })
+        Ok(Gpu { ordinal, name, stream, blas, kernels, sms, resident: Default::default(), pdl, bf16_mma: major >= 8, profile: std::sync::Mutex::new(None) })
     }
 
     /// Launch kernel `name` on the stream (with programmatic dependent launch where the GPU

@@ -36,12 +36,17 @@ pub enum Precision {
     TensorCores,
 }
 
-/// The most positions one decode row can see: its attention scores live in 48 KB of shared
+/// The most positions one decode row can see: the decode attention splits them into at most
+/// `ATTN_SPLITS` chunks of at most `ATTN_CHUNK` positions (kernels.cu), each scored in shared
 /// memory (the prefill's tiled attention has no such limit).
-pub const MAX_CONTEXT: usize = 12 * 1024;
+pub const MAX_CONTEXT: usize = ATTN_SPLITS * ATTN_CHUNK;
+const ATTN_SPLITS: usize = 64;
+const ATTN_CHUNK: usize = 1024;
 /// Products of at most this many tokens take the GEMV kernels, and sequences of at most this
 /// many rows the one-launch DeltaNet step and the untiled attention.
 const GEMV_MAX_T: usize = 8;
+/// Blocks per logits row of the greedy pick (kernels.cu argmax_rows; at most 256).
+const ARGMAX_SPANS: usize = 64;
 /// The longest GEMV input row whose 1/rms each GEMV block computes itself (see `gemv`).
 const RMS_IN_GEMV_MAX_K: usize = 2048;
 /// Tokens per chunk of the chunked delta rule (kernels.cu CHUNK, deltanet.rs CHUNK).
@@ -121,11 +126,19 @@ pub struct GpuState {
     layers: Vec<GpuLayerState>,
     /// K/V rows allocated in each full-attention layer.
     capacity: usize,
-    /// Logits of the last applied token, on the host (sampling runs there).
-    pub last_logits: Vec<f32>,
+    /// Logits of the last applied token (sampling reads them; `last_logits`).
+    last: LastLogits,
     step: Option<StepGraph>,
     /// The staging buffers of the engine that made this state (for `download`).
     staging: Arc<Mutex<Staging>>,
+}
+
+/// Where a state's last logits are: on the host, or, after a decode step replayed from its graph,
+/// still on the GPU in the step's buffer, with their argmax: greedy sampling needs no more, so
+/// the row is copied to the host only when asked for.
+enum LastLogits {
+    Host(Vec<f32>),
+    InStep { argmax: u32 },
 }
 
 enum GpuLayerState {
@@ -143,13 +156,12 @@ struct StepGraph {
     /// The stream of the engine that captured it: the graph runs that engine's kernels on its
     /// weights, so another engine (a state handed from prefill to decode) captures its own.
     stream: std::sync::Arc<cudarc::driver::CudaStream>,
-    /// The buffers the graph runs in (held for it, not read here).
-    #[allow(dead_code)]
+    /// The buffers the graph runs in; its logits stay in `ws.logits` until the next replay.
     ws: Workspace,
     capacity: usize,
-    /// The position and token id of the next step, and the logits of the last one.
+    /// The position and token id of the next step, and the argmax of the last one's logits.
     io_host: Pinned<u32>,
-    logits_host: Pinned<f32>,
+    argmax_host: Pinned<u32>,
 }
 
 /// A CUDA graph handle is not Send; a `StepGraph` is only used through `&mut GpuState`, by one
@@ -198,9 +210,19 @@ struct Workspace {
     /// launches: the last block resets it).
     step_ss: CudaSlice<f32>,
     step_done: CudaSlice<u32>,
+    /// The decode attention's hand-over between the chunks of a (row, head): each chunk's
+    /// (max, exp-sum, weighted values), and a count of finished chunks (reset by the last).
+    attn_part: CudaSlice<f32>,
+    attn_done: CudaSlice<u32>,
     /// The final-normed rows that get logits, and their logits.
     normed: CudaSlice<f32>,
     logits: CudaSlice<f32>,
+    /// The greedy pick of each logits row (argmax_rows): each span's best value and index, a
+    /// count of finished spans per row (reset by the last), and the picks.
+    pick_v: CudaSlice<f32>,
+    pick_i: CudaSlice<u32>,
+    pick_done: CudaSlice<u32>,
+    pick: CudaSlice<u32>,
 }
 
 impl Workspace {
@@ -241,8 +263,14 @@ impl Workspace {
             xb: g.scratch(xb)?,
             step_ss: g.scratch(hv * c.linear_value_head_dim / 32 * GEMV_MAX_T)?,
             step_done: g.zeros(c.linear_num_key_heads)?,
+            attn_part: g.scratch(rows.min(GEMV_MAX_T) * c.num_attention_heads * ATTN_SPLITS * (c.head_dim + 2))?,
+            attn_done: g.zeros(rows.min(GEMV_MAX_T) * c.num_attention_heads)?,
             normed: g.scratch(logit_rows * h)?,
             logits: g.scratch(logit_rows * c.vocab_size)?,
+            pick_v: g.scratch(logit_rows * ARGMAX_SPANS)?,
+            pick_i: g.scratch(logit_rows * ARGMAX_SPANS)?,
+            pick_done: g.zeros(logit_rows)?,
+            pick: g.scratch(logit_rows)?,
         })
     }
 
@@ -369,13 +397,19 @@ impl GpuQwen35 {
         self.weight_bytes
     }
 
-    /// The empty state of a fresh request.
+    /// The empty state of a fresh request, zeroed on the GPU (a fresh host state's zeros would
+    /// cross the bus: 50 MB of recurrent state on the 9B model, for every request).
     pub fn new_state(&self) -> Result<GpuState> {
-        self.upload_state(&State::new(&self.config))
+        self.place_state(&State::new(&self.config), true)
     }
 
     /// Host state to GPU state (the bridge's host-to-device copy).
     pub fn upload_state(&self, s: &State) -> Result<GpuState> {
+        self.place_state(s, false)
+    }
+
+    /// `s` on the GPU: copied, or, where `zeroed` (s is all zeros), its shapes zeroed there.
+    fn place_state(&self, s: &State, zeroed: bool) -> Result<GpuState> {
         s.check_shape(&self.config)?;
         let g = &self.gpu;
         let row = self.config.num_key_value_heads * self.config.head_dim;
@@ -384,6 +418,9 @@ impl GpuQwen35 {
         // this way (H100: 12.9 against 8.1 ms for 72 MB), as the CPU's copy into them is the
         // slow part and the driver pipelines its own staging better.
         let copy = |host: &[f32], len: usize| -> Result<CudaSlice<f32>> {
+            if zeroed {
+                return g.zeros(len);
+            }
             let mut dev = g.scratch::<f32>(len)?;
             if !host.is_empty() {
                 g.stream.memcpy_htod(host, &mut dev.slice_mut(..host.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying a state to the GPU: {e:?}", g.ordinal))?;
@@ -401,7 +438,7 @@ impl GpuQwen35 {
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(GpuState { position: s.position, layers, capacity, last_logits: s.last_logits.clone(), step: None, staging: self.staging.clone() })
+        Ok(GpuState { position: s.position, layers, capacity, last: LastLogits::Host(s.last_logits.clone()), step: None, staging: self.staging.clone() })
     }
 
     /// A state of another GPU (or of another engine on this one) copied to this GPU: the
@@ -431,7 +468,7 @@ impl GpuQwen35 {
             })
             .collect::<Result<_>>()?;
         g.synchronize()?;
-        Ok(GpuState { position: s.position, layers, capacity: s.capacity, last_logits: s.last_logits.clone(), step: None, staging: self.staging.clone() })
+        Ok(GpuState { position: s.position, layers, capacity: s.capacity, last: LastLogits::Host(s.host_logits()?), step: None, staging: self.staging.clone() })
     }
 
     /// GPU state to host state (the bridge's device-to-host copy).
@@ -448,8 +485,8 @@ impl GpuQwen35 {
         Ok(logits)
     }
 
-    /// Apply `tokens` to `state`, leaving the last token's logits in `state.last_logits` (what
-    /// the engines run: no copy of the logits comes back).
+    /// Apply `tokens` to `state`, leaving the last token's logits in the state (what the engines
+    /// run: after a decode step they stay on the GPU with their argmax; `GpuState::last_logits`).
     pub fn apply(&self, tokens: &[u32], state: &mut GpuState) -> Result<()> {
         if tokens.len() == 1 && self.graphs {
             self.check(tokens, state.position)?;
@@ -466,7 +503,7 @@ impl GpuQwen35 {
         self.grow_kv(state, state.position + tokens.len())?;
         if tokens.len() == 1 && self.graphs {
             self.replay_step(tokens[0], state)?;
-            return Ok(state.last_logits.clone());
+            return state.host_logits();
         }
         let t = tokens.len();
         let logit_rows = if which == Logits::All { t } else { 1 };
@@ -476,14 +513,13 @@ impl GpuQwen35 {
         let v = self.config.vocab_size;
         let out = self.gpu.download(&ws.logits, logit_rows * v)?;
         state.position += t;
-        state.last_logits.clear();
-        state.last_logits.extend_from_slice(&out[(logit_rows - 1) * v..]);
+        state.last = LastLogits::Host(out[(logit_rows - 1) * v..].to_vec());
         Ok(out)
     }
 
     /// One decode step of several sequences: `tokens[i]` applied to `states[i]`, every weight
     /// read once for all of them (the GEMV takes up to 8 rows; more go through the GEMM); the
-    /// mixers run per sequence on its own state. Each state's `last_logits` is set.
+    /// mixers run per sequence on its own state. Each state's last logits are set.
     pub fn decode_batch(&self, tokens: &[u32], states: &mut [&mut GpuState]) -> Result<()> {
         if tokens.len() != states.len() {
             bail!("decode_batch: {} tokens for {} states", tokens.len(), states.len());
@@ -505,8 +541,7 @@ impl GpuQwen35 {
         let out = self.gpu.download(&ws.logits, n * v)?;
         for (i, s) in states.iter_mut().enumerate() {
             s.position += 1;
-            s.last_logits.clear();
-            s.last_logits.extend_from_slice(&out[i * v..(i + 1) * v]);
+            s.last = LastLogits::Host(out[i * v..(i + 1) * v].to_vec());
         }
         Ok(())
     }
@@ -528,48 +563,58 @@ impl GpuQwen35 {
     }
 
     /// A decode step through the state's captured graph (captured now if it has none, or if
-    /// its K/V caches moved since).
+    /// its K/V caches moved since). The logits stay in the step's buffer; their argmax comes
+    /// back.
     fn replay_step(&self, token: u32, state: &mut GpuState) -> Result<()> {
         let g = &self.gpu;
-        let v = self.config.vocab_size;
         if state.step.as_ref().is_none_or(|s| s.capacity != state.capacity || !std::sync::Arc::ptr_eq(&s.stream, &g.stream)) {
+            // The old step's buffer may hold the last logits: they come to the host first, so
+            // that a failed capture leaves the state whole.
+            state.last_logits()?;
             state.step = None;
             let ws = Workspace::new(self, 1, 1, 1)?;
-            let (io_host, mut logits_host) = (Pinned::<u32>::new(g, 2)?, Pinned::<f32>::new(g, v)?);
-            // The attention kernel's shared memory is sized for the whole cache, so that the
-            // one captured launch serves every position.
+            let (io_host, mut argmax_host) = (Pinned::<u32>::new(g, 2)?, Pinned::<u32>::new(g, 1)?);
+            // The attention's split over the positions is sized for the whole cache, so that
+            // the one captured launch serves every position.
             let visible = state.capacity.min(MAX_CONTEXT);
             g.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(|e| anyhow::anyhow!("cuda:{}: starting a graph capture: {e:?}", g.ordinal))?;
-            // The position and token id come in from pinned memory and the logits go out to it
-            // inside the graph: one launch and one wait per token.
+            // The position and token id come in from pinned memory and the argmax goes out to
+            // it inside the graph: one launch and one wait per token.
             let enqueued = g
                 .copy_to_device(&io_host, g.ptr(&ws.io))
                 .and_then(|()| self.enqueue(&ws, &mut [&mut *state], &[Rows { first: 0, count: 1 }], 0, Some(visible)))
-                .and_then(|()| g.copy_to_host(g.ptr(&ws.logits), &mut logits_host));
+                .and_then(|()| self.enqueue_argmax(&ws, 1))
+                .and_then(|()| g.copy_to_host(g.ptr(&ws.pick), &mut argmax_host));
             // End the capture whatever happened, so that the stream is usable again.
             let captured = g.stream.end_capture(CUgraphInstantiate_flags(0));
             enqueued?;
             let graph = captured.map_err(|e| anyhow::anyhow!("cuda:{}: capturing the decode step: {e:?}", g.ordinal))?.context("the captured decode step is empty")?;
-            state.step = Some(StepGraph { graph: Graph(graph), stream: g.stream.clone(), ws, capacity: state.capacity, io_host, logits_host });
+            state.step = Some(StepGraph { graph: Graph(graph), stream: g.stream.clone(), ws, capacity: state.capacity, io_host, argmax_host });
         }
         let step = state.step.as_mut().expect("captured above");
-        // The previous replay has finished (its logits were read), so the host side is free.
+        // The previous replay has finished (its argmax was read), so the host side is free.
         step.io_host.as_mut_slice().copy_from_slice(&[state.position as u32, token]);
         step.graph.0.launch().map_err(|e| anyhow::anyhow!("cuda:{}: replaying the decode step: {e:?}", g.ordinal))?;
         g.synchronize()?;
         state.position += 1;
-        state.last_logits.clear();
-        state.last_logits.extend_from_slice(step.logits_host.as_slice());
+        state.last = LastLogits::InStep { argmax: step.argmax_host.as_slice()[0] };
         Ok(())
+    }
+
+    /// The greedy pick of each of the first `rows` rows of `ws.logits` into `ws.pick`.
+    fn enqueue_argmax(&self, ws: &Workspace, rows: usize) -> Result<()> {
+        let g = &self.gpu;
+        let args = [Arg::Ptr(g.ptr(&ws.logits)), Arg::I32(self.config.vocab_size as i32), Arg::Ptr(g.ptr(&ws.pick_v)), Arg::Ptr(g.ptr(&ws.pick_i)), Arg::Ptr(g.ptr(&ws.pick_done)), Arg::Ptr(g.ptr(&ws.pick))];
+        g.launch("argmax_rows", (ARGMAX_SPANS as u32, rows as u32, 1), 256, 0, &args)
     }
 
     /// Seconds per decode step on the GPU alone: `steps` replays of `state`'s step graph back to
     /// back, one wait at the end (what `apply` adds per token on top is the host's part: the
-    /// wait for the step, the copy of its logits). The state is advanced `steps` times at the
+    /// wait for the step, the copy of its argmax). The state is advanced `steps` times at the
     /// same position; a bench state only.
     pub fn time_step_replays(&self, state: &mut GpuState, steps: usize) -> Result<f64> {
         let g = &self.gpu;
-        let token = crate::sampling::argmax(&state.last_logits);
+        let token = crate::sampling::argmax(state.last_logits()?);
         self.replay_step(token, state)?;
         let step = state.step.as_ref().context("no step graph was captured")?;
         let start = std::time::Instant::now();
@@ -899,11 +944,21 @@ impl GpuQwen35 {
             g.launch("deltanet_chunk_prep", (r.count.div_ceil(DELTANET_CHUNK) as u32, hv as u32, 1), 256, 0, &prep)?;
             let mut walk = vec![Arg::Ptr(recurrent), Arg::Ptr(conv_out), Arg::Ptr(gcum), Arg::Ptr(cu), Arg::Ptr(cw), Arg::Ptr(cp), Arg::Ptr(core)];
             walk.extend(shape);
-            // 16 value columns per block (kernels.cu deltanet_chunk_state); a grid that fits on
-            // the SMs gets the build that spills no registers.
-            let blocks = hv * dv / 16;
-            let walk_kernel = if blocks <= g.sms as usize { "deltanet_chunk_state_1" } else { "deltanet_chunk_state" };
-            g.launch(walk_kernel, (hv as u32, (dv / 16) as u32, 1), 256, 0, &walk)?;
+            // 16 value columns per block (kernels.cu deltanet_chunk_state): on tensor cores where
+            // the precision allows bf16 operands; else in f32, where a grid that fits on the SMs
+            // gets the build that spills no registers.
+            let grid = (hv as u32, (dv / 16) as u32, 1);
+            if self.precision == Precision::TensorCores && g.bf16_mma {
+                let kernel = match dk {
+                    32 => "deltanet_chunk_state_mma_32",
+                    64 => "deltanet_chunk_state_mma_64",
+                    _ => "deltanet_chunk_state_mma_128",
+                };
+                g.launch(kernel, grid, 128, 0, &walk)?;
+            } else {
+                let walk_kernel = if hv * dv / 16 <= g.sms as usize { "deltanet_chunk_state_1" } else { "deltanet_chunk_state" };
+                g.launch(walk_kernel, grid, 256, 0, &walk)?;
+            }
             g.launch("gated_rms_norm", ((r.count * hv) as u32, 1, 1), dv.next_multiple_of(32).min(256) as u32, 0, &[Arg::Ptr(core), Arg::Ptr(z), Arg::Ptr(norm_w), Arg::I32(dv as i32), eps])?;
         }
         self.project_residual(ws, g.ptr(&ws.core), None, t, &m.out_proj)
@@ -950,13 +1005,39 @@ impl GpuQwen35 {
             )?;
             let (q, gate, attn) = (f32_at(q, r.first, hq * d), f32_at(gate, r.first, hq * d), f32_at(attn, r.first, hq * d));
             if r.count > GEMV_MAX_T {
-                let args = [Arg::Ptr(q), Arg::Ptr(kc), Arg::Ptr(vc), Arg::Ptr(gate), Arg::Ptr(attn), Arg::I32(r.count as i32), Arg::I32(hq as i32), Arg::I32(hkv as i32), Arg::I32(d as i32), Arg::Ptr(pos)];
-                g.launch("attention_tiled", (r.count.div_ceil(64) as u32, hq as u32, 1), 256, 0, &args)?;
+                let grid = (r.count.div_ceil(64) as u32, hq as u32, 1);
+                // Tensor cores where the precision allows bf16 operands and a build of the
+                // kernel exists for the head dim; else the f32 tiles.
+                let mma = match d {
+                    32 => Some("attention_mma_32"),
+                    64 => Some("attention_mma_64"),
+                    128 => Some("attention_mma_128"),
+                    256 => Some("attention_mma_256"),
+                    _ => None,
+                };
+                match mma {
+                    Some(kernel) if self.precision == Precision::TensorCores && g.bf16_mma => {
+                        let args = [Arg::Ptr(q), Arg::Ptr(kc), Arg::Ptr(vc), Arg::Ptr(gate), Arg::Ptr(attn), Arg::I32(r.count as i32), Arg::I32(hq as i32), Arg::I32(hkv as i32), Arg::Ptr(pos)];
+                        g.launch(kernel, grid, 256, 0, &args)?;
+                    }
+                    _ => {
+                        let args = [Arg::Ptr(q), Arg::Ptr(kc), Arg::Ptr(vc), Arg::Ptr(gate), Arg::Ptr(attn), Arg::I32(r.count as i32), Arg::I32(hq as i32), Arg::I32(hkv as i32), Arg::I32(d as i32), Arg::Ptr(pos)];
+                        g.launch("attention_tiled", grid, 256, 0, &args)?;
+                    }
+                }
                 continue;
             }
-            let shared = (visible.unwrap_or(s.position + r.count) * 4) as u32;
-            let args = [Arg::Ptr(q), Arg::Ptr(kc), Arg::Ptr(vc), Arg::Ptr(gate), Arg::Ptr(attn), Arg::I32(hq as i32), Arg::I32(hkv as i32), Arg::I32(d as i32), Arg::Ptr(pos)];
-            g.launch("attention", (r.count as u32, hq as u32, 1), 128, shared, &args)?;
+            // Chunks of at least 64 positions, as many as the most positions a row can see need
+            // (a captured step serves every position up to the cache's capacity).
+            let most = visible.unwrap_or(s.position + r.count);
+            let chunk = most.div_ceil(ATTN_SPLITS).max(64);
+            let splits = most.div_ceil(chunk);
+            debug_assert!(chunk <= ATTN_CHUNK && splits <= ATTN_SPLITS);
+            let args = [
+                Arg::Ptr(q), Arg::Ptr(kc), Arg::Ptr(vc), Arg::Ptr(gate), Arg::Ptr(attn), Arg::Ptr(g.ptr(&ws.attn_part)), Arg::Ptr(g.ptr(&ws.attn_done)),
+                Arg::I32(hq as i32), Arg::I32(hkv as i32), Arg::I32(d as i32), Arg::I32(chunk as i32), Arg::I32(splits as i32), Arg::Ptr(pos),
+            ];
+            g.launch("attention", (r.count as u32, hq as u32, splits as u32), 128, 0, &args)?;
         }
         self.project_residual(ws, attn, None, t, &m.o_proj)
     }
@@ -1004,7 +1085,8 @@ impl GpuState {
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(State { position: self.position, layers, last_logits: self.last_logits.clone() })
+        drop(staging);
+        Ok(State { position: self.position, layers, last_logits: self.host_logits()? })
     }
 
     /// Bytes of state data on the GPU that a transfer moves (K/V up to the position).
@@ -1016,6 +1098,46 @@ impl GpuState {
                 GpuLayerState::Full { k, .. } => 2 * 4 * k.len() / self.capacity * self.position,
             })
             .sum::<usize>()
-            + 4 * self.last_logits.len()
+            + 4 * match &self.last {
+                LastLogits::Host(l) => l.len(),
+                LastLogits::InStep { .. } => self.step.as_ref().map_or(0, |s| s.ws.logits.len()),
+            }
+    }
+
+    /// The last token's logits, copied to the host first if a decode step left them on the GPU.
+    pub fn last_logits(&mut self) -> Result<&[f32]> {
+        if let LastLogits::InStep { .. } = self.last {
+            self.last = LastLogits::Host(self.host_logits()?);
+        }
+        match &self.last {
+            LastLogits::Host(l) => Ok(l),
+            LastLogits::InStep { .. } => unreachable!("brought to the host above"),
+        }
+    }
+
+    /// The argmax of the last logits (`sampling::argmax`), where the GPU found it: after a
+    /// decode step replayed from its graph.
+    pub fn last_argmax(&self) -> Option<u32> {
+        match self.last {
+            LastLogits::InStep { argmax } => Some(argmax),
+            LastLogits::Host(_) => None,
+        }
+    }
+
+    /// Whether the state has logits to sample from (a fresh state has none).
+    pub fn has_logits(&self) -> bool {
+        !matches!(&self.last, LastLogits::Host(l) if l.is_empty())
+    }
+
+    /// A host copy of the last logits, wherever they are.
+    fn host_logits(&self) -> Result<Vec<f32>> {
+        match &self.last {
+            LastLogits::Host(l) => Ok(l.clone()),
+            LastLogits::InStep { .. } => {
+                let step = self.step.as_ref().context("the decode step whose buffer holds the logits is gone")?;
+                let (src, _sync) = cudarc::driver::DevicePtr::device_ptr(&step.ws.logits, &step.stream);
+                self.staging.lock().unwrap_or_else(|e| e.into_inner()).download(&step.stream, src, step.ws.logits.len())
+            }
+        }
     }
 }

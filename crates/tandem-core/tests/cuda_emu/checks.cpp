@@ -52,20 +52,43 @@ static std::vector<double> attention_ref(const std::vector<float>& q, const std:
     return out;
 }
 
-static void check_attention(int t, int pos0, int d, int hq, int hkv) {
+static bool all_zero(const std::vector<unsigned>& v) { return std::all_of(v.begin(), v.end(), [](unsigned x) { return x == 0; }); }
+static void check_counters(const std::string& what, const std::vector<unsigned>& done) {
+    failures += !all_zero(done);
+    printf("%s %s: hand-over counters back at zero\n", all_zero(done) ? "ok  " : "FAIL", what.c_str());
+}
+
+// Rows pos0.. of a prefill or decode (up to 8: the decode kernel, split over the positions in
+// chunks as the engine sizes them for a cache of `capacity` rows; else the tiled kernel).
+static void check_attention(int t, int pos0, int d, int hq, int hkv, int capacity = 0) {
     auto q = random((size_t)t * hq * d, -4, 4), kc = random((size_t)(pos0 + t) * hkv * d, -1, 1), vc = random((size_t)(pos0 + t) * hkv * d, -1, 1), gate = random((size_t)t * hq * d, -2, 2);
     auto want = attention_ref(q, kc, vc, gate, t, hq, hkv, d, pos0);
     std::vector<float> got(want.size());
     u32 pos = pos0;
     std::string name;
     if (t <= 8) {
-        launch(t, hq, 1, 128, [&] { attention(q.data(), kc.data(), vc.data(), gate.data(), got.data(), hq, hkv, d, &pos); });
-        name = "attention (decode)";
+        int chunk = std::max(64, (capacity + 63) / 64), splits = (capacity + chunk - 1) / chunk;
+        std::vector<float> part((size_t)t * hq * splits * (d + 2));
+        std::vector<unsigned> done(t * hq, 0);
+        launch(t, hq, splits, 128, [&] { attention(q.data(), kc.data(), vc.data(), gate.data(), got.data(), part.data(), done.data(), hq, hkv, d, chunk, splits, &pos); });
+        name = "attention (decode, " + std::to_string(splits) + " chunks of " + std::to_string(chunk) + ")";
+        check_counters(name + " after " + std::to_string(pos0), done);
     } else {
         launch((t + 63) / 64, hq, 1, 256, [&] { attention_tiled(q.data(), kc.data(), vc.data(), gate.data(), got.data(), t, hq, hkv, d, &pos); });
         name = "attention_tiled";
     }
     compare(name + ", " + std::to_string(t) + " rows after " + std::to_string(pos0) + ", head dim " + std::to_string(d), got, want, 1e-5);
+}
+
+// The tensor-core attention against the f32 tiles (bf16 operands: within 1%).
+template <int D>
+static void check_attention_mma(int t, int pos0, int hq, int hkv, void (*kernel)(const float*, const float*, const float*, const float*, float*, int, int, int, const u32*)) {
+    auto q = random((size_t)t * hq * D, -4, 4), kc = random((size_t)(pos0 + t) * hkv * D, -1, 1), vc = random((size_t)(pos0 + t) * hkv * D, -1, 1), gate = random((size_t)t * hq * D, -2, 2);
+    std::vector<float> f32(q.size()), got(q.size());
+    u32 pos = pos0;
+    launch((t + 63) / 64, hq, 1, 256, [&] { attention_tiled(q.data(), kc.data(), vc.data(), gate.data(), f32.data(), t, hq, hkv, D, &pos); });
+    launch((t + 63) / 64, hq, 1, 256, [&] { kernel(q.data(), kc.data(), vc.data(), gate.data(), got.data(), t, hq, hkv, &pos); });
+    compare("attention_mma_" + std::to_string(D) + " against attention_tiled, " + std::to_string(t) + " rows after " + std::to_string(pos0), got, std::vector<double>(f32.begin(), f32.end()), 1e-2);
 }
 
 // The gated delta rule of one value head, token after token: S <- alpha S; u = beta (v - S^T k);
@@ -135,13 +158,12 @@ static void check_deltanet_step(int hk, int hv, int dv, void (*kernel)(float*, f
     compare(name + ": outputs", got, want, 1e-4);
     compare(name + ": state", state, S, 1e-4);
     compare(name + ": conv window", conv, win, 1e-6);
-    bool reset = std::all_of(done.begin(), done.end(), [](unsigned v) { return v == 0; });
-    failures += !reset;
-    printf("%s %s: hand-over counters back at zero\n", reset ? "ok  " : "FAIL", name.c_str());
+    check_counters(name, done);
 }
 
-// The chunked rule of a prefill (l2norm_qk, deltanet_chunk_prep, deltanet_chunk_state_1) against
-// the delta rule token after token, from a non-zero state.
+// The chunked rule of a prefill (l2norm_qk, deltanet_chunk_prep, then the state walk: the f32
+// deltanet_chunk_state_1, and the tensor-core one against it) against the delta rule token
+// after token, from a non-zero state.
 static void check_chunked(int t, int hk, int hv, int dk, int dv) {
     int chunks = (t + 63) / 64, kd = hk * dk, cd = 2 * kd + hv * dv, vd = hv * dv;
     auto mixed = random((size_t)t * cd, -1, 1), b = random(t * hv, -2, 2), a = random(t * hv, -2, 2), neg_a = random(hv, -2, -0.2), dt = random(hv, -1, 1);
@@ -164,6 +186,14 @@ static void check_chunked(int t, int hk, int hv, int dk, int dv) {
     std::string name = "chunked delta rule, " + std::to_string(t) + " tokens, dk " + std::to_string(dk) + ", dv " + std::to_string(dv);
     compare(name + ": outputs", core, want, 1e-4);
     compare(name + ": state", state, S, 1e-4);
+    // The tensor-core walk from the same matrices and start (bf16 operands: within 2%).
+    std::vector<float> core_mma(core.size()), state_mma = state0;
+    launch(hv, dv / 16, 1, 128, [&] {
+        auto walk = dk == 32 ? deltanet_chunk_state_mma_32 : dk == 64 ? deltanet_chunk_state_mma_64 : deltanet_chunk_state_mma_128;
+        walk(state_mma.data(), mixed.data(), gcum.data(), U.data(), W.data(), P.data(), core_mma.data(), t, hk, hv, dk, dv, cd);
+    });
+    compare(name + ", tensor cores: outputs", core_mma, std::vector<double>(core.begin(), core.end()), 2e-2);
+    compare(name + ", tensor cores: state", state_mma, std::vector<double>(state.begin(), state.end()), 2e-2);
 }
 
 // bf16 weights [n, k] from random values; `wf` gets the values they hold.
@@ -295,11 +325,44 @@ static void check_rows() {
     }
 }
 
+// argmax_rows against the plain loop (sampling::argmax_ref): ties go to the first, NaN never
+// wins, a row of NaN gives 0; every row's counter back at zero after each of two launches.
+static void check_argmax(int rows, int n, int spans) {
+    auto x = random((size_t)rows * n, -8, 8);
+    float nan = std::nanf("");
+    x[5] = nan;                                         // row 0: a NaN among values
+    x[n / 2] = x[n - 3] = 9.5f;                         // row 0: a tie, the first must win
+    for (int i = 0; i < n; i++) x[(size_t)n + i] = i % 3 ? -INFINITY : nan;  // row 1: -inf and NaN
+    for (int i = 0; i < n; i++) x[2 * (size_t)n + i] = nan;                  // row 2: NaN only
+    x[(size_t)(rows - 1) * n + n - 1] = 100.0f;         // the last row's last value
+    std::vector<float> pv((size_t)rows * spans);
+    std::vector<u32> pi((size_t)rows * spans), got(rows);
+    std::vector<unsigned> done(rows, 0);
+    bool ok = true;
+    for (int launchn = 0; launchn < 2; launchn++) {
+        launch(spans, rows, 1, 256, [&] { argmax_rows(x.data(), n, pv.data(), pi.data(), done.data(), got.data()); });
+        for (int r = 0; r < rows; r++) {
+            int best = -1;
+            for (int i = 0; i < n; i++) {
+                float v = x[(size_t)r * n + i];
+                if (!std::isnan(v) && (best < 0 || v > x[(size_t)r * n + best])) best = i;
+            }
+            ok &= got[r] == (u32)std::max(best, 0);
+        }
+        ok &= all_zero(done);
+    }
+    failures += !ok;
+    printf("%s argmax_rows, %d rows of %d in %d spans: the plain loop's picks, counters at zero\n", ok ? "ok  " : "FAIL", rows, n, spans);
+}
+
 int main() {
-    check_attention(1, 12, 32, 4, 2);
-    check_attention(3, 300, 256, 8, 2);
+    check_attention(1, 12, 32, 4, 2, 16);
+    check_attention(3, 300, 256, 8, 2, 512);
+    check_attention(1, 4999, 256, 8, 2, 8192);
     check_attention(150, 100, 32, 4, 2);
     check_attention(70, 0, 256, 8, 2);
+    check_attention_mma<32>(150, 100, 4, 2, attention_mma_32);
+    check_attention_mma<256>(70, 0, 8, 2, attention_mma_256);
     check_deltanet_step<32>(2, 4, 32, deltanet_step_32);
     check_deltanet_step<128>(2, 4, 128, deltanet_step_128);
     check_chunked(150, 2, 4, 32, 32);
@@ -310,5 +373,7 @@ int main() {
     check_gemv(1, false, false, 4, true, {30});
     check_gemm();
     check_rows();
+    check_argmax(4, 10007, 64);
+    check_argmax(3, 300, 7);
     return failures != 0;
 }

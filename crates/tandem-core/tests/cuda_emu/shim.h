@@ -2,7 +2,8 @@
 // one block after another, so that __shared__ can be a function-local static. Barriers stand for
 // __syncthreads and for a warp's shuffles; a thread that returns drops out of both. What this
 // checks is a kernel's logic (indexing, barriers, the hand-over between blocks), not its speed
-// and not the GPU's memory model.
+// and not the GPU's memory model. The tensor-core instruction is computed from the fragment
+// layout of the PTX ISA (mma.m16n8k16, bf16 operands, f32 sums): mma_emulated.
 #pragma once
 #include <atomic>
 #include <cmath>
@@ -19,6 +20,9 @@ using std::min; using std::max;
 struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+struct uint2 { unsigned x, y; };
+inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 struct dim3_ { unsigned x = 0, y = 0, z = 0; };
 inline thread_local dim3_ threadIdx, blockIdx;
 inline dim3_ blockDim, gridDim;
@@ -53,6 +57,7 @@ struct Block {
     std::unique_ptr<Barrier> all;
     std::vector<std::unique_ptr<Barrier>> warps;
     float xbuf[32][32];
+    uint32_t abuf[32][32][4], bbuf[32][32][2];
 };
 inline Block* g_block;
 inline void __syncthreads() { g_block->all->arrive_and_wait(); }
@@ -72,6 +77,34 @@ inline float __shfl_xor_sync(unsigned, float v, int m) {
     float r = g_block->xbuf[w][l ^ m];
     warp_sync();
     return r;
+}
+inline unsigned __shfl_xor_sync(unsigned mask, unsigned v, int m) { return __float_as_uint(__shfl_xor_sync(mask, __uint_as_float(v), m)); }
+inline float bf16_value(uint32_t bits) { return __uint_as_float(bits << 16); }
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, d += a . b, for the calling lane: lane l
+// (group g = l / 4, t = l % 4) holds A[g (+8)][2t (+1) (+8)] in a[0..4] (a[1]: row + 8, a[2]:
+// column + 8), B[2t (+1) (+8)][g] in b0, b1 and D[g (+8)][2t (+1)] in d[0..4], the lower column
+// of a pair in the low half of a register.
+inline void mma_emulated(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    for (int i = 0; i < 4; i++) g_block->abuf[w][l][i] = a[i];
+    g_block->bbuf[w][l][0] = b0;
+    g_block->bbuf[w][l][1] = b1;
+    warp_sync();
+    float A[16][16], B[16][8];
+    for (int lane = 0; lane < 32; lane++) {
+        int g = lane >> 2, t = lane & 3;
+        for (int i = 0; i < 4; i++)
+            for (int h = 0; h < 2; h++) A[g + (i & 1) * 8][t * 2 + h + (i >> 1) * 8] = bf16_value(h ? g_block->abuf[w][lane][i] >> 16 : g_block->abuf[w][lane][i] & 0xffff);
+        for (int i = 0; i < 2; i++)
+            for (int h = 0; h < 2; h++) B[t * 2 + h + i * 8][g] = bf16_value(h ? g_block->bbuf[w][lane][i] >> 16 : g_block->bbuf[w][lane][i] & 0xffff);
+    }
+    warp_sync();
+    int g = l >> 2, t = l & 3;
+    for (int e = 0; e < 4; e++) {
+        float s = 0;
+        for (int k = 0; k < 16; k++) s += A[g + (e >> 1) * 8][k] * B[k][t * 2 + (e & 1)];
+        d[e] += s;
+    }
 }
 // Run `kernel` (a call of one kernel) for every block of the grid (x, y, z), `threads` each.
 template <typename F>
