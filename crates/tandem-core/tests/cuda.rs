@@ -192,7 +192,7 @@ fn mma_state_walk_matches_the_f32_walk() {
         let start = random(hv * dk * dv, -0.5, 0.5);
         let (gcum, u, w, p) = (g.zeros::<f32>(t * hv).unwrap(), g.zeros::<f32>(t * hv * dv).unwrap(), g.zeros::<f32>(t * hv * dk).unwrap(), g.zeros::<f32>(chunks * hv * 64 * 64).unwrap());
         let i = |v: usize| Arg::I32(v as i32);
-        g.launch("l2norm_qk", (t as u32, 2 * hk as u32, 1), dk.next_multiple_of(32) as u32, 0, &[Arg::Ptr(g.ptr(&mixed)), i(cd), i(hk), i(dk), Arg::F32(1.0 / (dk as f32).sqrt())]).unwrap();
+        g.launch("l2norm_qk", ((t * 2 * hk).div_ceil(8) as u32, 1, 1), 256, 0, &[Arg::Ptr(g.ptr(&mixed)), i(t), i(cd), i(hk), i(dk), Arg::F32(1.0 / (dk as f32).sqrt())]).unwrap();
         let prep = [
             Arg::Ptr(g.ptr(&mixed)), Arg::Ptr(g.ptr(&beta)), Arg::Ptr(g.ptr(&alpha)), Arg::Ptr(g.ptr(&neg_a)), Arg::Ptr(g.ptr(&dt_bias)),
             Arg::Ptr(g.ptr(&gcum)), Arg::Ptr(g.ptr(&u)), Arg::Ptr(g.ptr(&w)), Arg::Ptr(g.ptr(&p)), i(t), i(hk), i(hv), i(dk), i(dv), i(cd),

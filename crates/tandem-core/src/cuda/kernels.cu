@@ -92,6 +92,9 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float x) {
     return (bf16_t)(b >> 16);
 }
 
+// Two f32 rounded to bf16 and packed (an mma operand register, or two values of a bf16 array) (the first in the low half).
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) { return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16); }
+
 // out = x / rms(x) * scale, per row of width d; in bf16 into out_bf16 where that is not null
 // (the input of a tensor-core GEMM), else in f32 into out. Grid: rows.
 extern "C" __global__ void rms_norm(const float* x, const float* scale, float* out, bf16_t* out_bf16, int d, float eps) {
@@ -107,14 +110,22 @@ extern "C" __global__ void rms_norm(const float* x, const float* scale, float* o
     }
 }
 
-// gate = silu(gate) * up; in bf16 into out_bf16 instead where that is not null.
+// gate = silu(gate) * up; in bf16 into out_bf16 instead where that is not null. Four values a
+// thread (16-byte loads; the last thread takes what is left). Grid: ceil(n / 1024); block 256.
 extern "C" __global__ void swiglu(float* gate, const float* up, bf16_t* out_bf16, int n) {
     pdl_enter();
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        float y = siluf_(gate[i]) * up[i];
-        if (out_bf16) out_bf16[i] = f32_to_bf16(y); else gate[i] = y;
+    int i = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
+    if (i + 4 > n) {
+        for (; i < n; i++) {
+            float y = siluf_(gate[i]) * up[i];
+            if (out_bf16) out_bf16[i] = f32_to_bf16(y); else gate[i] = y;
+        }
+        return;
     }
+    float4 g = *(const float4*)&gate[i], u = *(const float4*)&up[i];
+    float4 y = make_float4(siluf_(g.x) * u.x, siluf_(g.y) * u.y, siluf_(g.z) * u.z, siluf_(g.w) * u.w);
+    if (out_bf16) *(uint2*)&out_bf16[i] = make_uint2(pack_bf16x2(y.x, y.y), pack_bf16x2(y.z, y.w));
+    else *(float4*)&gate[i] = y;
 }
 
 // inv[row] = 1 / rms(x[row, :]) (for the GEMV's IN_NORM). Grid: rows.
@@ -127,11 +138,16 @@ extern "C" __global__ void rms_inv(const float* x, float* inv, int d, float eps)
     if (threadIdx.x == 0) inv[blockIdx.x] = 1.0f / sqrtf(ss / d + eps);
 }
 
-// y = x rounded to bf16.
+// y = x rounded to bf16, four values a thread (the last takes what is left). Grid: ceil(n / 1024).
 extern "C" __global__ void to_bf16(const float* x, bf16_t* y, int n) {
     pdl_enter();
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = f32_to_bf16(x[i]);
+    int i = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
+    if (i + 4 > n) {
+        for (; i < n; i++) y[i] = f32_to_bf16(x[i]);
+        return;
+    }
+    float4 v = *(const float4*)&x[i];
+    *(uint2*)&y[i] = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
 }
 
 // The decode GEMV: out_j[m, r] (+)= in(x)[m, :] . W_j[r, :] for t <= T tokens (T = 1 or 8) and
@@ -360,15 +376,26 @@ extern "C" __global__ void conv_state_tail(float* conv, const float* qkv, int t,
     for (int j = 0; j < kk; j++) conv[(size_t)j * cd + c] = win[j];
 }
 
-// l2-normalise each q and k head of the conv output in place, q also scaled by q_scale.
-// Grid: (tokens, 2 * key heads); block: dk threads (rounded to a warp multiple).
-extern "C" __global__ void l2norm_qk(float* mixed, int cd, int hk, int dk, float q_scale) {
+// l2-normalise each q and k head of the conv output in place, q also scaled by q_scale. A warp
+// per (token, head) row, 16-byte loads (dk a multiple of 4): a block per row, of dk threads,
+// was scheduling-bound (2 ms of a 9B prefill of 2048 tokens on an H200).
+// Grid: ceil(tokens * 2 * hk / 8); block 256.
+extern "C" __global__ void l2norm_qk(float* mixed, int tokens, int cd, int hk, int dk, float q_scale) {
     pdl_enter();
-    int head = blockIdx.y;
-    float* v = mixed + (size_t)blockIdx.x * cd + (size_t)head * dk;
-    float x = threadIdx.x < dk ? v[threadIdx.x] : 0.0f;
-    float inv = 1.0f / sqrtf(block_sum(x * x) + 1e-6f);
-    if (threadIdx.x < dk) v[threadIdx.x] = x * inv * (head < hk ? q_scale : 1.0f);
+    int row = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= tokens * 2 * hk) return;
+    int head = row % (2 * hk);
+    float4* v = (float4*)(mixed + (size_t)(row / (2 * hk)) * cd + (size_t)head * dk);
+    float ss = 0.0f;
+    for (int c = lane; c < dk / 4; c += 32) {
+        float4 x = v[c];
+        ss += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
+    }
+    float inv = 1.0f / sqrtf(warp_sum(ss) + 1e-6f) * (head < hk ? q_scale : 1.0f);
+    for (int c = lane; c < dk / 4; c += 32) {
+        float4 x = v[c];
+        v[c] = make_float4(x.x * inv, x.y * inv, x.z * inv, x.w * inv);
+    }
 }
 
 // A DeltaNet layer's mixer for a few tokens (decode), in one launch: causal conv + SiLU, l2 norm
@@ -501,8 +528,6 @@ DELTANET_STEP(deltanet_step_32, 32)
 DELTANET_STEP(deltanet_step_64, 64)
 DELTANET_STEP(deltanet_step_128, 128)
 
-// Two f32 rounded to bf16 and packed as an mma operand register (the first in the low half).
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) { return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16); }
 
 // d (16 x 8, f32) += a (16 x 16, bf16, row-major) . b (16 x 8, bf16, column-major): the
 // tensor-core instruction of sm_80 and later. Lane l holds a at rows l / 4 (+8), columns
@@ -550,12 +575,13 @@ __device__ void attention_mma_body(const float* q, const float* kc, const float*
     float o[NT][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int j = 0; j < NT; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-    for (int k0 = 0; k0 < kend; k0 += KT) {
-        // The tile's keys and values, every load of a thread issued before any is used (one at
-        // a time, each waited for, the loads took most of the kernel's time).
-        constexpr int ROW4 = D / 4, PER4 = KT * ROW4 / 256;
-        static_assert(KT * ROW4 % 256 == 0, "D: a multiple of 32");
-        float4 kv4[PER4], vv4[PER4];
+    // The tile's keys and values go through registers: the next tile's loads are issued before
+    // this one is multiplied, so they are in flight meanwhile (issued one at a time, each waited
+    // for, the loads took most of the kernel's time).
+    constexpr int ROW4 = D / 4, PER4 = KT * ROW4 / 256;
+    static_assert(KT * ROW4 % 256 == 0, "D: a multiple of 32");
+    float4 kv4[PER4], vv4[PER4];
+    auto load_tile = [&](int k0) {
 #pragma unroll
         for (int j = 0; j < PER4; j++) {
             int e = tid + j * 256, key = e / ROW4, c4 = e % ROW4;
@@ -564,6 +590,9 @@ __device__ void attention_mma_body(const float* q, const float* kc, const float*
             kv4[j] = in ? ((const float4*)kc)[at] : make_float4(0, 0, 0, 0);
             vv4[j] = in ? ((const float4*)vc)[at] : make_float4(0, 0, 0, 0);
         }
+    };
+    load_tile(0);
+    for (int k0 = 0; k0 < kend; k0 += KT) {
         __syncthreads();  // every warp is done with the previous tile
 #pragma unroll
         for (int j = 0; j < PER4; j++) {
@@ -575,6 +604,7 @@ __device__ void attention_mma_body(const float* q, const float* kc, const float*
             vt[c + 3][key] = f32_to_bf16(vv4[j].w);
         }
         __syncthreads();
+        if (k0 + KT < kend) load_tile(k0 + KT);
         // S = Q K^T for this warp's 16 rows and the tile's 32 keys: four 16 x 8 pieces.
         float s[4][4];
 #pragma unroll
@@ -685,17 +715,32 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prep(const floa
         for (int i = 1; i < n; i++) gc[i] += gc[i - 1];
     __syncthreads();
     if (tid < n) gcum[(size_t)(c0 + tid) * hv + h] = gc[tid];
-    // k . k^T and q . k^T, 4 x 4 entries per thread, over dk in steps of 32.
+    // k . k^T and q . k^T, 4 x 4 entries per thread, over dk in steps of 32; the next 32
+    // channels' loads in flight while these are multiplied (issued one at a time, each waited
+    // for, the loads took most of this kernel's time).
     int ty = tid / 16, tx = tid % 16;
     float accA[4][4] = {{0}}, accP[4][4] = {{0}};
-    for (int d0 = 0; d0 < dk; d0 += 32) {
-        for (int e = tid; e < CHUNK * 32; e += blockDim.x) {
-            int i = e / 32, dd = e % 32;
+    constexpr int PER = CHUNK * 32 / 256;
+    float rq[PER], rk[PER];
+    auto load_qk = [&](int d0) {
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            int e = tid + j * 256, i = e / 32, dd = e % 32;
             const float* row = mixed + (size_t)(c0 + i) * cd;
-            qs[i][dd] = i < n ? row[kh * dk + d0 + dd] : 0.0f;
-            ks[i][dd] = i < n ? row[kd + kh * dk + d0 + dd] : 0.0f;
+            rq[j] = i < n ? row[kh * dk + d0 + dd] : 0.0f;
+            rk[j] = i < n ? row[kd + kh * dk + d0 + dd] : 0.0f;
+        }
+    };
+    load_qk(0);
+    for (int d0 = 0; d0 < dk; d0 += 32) {
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            int e = tid + j * 256;
+            qs[e / 32][e % 32] = rq[j];
+            ks[e / 32][e % 32] = rk[j];
         }
         __syncthreads();
+        if (d0 + 32 < dk) load_qk(d0 + 32);
 #pragma unroll 8
         for (int dd = 0; dd < 32; dd++) {
             float qa[4], ka[4], kb[4];
@@ -725,11 +770,13 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prep(const floa
         bool is_u = tid < dv;
         int d = is_u ? tid : tid - dv;
         const float* src = mixed + (is_u ? 2 * kd + h * dv + d : kd + kh * dk + d);
+        // The column's 64 loads first, all in flight together, then the substitution in place.
         float col[CHUNK];
 #pragma unroll
+        for (int i = 0; i < CHUNK; i++) col[i] = i < n ? src[(size_t)(c0 + i) * cd] : 0.0f;
+#pragma unroll
         for (int i = 0; i < CHUNK; i++) {
-            float acc = 0.0f;
-            if (i < n) acc = is_u ? bt[i] * src[(size_t)(c0 + i) * cd] : bt[i] * src[(size_t)(c0 + i) * cd] * expf(gc[i]);
+            float acc = is_u ? bt[i] * col[i] : bt[i] * col[i] * expf(gc[i]);
 #pragma unroll
             for (int jj = 0; jj < i; jj++) acc -= as[i][jj] * col[jj];
             col[i] = acc;
@@ -932,6 +979,19 @@ __device__ void deltanet_chunk_state_mma_body(float* state, const float* mixed, 
     constexpr int ROW4 = DK / 4, PER4 = CHUNK * ROW4 / 128, BATCH = PER4 < 8 ? PER4 : 8;
     static_assert(PER4 % BATCH == 0, "whole batches");
     int chunks = (t + CHUNK - 1) / CHUNK;
+    // A batch of W and q rows of a chunk, raw (q is scaled once this chunk's G is in).
+    float4 wv[BATCH], qv[BATCH];
+    auto load_wq = [&](int chunk, int b0) {
+        int c0 = chunk * CHUNK, n = min(CHUNK, t - c0);
+#pragma unroll
+        for (int j = 0; j < BATCH; j++) {
+            int e = tid + (b0 + j) * 128, i = e / ROW4, d4 = e % ROW4;
+            bool in = i < n;
+            wv[j] = in ? ((const float4*)(W + ((size_t)(c0 + i) * hv + h) * DK))[d4] : make_float4(0, 0, 0, 0);
+            qv[j] = in ? ((const float4*)(mixed + (size_t)(c0 + i) * cd + kh * DK))[d4] : make_float4(0, 0, 0, 0);
+        }
+    };
+    load_wq(0, 0);
     for (int chunk = 0; chunk < chunks; chunk++) {
         int c0 = chunk * CHUNK, n = min(CHUNK, t - c0);
         __syncthreads();  // Sb is written and the last chunk's phase 3 is done with the region
@@ -951,14 +1011,7 @@ __device__ void deltanet_chunk_state_mma_body(float* state, const float* mixed, 
         for (int q = 0; q < CHUNK * CHUNK / 4 / 128; q++) pr[q] = Pc[tid + q * 128];
         __syncthreads();
         for (int b0 = 0; b0 < PER4; b0 += BATCH) {
-            float4 wv[BATCH], qv[BATCH];
-#pragma unroll
-            for (int j = 0; j < BATCH; j++) {
-                int e = tid + (b0 + j) * 128, i = e / ROW4, d4 = e % ROW4;
-                bool in = i < n;
-                wv[j] = in ? ((const float4*)(W + ((size_t)(c0 + i) * hv + h) * DK))[d4] : make_float4(0, 0, 0, 0);
-                qv[j] = in ? ((const float4*)(mixed + (size_t)(c0 + i) * cd + kh * DK))[d4] : make_float4(0, 0, 0, 0);
-            }
+            if (b0 > 0) load_wq(chunk, b0);  // the first batch came in during the chunk before
 #pragma unroll
             for (int j = 0; j < BATCH; j++) {
                 int e = tid + (b0 + j) * 128, i = e / ROW4, d = (e % ROW4) * 4;
@@ -1036,6 +1089,8 @@ __device__ void deltanet_chunk_state_mma_body(float* state, const float* mixed, 
             }
         }
         __syncthreads();
+        // The next chunk's first W and q loads, in flight while this one's state is updated.
+        if (chunk + 1 < chunks) load_wq(chunk + 1, 0);
 #pragma unroll
         for (int a = 0; a < MT_PER_WARP; a++) {
             int mt = warp + 4 * a;
@@ -1067,15 +1122,22 @@ DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_32, 32)
 DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_64, 64)
 DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_128, 128)
 
-// core = w * (core / rms(core)) * silu(z), per head row of width dv. Grid: tokens * value heads.
-extern "C" __global__ void gated_rms_norm(float* core, const float* z, const float* w, int dv, float eps) {
+// core = w * (core / rms(core)) * silu(z), per head row of width dv; in bf16 into out_bf16
+// instead where that is not null (the out projection's tensor-core GEMM operand). A warp per
+// row (a block per row was scheduling-bound, as in l2norm_qk). Grid: ceil(rows / 8); block 256.
+extern "C" __global__ void gated_rms_norm(float* core, const float* z, const float* w, bf16_t* out_bf16, int rows, int dv, float eps) {
     pdl_enter();
-    float* x = core + (size_t)blockIdx.x * dv;
-    const float* g = z + (size_t)blockIdx.x * dv;
+    int row = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    float* x = core + (size_t)row * dv;
+    const float* g = z + (size_t)row * dv;
     float ss = 0.0f;
-    for (int c = threadIdx.x; c < dv; c += blockDim.x) ss += x[c] * x[c];
-    float inv = 1.0f / sqrtf(block_sum(ss) / dv + eps);
-    for (int c = threadIdx.x; c < dv; c += blockDim.x) x[c] = w[c] * (x[c] * inv) * siluf_(g[c]);
+    for (int c = lane; c < dv; c += 32) ss += x[c] * x[c];
+    float inv = 1.0f / sqrtf(warp_sum(ss) / dv + eps);
+    for (int c = lane; c < dv; c += 32) {
+        float y = w[c] * (x[c] * inv) * siluf_(g[c]);
+        if (out_bf16) out_bf16[(size_t)row * dv + c] = f32_to_bf16(y); else x[c] = y;
+    }
 }
 
 // Per token: split the interleaved query/gate heads, RMSNorm q and k heads with their

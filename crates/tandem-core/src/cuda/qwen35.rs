@@ -52,6 +52,14 @@ const RMS_IN_GEMV_MAX_K: usize = 2048;
 /// Tokens per chunk of the chunked delta rule (kernels.cu CHUNK, deltanet.rs CHUNK).
 const DELTANET_CHUNK: usize = 64;
 
+/// The input of an output projection (`project_residual`).
+enum Input {
+    /// f32 rows at this device address.
+    F32(u64),
+    /// Already rounded to bf16 in `ws.xb` by the kernel before (a tensor-core GEMM's operand).
+    Bf16Ready,
+}
+
 /// What a GEMV multiplies the weights with (kernels.cu IN_PLAIN, IN_NORM).
 #[derive(Clone, Copy)]
 enum GemvInput {
@@ -657,6 +665,7 @@ impl GpuQwen35 {
         let g = &self.gpu;
         let h = c.hidden_size;
         let t: usize = rows.iter().map(|r| r.count).sum();
+        let _pdl = g.pdl_for(t <= GEMV_MAX_T);
         let x = g.ptr(&ws.x);
         let ids = ws.position_of(g, ws.sequences);
         g.launch("embed", (t as u32, 1, 1), 256, 0, &[Arg::Ptr(g.ptr(&self.embed)), Arg::Ptr(ids), Arg::Ptr(x), Arg::I32(h as i32)])?;
@@ -799,7 +808,7 @@ impl GpuQwen35 {
         let (head, v) = (self.lm_head.as_ref().map_or(g.ptr(&self.embed), |m| g.ptr(&m.w)), self.config.vocab_size);
         time("LM head", v, h, v * h * 2, 1, &|| self.gemv(ws, GemvInput::Norm(g.ptr(&self.final_norm)), &[(head, g.ptr(&ws.logits), v)], x, h, 1, false))?;
         let (gate, up) = (g.ptr(&ws.ffn_gate), g.ptr(&ws.ffn_up));
-        time("SwiGLU of one row (what a launch costs)", 1, h, 0, 1, &|| g.launch("swiglu", (h.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(gate), Arg::Ptr(up), Arg::Ptr(0), Arg::I32(h as i32)]))?;
+        time("SwiGLU of one row (what a launch costs)", 1, h, 0, 1, &|| g.launch("swiglu", (h.div_ceil(1024) as u32, 1, 1), 256, 0, &[Arg::Ptr(gate), Arg::Ptr(up), Arg::Ptr(0), Arg::I32(h as i32)]))?;
         Ok(out)
     }
 
@@ -831,7 +840,7 @@ impl GpuQwen35 {
         }
         let g = &self.gpu;
         let xb = g.ptr(&ws.xb);
-        g.launch("to_bf16", ((t * k).div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(x), Arg::Ptr(xb), Arg::I32((t * k) as i32)])?;
+        g.launch("to_bf16", ((t * k).div_ceil(1024) as u32, 1, 1), 256, 0, &[Arg::Ptr(x), Arg::Ptr(xb), Arg::I32((t * k) as i32)])?;
         Ok(xb)
     }
 
@@ -879,9 +888,13 @@ impl GpuQwen35 {
 
     /// `x += input · Wᵀ`: a block's output added to the residual stream (by the GEMV or GEMM
     /// itself). With `up`, the input is `silu(input) * up` (the MLP), computed first.
-    fn project_residual(&self, ws: &Workspace, input: u64, up: Option<u64>, t: usize, m: &GpuMatrix) -> Result<()> {
+    fn project_residual(&self, ws: &Workspace, input: Input, up: Option<u64>, t: usize, m: &GpuMatrix) -> Result<()> {
         let g = &self.gpu;
         let x = g.ptr(&ws.x);
+        let input = match input {
+            Input::Bf16Ready => return self.gemm(g.ptr(&ws.xb), t, g.ptr(&m.w), m.rows, m.cols, x, true),
+            Input::F32(input) => input,
+        };
         // The SwiGLU in its own launch, also for decode: measured faster than computing it
         // inside the down projection's GEMV (H100, 9B decode 122-123 against 115-116 tok/s,
         // interleaved runs), which reads gate and up again for every row.
@@ -890,7 +903,7 @@ impl GpuQwen35 {
         if let Some(up) = up {
             let n = t * m.cols;
             let out_bf16 = if to_bf16 { g.ptr(&ws.xb) } else { 0 };
-            g.launch("swiglu", (n.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(input), Arg::Ptr(up), Arg::Ptr(out_bf16), Arg::I32(n as i32)])?;
+            g.launch("swiglu", (n.div_ceil(1024) as u32, 1, 1), 256, 0, &[Arg::Ptr(input), Arg::Ptr(up), Arg::Ptr(out_bf16), Arg::I32(n as i32)])?;
         }
         if t <= GEMV_MAX_T {
             return self.gemv(ws, GemvInput::Plain, &[(g.ptr(&m.w), x, m.rows)], input, m.cols, t, true);
@@ -912,6 +925,9 @@ impl GpuQwen35 {
         let f32_at = |base: u64, row: usize, width: usize| base + (row * width * 4) as u64;
         let (taps, neg_a, dt_bias, norm_w) = (g.ptr(&m.conv_taps), g.ptr(&m.neg_a), g.ptr(&m.dt_bias), g.ptr(&m.norm));
         let eps = Arg::F32(c.rms_norm_eps);
+        // Where every sequence takes the prefill path and the out projection is a tensor-core
+        // GEMM, the gated norm writes that GEMM's bf16 operand itself.
+        let norm_to_bf16 = t > GEMV_MAX_T && self.precision == Precision::TensorCores && rows.iter().all(|r| r.count > GEMV_MAX_T);
         for (s, r) in states.iter_mut().zip(rows) {
             let GpuLayerState::Linear { conv, recurrent } = &s.layers[li] else { bail!("layer {li}: state kind differs from the model's") };
             let (conv, recurrent) = (g.ptr(conv), g.ptr(recurrent));
@@ -935,8 +951,8 @@ impl GpuQwen35 {
             let conv_args = [Arg::Ptr(conv), Arg::Ptr(qkv), Arg::Ptr(taps), Arg::Ptr(conv_out), Arg::I32(count), Arg::I32(cd as i32), Arg::I32(kk as i32)];
             g.launch("conv_silu_rows", (r.count as u32, cd.div_ceil(256) as u32, 1), 256, 0, &conv_args)?;
             g.launch("conv_state_tail", (cd.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::Ptr(conv), Arg::Ptr(qkv), Arg::I32(count), Arg::I32(cd as i32), Arg::I32(kk as i32)])?;
-            let block = dk.next_multiple_of(32) as u32;
-            g.launch("l2norm_qk", (r.count as u32, 2 * hk as u32, 1), block, 0, &[Arg::Ptr(conv_out), Arg::I32(cd as i32), Arg::I32(hk as i32), Arg::I32(dk as i32), Arg::F32(1.0 / (dk as f32).sqrt())])?;
+            let l2 = [Arg::Ptr(conv_out), Arg::I32(count), Arg::I32(cd as i32), Arg::I32(hk as i32), Arg::I32(dk as i32), Arg::F32(1.0 / (dk as f32).sqrt())];
+            g.launch("l2norm_qk", ((r.count * 2 * hk).div_ceil(8) as u32, 1, 1), 256, 0, &l2)?;
             let (gcum, cu, cw, cp) = (g.ptr(&ws.gcum), g.ptr(&ws.chunk_u), g.ptr(&ws.chunk_w), g.ptr(&ws.chunk_p));
             let shape = [Arg::I32(count), dims[0], dims[1], Arg::I32(dk as i32), Arg::I32(dv as i32), Arg::I32(cd as i32)];
             let mut prep = vec![Arg::Ptr(conv_out), Arg::Ptr(beta), Arg::Ptr(alpha), Arg::Ptr(neg_a), Arg::Ptr(dt_bias), Arg::Ptr(gcum), Arg::Ptr(cu), Arg::Ptr(cw), Arg::Ptr(cp)];
@@ -959,9 +975,12 @@ impl GpuQwen35 {
                 let walk_kernel = if hv * dv / 16 <= g.sms as usize { "deltanet_chunk_state_1" } else { "deltanet_chunk_state" };
                 g.launch(walk_kernel, grid, 256, 0, &walk)?;
             }
-            g.launch("gated_rms_norm", ((r.count * hv) as u32, 1, 1), dv.next_multiple_of(32).min(256) as u32, 0, &[Arg::Ptr(core), Arg::Ptr(z), Arg::Ptr(norm_w), Arg::I32(dv as i32), eps])?;
+            let out_bf16 = if norm_to_bf16 { g.ptr(&ws.xb) + (r.first * vd * 2) as u64 } else { 0 };
+            let args = [Arg::Ptr(core), Arg::Ptr(z), Arg::Ptr(norm_w), Arg::Ptr(out_bf16), Arg::I32((r.count * hv) as i32), Arg::I32(dv as i32), eps];
+            g.launch("gated_rms_norm", ((r.count * hv).div_ceil(8) as u32, 1, 1), 256, 0, &args)?;
         }
-        self.project_residual(ws, g.ptr(&ws.core), None, t, &m.out_proj)
+        let input = if norm_to_bf16 { Input::Bf16Ready } else { Input::F32(g.ptr(&ws.core)) };
+        self.project_residual(ws, input, None, t, &m.out_proj)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1039,14 +1058,14 @@ impl GpuQwen35 {
             ];
             g.launch("attention", (r.count as u32, hq as u32, splits as u32), 128, 0, &args)?;
         }
-        self.project_residual(ws, attn, None, t, &m.o_proj)
+        self.project_residual(ws, Input::F32(attn), None, t, &m.o_proj)
     }
 
     fn mlp(&self, l: &Layer, ws: &Workspace, t: usize) -> Result<()> {
         let g = &self.gpu;
         let (x, gate, up) = (g.ptr(&ws.x), g.ptr(&ws.ffn_gate), g.ptr(&ws.ffn_up));
         self.project(ws, x, &l.post_attention_norm, t, &[(&l.gate_proj, gate), (&l.up_proj, up)])?;
-        self.project_residual(ws, gate, Some(up), t, &l.down_proj)
+        self.project_residual(ws, Input::F32(gate), Some(up), t, &l.down_proj)
     }
 }
 

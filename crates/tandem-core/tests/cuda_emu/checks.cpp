@@ -169,7 +169,7 @@ static void check_chunked(int t, int hk, int hv, int dk, int dv) {
     auto mixed = random((size_t)t * cd, -1, 1), b = random(t * hv, -2, 2), a = random(t * hv, -2, 2), neg_a = random(hv, -2, -0.2), dt = random(hv, -1, 1);
     auto state0 = random((size_t)hv * dk * dv, -0.5, 0.5);
     std::vector<float> gcum(t * hv), U((size_t)t * hv * dv), W((size_t)t * hv * dk), P((size_t)chunks * hv * 64 * 64), core((size_t)t * vd), state = state0;
-    launch(t, 2 * hk, 1, (dk + 31) / 32 * 32, [&] { l2norm_qk(mixed.data(), cd, hk, dk, 1.0f / std::sqrt((float)dk)); });
+    launch((t * 2 * hk + 7) / 8, 1, 1, 256, [&] { l2norm_qk(mixed.data(), t, cd, hk, dk, 1.0f / std::sqrt((float)dk)); });
     launch(chunks, hv, 1, 256, [&] { deltanet_chunk_prep(mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), t, hk, hv, dk, dv, cd); });
     launch(hv, dv / 16, 1, 256, [&] { deltanet_chunk_state_1(state.data(), mixed.data(), gcum.data(), U.data(), W.data(), P.data(), core.data(), t, hk, hv, dk, dv, cd); });
     std::vector<double> S(state0.begin(), state0.end()), want((size_t)t * vd);
@@ -284,12 +284,21 @@ static void check_rows() {
         compare("rms_norm into bf16 (the tensor-core operand)", from_bf16, want, 4e-3);
     }
     {
-        const int n = 1000;
+        // Not a multiple of 4: the last thread's scalar tail.
+        const int n = 1002;
         auto gate = random(n, -4, 4), up = random(n, -2, 2);
         std::vector<double> want(n);
         for (int i = 0; i < n; i++) want[i] = gate[i] * sigmoid(gate[i]) * up[i];
-        launch((n + 255) / 256, 1, 1, 256, [&] { swiglu(gate.data(), up.data(), nullptr, n); });
-        compare("swiglu, 1000 values", gate, want, 1e-6);
+        std::vector<bf16_t> ob(n);
+        std::vector<float> from_bf16(n), x = random(n, -3, 3), xb(n);
+        launch((n + 1023) / 1024, 1, 1, 256, [&] { swiglu(gate.data(), up.data(), ob.data(), n); });
+        for (int i = 0; i < n; i++) from_bf16[i] = bf16_to_f32(ob[i]);
+        launch((n + 1023) / 1024, 1, 1, 256, [&] { swiglu(gate.data(), up.data(), nullptr, n); });
+        compare("swiglu, 1002 values", gate, want, 1e-6);
+        compare("swiglu into bf16 (the tensor-core operand)", from_bf16, want, 4e-3);
+        launch((n + 1023) / 1024, 1, 1, 256, [&] { to_bf16(x.data(), ob.data(), n); });
+        for (int i = 0; i < n; i++) xb[i] = bf16_to_f32(ob[i]);
+        compare("to_bf16, 1002 values", xb, std::vector<double>(x.begin(), x.end()), 4e-3);
     }
     {
         const int t = 5, cd = 300, kk = 4;
@@ -312,7 +321,7 @@ static void check_rows() {
         compare("conv_state_tail: the last 4 raw inputs", conv, tail, 0);
     }
     {
-        const int rows = 6, dv = 32;
+        const int rows = 11, dv = 32;
         auto core = random(rows * dv, -2, 2), z = random(rows * dv, -2, 2), w = random(dv, 0.5, 1.5);
         std::vector<double> want(rows * dv);
         for (int i = 0; i < rows; i++) {
@@ -320,8 +329,13 @@ static void check_rows() {
             for (int c = 0; c < dv; c++) ss += (double)core[i * dv + c] * core[i * dv + c];
             for (int c = 0; c < dv; c++) want[i * dv + c] = w[c] * core[i * dv + c] / std::sqrt(ss / dv + eps) * z[i * dv + c] * sigmoid(z[i * dv + c]);
         }
-        launch(rows, 1, 1, 32, [&] { gated_rms_norm(core.data(), z.data(), w.data(), dv, eps); });
-        compare("gated_rms_norm, 6 heads of 32", core, want, 1e-6);
+        std::vector<bf16_t> ob(rows * dv);
+        std::vector<float> from_bf16(rows * dv);
+        launch((rows + 7) / 8, 1, 1, 256, [&] { gated_rms_norm(core.data(), z.data(), w.data(), ob.data(), rows, dv, eps); });
+        for (int i = 0; i < rows * dv; i++) from_bf16[i] = bf16_to_f32(ob[i]);
+        launch((rows + 7) / 8, 1, 1, 256, [&] { gated_rms_norm(core.data(), z.data(), w.data(), nullptr, rows, dv, eps); });
+        compare("gated_rms_norm, 11 heads of 32", core, want, 1e-6);
+        compare("gated_rms_norm into bf16 (the tensor-core operand)", from_bf16, want, 4e-3);
     }
 }
 
