@@ -324,10 +324,10 @@ impl Gpu {
     }
 
     /// Programmatic launch on (`decode`) or off for the launches queued until the guard drops.
-    /// A prefill's kernels run several waves of blocks, and the next kernel's blocks, started
-    /// early, held SM resources the current one's last waves needed: a 9B prefill of 2048
-    /// tokens on an H200 ran at 23,548 tok/s with it and 26,236 without (bench, the same
-    /// binary); a decode step, one wave per kernel, is faster with it.
+    /// A 9B prefill of 2048 tokens on an H200 ran at 23,548 tok/s with it and 26,236 without
+    /// (bench, the same binary), most likely because a prefill's kernels run several waves of
+    /// blocks and the next kernel's blocks, started early, hold SM resources the last waves
+    /// need; a decode step, one wave per kernel, is faster with it.
     pub fn pdl_for(&self, decode: bool) -> PdlGuard<'_> {
         use std::sync::atomic::Ordering::Relaxed;
         PdlGuard { gpu: self, before: self.pdl_now.swap(decode, Relaxed) }
