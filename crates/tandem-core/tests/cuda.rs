@@ -91,8 +91,11 @@ fn gpu_prefill_and_decode_match_the_cpu_engine() {
             got.extend(gpu.forward(&tokens[at..at + n], &mut on_gpu, Logits::All).unwrap());
             at += n;
         }
+        // Both engines are held to the reference implementation within LOGIT_TOL (`tandem
+        // verify`; f32 sums in different orders), so to each other within twice that.
         let err = max_abs_diff(&got, &want);
-        assert!(err <= LOGIT_TOL, "dispatches {splits:?}: logits differ by up to {err:.2e}");
+        eprintln!("dispatches {splits:?}: logits differ from the CPU engine's by up to {err:.2e}");
+        assert!(err <= 2.0 * LOGIT_TOL, "dispatches {splits:?}: logits differ by up to {err:.2e}");
         let err = state_error(&gpu.download_state(&on_gpu).unwrap(), &cpu);
         assert!(err <= STATE_REL_TOL, "dispatches {splits:?}: states differ by up to {err:.2e} (relative)");
         // Greedy decode from both, the GPU's steps replayed from its graph.
@@ -103,7 +106,7 @@ fn gpu_prefill_and_decode_match_the_cpu_engine() {
             let g = gpu.forward(&[id], &mut on_gpu, Logits::Last).unwrap();
             let c = m.net.forward(&pool, &[id], &mut cpu_dec, Logits::Last).unwrap();
             let err = max_abs_diff(&g, &c);
-            assert!(err <= LOGIT_TOL, "dispatches {splits:?}: decode step {step}: logits differ by up to {err:.2e}");
+            assert!(err <= 2.0 * LOGIT_TOL, "dispatches {splits:?}: decode step {step}: logits differ by up to {err:.2e}");
             // The replayed step's own greedy pick (argmax_rows) is the host's argmax of its logits.
             assert_eq!(on_gpu.last_argmax(), Some(argmax(&g)), "dispatches {splits:?}: decode step {step}: the GPU's argmax");
         }
@@ -160,7 +163,15 @@ fn mma_attention_matches_the_f32_tiles() {
         let mut tiled = common(&want);
         tiled.extend([Arg::I32(d as i32), Arg::Ptr(g.ptr(&pos))]);
         g.launch("attention_tiled", grid, 256, 0, &tiled).unwrap();
+        // The mma kernel takes the caches rounded to bf16 (to_bf16, as the engine does).
+        let n = (pos0 + t) * hkv * d;
+        let (kb, vb) = (g.zeros::<u16>(n).unwrap(), g.zeros::<u16>(n).unwrap());
+        for (from, to) in [(&kc, &kb), (&vc, &vb)] {
+            g.launch("to_bf16", (n.div_ceil(1024) as u32, 1, 1), 256, 0, &[Arg::Ptr(g.ptr(from)), Arg::Ptr(g.ptr(to)), Arg::I32(n as i32)]).unwrap();
+        }
         let mut mma = common(&got);
+        mma[1] = Arg::Ptr(g.ptr(&kb));
+        mma[2] = Arg::Ptr(g.ptr(&vb));
         mma.push(Arg::Ptr(g.ptr(&pos)));
         g.launch(&format!("attention_mma_{d}"), grid, 256, 0, &mma).unwrap();
         let (want, got) = (g.download(&want, t * hq * d).unwrap(), g.download(&got, t * hq * d).unwrap());
@@ -186,13 +197,19 @@ fn mma_state_walk_matches_the_f32_walk() {
         let (t, chunks) = (150usize, 3usize);
         let cd = 2 * hk * dk + hv * dv;
         let mut random = |len: usize, lo: f32, hi: f32| -> Vec<f32> { (0..len).map(|_| lo + (hi - lo) * rng.next_f64() as f32).collect() };
-        let mixed = g.upload(&random(t * cd, -1.0, 1.0)).unwrap();
+        // q and k heads l2-normalised (q also times 1/sqrt(dk)), as the conv leaves them.
+        let mut mixed = random(t * cd, -1.0, 1.0);
+        for (index, head) in mixed.chunks_mut(cd).flat_map(|row| row[..2 * hk * dk].chunks_mut(dk)).enumerate() {
+            let scale = if index % (2 * hk) < hk { 1.0 / (dk as f32).sqrt() } else { 1.0 };
+            let inv = 1.0 / (head.iter().map(|v| v * v).sum::<f32>() + 1e-6).sqrt() * scale;
+            head.iter_mut().for_each(|v| *v *= inv);
+        }
+        let mixed = g.upload(&mixed).unwrap();
         let (beta, alpha) = (g.upload(&random(t * hv, -2.0, 2.0)).unwrap(), g.upload(&random(t * hv, -2.0, 2.0)).unwrap());
         let (neg_a, dt_bias) = (g.upload(&vec![-1.0f32; hv]).unwrap(), g.upload(&vec![0.0f32; hv]).unwrap());
         let start = random(hv * dk * dv, -0.5, 0.5);
         let (gcum, u, w, p) = (g.zeros::<f32>(t * hv).unwrap(), g.zeros::<f32>(t * hv * dv).unwrap(), g.zeros::<f32>(t * hv * dk).unwrap(), g.zeros::<f32>(chunks * hv * 64 * 64).unwrap());
         let i = |v: usize| Arg::I32(v as i32);
-        g.launch("l2norm_qk", ((t * 2 * hk).div_ceil(8) as u32, 1, 1), 256, 0, &[Arg::Ptr(g.ptr(&mixed)), i(t), i(cd), i(hk), i(dk), Arg::F32(1.0 / (dk as f32).sqrt())]).unwrap();
         let prep = [
             Arg::Ptr(g.ptr(&mixed)), Arg::Ptr(g.ptr(&beta)), Arg::Ptr(g.ptr(&alpha)), Arg::Ptr(g.ptr(&neg_a)), Arg::Ptr(g.ptr(&dt_bias)),
             Arg::Ptr(g.ptr(&gcum)), Arg::Ptr(g.ptr(&u)), Arg::Ptr(g.ptr(&w)), Arg::Ptr(g.ptr(&p)), i(t), i(hk), i(hv), i(dk), i(dv), i(cd),

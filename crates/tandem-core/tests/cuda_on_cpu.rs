@@ -1,14 +1,15 @@
 //! The CUDA kernels (src/cuda/kernels.cu) on CPU threads, against plain double-precision
 //! references (tests/cuda_emu/checks.cpp): the decode GEMVs (several matrices per launch, rows
-//! per block 1 to 8, the input normalised in the block or by rms_inv, adding into the output),
-//! the f32 GEMM, the norms, SwiGLU and the conv of a prefill, the decode attention (split over
-//! the positions) and the tiled one, the decode DeltaNet step (two launches: the conv window,
-//! the state and the blocks' hand-over carry from one to the next), the chunked delta rule
-//! of a prefill and the greedy pick (argmax_rows); and the tensor-core attention and state walk
-//! against the f32 kernels. A
-//! kernel's logic is checked on every machine with a C++ compiler, GPU or not (tests/cuda.rs
-//! holds the real GPU to the CPU engine where there is one). Says SKIPPED where no compiler is
-//! found.
+//! per block 1 to 8, the input normalised in the block or by rms_inv, adding into the output,
+//! the MLP's gate and up with the SwiGLU, and the streaming one of rows of 1024), the f32
+//! GEMM, the norms, SwiGLU and the conv of a prefill (with the q/k l2 norm), the decode
+//! attention (split over the positions) and the tiled one, the decode DeltaNet step (two
+//! launches: the conv window, the state and the blocks' hand-over carry from one to the next),
+//! the chunked delta rule of a prefill and the greedy pick (argmax_rows); and the tensor-core
+//! attention and state walk against the f32 kernels (the tensor-core instructions emulated:
+//! shim.h). A kernel's logic is checked on every machine with a C++ compiler, GPU or not
+//! (tests/cuda.rs holds the real GPU to the CPU engine where there is one). Says SKIPPED where
+//! no compiler is found.
 
 mod common;
 
@@ -30,6 +31,11 @@ fn cuda_kernels_on_cpu_threads_match_their_references() {
     let at = kernels.find(mma).expect("kernels.cu: the mma instruction is not where this test looks for it");
     let to = at + kernels[at..].find(end).unwrap() + end.len();
     let kernels = format!("{}    mma_emulated(d, a, b0, b1);\n{}", &kernels[..at], &kernels[to..]);
+    // And so does the shared-memory matrix load that feeds it.
+    let ldmatrix = "#if __CUDA_ARCH__ >= 800\n    unsigned s = (unsigned)__cvta_generic_to_shared(p);\n    if (TRANS) asm volatile(\"ldmatrix";
+    let at = kernels.find(ldmatrix).expect("kernels.cu: the ldmatrix instruction is not where this test looks for it");
+    let to = at + kernels[at..].find(end).unwrap() + end.len();
+    let kernels = format!("{}    ldmatrix_emulated<TRANS>(r, p);\n{}", &kernels[..at], &kernels[to..]);
     std::fs::write(dir.join("kernels_emu.cu"), format!("#include \"shim.h\"\n{kernels}")).unwrap();
     for f in ["shim.h", "checks.cpp"] {
         std::fs::copy(here.join("tests/cuda_emu").join(f), dir.join(f)).unwrap();
@@ -40,6 +46,6 @@ fn cuda_kernels_on_cpu_threads_match_their_references() {
     let report = String::from_utf8_lossy(&ran.stdout);
     eprintln!("{report}");
     assert!(ran.status.success(), "kernels out of bounds against their references (lines marked FAIL):\n{report}{}", String::from_utf8_lossy(&ran.stderr));
-    assert!(report.lines().filter(|l| l.starts_with("ok")).count() >= 46, "fewer checks ran than written:\n{report}");
+    assert!(report.lines().filter(|l| l.starts_with("ok")).count() >= 64, "fewer checks ran than written:\n{report}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -20,15 +20,21 @@ const KERNEL_NAMES: &[&str] = &[
     "rms_norm",
     "rms_inv",
     "swiglu",
+    "swiglu_bf16",
     "to_bf16",
     "gemv_t1_plain",
     "gemv_t1_norm",
+    "gemv_t1_glu",
     "gemv_t8_plain",
     "gemv_t8_norm",
+    "gemv_t8_glu",
+    "gemv_stream_plain",
+    "gemv_stream_norm",
+    "gemv_stream_glu",
     "gemm_bf16_f32",
-    "conv_silu_rows",
+    "conv_silu_rows_4",
+    "conv_silu_rows_8",
     "conv_state_tail",
-    "l2norm_qk",
     "deltanet_step_32",
     "deltanet_step_64",
     "deltanet_step_128",
@@ -177,6 +183,17 @@ impl Staging {
             }
         }
     }
+}
+
+/// What `Gpu::gemm_bf16` writes.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum GemmOut {
+    /// The product in f32.
+    F32,
+    /// The product added to the f32 output (a residual connection).
+    F32Add,
+    /// The product rounded to bf16.
+    Bf16,
 }
 
 /// Restores the programmatic-launch setting `Gpu::pdl_for` changed.
@@ -421,12 +438,13 @@ impl Gpu {
     }
 
     /// `out[t, n] = x[t, k] · W[n, k]ᵀ` in bf16 on tensor cores with f32 sums (cuBLAS; x and W
-    /// bf16, out f32): column-major `C[n, t] = W[k, n]ᵀ · X[k, t]`, which is row-major `out[t, n]`.
-    /// With `accumulate` the product is added to `out`.
+    /// bf16, out as `output` says): column-major `C[n, t] = W[k, n]ᵀ · X[k, t]`, which is
+    /// row-major `out[t, n]`.
     #[allow(clippy::too_many_arguments)]
-    pub fn gemm_bf16(&self, xb: u64, t: usize, w: u64, n: usize, k: usize, out: u64, accumulate: bool) -> Result<()> {
-        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
-        // SAFETY: the three buffers hold t·k bf16, n·k bf16 and t·n f32 values.
+    pub fn gemm_bf16(&self, xb: u64, t: usize, w: u64, n: usize, k: usize, out: u64, output: GemmOut) -> Result<()> {
+        let (alpha, beta) = (1.0f32, if output == GemmOut::F32Add { 1.0f32 } else { 0.0 });
+        let out_type = if output == GemmOut::Bf16 { cudaDataType::CUDA_R_16BF } else { cudaDataType::CUDA_R_32F };
+        // SAFETY: the three buffers hold t·k bf16, n·k bf16 and t·n values of out_type.
         self.timed("cuBLAS GEMM (bf16)", || unsafe {
             cudarc::cublas::result::gemm_ex(
                 *self.blas.handle(),
@@ -444,7 +462,7 @@ impl Gpu {
                 k as i32,
                 &beta as *const f32 as *const _,
                 out as *mut _,
-                cudaDataType::CUDA_R_32F,
+                out_type,
                 n as i32,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

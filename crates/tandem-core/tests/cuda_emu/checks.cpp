@@ -4,6 +4,8 @@
 #include "kernels_emu.cu"
 #include <cstdio>
 #include <random>
+#include <string>
+#include <tuple>
 
 static std::mt19937 rng(7);
 static std::vector<float> random(size_t n, float lo, float hi) {
@@ -80,14 +82,19 @@ static void check_attention(int t, int pos0, int d, int hq, int hkv, int capacit
     compare(name + ", " + std::to_string(t) + " rows after " + std::to_string(pos0) + ", head dim " + std::to_string(d), got, want, 1e-5);
 }
 
-// The tensor-core attention against the f32 tiles (bf16 operands: within 1%).
+// The tensor-core attention against the f32 tiles (bf16 operands: within 1%), its caches
+// rounded to bf16 by to_bf16 as the engine does.
 template <int D>
-static void check_attention_mma(int t, int pos0, int hq, int hkv, void (*kernel)(const float*, const float*, const float*, const float*, float*, int, int, int, const u32*)) {
+static void check_attention_mma(int t, int pos0, int hq, int hkv, void (*kernel)(const float*, const bf16_t*, const bf16_t*, const float*, float*, int, int, int, const u32*)) {
     auto q = random((size_t)t * hq * D, -4, 4), kc = random((size_t)(pos0 + t) * hkv * D, -1, 1), vc = random((size_t)(pos0 + t) * hkv * D, -1, 1), gate = random((size_t)t * hq * D, -2, 2);
     std::vector<float> f32(q.size()), got(q.size());
     u32 pos = pos0;
+    int n = (int)kc.size();
+    std::vector<bf16_t> kb(n), vb(n);
+    launch((n + 1023) / 1024, 1, 1, 256, [&] { to_bf16(kc.data(), kb.data(), n); });
+    launch((n + 1023) / 1024, 1, 1, 256, [&] { to_bf16(vc.data(), vb.data(), n); });
     launch((t + 63) / 64, hq, 1, 256, [&] { attention_tiled(q.data(), kc.data(), vc.data(), gate.data(), f32.data(), t, hq, hkv, D, &pos); });
-    launch((t + 63) / 64, hq, 1, 256, [&] { kernel(q.data(), kc.data(), vc.data(), gate.data(), got.data(), t, hq, hkv, &pos); });
+    launch((t + 63) / 64, hq, 1, 256, [&] { kernel(q.data(), kb.data(), vb.data(), gate.data(), got.data(), t, hq, hkv, &pos); });
     compare("attention_mma_" + std::to_string(D) + " against attention_tiled, " + std::to_string(t) + " rows after " + std::to_string(pos0), got, std::vector<double>(f32.begin(), f32.end()), 1e-2);
 }
 
@@ -161,7 +168,7 @@ static void check_deltanet_step(int hk, int hv, int dv, void (*kernel)(float*, f
     check_counters(name, done);
 }
 
-// The chunked rule of a prefill (l2norm_qk, deltanet_chunk_prep, then the state walk: the f32
+// The chunked rule of a prefill (deltanet_chunk_prep, then the state walk: the f32
 // deltanet_chunk_state_1, and the tensor-core one against it) against the delta rule token
 // after token, from a non-zero state.
 static void check_chunked(int t, int hk, int hv, int dk, int dv) {
@@ -169,7 +176,15 @@ static void check_chunked(int t, int hk, int hv, int dk, int dv) {
     auto mixed = random((size_t)t * cd, -1, 1), b = random(t * hv, -2, 2), a = random(t * hv, -2, 2), neg_a = random(hv, -2, -0.2), dt = random(hv, -1, 1);
     auto state0 = random((size_t)hv * dk * dv, -0.5, 0.5);
     std::vector<float> gcum(t * hv), U((size_t)t * hv * dv), W((size_t)t * hv * dk), P((size_t)chunks * hv * 64 * 64), core((size_t)t * vd), state = state0;
-    launch((t * 2 * hk + 7) / 8, 1, 1, 256, [&] { l2norm_qk(mixed.data(), t, cd, hk, dk, 1.0f / std::sqrt((float)dk)); });
+    // q and k heads l2-normalised (q also times 1/sqrt(dk)), as conv_silu_rows leaves them.
+    for (int tok = 0; tok < t; tok++)
+        for (int head = 0; head < 2 * hk; head++) {
+            float* v = &mixed[(size_t)tok * cd + head * dk];
+            double ss = 0;
+            for (int i = 0; i < dk; i++) ss += (double)v[i] * v[i];
+            double inv = 1 / std::sqrt(ss + 1e-6) * (head < hk ? 1 / std::sqrt((double)dk) : 1);
+            for (int i = 0; i < dk; i++) v[i] = (float)(v[i] * inv);
+        }
     launch(chunks, hv, 1, 256, [&] { deltanet_chunk_prep(mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), t, hk, hv, dk, dv, cd); });
     launch(hv, dv / 16, 1, 256, [&] { deltanet_chunk_state_1(state.data(), mixed.data(), gcum.data(), U.data(), W.data(), P.data(), core.data(), t, hk, hv, dk, dv, cd); });
     std::vector<double> S(state0.begin(), state0.end()), want((size_t)t * vd);
@@ -248,6 +263,76 @@ static void check_gemv(int t, bool norm, bool given_inv, int rb, bool accumulate
         if (rows[j] > 0) compare(name + ": matrix " + std::to_string(j) + " (" + std::to_string(rows[j]) + " rows)", out[j], want[j], 1e-5);
 }
 
+// The MLP's gate and up projections with the SwiGLU in the GEMV (gemv_t*_glu): o0 =
+// silu(rms_norm(x) gate^T) * (rms_norm(x) up^T), the 1/rms found in the block.
+static void check_gemv_glu(int t, int rb, int n) {
+    const int k = 256;
+    const float eps = 1e-6f;
+    auto x = random((size_t)t * k, -2, 2), scale = random(k, 0.5, 1.5);
+    std::vector<float> gf, uf, out((size_t)t * n), up_out((size_t)t * n, 7.0f);
+    auto gw = bf16_matrix((size_t)n * k, gf), uw = bf16_matrix((size_t)n * k, uf);
+    std::vector<double> want((size_t)t * n);
+    for (int m = 0; m < t; m++) {
+        double ss = 0;
+        for (int c = 0; c < k; c++) ss += (double)x[m * k + c] * x[m * k + c];
+        double inv = 1 / std::sqrt(ss / k + eps);
+        for (int r = 0; r < n; r++) {
+            double g = 0, u = 0;
+            for (int c = 0; c < k; c++) {
+                double xn = (double)x[m * k + c] * scale[c] * inv;
+                g += gf[(size_t)r * k + c] * xn;
+                u += uf[(size_t)r * k + c] * xn;
+            }
+            want[(size_t)m * n + r] = g * sigmoid(g) * u;
+        }
+    }
+    auto kernel = t == 1 ? gemv_t1_glu : gemv_t8_glu;
+    launch((2 * n + rb - 1) / rb, 1, 1, 256, [&] {
+        kernel(gw.data(), out.data(), n, uw.data(), up_out.data(), n, nullptr, nullptr, 0, nullptr, nullptr, 0, x.data(), scale.data(), nullptr, k, t, rb, 0, eps);
+    });
+    compare("gemv_t" + std::string(t == 1 ? "1" : "8") + "_glu, " + std::to_string(t) + (t == 1 ? " token, " : " tokens, ") + std::to_string(rb) + " rows per block, " + std::to_string(n) + " rows: silu(gate) * up", out, want, 1e-5);
+}
+
+// The streaming GEMV of one token over rows of 1024 (gemv_stream_*): `blocks` blocks, so that
+// each warp takes several rows in turn; matrices in turn, plain or normalised, written or
+// added, or gate and up with the SwiGLU.
+static void check_gemv_stream(bool norm, bool glu, bool accumulate, std::vector<int> rows, int blocks) {
+    const int k = 1024;
+    const float eps = 1e-6f;
+    auto x = random(k, -2, 2), scale = random(k, 0.5, 1.5);
+    rows.resize(4, 0);
+    std::vector<std::vector<float>> wf(4), out(4);
+    std::vector<std::vector<bf16_t>> w(4);
+    for (int j = 0; j < 4; j++) {
+        w[j] = bf16_matrix((size_t)std::max(rows[j], 1) * k, wf[j]);
+        out[j] = random(std::max(rows[j], 1), -1, 1);
+    }
+    double ss = 0;
+    for (int c = 0; c < k; c++) ss += (double)x[c] * x[c];
+    double inv = norm ? 1 / std::sqrt(ss / k + eps) : 1;
+    auto product = [&](int j, int r) {
+        double acc = 0;
+        for (int c = 0; c < k; c++) acc += (double)wf[j][(size_t)r * k + c] * x[c] * (norm ? scale[c] : 1.0f);
+        return acc * inv;
+    };
+    std::vector<std::vector<double>> want(4);
+    for (int j = 0; j < 4; j++) {
+        want[j].assign(out[j].begin(), out[j].end());
+        for (int r = 0; r < rows[j]; r++) {
+            if (glu && j == 0) { double g = product(0, r); want[0][r] = g * sigmoid(g) * product(1, r); }
+            else if (!glu) want[j][r] = (accumulate ? want[j][r] : 0) + product(j, r);
+        }
+    }
+    auto kernel = glu ? gemv_stream_glu : norm ? gemv_stream_norm : gemv_stream_plain;
+    launch(blocks, 1, 1, 256, [&] {
+        kernel(w[0].data(), out[0].data(), rows[0], w[1].data(), out[1].data(), rows[1], w[2].data(), out[2].data(), rows[2], w[3].data(), out[3].data(), rows[3], x.data(), scale.data(),
+               nullptr, k, accumulate, eps);
+    });
+    std::string name = std::string("gemv_stream_") + (glu ? "glu" : norm ? "norm" : "plain") + ", " + std::to_string(blocks) + " blocks" + (accumulate ? ", adding" : "");
+    for (int j = 0; j < (glu ? 1 : 4); j++)
+        if (rows[j] > 0) compare(name + ": matrix " + std::to_string(j) + " (" + std::to_string(rows[j]) + " rows)", out[j], want[j], 1e-5);
+}
+
 // The f32 GEMM of an exact prefill, adding into its output.
 static void check_gemm() {
     const int n = 70, k = 64, t = 37;
@@ -266,8 +351,10 @@ static void check_gemm() {
 // the causal conv + SiLU over rows with its state carried in, and the gated RMSNorm.
 static void check_rows() {
     const float eps = 1e-6f;
-    {
-        const int rows = 3, d = 200;
+    // Rows of 200 and of 4096 with 256 threads (at most 16 values each, kept in registers), and
+    // rows of 202 (not a multiple of 4) and of 600 with 32 threads (read twice); in f32 and into
+    // bf16 (the tensor-core operand).
+    for (auto [rows, d, threads] : {std::tuple{3, 200, 256}, {2, 4096, 256}, {2, 202, 32}, {2, 600, 32}}) {
         auto x = random(rows * d, -2, 2), scale = random(d, 0.5, 1.5);
         std::vector<float> out(rows * d), from_bf16(rows * d);
         std::vector<bf16_t> ob(rows * d);
@@ -277,11 +364,12 @@ static void check_rows() {
             for (int c = 0; c < d; c++) ss += (double)x[i * d + c] * x[i * d + c];
             for (int c = 0; c < d; c++) want[i * d + c] = x[i * d + c] / std::sqrt(ss / d + eps) * scale[c];
         }
-        launch(rows, 1, 1, 256, [&] { rms_norm(x.data(), scale.data(), out.data(), nullptr, d, eps); });
-        launch(rows, 1, 1, 256, [&] { rms_norm(x.data(), scale.data(), nullptr, ob.data(), d, eps); });
+        launch(rows, 1, 1, threads, [&] { rms_norm(x.data(), scale.data(), out.data(), nullptr, d, eps); });
+        launch(rows, 1, 1, threads, [&] { rms_norm(x.data(), scale.data(), nullptr, ob.data(), d, eps); });
         for (int i = 0; i < rows * d; i++) from_bf16[i] = bf16_to_f32(ob[i]);
-        compare("rms_norm, 3 rows of 200", out, want, 1e-6);
-        compare("rms_norm into bf16 (the tensor-core operand)", from_bf16, want, 4e-3);
+        std::string name = std::to_string(rows) + " rows of " + std::to_string(d) + ", " + std::to_string(threads) + " threads";
+        compare("rms_norm, " + name, out, want, 1e-6);
+        compare("rms_norm into bf16 (the tensor-core operand), " + name, from_bf16, want, 4e-3);
     }
     {
         // Not a multiple of 4: the last thread's scalar tail.
@@ -296,29 +384,52 @@ static void check_rows() {
         launch((n + 1023) / 1024, 1, 1, 256, [&] { swiglu(gate.data(), up.data(), nullptr, n); });
         compare("swiglu, 1002 values", gate, want, 1e-6);
         compare("swiglu into bf16 (the tensor-core operand)", from_bf16, want, 4e-3);
+        // From bf16 gate and up (a tensor-core prefill's GEMM outputs) to bf16.
+        std::vector<bf16_t> gb(n), ub(n);
+        std::vector<double> want_b(n);
+        for (int i = 0; i < n; i++) {
+            gb[i] = f32_to_bf16(gate[i]);
+            ub[i] = f32_to_bf16(up[i]);
+            double g = bf16_to_f32(gb[i]);
+            want_b[i] = g * sigmoid(g) * bf16_to_f32(ub[i]);
+        }
+        launch((n + 1023) / 1024, 1, 1, 256, [&] { swiglu_bf16(gb.data(), ub.data(), ob.data(), n); });
+        for (int i = 0; i < n; i++) from_bf16[i] = bf16_to_f32(ob[i]);
+        compare("swiglu_bf16, 1002 values", from_bf16, want_b, 4e-3);
         launch((n + 1023) / 1024, 1, 1, 256, [&] { to_bf16(x.data(), ob.data(), n); });
         for (int i = 0; i < n; i++) xb[i] = bf16_to_f32(ob[i]);
         compare("to_bf16, 1002 values", xb, std::vector<double>(x.begin(), x.end()), 4e-3);
     }
-    {
-        const int t = 5, cd = 300, kk = 4;
+    // The conv with the l2 norm of the q and k heads: runs of tokens (the last partial),
+    // channels past the last of a block's lanes, both builds (kernels of 4 and of 6 taps).
+    for (auto [t, cd, hk, dk, kk] : {std::tuple{37, 300, 2, 16, 4}, {20, 1288, 2, 128, 6}}) {
+        const int qk = 2 * hk * dk;
+        const double q_scale = 1 / std::sqrt((double)dk);
         auto conv = random((size_t)kk * cd, -1, 1), qkv = random((size_t)t * cd, -2, 2), taps = random((size_t)kk * cd, -0.7, 0.7);
         std::vector<float> out((size_t)t * cd);
         std::vector<double> want(out.size()), tail((size_t)kk * cd);
         // The raw input at position i (negative: the state's columns, oldest first).
         auto input = [&](int i, int c) -> double { return i < 0 ? conv[(size_t)(kk + i) * cd + c] : qkv[(size_t)i * cd + c]; };
-        for (int i = 0; i < t; i++)
+        for (int i = 0; i < t; i++) {
             for (int c = 0; c < cd; c++) {
                 double acc = 0;
                 for (int j = 0; j < kk; j++) acc += taps[(size_t)j * cd + c] * input(i - kk + 1 + j, c);
                 want[(size_t)i * cd + c] = acc * sigmoid(acc);
             }
+            for (int head = 0; head < qk / dk; head++) {
+                double* v = &want[(size_t)i * cd + head * dk], ss = 0;
+                for (int c = 0; c < dk; c++) ss += v[c] * v[c];
+                double inv = 1 / std::sqrt(ss + 1e-6) * (head < hk ? q_scale : 1);
+                for (int c = 0; c < dk; c++) v[c] *= inv;
+            }
+        }
         for (int j = 0; j < kk; j++)
             for (int c = 0; c < cd; c++) tail[(size_t)j * cd + c] = input(t - kk + j, c);
-        launch(t, (cd + 255) / 256, 1, 256, [&] { conv_silu_rows(conv.data(), qkv.data(), taps.data(), out.data(), t, cd, kk); });
+        launch((t + CONV_RUN - 1) / CONV_RUN, (cd + 1023) / 1024, 1, 256, [&] { (kk <= 4 ? conv_silu_rows_4 : conv_silu_rows_8)(conv.data(), qkv.data(), taps.data(), out.data(), t, cd, kk, qk, dk, (float)q_scale); });
         launch((cd + 255) / 256, 1, 1, 256, [&] { conv_state_tail(conv.data(), qkv.data(), t, cd, kk); });
-        compare("conv_silu_rows, 5 rows after a state", out, want, 1e-6);
-        compare("conv_state_tail: the last 4 raw inputs", conv, tail, 0);
+        std::string name = std::to_string(t) + " rows of " + std::to_string(cd) + " after a state, heads of " + std::to_string(dk) + ", " + std::to_string(kk) + " taps";
+        compare("conv_silu_rows_" + std::string(kk <= 4 ? "4" : "8") + " with the q/k l2 norm, " + name, out, want, 1e-6);
+        compare("conv_state_tail: the last raw inputs, " + name, conv, tail, 0);
     }
     {
         const int rows = 11, dv = 32;
@@ -377,6 +488,7 @@ int main() {
     check_attention(70, 0, 256, 8, 2);
     check_attention_mma<32>(150, 100, 4, 2, attention_mma_32);
     check_attention_mma<256>(70, 0, 8, 2, attention_mma_256);
+    check_attention_mma<128>(100, 40, 4, 1, attention_mma_128);
     check_deltanet_step<32>(2, 4, 32, deltanet_step_32);
     check_deltanet_step<128>(2, 4, 128, deltanet_step_128);
     check_chunked(150, 2, 4, 32, 32);
@@ -385,6 +497,11 @@ int main() {
     check_gemv(5, true, true, 8, false, {17, 9});
     check_gemv(5, false, false, 1, true, {11});
     check_gemv(1, false, false, 4, true, {30});
+    check_gemv_glu(1, 8, 21);
+    check_gemv_stream(true, false, false, {40, 24, 3, 5}, 2);
+    check_gemv_stream(false, false, true, {61}, 3);
+    check_gemv_stream(true, true, false, {37, 37}, 2);
+    check_gemv_glu(3, 2, 9);
     check_gemm();
     check_rows();
     check_argmax(4, 10007, 64);

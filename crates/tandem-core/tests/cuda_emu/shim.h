@@ -3,7 +3,8 @@
 // __syncthreads and for a warp's shuffles; a thread that returns drops out of both. What this
 // checks is a kernel's logic (indexing, barriers, the hand-over between blocks), not its speed
 // and not the GPU's memory model. The tensor-core instruction is computed from the fragment
-// layout of the PTX ISA (mma.m16n8k16, bf16 operands, f32 sums): mma_emulated.
+// layout of the PTX ISA (mma.m16n8k16, bf16 operands, f32 sums): mma_emulated; so is the
+// shared-memory load of its operands (ldmatrix): ldmatrix_emulated.
 #pragma once
 #include <atomic>
 #include <cmath>
@@ -58,6 +59,7 @@ struct Block {
     std::vector<std::unique_ptr<Barrier>> warps;
     float xbuf[32][32];
     uint32_t abuf[32][32][4], bbuf[32][32][2];
+    const uint16_t* rows[32][32];
 };
 inline Block* g_block;
 inline void __syncthreads() { g_block->all->arrive_and_wait(); }
@@ -105,6 +107,25 @@ inline void mma_emulated(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) 
         for (int k = 0; k < 16; k++) s += A[g + (e >> 1) * 8][k] * B[k][t * 2 + (e & 1)];
         d[e] += s;
     }
+}
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16 for the calling lane: lane l gives the address
+// of row l % 8 of matrix l / 8; r[i] gets matrix i's row l / 4, columns 2 (l % 4) and +1 (with
+// TRANS: column l / 4, rows 2 (l % 4) and +1), the lower index in the low half.
+template <bool TRANS, typename T>
+inline void ldmatrix_emulated(uint32_t* r, const T* p) {
+    int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    g_block->rows[w][l] = (const uint16_t*)p;
+    warp_sync();
+    for (int i = 0; i < 4; i++) {
+        if (TRANS) {
+            const uint16_t *a = g_block->rows[w][i * 8 + (l & 3) * 2], *b = g_block->rows[w][i * 8 + (l & 3) * 2 + 1];
+            r[i] = (uint32_t)a[l >> 2] | ((uint32_t)b[l >> 2] << 16);
+        } else {
+            const uint16_t* row = g_block->rows[w][i * 8 + (l >> 2)];
+            r[i] = (uint32_t)row[(l & 3) * 2] | ((uint32_t)row[(l & 3) * 2 + 1] << 16);
+        }
+    }
+    warp_sync();
 }
 // Run `kernel` (a call of one kernel) for every block of the grid (x, y, z), `threads` each.
 template <typename F>
