@@ -942,29 +942,19 @@ impl GpuQwen35 {
     }
 
     /// `x += input · Wᵀ`: a block's output added to the residual stream (by the GEMV or GEMM
-    /// itself). With `up`, the input is `silu(input) * up` (the MLP), computed first.
-    fn project_residual(&self, ws: &Workspace, input: Input, up: Option<u64>, t: usize, m: &GpuMatrix) -> Result<()> {
+    /// itself).
+    fn project_residual(&self, ws: &Workspace, input: Input, t: usize, m: &GpuMatrix) -> Result<()> {
         let g = &self.gpu;
         let x = g.ptr(&ws.x);
         let input = match input {
             Input::Bf16Ready => return self.gemm(g.ptr(&ws.xb), t, g.ptr(&m.w), m.rows, m.cols, x, true),
             Input::F32(input) => input,
         };
-        // The SwiGLU in its own launch, also for decode: measured faster than computing it
-        // inside the down projection's GEMV (H100, 9B decode 122-123 against 115-116 tok/s,
-        // interleaved runs), which reads gate and up again for every row.
-        // For a tensor-core GEMM the SwiGLU writes the bf16 operand itself.
-        let to_bf16 = t > GEMV_MAX_T && self.precision == Precision::TensorCores;
-        if let Some(up) = up {
-            let n = t * m.cols;
-            let out_bf16 = if to_bf16 { g.ptr(&ws.xb) } else { 0 };
-            g.launch("swiglu", (n.div_ceil(1024) as u32, 1, 1), 256, 0, &[Arg::Ptr(input), Arg::Ptr(up), Arg::Ptr(out_bf16), Arg::I32(n as i32)])?;
-        }
         if t <= GEMV_MAX_T {
             return self.gemv(ws, GemvInput::Plain, &[(g.ptr(&m.w), x, m.rows)], input, m.cols, t, GemvOut::Add);
         }
         // The GEMM adds into the residual stream itself.
-        let input = if up.is_some() && to_bf16 { g.ptr(&ws.xb) } else { self.gemm_input(ws, input, t, m.cols)? };
+        let input = self.gemm_input(ws, input, t, m.cols)?;
         self.gemm(input, t, g.ptr(&m.w), m.rows, m.cols, x, true)
     }
 
@@ -1038,7 +1028,7 @@ impl GpuQwen35 {
             g.launch("gated_rms_norm", ((r.count * hv).div_ceil(8) as u32, 1, 1), 256, 0, &args)?;
         }
         let input = if norm_to_bf16 { Input::Bf16Ready } else { Input::F32(g.ptr(&ws.core)) };
-        self.project_residual(ws, input, None, t, &m.out_proj)
+        self.project_residual(ws, input, t, &m.out_proj)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1123,7 +1113,7 @@ impl GpuQwen35 {
             ];
             g.launch("attention", (r.count as u32, hq as u32, splits as u32), 128, 0, &args)?;
         }
-        self.project_residual(ws, Input::F32(attn), None, t, &m.o_proj)
+        self.project_residual(ws, Input::F32(attn), t, &m.o_proj)
     }
 
     fn mlp(&self, l: &Layer, ws: &Workspace, t: usize) -> Result<()> {
@@ -1133,7 +1123,7 @@ impl GpuQwen35 {
             // One GEMV for gate and up that writes silu(gate) * up itself.
             let mats = [(g.ptr(&l.gate_proj.w), gate, l.gate_proj.rows), (g.ptr(&l.up_proj.w), up, l.up_proj.rows)];
             self.gemv(ws, GemvInput::Norm(g.ptr(&l.post_attention_norm)), &mats, x, l.gate_proj.cols, t, GemvOut::SwiGlu)?;
-            return self.project_residual(ws, Input::F32(gate), None, t, &l.down_proj);
+            return self.project_residual(ws, Input::F32(gate), t, &l.down_proj);
         }
         if self.precision == Precision::TensorCores {
             // Gate and up rounded to bf16 by their GEMMs (as a bf16 model computes them), which
@@ -1149,8 +1139,11 @@ impl GpuQwen35 {
             g.launch("swiglu_bf16", (n.div_ceil(1024) as u32, 1, 1), 256, 0, &[Arg::Ptr(gate), Arg::Ptr(up), Arg::Ptr(xb), Arg::I32(n as i32)])?;
             return self.gemm(xb, t, g.ptr(&l.down_proj.w), l.down_proj.rows, f, x, true);
         }
+        // Exact: gate and up in f32, the SwiGLU in place in gate.
         self.project(ws, x, &l.post_attention_norm, t, &[(&l.gate_proj, gate), (&l.up_proj, up)])?;
-        self.project_residual(ws, Input::F32(gate), Some(up), t, &l.down_proj)
+        let n = t * l.down_proj.cols;
+        g.launch("swiglu", (n.div_ceil(1024) as u32, 1, 1), 256, 0, &[Arg::Ptr(gate), Arg::Ptr(up), Arg::Ptr(0), Arg::I32(n as i32)])?;
+        self.project_residual(ws, Input::F32(gate), t, &l.down_proj)
     }
 }
 
