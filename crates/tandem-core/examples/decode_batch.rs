@@ -2,8 +2,8 @@
 //! for 1 and for 8 sequences (median of a few steps). For `perf record` and for comparing
 //! kernels: `cargo run --release --example decode_batch -p tandem-core [THREADS] [SEQS]`.
 use std::time::Instant;
-use tandem_core::load::LoadedModel;
-use tandem_core::pool::Pool;
+use tandem_core::model::load::LoadedModel;
+use tandem_core::backend::cpu::pool::Pool;
 use tandem_core::state::State;
 fn main() {
     let threads: usize = std::env::args().nth(1).map_or(1, |a| a.parse().unwrap());

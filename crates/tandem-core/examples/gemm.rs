@@ -1,7 +1,7 @@
 use std::time::Instant;
-use tandem_core::kernels::matmul::matmul;
-use tandem_core::pool::Pool;
-use tandem_core::tensor::{f32_to_bf16, Buf, Matrix, WeightData};
+use tandem_core::backend::cpu::kernels::matmul::matmul;
+use tandem_core::backend::cpu::pool::Pool;
+use tandem_core::model::tensor::{f32_to_bf16, Buf, Matrix, WeightData};
 fn main() {
     let pool = Pool::new(2);
     for &(t, n, k) in &[(410usize, 3584usize, 1024usize), (410, 1024, 3584), (74, 6144, 1024), (13, 3584, 1024)] {

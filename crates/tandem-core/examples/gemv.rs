@@ -1,8 +1,8 @@
 use std::time::Instant;
-use tandem_core::kernels::matmul::matmul;
-use tandem_core::pool::Pool;
-use tandem_core::quant::quantize_int8;
-use tandem_core::tensor::{f32_to_bf16, Buf, Matrix, WeightData};
+use tandem_core::backend::cpu::kernels::matmul::matmul;
+use tandem_core::backend::cpu::pool::Pool;
+use tandem_core::model::quant::quantize_int8;
+use tandem_core::model::tensor::{f32_to_bf16, Buf, Matrix, WeightData};
 fn main() {
     let pool = Pool::new(std::env::args().nth(1).map(|a| a.parse().unwrap()).unwrap_or(2));
     let (n, k) = (248320usize, 1024usize);

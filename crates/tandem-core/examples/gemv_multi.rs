@@ -2,9 +2,9 @@
 //! shapes of synthetic 0.8B (k = 1024 and k = 3584).
 //! `cargo run --release --example gemv_multi -p tandem-core [THREADS]`
 use std::time::Instant;
-use tandem_core::kernels::matmul::matmul;
-use tandem_core::pool::Pool;
-use tandem_core::tensor::{f32_to_bf16, Buf, Matrix, WeightData};
+use tandem_core::backend::cpu::kernels::matmul::matmul;
+use tandem_core::backend::cpu::pool::Pool;
+use tandem_core::model::tensor::{f32_to_bf16, Buf, Matrix, WeightData};
 fn main() {
     let pool = Pool::new(std::env::args().nth(1).map_or(1, |a| a.parse().unwrap()));
     for (n, k) in [(32768usize, 1024usize), (1024, 3584 * 8)] {

@@ -33,7 +33,7 @@ pub struct ChatTemplate {
 const CHATML: &str = "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endfor %}\
 {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
-/// The Qwen3.5 conversation format (qwen35-spec.md §4), written for tandem's synthetic models,
+/// The Qwen3.5 conversation format (docs/qwen35.md §4), written for tandem's synthetic models,
 /// which have no checkpoint to carry a template. Real checkpoints use their own.
 pub const QWEN35_TEMPLATE: &str = include_str!("../../../assets/qwen3.5/chat_template.jinja");
 

@@ -1,20 +1,21 @@
-//! An engine is a backend, its resources and a prefill dispatch contract, e.g.
-//! `cpu:cores=0,dispatch=batched:32`: the CPU kernels on a pool pinned to core 0, prefilling
-//! in fixed 32-token dispatches as a static-shape accelerator would (the study's Neural
-//! Engine). A prefill engine and a decode engine make a placement; both may be the same.
-//! `cuda:0` is the CUDA engine on GPU 0 (cuda/qwen35.rs). An engine keeps the states it works
-//! on where it computes (`Resident`); a state that reaches an engine of another device is
-//! copied there first (`Engine::adopt`: host to GPU, GPU to host, or GPU to GPU).
+//! An engine is a backend, its resources and a prefill dispatch contract, written as a
+//! placement (`EngineSpec`), e.g. `cpu:cores=0,dispatch=batched:32`: the CPU kernels on a pool
+//! pinned to core 0, prefilling in fixed 32-token dispatches as a static-shape accelerator
+//! would (the study's Neural Engine). `cuda:0` is the CUDA engine on GPU 0 (backend::cuda). A
+//! pipeline has a prefill engine and a decode engine; both may be the same. An engine keeps the
+//! states it works on where it computes (`DeviceState`); a state that reaches an engine of
+//! another device is copied there first (`bridge::device`: host to GPU, GPU to host, or GPU to
+//! GPU).
 
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use crate::cuda::qwen35::{GpuQwen35, GpuState, Precision};
+use crate::backend::cuda::qwen35::{GpuQwen35, GpuState, Precision};
 use crate::model::{Logits, Qwen35};
-use crate::pool::Pool;
-use crate::sampling::Sampler;
-use crate::state::State;
+use crate::backend::cpu::pool::Pool;
+use crate::state::{DeviceState, State};
+use crate::bridge::device;
 
 /// How an engine applies a prompt.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -83,10 +84,11 @@ impl std::fmt::Display for Dispatch {
     }
 }
 
-/// Where an engine runs and how it dispatches: `cpu[:cores=0-3|threads=N][,dispatch=MODE]`
+/// An engine to start, parsed from its placement: where it runs and how it dispatches,
+/// `cpu[:cores=0-3|threads=N][,dispatch=MODE]`
 /// or `cuda[:N][,precision=exact|tensor-cores][,dispatch=MODE]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Placement {
+pub struct EngineSpec {
     pub device: Device,
     /// Pin one worker to each of these cores (the engine's thread takes the first).
     pub cores: Option<Vec<usize>>,
@@ -105,10 +107,10 @@ pub enum Device {
     Cuda(usize),
 }
 
-impl Placement {
+impl EngineSpec {
     /// Parse a placement. Values may contain commas (`cores=0,1`, `buckets:64,256`): a part
     /// without `=` continues the previous value.
-    pub fn parse(spec: &str) -> Result<Placement> {
+    pub fn parse(spec: &str) -> Result<EngineSpec> {
         let (backend, mut opts) = spec.split_once(':').unwrap_or((spec, ""));
         let device = match backend {
             "cpu" => Device::Cpu,
@@ -137,7 +139,7 @@ impl Placement {
                 },
             }
         }
-        let mut p = Placement { device, cores: None, threads: None, dispatch: Dispatch::Dynamic, precision: Precision::TensorCores, graphs: true };
+        let mut p = EngineSpec { device, cores: None, threads: None, dispatch: Dispatch::Dynamic, precision: Precision::TensorCores, graphs: true };
         for (k, v) in pairs {
             match (k.as_str(), device) {
                 ("cores", Device::Cpu) => p.cores = Some(parse_cores(&v).with_context(|| format!("placement {spec:?}"))?),
@@ -180,7 +182,7 @@ impl Placement {
     }
 }
 
-impl std::fmt::Display for Placement {
+impl std::fmt::Display for EngineSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if let Device::Cuda(n) = self.device {
             let precision = match self.precision {
@@ -232,71 +234,6 @@ pub struct PrefillStats {
     pub time: Duration,
 }
 
-/// A request's state where an engine keeps it: in host memory (CPU engines, and the file and
-/// socket bridges, which move host states) or in a GPU's memory.
-pub enum Resident {
-    Host(State),
-    Gpu(Box<GpuState>),
-}
-
-impl Resident {
-    pub fn position(&self) -> usize {
-        match self {
-            Resident::Host(s) => s.position,
-            Resident::Gpu(s) => s.position,
-        }
-    }
-
-    /// Logits of the last applied token, on the host (copied there first if a GPU decode step
-    /// left them on the GPU).
-    pub fn last_logits(&mut self) -> Result<&[f32]> {
-        match self {
-            Resident::Host(s) => Ok(&s.last_logits),
-            Resident::Gpu(s) => s.last_logits(),
-        }
-    }
-
-    /// Whether there are logits to sample from (a fresh state has none).
-    pub fn has_logits(&self) -> bool {
-        match self {
-            Resident::Host(s) => !s.last_logits.is_empty(),
-            Resident::Gpu(s) => s.has_logits(),
-        }
-    }
-
-    /// The next token by `sampler`, from the last logits: a greedy pick the GPU already made is
-    /// taken as it is (no logits cross to the host), anything else reads the logits.
-    pub fn sample(&mut self, sampler: &mut Sampler) -> Result<u32> {
-        if let Resident::Gpu(s) = self {
-            if let Some(token) = s.last_argmax().and_then(|a| sampler.greedy_pick(a)) {
-                return Ok(token);
-            }
-        }
-        Ok(sampler.sample(self.last_logits()?))
-    }
-
-    /// Whether some of the state lives in a state file (see `State::in_file`).
-    pub fn in_file(&self) -> bool {
-        matches!(self, Resident::Host(s) if s.in_file())
-    }
-
-    /// The state in this process's memory, whole (copied from the GPU or out of its file).
-    pub fn into_host(self) -> Result<State> {
-        match self {
-            Resident::Host(s) => Ok(s.into_owned()),
-            Resident::Gpu(s) => s.download(),
-        }
-    }
-
-    /// Where the state lives, for messages: `host`, `cuda:N`.
-    pub fn location(&self) -> String {
-        match self {
-            Resident::Host(_) => "host".into(),
-            Resident::Gpu(s) => format!("cuda:{}", s.ordinal()),
-        }
-    }
-}
-
 /// What an engine computes with.
 enum Backend {
     Cpu(Pool),
@@ -306,7 +243,7 @@ enum Backend {
 /// An engine: the model's kernels on a CPU worker pool or on a GPU, with a dispatch mode. It
 /// must be made on the thread that will run it (a pinned pool pins that thread).
 pub struct Engine<'m> {
-    pub placement: Placement,
+    pub spec: EngineSpec,
     pub net: &'m Qwen35,
     backend: Backend,
 }
@@ -314,17 +251,17 @@ pub struct Engine<'m> {
 impl<'m> Engine<'m> {
     /// Start an engine: a worker pool, or a GPU with the model's weights copied to it (each
     /// CUDA engine holds its own copy, also two engines on one GPU).
-    pub fn new(placement: &Placement, net: &'m Qwen35) -> Result<Engine<'m>> {
-        let backend = match placement.device {
-            Device::Cpu => Backend::Cpu(placement.pool()?),
+    pub fn new(spec: &EngineSpec, net: &'m Qwen35) -> Result<Engine<'m>> {
+        let backend = match spec.device {
+            Device::Cpu => Backend::Cpu(spec.pool()?),
             Device::Cuda(n) => {
-                let gpu = crate::cuda::Gpu::open(n)?;
-                let mut g = GpuQwen35::upload(gpu, net, placement.precision).with_context(|| format!("loading the model onto cuda:{n}"))?;
-                g.graphs = placement.graphs;
+                let gpu = crate::backend::cuda::Gpu::open(n)?;
+                let mut g = GpuQwen35::upload(gpu, net, spec.precision).with_context(|| format!("loading the model onto cuda:{n}"))?;
+                g.graphs = spec.graphs;
                 Backend::Cuda(Box::new(g))
             }
         };
-        Ok(Engine { placement: placement.clone(), net, backend })
+        Ok(Engine { spec: spec.clone(), net, backend })
     }
 
     /// The CPU worker pool (None for a GPU engine).
@@ -344,48 +281,29 @@ impl<'m> Engine<'m> {
     }
 
     /// A fresh state, where this engine keeps it.
-    pub fn new_state(&self) -> Result<Resident> {
+    pub fn new_state(&self) -> Result<DeviceState> {
         Ok(match &self.backend {
-            Backend::Cpu(_) => Resident::Host(State::new(&self.net.config)),
-            Backend::Cuda(g) => Resident::Gpu(Box::new(g.new_state()?)),
+            Backend::Cpu(_) => DeviceState::Host(State::new(&self.net.config)),
+            Backend::Cuda(g) => DeviceState::Gpu(Box::new(g.new_state()?)),
         })
-    }
-
-    /// Bring `state` to this engine's device: a GPU engine copies a host state to its GPU and
-    /// a state of another GPU across (peer copy); a CPU engine copies a GPU state to the host.
-    /// A state already there is returned as is. The bridge between engines of two devices.
-    pub fn adopt(&self, state: Resident) -> Result<Resident> {
-        Ok(match (&self.backend, state) {
-            (Backend::Cpu(_), Resident::Gpu(s)) => Resident::Host(s.download()?),
-            (Backend::Cuda(g), Resident::Host(s)) => Resident::Gpu(Box::new(g.upload_state(&s)?)),
-            (Backend::Cuda(g), Resident::Gpu(s)) if s.ordinal() != g.gpu.ordinal => Resident::Gpu(Box::new(g.copy_state(&s)?)),
-            (_, here) => here,
-        })
-    }
-
-    /// `adopt`, in place (a state already here is moved out and back, nothing copied).
-    fn adopt_in_place(&self, state: &mut Resident) -> Result<()> {
-        let moved = std::mem::replace(state, Resident::Host(State { position: 0, layers: Vec::new(), last_logits: Vec::new() }));
-        *state = self.adopt(moved)?;
-        Ok(())
     }
 
     /// Apply `tokens` to `state` in this engine's dispatches; the state's last logits end up
     /// those of the last token. A CUDA engine runs each dispatch at its real size (a GPU has
     /// no static shapes to pad to).
-    pub fn prefill(&self, tokens: &[u32], state: &mut Resident) -> Result<PrefillStats> {
+    pub fn prefill(&self, tokens: &[u32], state: &mut DeviceState) -> Result<PrefillStats> {
         let start = Instant::now();
-        self.adopt_in_place(state)?;
-        let plan = self.placement.dispatch.plan(tokens.len());
+        device::move_in_place(self.gpu(), state)?;
+        let plan = self.spec.dispatch.plan(tokens.len());
         let mut at = 0;
         let mut padded_rows = 0;
         for &(real, rows) in &plan {
             let part = &tokens[at..at + real];
             match (&self.backend, &mut *state) {
-                (Backend::Cuda(g), Resident::Gpu(s)) => {
+                (Backend::Cuda(g), DeviceState::Gpu(s)) => {
                     g.apply(part, s)?;
                 }
-                (Backend::Cpu(pool), Resident::Host(s)) => match self.placement.dispatch {
+                (Backend::Cpu(pool), DeviceState::Host(s)) => match self.spec.dispatch {
                     Dispatch::Sequential | Dispatch::Dynamic => {
                         self.net.forward(pool, part, s, Logits::Last)?;
                     }
@@ -397,7 +315,7 @@ impl<'m> Engine<'m> {
                         padded_rows += rows - real;
                     }
                 },
-                _ => unreachable!("adopt_in_place brought the state here"),
+                _ => unreachable!("move_in_place brought the state here"),
             }
             at += real;
         }
@@ -405,15 +323,15 @@ impl<'m> Engine<'m> {
     }
 
     /// One decode step: `tokens[i]` applied to `states[i]`, all in one pass over the weights.
-    pub fn decode(&self, tokens: &[u32], states: &mut [&mut Resident]) -> Result<()> {
+    pub fn decode(&self, tokens: &[u32], states: &mut [&mut DeviceState]) -> Result<()> {
         for s in states.iter_mut() {
-            self.adopt_in_place(s)?;
+            device::move_in_place(self.gpu(), s)?;
         }
         match &self.backend {
             Backend::Cpu(pool) => {
                 let mut host: Vec<&mut State> = states.iter_mut().map(|s| match &mut **s {
-                    Resident::Host(s) => s,
-                    Resident::Gpu(_) => unreachable!("adopted"),
+                    DeviceState::Host(s) => s,
+                    DeviceState::Gpu(_) => unreachable!("moved here"),
                 }).collect();
                 if let [state] = &mut host[..] {
                     self.net.forward(pool, tokens, state, Logits::Last)?;
@@ -423,8 +341,8 @@ impl<'m> Engine<'m> {
             }
             Backend::Cuda(g) => {
                 let mut on_gpu: Vec<&mut GpuState> = states.iter_mut().map(|s| match &mut **s {
-                    Resident::Gpu(s) => &mut **s,
-                    Resident::Host(_) => unreachable!("adopted"),
+                    DeviceState::Gpu(s) => &mut **s,
+                    DeviceState::Host(_) => unreachable!("moved here"),
                 }).collect();
                 if let [state] = &mut on_gpu[..] {
                     g.apply(tokens, state)?;
@@ -441,21 +359,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn placements_parse_with_commas_inside_values() {
-        let p = Placement::parse("cpu:cores=0,dispatch=batched:32").unwrap();
+    fn specs_parse_with_commas_inside_values() {
+        let p = EngineSpec::parse("cpu:cores=0,dispatch=batched:32").unwrap();
         assert_eq!(p.cores, Some(vec![0]));
         assert_eq!(p.dispatch, Dispatch::Batched(32));
-        let p = Placement::parse("cpu:cores=0,1,dispatch=buckets:256,64,512").unwrap();
+        let p = EngineSpec::parse("cpu:cores=0,1,dispatch=buckets:256,64,512").unwrap();
         assert_eq!(p.cores, Some(vec![0, 1]));
         assert_eq!(p.dispatch, Dispatch::Buckets(vec![64, 256, 512]));
-        assert_eq!(Placement::parse("cpu:cores=0-2").unwrap().cores, Some(vec![0, 1, 2]));
-        assert_eq!(Placement::parse("cpu").unwrap(), Placement { device: Device::Cpu, cores: None, threads: None, dispatch: Dispatch::Dynamic, precision: Precision::TensorCores, graphs: true });
-        let p = Placement::parse("cuda:1,precision=exact,dispatch=batched:32").unwrap();
+        assert_eq!(EngineSpec::parse("cpu:cores=0-2").unwrap().cores, Some(vec![0, 1, 2]));
+        assert_eq!(EngineSpec::parse("cpu").unwrap(), EngineSpec { device: Device::Cpu, cores: None, threads: None, dispatch: Dispatch::Dynamic, precision: Precision::TensorCores, graphs: true });
+        let p = EngineSpec::parse("cuda:1,precision=exact,dispatch=batched:32").unwrap();
         assert_eq!((p.device, p.precision, p.dispatch.clone()), (Device::Cuda(1), Precision::Exact, Dispatch::Batched(32)));
         assert_eq!(p.to_string(), "cuda:1,precision=exact,dispatch=batched:32");
-        assert_eq!(Placement::parse("cuda").unwrap().device, Device::Cuda(0));
-        assert_eq!(Placement::parse("cuda:dispatch=sequential").unwrap().device, Device::Cuda(0));
-        assert_eq!(Placement::parse("cpu:threads=2,dispatch=sequential").unwrap().to_string(), "cpu:threads=2,dispatch=sequential");
+        assert_eq!(EngineSpec::parse("cuda").unwrap().device, Device::Cuda(0));
+        assert_eq!(EngineSpec::parse("cuda:dispatch=sequential").unwrap().device, Device::Cuda(0));
+        assert_eq!(EngineSpec::parse("cpu:threads=2,dispatch=sequential").unwrap().to_string(), "cpu:threads=2,dispatch=sequential");
         for (bad, says) in [
             ("gpu", "unknown backend"),
             ("cpu:cores=x", "not a core number"),
@@ -470,7 +388,7 @@ mod tests {
             ("cuda:0,precision=fp8", "choose exact or tensor-cores"),
             ("cpu:precision=exact", "keys: cores, threads, dispatch"),
         ] {
-            let e = format!("{:#}", Placement::parse(bad).unwrap_err());
+            let e = format!("{:#}", EngineSpec::parse(bad).unwrap_err());
             assert!(e.contains(says), "{bad}: {e}");
         }
     }

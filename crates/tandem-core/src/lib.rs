@@ -1,31 +1,24 @@
-//! tandem-core: Qwen3.5 inference on CPU.
+//! tandem-core: Qwen3.5 inference with prefill and decode on separate engines.
 //!
-//! The data flow, module by module: `load` (checkpoint or synthetic model: `checkpoint`,
-//! `config`, `model`) → `tokenizer` + `chat` (text to ids; `session` for conversations that
-//! keep their state between turns) → `scheduler` (the pipeline: requests to the prefill
-//! `engine`, its `state::State` across `state::bridge` to the decode engine, batched decode
-//! steps) → `sampling` → events back to the caller. `model::Qwen35::forward` over the
-//! `kernels` is the compute under every engine; `generate` is the plain one-engine loop that
-//! the pipeline is tested against, and `verify` compares the model with reference outputs.
+//! The folders follow a request: `tokenizer` + `chat` (text to ids; `session` for
+//! conversations that keep their state between turns) → `pipeline` (requests queue for the
+//! prefill `engine`) → `state` (what a prefill leaves: conv windows, recurrent states, K/V,
+//! the last logits) → `bridge` (the state moved to the decode engine: in process, through a
+//! file, over a socket, between host and GPU) → the decode `engine` (batched steps) →
+//! `sampling` → events back to the caller. `model` is the Qwen3.5 checkpoint (config, weights,
+//! loading); `backend` holds the compute under every engine: `backend::cpu` (the forward pass
+//! on the CPU, its kernels, the worker pool) and `backend::cuda` (the same on NVIDIA GPUs).
+//! `verify` compares a backend with the reference implementation's outputs.
 
+pub mod backend;
+pub mod bridge;
 pub mod chat;
-pub mod checkpoint;
-pub mod config;
-pub mod cuda;
 pub mod engine;
-pub mod generate;
-pub mod kernels;
-pub mod limits;
-pub mod load;
 pub mod model;
-pub mod pool;
-pub mod quality;
-pub mod quant;
+pub mod pipeline;
 pub mod rng;
 pub mod sampling;
-pub mod scheduler;
 pub mod session;
 pub mod state;
-pub mod tensor;
 pub mod tokenizer;
 pub mod verify;

@@ -27,8 +27,8 @@
 use anyhow::{bail, Context, Result};
 
 use crate::chat::{ChatTemplate, Message};
-use crate::config::Qwen35Config;
-use crate::scheduler::Finish;
+use crate::model::config::Qwen35Config;
+use crate::pipeline::Finish;
 use crate::state::State;
 
 /// Tokens held back from the end of partially typed text: the last word may still grow (and

@@ -3,15 +3,16 @@
 //! the prefill attention. Whole, and split into dispatches of 1, 7, 64, 100 and 128 tokens (the
 //! one-launch DeltaNet step and the untiled attention for the short ones, the chunked rule from
 //! a state that is not empty, attention tiles that start past position 0); then greedy decode
-//! steps through the CUDA graph. Runs where a GPU is present and says SKIPPED otherwise.
+//! steps through the CUDA graph. Ignored by default (they need an NVIDIA GPU): on a GPU
+//! machine, `cargo test --release -- --include-ignored`.
 
 mod common;
 
-use tandem_core::cuda::qwen35::{GpuQwen35, Precision};
-use tandem_core::cuda::Gpu;
-use tandem_core::load::LoadedModel;
+use tandem_core::backend::cuda::qwen35::{GpuQwen35, Precision};
+use tandem_core::backend::cuda::Gpu;
+use tandem_core::model::load::LoadedModel;
 use tandem_core::model::Logits;
-use tandem_core::pool::Pool;
+use tandem_core::backend::cpu::pool::Pool;
 use tandem_core::sampling::argmax;
 use tandem_core::state::{LayerState, State};
 use tandem_core::verify::{LOGIT_TOL, STATE_REL_TOL};
@@ -42,47 +43,35 @@ fn state_error(got: &State, want: &State) -> f32 {
         .fold(0.0, f32::max)
 }
 
-/// Whether a GPU is there to run `what` on; if not, says that `what` was skipped and why.
-fn gpu_or_skip(what: &str) -> bool {
-    match tandem_core::cuda::gpu_count() {
-        Ok(n) if n > 0 => true,
-        Ok(_) => {
-            eprintln!("SKIPPED: {what}: the driver reports no GPU");
-            false
-        }
-        Err(why) => {
-            eprintln!("SKIPPED: {what}: {why:#}");
-            false
-        }
+const NEEDS_A_GPU: &str = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine";
+
+/// GPU 0, for `what`; a test run without one fails saying so.
+fn gpu_for(what: &str) -> Gpu {
+    match tandem_core::backend::cuda::gpu_count() {
+        Ok(n) if n > 0 => Gpu::open(0).unwrap(),
+        Ok(_) => panic!("{what}: the driver reports no GPU ({NEEDS_A_GPU})"),
+        Err(why) => panic!("{what}: {why:#} ({NEEDS_A_GPU})"),
     }
 }
 
-/// GPU 0 where it has bf16 mma instructions (compute capability 8.0 and later) for `what`;
-/// else None, having said that `what` was skipped and why.
-fn mma_gpu_or_skip(what: &str) -> Option<Gpu> {
-    if !gpu_or_skip(what) {
-        return None;
-    }
-    let g = Gpu::open(0).unwrap();
-    if !g.bf16_mma {
-        eprintln!("SKIPPED: {what}: {} has no bf16 mma (compute capability below 8.0)", g.name);
-        return None;
-    }
-    Some(g)
+/// GPU 0 with bf16 mma instructions (compute capability 8.0 and later), for `what`.
+fn mma_gpu_for(what: &str) -> Gpu {
+    let g = gpu_for(what);
+    assert!(g.bf16_mma, "{what}: {} has no bf16 mma (compute capability below 8.0)", g.name);
+    g
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn gpu_prefill_and_decode_match_the_cpu_engine() {
-    if !gpu_or_skip("the CUDA kernels against the CPU engine") {
-        return;
-    }
+    let gpu0 = gpu_for("the CUDA kernels against the CPU engine");
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let tokens = prompt("p4");
     assert_eq!(tokens.len(), 300);
     let pool = Pool::new(1);
     let mut cpu = State::new(&m.net.config);
     let want = m.net.forward(&pool, &tokens, &mut cpu, Logits::All).unwrap();
-    let gpu = GpuQwen35::upload(Gpu::open(0).unwrap(), &m.net, Precision::Exact).unwrap();
+    let gpu = GpuQwen35::upload(gpu0, &m.net, Precision::Exact).unwrap();
     for splits in [vec![300], vec![1, 7, 64, 100, 128]] {
         let mut on_gpu = gpu.new_state().unwrap();
         let mut got = Vec::new();
@@ -119,17 +108,16 @@ fn gpu_prefill_and_decode_match_the_cpu_engine() {
 /// positions into chunks scored by separate blocks and merged by the last one (a prompt of
 /// pseudo-random ids; the CPU engine is the reference).
 #[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn decode_at_5000_positions_matches_the_cpu_engine() {
-    if !gpu_or_skip("long-context decode on the GPU") {
-        return;
-    }
+    let gpu0 = gpu_for("long-context decode on the GPU");
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let mut rng = tandem_core::rng::Rng::new(5);
     let tokens: Vec<u32> = (0..5000).map(|_| (rng.next_f64() * m.net.config.vocab_size as f64) as u32).collect();
     let pool = Pool::new(1);
     let mut cpu = State::new(&m.net.config);
     m.net.forward(&pool, &tokens, &mut cpu, Logits::Last).unwrap();
-    let gpu = GpuQwen35::upload(Gpu::open(0).unwrap(), &m.net, Precision::Exact).unwrap();
+    let gpu = GpuQwen35::upload(gpu0, &m.net, Precision::Exact).unwrap();
     let mut on_gpu = gpu.new_state().unwrap();
     gpu.forward(&tokens, &mut on_gpu, Logits::Last).unwrap();
     for step in 0..4 {
@@ -142,14 +130,15 @@ fn decode_at_5000_positions_matches_the_cpu_engine() {
     }
 }
 
-/// The tensor-core prefill attention (bf16 mma, kernels.cu attention_mma_*) against the f32
+/// The tensor-core prefill attention (bf16 mma, kernels/attention.cu attention_mma_*) against the f32
 /// tiled kernel, its reference, on random queries, keys, values and gates: head dims 32 and
 /// 256, 150 queries after 100 cached positions (a last block of 22 rows; key tiles that start
 /// before the queries and cross the diagonal). bf16 operands: within 1% of the largest output.
 #[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn mma_attention_matches_the_f32_tiles() {
-    let Some(g) = mma_gpu_or_skip("the tensor-core attention kernel") else { return };
-    use tandem_core::cuda::Arg;
+    let g = mma_gpu_for("the tensor-core attention kernel");
+    use tandem_core::backend::cuda::Arg;
     let mut rng = tandem_core::rng::Rng::new(11);
     for (d, hq, hkv) in [(32usize, 4usize, 2usize), (256, 8, 2)] {
         let (pos0, t) = (100usize, 150usize);
@@ -183,15 +172,16 @@ fn mma_attention_matches_the_f32_tiles() {
     }
 }
 
-/// The tensor-core state walk (kernels.cu deltanet_chunk_state_mma_*) against the f32 walk,
+/// The tensor-core state walk (kernels/deltanet.cu deltanet_chunk_state_mma_*) against the f32 walk,
 /// its reference, from the same chunk matrices (deltanet_chunk_prep of random projections with
 /// q and k l2-normalised) and the same non-zero start state: 150 tokens (three chunks, the
 /// last partial), key and value heads of 32 and of 128 channels. bf16 operands: outputs and
 /// final state within 2% of their largest values.
 #[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn mma_state_walk_matches_the_f32_walk() {
-    let Some(g) = mma_gpu_or_skip("the tensor-core state walk") else { return };
-    use tandem_core::cuda::Arg;
+    let g = mma_gpu_for("the tensor-core state walk");
+    use tandem_core::backend::cuda::Arg;
     let mut rng = tandem_core::rng::Rng::new(13);
     for (hk, hv, dk, dv) in [(2usize, 4usize, 32usize, 32usize), (2, 4, 128, 128)] {
         let (t, chunks) = (150usize, 3usize);

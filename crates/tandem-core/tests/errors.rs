@@ -4,7 +4,7 @@ mod common;
 
 use std::path::Path;
 
-use tandem_core::load::LoadedModel;
+use tandem_core::model::load::LoadedModel;
 use tandem_core::model::Logits;
 use tandem_core::state::State;
 
@@ -90,10 +90,10 @@ fn unknown_token_and_context_overflow() {
     std::fs::write(d.join("config.json"), cfg.replace("\"max_position_embeddings\": 32768", "\"max_position_embeddings\": 8")).unwrap();
     let m = LoadedModel::load(d.to_str().unwrap()).unwrap();
     let mut st = State::new(&m.net.config);
-    let e = m.net.forward(&tandem_core::pool::Pool::new(2), &[1, 2, 5000], &mut st, Logits::Last).unwrap_err().to_string();
+    let e = m.net.forward(&tandem_core::backend::cpu::pool::Pool::new(2), &[1, 2, 5000], &mut st, Logits::Last).unwrap_err().to_string();
     assert!(e.contains("token id 5000") && e.contains("0..1024"), "{e}");
     assert_eq!(st.position, 0, "a rejected call leaves the state untouched");
-    let e = m.net.forward(&tandem_core::pool::Pool::new(2), &[1; 9], &mut st, Logits::Last).unwrap_err().to_string();
+    let e = m.net.forward(&tandem_core::backend::cpu::pool::Pool::new(2), &[1; 9], &mut st, Logits::Last).unwrap_err().to_string();
     assert!(e.contains("context of 8 tokens"), "{e}");
     assert_eq!(st.position, 0);
 }

@@ -4,7 +4,7 @@ mod common;
 
 use std::collections::HashMap;
 
-use tandem_core::load::LoadedModel;
+use tandem_core::model::load::LoadedModel;
 use tandem_core::model::Logits;
 use tandem_core::state::State;
 use tandem_core::verify::verify;
@@ -14,8 +14,8 @@ use tandem_core::verify::verify;
 #[test]
 fn tiny_checkpoint_matches_the_reference_on_every_isa() {
     let mut m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
-    tandem_core::kernels::for_each_isa(|isa| {
-        let checks = verify(&tandem_core::pool::Pool::new(2), &mut m.net, &common::tiny_dir().join("reference.safetensors")).unwrap();
+    tandem_core::backend::cpu::kernels::for_each_isa(|isa| {
+        let checks = verify(&tandem_core::backend::cpu::pool::Pool::new(2), &mut m.net, &common::tiny_dir().join("reference.safetensors")).unwrap();
         // 5 prompts x (prefill logits, greedy ids, greedy logits, 6 GDN layers x 2, 2 attention layers x 2)
         assert_eq!(checks.len(), 5 * (3 + 12 + 4));
         let failed: Vec<_> = checks.iter().filter(|c| !c.passed()).collect();
@@ -31,7 +31,7 @@ fn tiny_checkpoint_matches_the_reference_on_every_isa() {
 #[test]
 fn tiny_checkpoint_matches_a_fresh_transformers_reference() {
     let mut m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
-    let checks = verify(&tandem_core::pool::Pool::new(2), &mut m.net, &common::tiny_dir().join("reference-transformers-5.17-f32.safetensors")).unwrap();
+    let checks = verify(&tandem_core::backend::cpu::pool::Pool::new(2), &mut m.net, &common::tiny_dir().join("reference-transformers-5.17-f32.safetensors")).unwrap();
     assert_eq!(checks.len(), 95);
     let failed: Vec<_> = checks.iter().filter(|c| !c.passed()).collect();
     assert!(failed.is_empty(), "out of tolerance: {failed:#?}");
@@ -50,7 +50,7 @@ fn verify_detects_a_wrong_rope_convention() {
     safetensors::serialize_to_file(views, Some(meta), &out).unwrap();
 
     let mut m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
-    let checks = verify(&tandem_core::pool::Pool::new(2), &mut m.net, &out).unwrap();
+    let checks = verify(&tandem_core::backend::cpu::pool::Pool::new(2), &mut m.net, &out).unwrap();
     let bad: Vec<_> = checks.iter().filter(|c| !c.passed()).map(|c| c.item.as_str()).collect();
     assert!(bad.iter().any(|i| i.starts_with("p4 layer 3 keys")), "{bad:?}");
     assert!(checks.iter().find(|c| c.item.starts_with("p0 prefill")).unwrap().passed(), "a 1-token prompt has no rotation");
@@ -63,13 +63,13 @@ fn split_prefill_equals_one_pass() {
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let tokens: Vec<u32> = (0..150).map(|i| (i * 37 + 11) % 1024).collect();
     let mut one = State::new(&m.net.config);
-    let all = m.net.forward(&tandem_core::pool::Pool::new(2), &tokens, &mut one, Logits::All).unwrap();
+    let all = m.net.forward(&tandem_core::backend::cpu::pool::Pool::new(2), &tokens, &mut one, Logits::All).unwrap();
     let v = m.net.config.vocab_size;
     for splits in [&[1usize, 149][..], &[63, 2, 85], &[64, 64, 22], &[3, 1, 1, 1, 144]] {
         let mut st = State::new(&m.net.config);
         let mut pos = 0;
         for &n in splits {
-            let logits = m.net.forward(&tandem_core::pool::Pool::new(2), &tokens[pos..pos + n], &mut st, Logits::All).unwrap();
+            let logits = m.net.forward(&tandem_core::backend::cpu::pool::Pool::new(2), &tokens[pos..pos + n], &mut st, Logits::All).unwrap();
             let want = &all[pos * v..(pos + n) * v];
             let err = logits.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
             assert!(err < 2e-4, "split {splits:?} at {pos}: logits differ by {err}");

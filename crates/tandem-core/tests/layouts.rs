@@ -6,14 +6,14 @@ mod common;
 
 use std::collections::HashMap;
 
-use tandem_core::load::LoadedModel;
+use tandem_core::model::load::LoadedModel;
 use tandem_core::model::Logits;
 use tandem_core::state::State;
 
 fn logits_of(dir: &std::path::Path) -> Vec<f32> {
     let m = LoadedModel::load(dir.to_str().unwrap()).unwrap();
     let mut st = State::new(&m.net.config);
-    m.net.forward(&tandem_core::pool::Pool::new(2), &[5, 77, 901, 3, 64], &mut st, Logits::All).unwrap()
+    m.net.forward(&tandem_core::backend::cpu::pool::Pool::new(2), &[5, 77, 901, 3, 64], &mut st, Logits::All).unwrap()
 }
 
 #[test]

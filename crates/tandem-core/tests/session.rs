@@ -9,13 +9,14 @@
 mod common;
 
 use tandem_core::chat::ChatTemplate;
-use tandem_core::config::Qwen35Config;
-use tandem_core::engine::Placement;
-use tandem_core::load::LoadedModel;
+use tandem_core::model::config::Qwen35Config;
+use tandem_core::engine::EngineSpec;
+use tandem_core::model::load::LoadedModel;
 use tandem_core::model::Logits;
-use tandem_core::pool::Pool;
+use tandem_core::backend::cpu::pool::Pool;
 use tandem_core::sampling::{argmax, SamplingParams};
-use tandem_core::scheduler::{self, Finish, Generation, Mode, Pipeline, PipelineConfig, Transfer};
+use tandem_core::bridge::Transfer;
+use tandem_core::pipeline::{self, Finish, Mode, Pipeline, PipelineConfig, RequestParams};
 use tandem_core::session::{Scaffold, Session, Turn};
 use tandem_core::state::{LayerState, State};
 use tandem_core::tokenizer::Tokenizer;
@@ -34,7 +35,7 @@ const MESSAGES: [&str; 3] = [
 /// tokens were prefilled at send.
 fn generate(p: &Pipeline, turn: Turn, max_tokens: usize, stop: Vec<u32>) -> (Vec<u32>, State, Finish, usize) {
     let at_send = turn.tokens.len();
-    let params = Generation { max_tokens, sampling: SamplingParams::default(), vocab: 1024, stop_ids: stop };
+    let params = RequestParams { max_tokens, sampling: SamplingParams::default(), vocab: 1024, stop_ids: stop };
     let g = p.generate(Some(turn.start), turn.tokens, &params, |_| Ok(())).unwrap();
     (g.tokens, g.state.unwrap(), g.finish, at_send)
 }
@@ -118,17 +119,17 @@ fn typed_ahead_equals_sent_at_once_equals_the_whole_history() {
     let tok = tokenizer();
     let config = PipelineConfig {
         mode: Mode::Hybrid,
-        prefill: Placement::parse("cpu:threads=1").unwrap(),
-        decode: Placement::parse("cpu:threads=1").unwrap(),
+        prefill: EngineSpec::parse("cpu:threads=1").unwrap(),
+        decode: EngineSpec::parse("cpu:threads=1").unwrap(),
         transfer: Transfer::Move,
         max_batch: 4,
     };
     // Replies end at max_tokens (the last token carried into the next turn) and, with a stop
     // id the tiny model does sample, at a stop token.
-    let plain = scheduler::run(&m.net, &config, |p| Ok(converse(p, &m.net.config, &tok, false, &[]))).unwrap();
+    let plain = pipeline::run(&m.net, &config, |p| Ok(converse(p, &m.net.config, &tok, false, &[]))).unwrap();
     let stop = vec![plain.replies[0][2]];
     for stop in [vec![], stop] {
-        let (at_once, typed) = scheduler::run(&m.net, &config, |p| Ok((converse(p, &m.net.config, &tok, false, &stop), converse(p, &m.net.config, &tok, true, &stop)))).unwrap();
+        let (at_once, typed) = pipeline::run(&m.net, &config, |p| Ok((converse(p, &m.net.config, &tok, false, &stop), converse(p, &m.net.config, &tok, true, &stop)))).unwrap();
         assert_eq!(typed.log, at_once.log, "typed ahead and sent at once apply the same tokens");
         assert_eq!(typed.replies, at_once.replies, "and give the same greedy replies");
         assert!(at_once.at_send.iter().all(|&n| n > 5));
@@ -151,13 +152,13 @@ fn an_abandoned_turn_leaves_the_conversation_as_it_was() {
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let tok = tokenizer();
     let config = PipelineConfig {
-        mode: Mode::DecodeEngine,
-        prefill: Placement::parse("cpu:threads=1").unwrap(),
-        decode: Placement::parse("cpu:threads=1").unwrap(),
+        mode: Mode::AllOnDecodeEngine,
+        prefill: EngineSpec::parse("cpu:threads=1").unwrap(),
+        decode: EngineSpec::parse("cpu:threads=1").unwrap(),
         transfer: Transfer::Move,
         max_batch: 1,
     };
-    scheduler::run(&m.net, &config, |p| {
+    pipeline::run(&m.net, &config, |p| {
         let scaffold = Scaffold::from_template(&ChatTemplate::qwen35(), None, false).unwrap();
         let encode = |s: &str| Ok(tok.encode(s)?.into_iter().map(|id| id % 1024).collect());
         let mut s = Session::new(scaffold, encode, &m.net.config);

@@ -10,7 +10,7 @@ use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use tandem_core::scheduler::{self, Generation, Pipeline};
+use tandem_core::pipeline::{self, Pipeline, RequestParams};
 use tandem_core::session::{Scaffold, Session};
 use tandem_core::state::State;
 use tandem_core::tokenizer::StreamDecoder;
@@ -28,14 +28,14 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     let model = crate::load_model(spec, &args)?;
     let tok = model.tokenizer.as_ref().with_context(|| format!("{spec} has no tokenizer.json; chat needs one"))?;
     let scaffold = Scaffold::from_template(&model.chat_template, args.str("system"), args.flag("enable-thinking"))?;
-    let generation = Generation {
+    let generation = RequestParams {
         max_tokens: args.get("max-tokens", 512)?,
         sampling: generation_params,
         vocab: model.sampleable_vocab(),
         stop_ids: model.stop_ids.clone(),
     };
     let quiet = args.flag("quiet");
-    scheduler::run(&model.net, &config, |pipeline| {
+    pipeline::run(&model.net, &config, |pipeline| {
         let mut session = Session::new(scaffold, |s: &str| tok.encode(s), &model.net.config);
         let mut prefill = |st: State, ids: &[u32]| pipeline.prefill(st, ids).map(|(s, _)| s);
         let terminal = RawTerminal::enter();
@@ -71,7 +71,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
 }
 
 /// Send one message and stream the reply.
-fn turn(pipeline: &Pipeline, session: &mut Session, message: &str, generation: &Generation, tok: &tandem_core::tokenizer::Tokenizer, quiet: bool) -> Result<()> {
+fn turn(pipeline: &Pipeline, session: &mut Session, message: &str, generation: &RequestParams, tok: &tandem_core::tokenizer::Tokenizer, quiet: bool) -> Result<()> {
     let sent = session.send(message)?;
     let (reused, at_send) = (sent.reused, sent.tokens.len());
     let mut out = std::io::stdout().lock();

@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use tandem_core::chat::Message;
-use tandem_core::engine::{Dispatch, Placement};
-use tandem_core::load::LoadedModel;
+use tandem_core::engine::{Dispatch, EngineSpec};
+use tandem_core::model::load::LoadedModel;
 use tandem_core::sampling::SamplingParams;
-use tandem_core::scheduler::{self, Event, Finish, Mode, PipelineConfig, Request, Timings, Transfer};
+use tandem_core::bridge::Transfer;
+use tandem_core::pipeline::{self, Event, Finish, Mode, PipelineConfig, Request, Timings};
 use tandem_core::tokenizer::{StreamDecoder, Tokenizer};
 
 use crate::args::Args;
@@ -32,13 +33,13 @@ pub fn pipeline_config(args: &Args) -> Result<PipelineConfig> {
     let mode = match args.str("mode") {
         Some(m) => Mode::parse(m)?,
         None if split => Mode::Hybrid,
-        None => Mode::DecodeEngine,
+        None => Mode::AllOnDecodeEngine,
     };
     let single = single_engine(args)?;
-    let placement = |name: &str, hybrid_default: &str| -> Result<Placement> {
+    let placement = |name: &str, hybrid_default: &str| -> Result<EngineSpec> {
         match args.str(name) {
-            Some(p) => Placement::parse(p).with_context(|| format!("--{name}")),
-            None if mode == Mode::Hybrid => Placement::parse(hybrid_default),
+            Some(p) => EngineSpec::parse(p).with_context(|| format!("--{name}")),
+            None if mode == Mode::Hybrid => EngineSpec::parse(hybrid_default),
             None => Ok(single.clone()),
         }
     };
@@ -59,14 +60,14 @@ pub fn pipeline_config(args: &Args) -> Result<PipelineConfig> {
 }
 
 /// The one engine of `--threads N` / `--cores LIST` (default: all cores).
-fn single_engine(args: &Args) -> Result<Placement> {
+fn single_engine(args: &Args) -> Result<EngineSpec> {
     let spec = match (args.str("threads"), args.str("cores")) {
         (Some(_), Some(_)) => bail!("give either --threads or --cores, not both"),
         (Some(n), None) => format!("cpu:threads={n}"),
         (None, Some(c)) => format!("cpu:cores={c}"),
         (None, None) => "cpu".into(),
     };
-    let mut p = Placement::parse(&spec)?;
+    let mut p = EngineSpec::parse(&spec)?;
     p.dispatch = Dispatch::Dynamic;
     Ok(p)
 }
@@ -111,7 +112,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     let ids_out = args.flag("ids-out") || model.tokenizer.is_none();
     let streaming = prompts.len() == 1;
     let start = Instant::now();
-    let results = scheduler::run(&model.net, &config, |pipeline| {
+    let results = pipeline::run(&model.net, &config, |pipeline| {
         let (events, rx) = channel();
         for (i, p) in prompts.iter().enumerate() {
             pipeline.submit(Request {
@@ -221,11 +222,11 @@ pub fn ms(d: Duration) -> f64 {
 
 /// Per-request timings and the aggregate, on stderr (stdout carries the text).
 fn report(model: &LoadedModel, config: &PipelineConfig, load: Duration, prompts: &[Vec<u32>], results: &[Option<(Finish, Timings, Duration)>], wall: Duration) {
-    let peak = tandem_core::state::peak_rss_bytes().map(|b| format!(" | peak RSS {:.2} GB", b as f64 / 1e9)).unwrap_or_default();
+    let peak = crate::rss::peak_rss_bytes().map(|b| format!(" | peak RSS {:.2} GB", b as f64 / 1e9)).unwrap_or_default();
     let engines = match config.mode {
         Mode::Hybrid => format!("prefill {} -> {} -> decode {}", config.prefill, config.transfer.name(), config.decode),
-        Mode::PrefillEngine => format!("prefill and decode on {}", config.prefill),
-        Mode::DecodeEngine => format!("prefill and decode on {}", config.decode),
+        Mode::AllOnPrefillEngine => format!("prefill and decode on {}", config.prefill),
+        Mode::AllOnDecodeEngine => format!("prefill and decode on {}", config.decode),
     };
     eprintln!("[{}] {} | {engines} | load {:.2} s{peak}", model.name, config.mode.name(), load.as_secs_f64());
     let bridge = config.mode == Mode::Hybrid;

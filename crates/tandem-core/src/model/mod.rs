@@ -1,7 +1,22 @@
-//! Model definitions (one file per model family) and loading a model from a path or a
-//! `synthetic:` name.
+//! The model: its config (mirroring config.json), the checkpoint's tensors (safetensors,
+//! memory-mapped), weights in their stored dtype or int8, the Qwen3.5 decoder's weights and
+//! description, synthetic models of the published shapes, and loading any of them by name.
 
+pub mod checkpoint;
+pub mod config;
+pub mod load;
+pub mod quant;
 pub mod qwen35;
 pub mod synthetic;
+pub mod tensor;
 
-pub use qwen35::{Logits, Qwen35};
+pub use qwen35::Qwen35;
+
+/// Which positions of a forward pass need logits.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Logits {
+    /// Only the last token (prefill before generation, decode).
+    Last,
+    /// Every token (verification against the reference).
+    All,
+}

@@ -1,20 +1,18 @@
-//! Qwen3.5 text decoder, exactly as qwen35-spec.md §2-3 (HF transformers 5.23.0
-//! `Qwen3_5ForCausalLM`): 3 Gated DeltaNet layers then 1 gated full-attention layer, repeated,
-//! each followed by a SwiGLU MLP. Activations are f32; weights are read in their stored dtype.
+//! The Qwen3.5 text decoder as data (docs/qwen35.md): 3 Gated DeltaNet layers then 1 gated
+//! full-attention layer, repeated, each followed by a SwiGLU MLP; the weights in their stored
+//! dtype, checked against the config as they are taken from the checkpoint; and what the model
+//! costs (weight bytes, prefill FLOPs) and is (its fingerprint). The forward passes over these
+//! weights are the backends' (`backend::cpu::forward`, `backend::cuda`).
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 
-use crate::checkpoint::TensorSet;
-use crate::config::{LayerType, Qwen35Config};
-use crate::kernels::attention::attention_head;
-use crate::kernels::deltanet::{self, ChunkScratch};
-use crate::kernels::matmul::{gemm_group, matmul_group, GEMV_MAX_TOKENS};
-use crate::pool::Pool;
-use crate::quant::quantize_int8_on;
-use crate::kernels::norm::{gated_rms_norm_inplace, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, softplus, swiglu_inplace};
-use crate::kernels::rope::{apply_rope, cos_sin, inv_freq, inv_freq_bf16};
-use crate::state::{LayerState, State};
-use crate::tensor::{Matrix, Tensor};
+use crate::backend::cpu::kernels::deltanet;
+use crate::backend::cpu::kernels::rope::{inv_freq, inv_freq_bf16};
+use crate::backend::cpu::pool::Pool;
+use crate::model::checkpoint::TensorSet;
+use crate::model::config::{LayerType, Qwen35Config};
+use crate::model::quant::quantize_int8_on;
+use crate::model::tensor::{Matrix, Tensor};
 
 #[derive(Clone)]
 pub struct Qwen35 {
@@ -28,7 +26,7 @@ pub struct Qwen35 {
     pub(crate) inv_freq: Vec<f32>,
     /// Round the input of every product of more than `GEMV_MAX_TOKENS` rows to bf16 (see
     /// `set_gemm_inputs_bf16`).
-    gemm_inputs_bf16: bool,
+    pub(crate) gemm_inputs_bf16: bool,
 }
 
 #[derive(Clone)]
@@ -78,18 +76,6 @@ pub(crate) struct Mlp {
     pub(crate) gate_proj: Matrix,
     pub(crate) up_proj: Matrix,
     pub(crate) down_proj: Matrix,
-}
-
-/// The most tokens one pass of `forward` applies (a multiple of the DeltaNet chunk).
-pub const MAX_TOKENS_PER_PASS: usize = 2 * deltanet::CHUNK;
-
-/// Which positions of a forward pass need logits.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Logits {
-    /// Only the last token (prefill before generation, decode).
-    Last,
-    /// Every token (verification against the reference).
-    All,
 }
 
 impl Qwen35 {
@@ -181,10 +167,6 @@ impl Qwen35 {
         self.gemm_inputs_bf16 = rounded;
     }
 
-    fn pass<'p>(&self, pool: &'p Pool, gemm_only: bool) -> Pass<'p> {
-        Pass { pool, gemm_only, bf16_inputs: self.gemm_inputs_bf16 }
-    }
-
     /// `--quant int8`: replace every matrix a forward pass multiplies by (the LM head too) with
     /// its int8 quantization. The embedding table stays as stored (one row is read per token).
     pub fn quantize_int8(&mut self, pool: &Pool) {
@@ -233,7 +215,7 @@ impl Qwen35 {
         // Two 64-bit halves: the parts forward and backward (each part's length mixed in, so
         // that bytes cannot move between parts unnoticed).
         let half = |order: &mut dyn Iterator<Item = &Vec<u8>>| {
-            let mut h = crate::state::bridge::Hasher::default();
+            let mut h = crate::bridge::checksum::Hasher::default();
             for p in order {
                 h.update(&(p.len() as u64).to_le_bytes());
                 h.update(p);
@@ -295,372 +277,6 @@ impl Qwen35 {
         }
         total
     }
-
-    /// Apply `tokens` to `state` (which covers `[0, state.position)`), and return the logits of
-    /// the last token (`Logits::Last`) or of every token (`Logits::All`, `[T, vocab]`).
-    /// `state.last_logits` always ends up holding the last token's logits.
-    ///
-    /// Long inputs run in pieces of `MAX_TOKENS_PER_PASS`, which bounds the activations' memory
-    /// and changes no result: the pieces start on DeltaNet chunk boundaries, so every chunk,
-    /// every product and every attention row is computed exactly as in one pass.
-    pub fn forward(&self, pool: &Pool, tokens: &[u32], state: &mut State, which: Logits) -> Result<Vec<f32>> {
-        self.check(tokens, state, tokens.len())?;
-        let mut logits = Vec::new();
-        for piece in tokens.chunks(MAX_TOKENS_PER_PASS) {
-            let rows = piece.len();
-            let out = self.forward_pass(&self.pass(pool, false), piece, &mut [Segment { state: &mut *state, rows: 0..rows, valid: rows }], which);
-            if which == Logits::All {
-                logits.extend_from_slice(&out);
-            } else {
-                logits = out;
-            }
-        }
-        Ok(logits)
-    }
-
-    /// One static-shape dispatch: `tokens.len()` rows of which the first `valid` are real and
-    /// the rest padding (any ids). Pads are masked: they neither decay nor write the recurrent
-    /// state, do not enter the conv window or the KV cache, and are attended by nobody, so the
-    /// state and `last_logits` come out equal to those of the unpadded dispatch
-    /// `tokens[..valid]` (the products of real rows do not depend on the other rows).
-    pub fn forward_padded(&self, pool: &Pool, tokens: &[u32], valid: usize, state: &mut State) -> Result<()> {
-        if valid == 0 || valid > tokens.len() {
-            bail!("a dispatch of {} rows needs 1..={} real tokens, not {valid}", tokens.len(), tokens.len());
-        }
-        self.check(tokens, state, valid)?;
-        let rows = tokens.len();
-        self.forward_pass(&self.pass(pool, true), tokens, &mut [Segment { state, rows: 0..rows, valid }], Logits::Last);
-        Ok(())
-    }
-
-    /// One decode step for many sequences at once: `tokens[i]` is applied to `states[i]`, and
-    /// each state's `last_logits` is updated. The weights are streamed once for the whole
-    /// batch; the mixers run per sequence, each at its own position.
-    pub fn decode_batch(&self, pool: &Pool, tokens: &[u32], states: &mut [&mut State]) -> Result<()> {
-        if tokens.len() != states.len() || tokens.is_empty() {
-            bail!("decode_batch needs one token per state ({} tokens, {} states)", tokens.len(), states.len());
-        }
-        for (i, state) in states.iter().enumerate() {
-            self.check(&tokens[i..i + 1], state, 1).with_context(|| format!("sequence {i} of the batch"))?;
-        }
-        let mut segs: Vec<Segment> = states.iter_mut().enumerate().map(|(i, st)| Segment { state: &mut **st, rows: i..i + 1, valid: 1 }).collect();
-        self.forward_pass(&self.pass(pool, false), tokens, &mut segs, Logits::Last);
-        Ok(())
-    }
-
-    /// Everything is checked before the first token is applied: a failed call leaves the
-    /// state as it was.
-    fn check(&self, tokens: &[u32], state: &State, applied: usize) -> Result<()> {
-        let c = &self.config;
-        if tokens.is_empty() {
-            bail!("forward called with no tokens");
-        }
-        if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
-            bail!("token id {bad} is outside the model's vocabulary (ids 0..{})", c.vocab_size);
-        }
-        if state.position + applied > c.max_position_embeddings {
-            bail!(
-                "{applied} tokens after position {} exceed the model's context of {} tokens (max_position_embeddings)",
-                state.position,
-                c.max_position_embeddings
-            );
-        }
-        state.check_shape(c)
-    }
-
-    /// The layers over `tokens` (all rows of all segments, `[T, hidden]`), then the final norm
-    /// and LM head for the rows whose logits are wanted: each segment's last real row
-    /// (`Logits::Last`; returned for the last segment) or every row of a single segment
-    /// (`Logits::All`). Inputs were checked by the caller.
-    fn forward_pass(&self, pass: &Pass, tokens: &[u32], segs: &mut [Segment], which: Logits) -> Vec<f32> {
-        let c = &self.config;
-        let (t, h) = (tokens.len(), c.hidden_size);
-        let mut x = vec![0f32; t * h];
-        for (i, &id) in tokens.iter().enumerate() {
-            self.embed_tokens.row_to_f32(id as usize, &mut x[i * h..(i + 1) * h]);
-        }
-        let mut xn = vec![0f32; t * h];
-        let mut mixed = vec![0f32; t * h];
-        for (li, layer) in self.layers.iter().enumerate() {
-            rms_norm(&x, &layer.input_norm, c.rms_norm_eps, &mut xn);
-            match &layer.mixer {
-                Mixer::DeltaNet(m) => self.gated_deltanet(pass, m, &xn, t, segs, li, &mut mixed),
-                Mixer::Attention(m) => self.gated_attention(pass, m, &xn, t, segs, li, &mut mixed),
-            }
-            add_inplace(&mut x, &mixed);
-            rms_norm(&x, &layer.post_attention_norm, c.rms_norm_eps, &mut xn);
-            self.mlp(pass, &layer.mlp, &xn, t, &mut mixed);
-            add_inplace(&mut x, &mixed);
-        }
-
-        let rows: Vec<usize> = match which {
-            Logits::All => segs[0].rows.clone().take(segs[0].valid).collect(),
-            Logits::Last => segs.iter().map(|s| s.rows.start + s.valid - 1).collect(),
-        };
-        let mut final_x = vec![0f32; rows.len() * h];
-        for (dst, &r) in final_x.chunks_exact_mut(h).zip(&rows) {
-            dst.copy_from_slice(&x[r * h..(r + 1) * h]);
-        }
-        rms_norm_inplace(&mut final_x, &self.final_norm, c.rms_norm_eps);
-        let (n, v) = (rows.len(), c.vocab_size);
-        let mut logits = vec![0f32; n * v];
-        pass.products(&final_x, n, &mut [(&self.lm_head, &mut logits)]);
-        let last_rows: Vec<&[f32]> = match which {
-            Logits::All => vec![&logits[(n - 1) * v..]],
-            Logits::Last => logits.chunks_exact(v).collect(),
-        };
-        for (seg, row) in segs.iter_mut().zip(last_rows) {
-            seg.state.position += seg.valid;
-            seg.state.last_logits.clear();
-            seg.state.last_logits.extend_from_slice(row);
-        }
-        match which {
-            Logits::All => logits,
-            Logits::Last => logits[(n - 1) * v..].to_vec(),
-        }
-    }
-
-    /// Gated DeltaNet (spec §2.4): projections, causal conv over the raw qkv columns, l2-normed
-    /// q/k, the gated delta rule per value head, gated RMSNorm, output projection. Each segment
-    /// runs its conv and delta rule on its own state (layer `li`); pad rows are masked.
-    #[allow(clippy::too_many_arguments)]
-    fn gated_deltanet(&self, pass: &Pass, m: &GatedDeltaNet, xn: &[f32], t: usize, segs: &mut [Segment], li: usize, out: &mut [f32]) {
-        let c = &self.config;
-        let (hk, hv, dk, dv) = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
-        let (kd, vd, cd, kk) = (c.linear_key_dim(), c.linear_value_dim(), c.linear_conv_dim(), c.linear_conv_kernel_dim);
-
-        let mut qkv = vec![0f32; t * cd];
-        let mut z = vec![0f32; t * vd];
-        let mut b = vec![0f32; t * hv];
-        let mut a = vec![0f32; t * hv];
-        pass.products(xn, t, &mut [(&m.in_proj_qkv, &mut qkv), (&m.in_proj_z, &mut z), (&m.in_proj_b, &mut b), (&m.in_proj_a, &mut a)]);
-
-        // Causal depthwise conv + SiLU over the window (K raw columns before this call) ++ the
-        // segment's real rows; pad rows of `mixed_qkv` stay zero.
-        let mut mixed_qkv = vec![0f32; t * cd];
-        let mut recurrent_of = Vec::with_capacity(segs.len());
-        for seg in segs.iter_mut() {
-            let LayerState::Linear { conv, recurrent } = &mut seg.state.layers[li] else { unreachable!("layer kinds were checked") };
-            let real = seg.rows.start..seg.rows.start + seg.valid;
-            let mut window = Vec::with_capacity((kk + seg.valid) * cd);
-            window.extend_from_slice(conv);
-            window.extend_from_slice(&qkv[real.start * cd..real.end * cd]);
-            causal_conv_silu(&window, &m.conv_taps, kk, cd, &mut mixed_qkv[real.start * cd..real.end * cd]);
-            conv.copy_from_slice(&window[seg.valid * cd..]);
-            recurrent_of.push(SharedMut(recurrent.as_mut_ptr()));
-        }
-
-        // q, k: l2-normalised per key head, q scaled by 1/√Dk.
-        let q_scale = 1.0 / (dk as f32).sqrt();
-        for seg in segs.iter() {
-            for row in mixed_qkv[seg.rows.start * cd..(seg.rows.start + seg.valid) * cd].chunks_exact_mut(cd) {
-                for head in row[..kd].chunks_exact_mut(dk) {
-                    l2_normalize(head);
-                    head.iter_mut().for_each(|v| *v *= q_scale);
-                }
-                for head in row[kd..2 * kd].chunks_exact_mut(dk) {
-                    l2_normalize(head);
-                }
-            }
-        }
-
-        // The delta rule, (segment, value head) pairs split over the pool. Value head h reads
-        // key head h / (Hv/Hk); each pair owns its slice of a recurrent state and of `core`.
-        // Pad rows have q = k = v = 0, β = 0 and g = 0: no decay and no write.
-        let group = hv / hk;
-        let mut core = vec![0f32; t * vd];
-        let core_ptr = SharedMut(core.as_mut_ptr());
-        let seg_rows: Vec<(std::ops::Range<usize>, usize)> = segs.iter().map(|s| (s.rows.clone(), s.valid)).collect();
-        pass.pool.for_ranges(segs.len() * hv, 1, &|tasks| {
-            let core_ptr = core_ptr;
-            let mut scratch = ChunkScratch::default();
-            let (mut qh, mut kh, mut vh, mut beta, mut g, mut oh) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            for task in tasks {
-                let (si, head) = (task / hv, task % hv);
-                let (rows, valid) = (&seg_rows[si], seg_rows[si].1);
-                // One real token: the recurrent step on it alone (its pads would change nothing).
-                let n = if valid == 1 { 1 } else { rows.0.len() };
-                for buf in [&mut qh, &mut kh] {
-                    buf.clear();
-                    buf.resize(n * dk, 0.0);
-                }
-                vh.clear();
-                vh.resize(n * dv, 0.0);
-                oh.resize(n * dv, 0.0);
-                beta.clear();
-                beta.resize(n, 0.0);
-                g.clear();
-                g.resize(n, 0.0);
-                let kh_idx = head / group;
-                for i in 0..valid.min(n) {
-                    let r = rows.0.start + i;
-                    let row = &mixed_qkv[r * cd..(r + 1) * cd];
-                    qh[i * dk..(i + 1) * dk].copy_from_slice(&row[kh_idx * dk..(kh_idx + 1) * dk]);
-                    kh[i * dk..(i + 1) * dk].copy_from_slice(&row[kd + kh_idx * dk..kd + (kh_idx + 1) * dk]);
-                    vh[i * dv..(i + 1) * dv].copy_from_slice(&row[2 * kd + head * dv..2 * kd + (head + 1) * dv]);
-                    beta[i] = sigmoid(b[r * hv + head]);
-                    g[i] = m.neg_a[head] * softplus(a[r * hv + head] + m.dt_bias[head]);
-                }
-                // SAFETY: (segment, head) slices of the states and of `core` are disjoint
-                // between tasks.
-                let s = unsafe { std::slice::from_raw_parts_mut(recurrent_of[si].0.add(head * dk * dv), dk * dv) };
-                if n == 1 {
-                    deltanet::recurrent_step(s, &qh, &kh, &vh, beta[0], g[0], &mut oh);
-                } else {
-                    deltanet::chunked(s, &qh, &kh, &vh, &beta, &g, &mut oh, &mut scratch);
-                }
-                for i in 0..valid {
-                    let r = rows.0.start + i;
-                    unsafe { std::ptr::copy_nonoverlapping(oh.as_ptr().add(i * dv), core_ptr.0.add(r * vd + head * dv), dv) };
-                }
-            }
-        });
-        gated_rms_norm_inplace(&mut core, &z, &m.norm, c.rms_norm_eps);
-        pass.products(&core, t, &mut [(&m.out_proj, out)]);
-    }
-
-    /// Gated full attention (spec §2.5): per-head query/gate split, zero-centred q/k norms,
-    /// partial NeoX RoPE, KV-cache append, causal GQA softmax, sigmoid output gate. Each
-    /// segment attends over its own cache (layer `li`) from its own position; pad rows are
-    /// neither cached nor attended.
-    #[allow(clippy::too_many_arguments)]
-    fn gated_attention(&self, pass: &Pass, m: &GatedAttention, xn: &[f32], t: usize, segs: &mut [Segment], li: usize, out: &mut [f32]) {
-        let c = &self.config;
-        let (hq, hkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let mut qg = vec![0f32; t * hq * 2 * d];
-        let mut k = vec![0f32; t * hkv * d];
-        let mut v = vec![0f32; t * hkv * d];
-        pass.products(xn, t, &mut [(&m.q_proj, &mut qg), (&m.k_proj, &mut k), (&m.v_proj, &mut v)]);
-
-        let half = c.rotary_dim() / 2;
-        let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
-        let mut q = vec![0f32; t * hq * d];
-        let mut gate = vec![0f32; t * hq * d];
-        let mut caches = Vec::with_capacity(segs.len());
-        for seg in segs.iter_mut() {
-            let pos0 = seg.state.position;
-            for r in seg.rows.start..seg.rows.start + seg.valid {
-                cos_sin(pos0 + r - seg.rows.start, &self.inv_freq, &mut cos, &mut sin);
-                for head in 0..hq {
-                    let src = &qg[(r * hq + head) * 2 * d..(r * hq + head + 1) * 2 * d];
-                    let qh = &mut q[(r * hq + head) * d..(r * hq + head + 1) * d];
-                    rms_norm(&src[..d], &m.q_norm, c.rms_norm_eps, qh);
-                    apply_rope(qh, &cos, &sin);
-                    gate[(r * hq + head) * d..(r * hq + head + 1) * d].copy_from_slice(&src[d..]);
-                }
-                for head in k[r * hkv * d..(r + 1) * hkv * d].chunks_exact_mut(d) {
-                    rms_norm_inplace(head, &m.k_norm, c.rms_norm_eps);
-                    apply_rope(head, &cos, &sin);
-                }
-            }
-            let LayerState::Full { k: k_cache, v: v_cache } = &mut seg.state.layers[li] else { unreachable!("layer kinds were checked") };
-            let real = seg.rows.start * hkv * d..(seg.rows.start + seg.valid) * hkv * d;
-            k_cache.extend_from_slice(&k[real.clone()]);
-            v_cache.extend_from_slice(&v[real]);
-            caches.push((&k_cache[..], &v_cache[..], pos0, seg.rows.start, seg.valid));
-        }
-
-        // (segment, query head) pairs split over the pool; each writes its own columns of its
-        // segment's rows of `attn`.
-        let mut attn = vec![0f32; t * hq * d];
-        let shared = SharedMut(attn.as_mut_ptr());
-        let q = &q;
-        pass.pool.for_ranges(caches.len() * hq, 1, &|tasks| {
-            let shared = shared;
-            let mut scores = Vec::new();
-            for task in tasks {
-                let (si, h) = (task / hq, task % hq);
-                let (kc, vc, pos0, row0, valid) = caches[si];
-                // SAFETY: every task writes only its own head's d columns of its own rows.
-                let out = unsafe { std::slice::from_raw_parts_mut(shared.0.add(row0 * hq * d), valid * hq * d) };
-                attention_head(&q[row0 * hq * d..(row0 + valid) * hq * d], valid, pos0, kc, vc, hq, hkv, d, h, &mut scores, out);
-            }
-        });
-        for (o, &g) in attn.iter_mut().zip(&gate) {
-            *o *= sigmoid(g);
-        }
-        pass.products(&attn, t, &mut [(&m.o_proj, out)]);
-    }
-
-    /// SwiGLU: `down(silu(gate(x)) * up(x))`.
-    fn mlp(&self, pass: &Pass, m: &Mlp, xn: &[f32], t: usize, out: &mut [f32]) {
-        let f = self.config.intermediate_size;
-        let mut gate = vec![0f32; t * f];
-        let mut up = vec![0f32; t * f];
-        pass.products(xn, t, &mut [(&m.gate_proj, &mut gate), (&m.up_proj, &mut up)]);
-        let g = SharedMut(gate.as_mut_ptr());
-        pass.pool.for_ranges(gate.len(), 16, &|r| {
-            let g = g;
-            // SAFETY: the ranges are disjoint parts of `gate`.
-            let gate = unsafe { std::slice::from_raw_parts_mut(g.0.add(r.start), r.len()) };
-            swiglu_inplace(gate, &up[r]);
-        });
-        pass.products(&gate, t, &mut [(&m.down_proj, out)]);
-    }
-}
-
-/// How a pass multiplies: its pool, whether every product is a GEMM whatever its row
-/// count (a static-shape dispatch: then a one-row dispatch computes exactly what the same row
-/// computes inside a padded one) or a single row takes the GEMV, and whether the inputs of
-/// products of more than `GEMV_MAX_TOKENS` rows are rounded to bf16 first.
-struct Pass<'p> {
-    pool: &'p Pool,
-    gemm_only: bool,
-    bf16_inputs: bool,
-}
-
-impl Pass<'_> {
-    fn products(&self, x: &[f32], t: usize, jobs: &mut [(&Matrix, &mut [f32])]) {
-        let rounded: Vec<f32>;
-        let x = if self.bf16_inputs && t > GEMV_MAX_TOKENS {
-            rounded = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
-            &rounded
-        } else {
-            x
-        };
-        if self.gemm_only {
-            gemm_group(self.pool, x, t, jobs)
-        } else {
-            matmul_group(self.pool, x, t, jobs)
-        }
-    }
-}
-
-/// Rows `rows` of a pass belong to one sequence: its state, and how many of those rows are
-/// real tokens (the rest pad a static-shape dispatch).
-struct Segment<'s> {
-    state: &'s mut State,
-    rows: std::ops::Range<usize>,
-    valid: usize,
-}
-
-/// Pointers into buffers whose disjoint parts are written by different pool workers.
-#[derive(Clone, Copy)]
-struct SharedMut(*mut f32);
-unsafe impl Send for SharedMut {}
-unsafe impl Sync for SharedMut {}
-
-crate::kernels::multiversion! {
-    /// `out[i] = silu(Σ_j taps[j] ⊙ window[i + j])` for each of the `out.len() / cd` tokens:
-    /// the depthwise causal conv, `window` being the K-1 (+1 stale) previous raw rows
-    /// followed by this call's rows, all `[rows, cd]`.
-    fn causal_conv_silu(window: &[f32], taps: &[f32], kk: usize, cd: usize, out: &mut [f32]) => causal_conv_silu_body
-}
-
-#[inline(always)]
-fn causal_conv_silu_body(window: &[f32], taps: &[f32], kk: usize, cd: usize, out: &mut [f32]) {
-    for (i, o) in out.chunks_exact_mut(cd).enumerate() {
-        // Token i's window is rows i+1 ..= i+K of `window` (row 0 is the oldest stored column).
-        o.iter_mut().for_each(|v| *v = 0.0);
-        for j in 0..kk {
-            let src = &window[(i + 1 + j) * cd..(i + 2 + j) * cd];
-            let w = &taps[j * cd..(j + 1) * cd];
-            for ((ov, &x), &wv) in o.iter_mut().zip(src).zip(w) {
-                *ov = wv.mul_add(x, *ov);
-            }
-        }
-        o.iter_mut().for_each(|v| *v = silu(*v));
-    }
 }
 
 fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
@@ -675,15 +291,9 @@ fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 
 fn data_ptr(m: &Matrix) -> *const u8 {
     match &m.data {
-        crate::tensor::WeightData::Bf16(b) | crate::tensor::WeightData::F16(b) => b.as_slice().as_ptr() as *const u8,
-        crate::tensor::WeightData::F32(b) => b.as_slice().as_ptr() as *const u8,
-        crate::tensor::WeightData::Int8 { q, .. } => q.as_slice().as_ptr() as *const u8,
-    }
-}
-
-fn add_inplace(x: &mut [f32], y: &[f32]) {
-    for (a, &b) in x.iter_mut().zip(y) {
-        *a += b;
+        crate::model::tensor::WeightData::Bf16(b) | crate::model::tensor::WeightData::F16(b) => b.as_slice().as_ptr() as *const u8,
+        crate::model::tensor::WeightData::F32(b) => b.as_slice().as_ptr() as *const u8,
+        crate::model::tensor::WeightData::Int8 { q, .. } => q.as_slice().as_ptr() as *const u8,
     }
 }
 
@@ -705,142 +315,4 @@ fn small(ts: &mut TensorSet, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
 /// `1 + w` of a zero-centred RMSNorm weight, computed in f32 like the reference.
 fn zero_centred(t: Tensor) -> Result<Vec<f32>> {
     Ok(t.to_f32_vec()?.into_iter().map(|w| 1.0 + w).collect())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The tensor-core emulation rounds the inputs of products of more than 8 rows, and only
-    /// those: a short forward pass is bit for bit the f32 one.
-    #[test]
-    fn bf16_gemm_inputs_round_only_products_of_more_than_8_rows() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
-        let mut m = crate::load::LoadedModel::load(dir.to_str().unwrap()).unwrap();
-        let pool = Pool::new(1);
-        let _same_kernels = crate::kernels::hold_isa();
-        let w = &m.net.lm_head;
-        let k = w.cols;
-        let x: Vec<f32> = (0..9 * k).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 1.37).collect();
-        let rounded: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
-        assert!(rounded != x);
-        let run = |bf16_inputs: bool, x: &[f32], t: usize| {
-            let mut out = vec![0f32; t * w.rows];
-            Pass { pool: &pool, gemm_only: false, bf16_inputs }.products(&x[..t * k], t, &mut [(w, &mut out)]);
-            out
-        };
-        assert!(run(true, &x, 9) == run(false, &rounded, 9), "9 rows: not the product of the rounded input");
-        assert!(run(true, &x, 9) != run(false, &x, 9), "9 rows: the input was not rounded");
-        assert!(run(true, &x, 8) == run(false, &x, 8), "8 rows (a decode-sized product) were rounded");
-
-        let tokens = [3u32, 141, 59, 26, 535];
-        let plain = m.net.forward(&pool, &tokens, &mut State::new(&m.net.config), Logits::All).unwrap();
-        m.net.set_gemm_inputs_bf16(true);
-        let emulated = m.net.forward(&pool, &tokens, &mut State::new(&m.net.config), Logits::All).unwrap();
-        assert!(plain == emulated, "a 5-token pass changed under the tensor-core emulation");
-    }
-
-    /// `forward` applies long inputs in pieces; the pieces start on DeltaNet chunk boundaries,
-    /// so the result is bit for bit that of one pass.
-    #[test]
-    fn pieces_of_a_long_input_equal_one_pass_exactly() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
-        let m = crate::load::LoadedModel::load(dir.to_str().unwrap()).unwrap();
-        let pool = Pool::new(2);
-        let tokens: Vec<u32> = (0..300).map(|i| (i * 37 + 11) % 1024).collect();
-        assert!(tokens.len() > 2 * MAX_TOKENS_PER_PASS);
-        let _same_kernels = crate::kernels::hold_isa();
-        let (mut one, mut pieces) = (State::new(&m.net.config), State::new(&m.net.config));
-        let rows = tokens.len();
-        let want = m.net.forward_pass(&m.net.pass(&pool, false), &tokens, &mut [Segment { state: &mut one, rows: 0..rows, valid: rows }], Logits::All);
-        let got = m.net.forward(&pool, &tokens, &mut pieces, Logits::All).unwrap();
-        assert!(want == got, "logits differ");
-        assert!(one == pieces, "states differ");
-    }
-
-    fn tiny() -> crate::load::LoadedModel {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
-        crate::load::LoadedModel::load(dir.to_str().unwrap()).unwrap()
-    }
-
-    /// A static-shape dispatch padded on the right gives exactly the state and logits of the
-    /// unpadded one: pads neither decay nor write the recurrent state, nor enter the conv
-    /// window, the KV cache or attention. From an empty state and from one mid-sequence, for
-    /// one real token, a partial chunk, a whole chunk and more.
-    #[test]
-    fn a_padded_dispatch_equals_the_unpadded_one_exactly() {
-        let m = tiny();
-        let pool = Pool::new(2);
-        let _same_kernels = crate::kernels::hold_isa();
-        let prefix: Vec<u32> = (0..37).map(|i| (i * 13 + 5) % 1024).collect();
-        for start in [0usize, 37] {
-            let mut base = State::new(&m.net.config);
-            if start > 0 {
-                m.net.forward(&pool, &prefix, &mut base, Logits::Last).unwrap();
-            }
-            for (valid, rows) in [(1usize, 32usize), (10, 32), (64, 96), (65, 128), (100, 160)] {
-                let mut tokens: Vec<u32> = (0..valid as u32).map(|i| (i * 101 + 7) % 1024).collect();
-                let (mut unpadded, mut padded) = (base.clone(), base.clone());
-                m.net.forward_padded(&pool, &tokens, valid, &mut unpadded).unwrap();
-                tokens.resize(rows, 0);
-                m.net.forward_padded(&pool, &tokens, valid, &mut padded).unwrap();
-                assert!(padded == unpadded, "start {start}, {valid} real of {rows} rows: states or logits differ");
-                assert_eq!(padded.position, start + valid);
-            }
-        }
-    }
-
-    /// One batched decode step over sequences at different positions equals stepping each
-    /// alone (to summation order: the batch's products are a GEMM, a lone token's a GEMV).
-    #[test]
-    fn a_batched_decode_step_equals_one_sequence_at_a_time() {
-        let m = tiny();
-        let pool = Pool::new(2);
-        let mut states: Vec<State> = [3usize, 70, 130]
-            .iter()
-            .map(|&n| {
-                let mut st = State::new(&m.net.config);
-                let p: Vec<u32> = (0..n as u32).map(|i| (i * 31 + n as u32) % 1024).collect();
-                m.net.forward(&pool, &p, &mut st, Logits::Last).unwrap();
-                st
-            })
-            .collect();
-        let tokens = [5u32, 900, 17];
-        let mut alone = states.clone();
-        for (st, &tok) in alone.iter_mut().zip(&tokens) {
-            m.net.forward(&pool, &[tok], st, Logits::Last).unwrap();
-        }
-        let mut refs: Vec<&mut State> = states.iter_mut().collect();
-        m.net.decode_batch(&pool, &tokens, &mut refs).unwrap();
-        for (i, (b, a)) in states.iter().zip(&alone).enumerate() {
-            assert_eq!(b.position, a.position);
-            let err = b.last_logits.iter().zip(&a.last_logits).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-            assert!(err < 1e-4, "sequence {i}: logits differ by {err}");
-            assert_eq!(crate::sampling::argmax(&b.last_logits), crate::sampling::argmax(&a.last_logits));
-        }
-        // A batch whose tokens and states do not pair up is refused.
-        let mut one: Vec<&mut State> = alone.iter_mut().take(1).collect();
-        assert!(m.net.decode_batch(&pool, &[1, 2], &mut one).is_err());
-    }
-
-    /// A call that fails leaves the state untouched (no part of the input is applied).
-    #[test]
-    fn a_rejected_input_leaves_the_state_as_it_was() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
-        let m = crate::load::LoadedModel::load(dir.to_str().unwrap()).unwrap();
-        let pool = Pool::new(1);
-        let mut st = State::new(&m.net.config);
-        m.net.forward(&pool, &[1, 2, 3], &mut st, Logits::Last).unwrap();
-        let before = st.clone();
-        // A bad id in the third piece of a long input.
-        let mut tokens: Vec<u32> = vec![5; 3 * MAX_TOKENS_PER_PASS];
-        tokens[2 * MAX_TOKENS_PER_PASS + 1] = 1_000_000;
-        let e = m.net.forward(&pool, &tokens, &mut st, Logits::Last).unwrap_err().to_string();
-        assert!(e.contains("1000000"), "{e}");
-        assert!(st == before, "the state changed");
-        // A state of another shape.
-        let mut wrong = before.clone();
-        wrong.layers.pop();
-        assert!(m.net.forward(&pool, &[1], &mut wrong, Logits::Last).is_err());
-    }
 }

@@ -1,4 +1,4 @@
-//! Synthetic Qwen3.5 models: the published shapes (qwen35-spec.md §1.2) with deterministic
+//! Synthetic Qwen3.5 models: the published shapes (docs/qwen35.md §1.2) with deterministic
 //! random weights, so that benchmarks and tests run without downloading a checkpoint.
 //! Weights are bf16 like the published checkpoints (A_log and the gated-norm weight in f32,
 //! as published), scaled so that activations stay finite through every layer.
@@ -7,10 +7,10 @@ use std::sync::Arc;
 
 use anyhow::{bail, Result};
 
-use crate::checkpoint::TensorSet;
-use crate::config::{LayerType, Qwen35Config};
+use crate::model::checkpoint::TensorSet;
+use crate::model::config::{LayerType, Qwen35Config};
 use crate::rng::{hash_str, Rng};
-use crate::tensor::{f32_to_bf16, DType, HeapStorage, Storage, Tensor};
+use crate::model::tensor::{f32_to_bf16, DType, HeapStorage, Storage, Tensor};
 
 /// The names accepted after `synthetic:`.
 /// `tiny` is no published shape: the real vocabulary and layer pattern at small widths, for

@@ -4,11 +4,12 @@
 
 use std::sync::Arc;
 
-use crate::config::{LayerType, Qwen35Config};
+use crate::model::config::{LayerType, Qwen35Config};
 
-pub mod bridge;
+pub mod device;
 
-use bridge::StateFile;
+use crate::bridge::file::StateFile;
+pub use device::DeviceState;
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum LayerState {
@@ -188,16 +189,12 @@ impl State {
     }
 }
 
-/// Start measuring this process's peak resident memory afresh (VmHWM becomes the current RSS);
-/// false where the kernel does not allow it (Linux before 4.0, or no /proc).
-pub fn reset_peak_rss() -> bool {
-    std::fs::write("/proc/self/clear_refs", "5").is_ok()
-}
-
-/// Peak resident memory of this process so far (VmHWM), in bytes; None where /proc is absent.
-pub fn peak_rss_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+impl State {
+    /// The state file that some of this state's arrays live in, if any.
+    pub fn file(&self) -> Option<&Arc<StateFile>> {
+        self.layers.iter().find_map(|l| match l {
+            LayerState::Linear { conv: StateArray::InFile { file, .. }, .. } | LayerState::Linear { recurrent: StateArray::InFile { file, .. }, .. } => Some(file),
+            _ => None,
+        })
+    }
 }

@@ -1,4 +1,4 @@
-//! Paths to the fixtures copied into the repository (tests must pass without ../shared).
+//! Paths to the fixtures in tests/fixtures, and scratch directories for the tests.
 #![allow(dead_code)]
 
 use std::path::PathBuf;

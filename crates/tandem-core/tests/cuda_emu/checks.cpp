@@ -1,6 +1,6 @@
 // The CUDA kernels run on CPU threads (shim.h) against plain double-precision references:
 // each check prints one line and the program exits non-zero if any is out of bounds.
-// Built and run by tests/cuda_on_cpu.rs from a copy of kernels.cu (kernels_emu.cu); C++17.
+// Built and run by tests/cuda_on_cpu.rs from the kernel files joined as for NVRTC (kernels_emu.cu); C++17.
 #include "kernels_emu.cu"
 #include <cstdio>
 #include <random>

@@ -7,8 +7,8 @@ use std::fmt::Write as _;
 use std::time::Instant;
 
 use anyhow::Result;
-use tandem_core::cuda::qwen35::{GpuQwen35, Precision};
-use tandem_core::cuda::Gpu;
+use tandem_core::backend::cuda::qwen35::{GpuQwen35, Precision};
+use tandem_core::backend::cuda::Gpu;
 use tandem_core::model::Logits;
 use tandem_core::sampling::argmax;
 
@@ -39,7 +39,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
     let b = gpu.zeros::<u16>(n * n)?;
     let c = gpu.zeros::<f32>(n * n)?;
     let (gemm_s, _, _) = time(reps.max(3), || {
-        gpu.gemm_bf16(gpu.ptr(&a), n, gpu.ptr(&b), n, n, gpu.ptr(&c), tandem_core::cuda::GemmOut::F32)?;
+        gpu.gemm_bf16(gpu.ptr(&a), n, gpu.ptr(&b), n, n, gpu.ptr(&c), tandem_core::backend::cuda::GemmOut::F32)?;
         gpu.synchronize()
     })?;
     let tc_peak = 2.0 * (n * n * n) as f64 / gemm_s;
@@ -59,7 +59,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
     writeln!(report, "| device memory bandwidth (1 GiB device-to-device copy, read + write) | {:.0} GB/s |", bandwidth / 1e9)?;
 
     // A second GPU, for the peer copy of the bridge.
-    let mut peer = match tandem_core::cuda::gpu_count()? {
+    let mut peer = match tandem_core::backend::cuda::gpu_count()? {
         n if n > ordinal + 1 => Some(Gpu::open(ordinal + 1)?),
         _ => None,
     };
@@ -81,7 +81,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
     let mut model = Some(gpu);
     for spec in specs {
         progress(&format!("loading {spec}"));
-        let loaded = tandem_core::load::LoadedModel::load(spec)?;
+        let loaded = tandem_core::model::load::LoadedModel::load(spec)?;
         let net = &loaded.net;
         progress(&format!("uploading {spec} to the GPU"));
         let mut g = GpuQwen35::upload(model.take().expect("one GPU"), net, Precision::TensorCores)?;
@@ -113,7 +113,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
         let decode_run = |g: &GpuQwen35| -> Result<f64> {
             let mut st = g.new_state()?;
             g.forward(&tokens[..13], &mut st, Logits::Last)?;
-            let greedy = |st: &mut tandem_core::cuda::qwen35::GpuState| -> Result<u32> {
+            let greedy = |st: &mut tandem_core::backend::cuda::qwen35::GpuState| -> Result<u32> {
                 Ok(match st.last_argmax() {
                     Some(a) => a,
                     None => argmax(st.last_logits()?),

@@ -7,11 +7,12 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use tandem_core::cuda::nvml::EnergyMeter;
-use tandem_core::cuda::Gpu;
-use tandem_core::engine::{Engine, Placement, Resident};
-use tandem_core::load::LoadedModel;
-use tandem_core::scheduler::PipelineConfig;
+use super::nvml::EnergyMeter;
+use tandem_core::backend::cuda::Gpu;
+use tandem_core::engine::{Engine, EngineSpec};
+use tandem_core::state::DeviceState;
+use tandem_core::model::load::LoadedModel;
+use tandem_core::pipeline::PipelineConfig;
 
 use super::pipeline::{on_engine, prompt_of};
 use super::{progress, Record};
@@ -169,7 +170,7 @@ fn measure(counters: &[Counter], tokens: usize, run: impl FnMut() -> Result<()>)
 /// per decode token on the decode engine (one sequence), from every counter that sees them.
 pub fn section(rec: &mut Record, model: &LoadedModel, config: &PipelineConfig, prompt_tokens: usize, spec: &str) -> Result<()> {
     let vocab = model.sampleable_vocab();
-    let roles: [(&str, &Placement); 2] = [("prefill", &config.prefill), ("decode", &config.decode)];
+    let roles: [(&str, &EngineSpec); 2] = [("prefill", &config.prefill), ("decode", &config.decode)];
     let mut rows = Vec::new();
     let mut missing: Vec<String> = Vec::new();
     for (phase, placement) in roles {
@@ -195,7 +196,7 @@ pub fn section(rec: &mut Record, model: &LoadedModel, config: &PipelineConfig, p
                         engine.prefill(&prompt_of(13, vocab), &mut state)?;
                     }
                     for i in 0..steps {
-                        let mut one: [&mut Resident; 1] = [&mut state];
+                        let mut one: [&mut DeviceState; 1] = [&mut state];
                         engine.decode(&[100 + i as u32], &mut one)?;
                     }
                     Ok(())

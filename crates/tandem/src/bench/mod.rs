@@ -18,7 +18,7 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use tandem_core::limits;
+
 use tandem_core::model::{Logits, Qwen35};
 use tandem_core::sampling::argmax;
 use tandem_core::state::State;
@@ -27,6 +27,8 @@ use crate::args::Args;
 
 pub mod cuda;
 mod energy;
+pub mod limits;
+mod nvml;
 pub mod pipeline;
 mod study;
 mod svg;
@@ -184,7 +186,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     writeln!(rec.report, "| GPUs | {} |", gpus())?;
 
     progress(&format!("loading {spec}"));
-    let mut model = tandem_core::load::LoadedModel::load(&spec)?;
+    let mut model = tandem_core::model::load::LoadedModel::load(&spec)?;
     let mut samples = Vec::new();
     let chosen: Vec<&str> = SECTIONS.iter().copied().filter(|s| sections.contains(s)).collect();
     let mut result = Ok(());
@@ -257,7 +259,7 @@ fn total_memory() -> Option<u64> {
 
 /// The GPUs the CUDA driver reports, or why there are none.
 fn gpus() -> String {
-    match tandem_core::cuda::gpu_names() {
+    match tandem_core::backend::cuda::gpu_names() {
         Ok(names) if names.is_empty() => "none".into(),
         Ok(names) => names.iter().enumerate().map(|(i, n)| format!("cuda:{i} {n}")).collect::<Vec<_>>().join(", "),
         Err(e) => format!("none ({e:#})"),
@@ -319,8 +321,8 @@ impl Bar {
 fn kernels(
     rec: &mut Record,
     samples: &mut Vec<Sample>,
-    model: &tandem_core::load::LoadedModel,
-    pool: &tandem_core::pool::Pool,
+    model: &tandem_core::model::load::LoadedModel,
+    pool: &tandem_core::backend::cpu::pool::Pool,
     spec: &str,
     quants: &[String],
     prompts: &[usize],
@@ -435,7 +437,7 @@ fn kernels(
         writeln!(rec.report, "\n## int8 against the stored weights ({spec}, a 133-token prompt, 16 greedy tokens)\n")?;
         writeln!(rec.report, "| prompt | positions | top-1 agreement | largest logit difference | greedy ids identical |")?;
         writeln!(rec.report, "|---|---|---|---|---|")?;
-        let row = tandem_core::quality::compare(&pool, &nets[0].1, &nets[1].1, "random ids", &prompt_of(133), 16, vocab)?;
+        let row = crate::quality::compare(&pool, &nets[0].1, &nets[1].1, "random ids", &prompt_of(133), 16, vocab)?;
         writeln!(rec.report, "{row}")?;
     }
 
@@ -471,15 +473,16 @@ fn kernels(
 
 /// The engines of the two-engine sections: `--prefill`/`--decode` (default: prefill on core 0,
 /// decode on core 1, or both on one thread on a one-core machine), hybrid, moving the state.
-fn pipeline_config(args: &Args) -> Result<tandem_core::scheduler::PipelineConfig> {
-    use tandem_core::engine::Placement;
-    use tandem_core::scheduler::{Mode, PipelineConfig, Transfer};
+fn pipeline_config(args: &Args) -> Result<tandem_core::pipeline::PipelineConfig> {
+    use tandem_core::engine::EngineSpec;
+    use tandem_core::bridge::Transfer;
+    use tandem_core::pipeline::{Mode, PipelineConfig};
     let two = std::thread::available_parallelism().map(|n| n.get() >= 2).unwrap_or(false);
     let (p, d) = if two { ("cpu:cores=0", "cpu:cores=1") } else { ("cpu:threads=1", "cpu:threads=1") };
     Ok(PipelineConfig {
         mode: Mode::Hybrid,
-        prefill: Placement::parse(args.str("prefill").unwrap_or(p)).context("--prefill")?,
-        decode: Placement::parse(args.str("decode").unwrap_or(d)).context("--decode")?,
+        prefill: EngineSpec::parse(args.str("prefill").unwrap_or(p)).context("--prefill")?,
+        decode: EngineSpec::parse(args.str("decode").unwrap_or(d)).context("--decode")?,
         transfer: Transfer::Move,
         max_batch: 8,
     })
@@ -487,7 +490,7 @@ fn pipeline_config(args: &Args) -> Result<tandem_core::scheduler::PipelineConfig
 
 /// One of the two-engine sections (the study's tables), full or `--quick`.
 #[allow(clippy::too_many_arguments)]
-fn pipeline_section(rec: &mut Record, section: &str, model: &tandem_core::load::LoadedModel, config: &tandem_core::scheduler::PipelineConfig, quick: bool, reps: usize, conversations: usize, spec: &str) -> Result<()> {
+fn pipeline_section(rec: &mut Record, section: &str, model: &tandem_core::model::load::LoadedModel, config: &tandem_core::pipeline::PipelineConfig, quick: bool, reps: usize, conversations: usize, spec: &str) -> Result<()> {
     match section {
         "modes" => {
             let prompts: &[usize] = if quick { &[13, 74] } else { &[13, 28, 74, 6, 133, 410] };

@@ -11,12 +11,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use tandem_core::chat::Message;
-use tandem_core::engine::{Engine, Placement, Resident};
-use tandem_core::load::LoadedModel;
+use tandem_core::engine::{Engine, EngineSpec};
+use tandem_core::state::DeviceState;
+use tandem_core::model::load::LoadedModel;
 use tandem_core::model::Qwen35;
-use tandem_core::scheduler::{self, Event, Generation, PipelineConfig, Request};
+use tandem_core::pipeline::{self, Event, PipelineConfig, Request, RequestParams};
 use tandem_core::session::{Scaffold, Session};
-use tandem_core::state::bridge;
+use tandem_core::bridge;
 use tandem_core::state::{LayerState, State};
 
 use super::svg::{Chart, Series};
@@ -35,12 +36,12 @@ pub fn prompt_of(n: usize, vocab: usize) -> Vec<u32> {
 
 /// Run `work` on an engine of `placement` made on a thread of its own: an engine pinned to
 /// cores pins the thread that makes it, which must not be the bench's.
-pub fn on_engine<T: Send>(placement: &Placement, net: &Qwen35, work: impl FnOnce(Engine) -> Result<T> + Send) -> Result<T> {
+pub fn on_engine<T: Send>(placement: &EngineSpec, net: &Qwen35, work: impl FnOnce(Engine) -> Result<T> + Send) -> Result<T> {
     std::thread::scope(|s| s.spawn(|| work(Engine::new(placement, net)?)).join().expect("engine thread"))
 }
 
 /// Table 3: each transfer kind in its three parts, at the given prompt lengths.
-pub fn transfer(rec: &mut Record, model: &LoadedModel, engine: &Placement, lengths: &[usize], reps: usize, spec: &str) -> Result<()> {
+pub fn transfer(rec: &mut Record, model: &LoadedModel, engine: &EngineSpec, lengths: &[usize], reps: usize, spec: &str) -> Result<()> {
     progress("state transfer");
     let net = &model.net;
     let fp = net.fingerprint();
@@ -66,7 +67,7 @@ pub fn transfer(rec: &mut Record, model: &LoadedModel, engine: &Placement, lengt
         })?;
         let mb = state.bytes() as f64 / 1e6;
         type Parts = (Duration, Duration, Duration);
-        let dir = bridge::default_dir();
+        let dir = bridge::file::default_dir();
         let in_place_row = format!("file ({}, the pipeline's: prefilled in the file, read in place)", dir.display());
         let file_row = format!("file ({}, kept mapped, state copied in, read in place)", dir.display());
         let fresh_row = format!("file ({}, new file, copied out)", dir.display());
@@ -83,7 +84,7 @@ pub fn transfer(rec: &mut Record, model: &LoadedModel, engine: &Placement, lengt
         let mut recycled = Some(state.clone());
         // The pipeline's state file: created once, rewritten in place for every handoff.
         let kept_path = dir.join(format!("tandem-bench-{}.state", std::process::id()));
-        let mut kept = std::sync::Arc::new(bridge::StateFile::create(&kept_path)?);
+        let mut kept = std::sync::Arc::new(bridge::file::StateFile::create(&kept_path)?);
         for _ in 0..reps {
             // Move: the state itself crosses a channel to another thread.
             let (tx, rx) = channel::<(State, Instant)>();
@@ -104,14 +105,14 @@ pub fn transfer(rec: &mut Record, model: &LoadedModel, engine: &Placement, lengt
             // put there untimed), so the handoff checksums them and copies in K/V and the
             // logits; the decode side checks everything and copies K/V and the logits out into
             // a recycled state's buffers.
-            let mut prefilled_in_file = bridge::state_in_file(&mut kept, cfg, n, fp)?;
+            let mut prefilled_in_file = bridge::file::state_in_file(&mut kept, cfg, n, fp)?;
             copy_state(&mut prefilled_in_file, &state);
             let t = Instant::now();
             // SAFETY: `kept` is used by `prefilled_in_file` only, dropped before the read.
             unsafe { kept.write_shared(&prefilled_in_file, fp) }?;
             let serialize = t.elapsed();
             drop(prefilled_in_file);
-            let (in_file, read, rebuild) = bridge::read_file(&kept, fp, cfg, recycled.take(), true)?;
+            let (in_file, read, rebuild) = bridge::file::read_file(&kept, fp, cfg, recycled.take(), true)?;
             if in_file != state {
                 bail!("the file bridge changed the state");
             }
@@ -122,7 +123,7 @@ pub fn transfer(rec: &mut Record, model: &LoadedModel, engine: &Placement, lengt
             let t = Instant::now();
             std::sync::Arc::get_mut(&mut kept).expect("no state holds the file").write(&state, fp)?;
             let serialize = t.elapsed();
-            let (in_file, read, rebuild) = bridge::read_file(&kept, fp, cfg, None, true)?;
+            let (in_file, read, rebuild) = bridge::file::read_file(&kept, fp, cfg, None, true)?;
             if in_file != state {
                 bail!("the file bridge changed the state");
             }
@@ -132,9 +133,9 @@ pub fn transfer(rec: &mut Record, model: &LoadedModel, engine: &Placement, lengt
             // memory (what `tandem` does with a state file it did not write).
             let new_path = dir.join(format!("tandem-bench-{}-new.state", std::process::id()));
             let t = Instant::now();
-            bridge::save(&new_path, &state, fp)?;
+            bridge::file::save(&new_path, &state, fp)?;
             let serialize = t.elapsed();
-            let (fresh, read, rebuild) = bridge::load(&new_path, fp, cfg, None)?;
+            let (fresh, read, rebuild) = bridge::file::load(&new_path, fp, cfg, None)?;
             std::fs::remove_file(&new_path)?;
             drop(fresh);
             rows[3].1.push((serialize, read, rebuild));
@@ -142,9 +143,9 @@ pub fn transfer(rec: &mut Record, model: &LoadedModel, engine: &Placement, lengt
             let (mut a, mut b) = UnixStream::pair()?;
             let cfg2 = cfg.clone();
             let reuse = Some(state.clone());
-            let receiver = std::thread::spawn(move || bridge::receive(&mut b, fp, &cfg2, reuse));
+            let receiver = std::thread::spawn(move || bridge::socket::receive(&mut b, fp, &cfg2, reuse));
             let t = Instant::now();
-            bridge::send(&mut a, &state, fp)?;
+            bridge::socket::send(&mut a, &state, fp)?;
             let serialize = t.elapsed();
             let (back, read, rebuild) = receiver.join().expect("receiver thread")?;
             if back != state {
@@ -154,7 +155,7 @@ pub fn transfer(rec: &mut Record, model: &LoadedModel, engine: &Placement, lengt
             rows[4].1.push((serialize, read, rebuild));
 
             let t = Instant::now();
-            bridge::send(&mut to_child, &state, fp)?;
+            bridge::socket::send(&mut to_child, &state, fp)?;
             let serialize = t.elapsed();
             let mut line = String::new();
             child_out.read_line(&mut line)?;
@@ -214,7 +215,7 @@ pub fn state_receive(argv: &[String]) -> Result<std::process::ExitCode> {
         None => {
             let path = std::path::Path::new(spec).join("config.json");
             let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-            tandem_core::config::Qwen35Config::from_json_str(&text, &path.display().to_string())?
+            tandem_core::model::config::Qwen35Config::from_json_str(&text, &path.display().to_string())?
         }
     };
     let fp = u128::from_str_radix(args.required("fingerprint")?, 16).context("--fingerprint: not hex")?;
@@ -223,7 +224,7 @@ pub fn state_receive(argv: &[String]) -> Result<std::process::ExitCode> {
     let mut spare = None;
     // Until the stream ends between two states.
     while !stdin.fill_buf()?.is_empty() {
-        let (state, read, rebuild) = bridge::receive(&mut stdin, fp, &cfg, spare.take())?;
+        let (state, read, rebuild) = bridge::socket::receive(&mut stdin, fp, &cfg, spare.take())?;
         writeln!(stdout, "{:.4} {:.4} {}", ms(read), ms(rebuild), state.position)?;
         stdout.flush()?;
         spare = Some(state);
@@ -275,10 +276,10 @@ pub fn multiturn(rec: &mut Record, model: &LoadedModel, config: &PipelineConfig,
     let tok = model.tokenizer.as_ref().context("needs a tokenizer")?;
     let system = "You are a helpful cycling coach.";
     // Replies run to their length: no stop ids, so every variant decodes the same count.
-    let generation = Generation { max_tokens: reply_tokens, sampling: Default::default(), vocab: model.sampleable_vocab(), stop_ids: vec![] };
+    let generation = RequestParams { max_tokens: reply_tokens, sampling: Default::default(), vocab: model.sampleable_vocab(), stop_ids: vec![] };
     const VARIANTS: [&str; 3] = ["no session: whole history prefilled each turn", "session, message sent whole", "session, typed ahead"];
     let mut results: Vec<Vec<Vec<TurnTimes>>> = vec![Vec::new(); 3];
-    scheduler::run(&model.net, config, |p| {
+    pipeline::run(&model.net, config, |p| {
         for rep in 0..reps {
             // Interleaved: A B C, A B C, ...
             for (v, out) in results.iter_mut().enumerate() {
@@ -340,7 +341,7 @@ pub fn multiturn(rec: &mut Record, model: &LoadedModel, config: &PipelineConfig,
     Ok(())
 }
 
-fn stateless(p: &scheduler::Pipeline, model: &LoadedModel, system: &str, messages: &[String], generation: &Generation) -> Result<Vec<TurnTimes>> {
+fn stateless(p: &pipeline::Pipeline, model: &LoadedModel, system: &str, messages: &[String], generation: &RequestParams) -> Result<Vec<TurnTimes>> {
     let tok = model.tokenizer.as_ref().context("needs a tokenizer")?;
     let mut history = vec![Message::new("system", system)];
     let mut out = Vec::new();
@@ -358,7 +359,7 @@ fn stateless(p: &scheduler::Pipeline, model: &LoadedModel, system: &str, message
 
 /// A conversation on a session; with `typing`, each message is fed that many words at a time
 /// before it is sent.
-fn with_session(p: &scheduler::Pipeline, model: &LoadedModel, tok: &tandem_core::tokenizer::Tokenizer, system: &str, messages: &[String], generation: &Generation, typing: Option<usize>) -> Result<Vec<TurnTimes>> {
+fn with_session(p: &pipeline::Pipeline, model: &LoadedModel, tok: &tandem_core::tokenizer::Tokenizer, system: &str, messages: &[String], generation: &RequestParams, typing: Option<usize>) -> Result<Vec<TurnTimes>> {
     let scaffold = Scaffold::from_template(&model.chat_template, Some(system), false)?;
     let mut session = Session::new(scaffold, |s: &str| tok.encode(s), &model.net.config);
     let mut prefill = |st: State, ids: &[u32]| p.prefill(st, ids).map(|(s, _)| s);
@@ -405,8 +406,8 @@ pub fn concurrency(rec: &mut Record, model: &LoadedModel, config: &PipelineConfi
         for _ in 0..reps {
             for (c, &n) in counts.iter().enumerate() {
                 // Copies of the prefilled states, already on the engine's device.
-                let mut states: Vec<Resident> = bases[..n].iter().map(|b| engine.adopt(Resident::Host(b.clone()))).collect::<Result<_>>()?;
-                let mut refs: Vec<&mut Resident> = states.iter_mut().collect();
+                let mut states: Vec<DeviceState> = bases[..n].iter().map(|b| tandem_core::bridge::device::move_to(engine.gpu(), DeviceState::Host(b.clone()))).collect::<Result<_>>()?;
+                let mut refs: Vec<&mut DeviceState> = states.iter_mut().collect();
                 let tokens: Vec<u32> = (0..n as u32).map(|i| 100 + i).collect();
                 let t = Instant::now();
                 for _ in 0..steps {
@@ -436,7 +437,7 @@ pub fn concurrency(rec: &mut Record, model: &LoadedModel, config: &PipelineConfi
     writeln!(rec.report, "|---|---|---|---|---|")?;
     let mut rows: Vec<Vec<(f64, f64, f64, f64)>> = vec![Vec::new(); counts.len()];
     let mut runs = Vec::new();
-    scheduler::run(net, config, |p| {
+    pipeline::run(net, config, |p| {
         for _ in 0..reps {
             for (c, &n) in counts.iter().enumerate() {
                 let (tx, rx) = channel();

@@ -8,24 +8,24 @@ use std::thread::Scope;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
-use tandem_core::engine::{Device, Dispatch, Engine, Placement, PrefillStats};
-use tandem_core::load::LoadedModel;
+use tandem_core::engine::{Device, Dispatch, Engine, EngineSpec, PrefillStats};
+use tandem_core::model::load::LoadedModel;
 use tandem_core::model::Qwen35;
-use tandem_core::scheduler::{self, Generation, Mode, PipelineConfig};
-use tandem_core::state::{peak_rss_bytes, reset_peak_rss};
+use tandem_core::pipeline::{self, Mode, PipelineConfig, RequestParams};
+use crate::rss::{peak_rss_bytes, reset_peak_rss};
 
 use super::pipeline::prompt_of;
 use super::svg::{Chart, Series};
 use super::{stats, Bar, Record};
 use crate::generate::ms;
 
-const MODES: [Mode; 3] = [Mode::PrefillEngine, Mode::DecodeEngine, Mode::Hybrid];
+const MODES: [Mode; 3] = [Mode::AllOnPrefillEngine, Mode::AllOnDecodeEngine, Mode::Hybrid];
 
 /// Untimed repetitions before the measured ones: one where a GPU engine takes part, because a
 /// GPU loads each kernel (cuBLAS's included) the first time a shape needs it, which made the
 /// first run of each prompt length 2-9x slower on an H100. A CPU engine's warm-up is the
 /// short untimed pass each section starts with.
-fn warm_up_repetitions(placements: &[&Placement]) -> usize {
+fn warm_up_repetitions(placements: &[&EngineSpec]) -> usize {
     usize::from(placements.iter().any(|p| p.device != Device::Cpu))
 }
 
@@ -41,7 +41,7 @@ struct ModeRun {
 /// pipeline of each mode: the prefill engine alone, the decode engine alone, and hybrid.
 pub fn modes(rec: &mut Record, model: &LoadedModel, config: &PipelineConfig, prompts: &[usize], decode_tokens: usize, reps: usize, spec: &str) -> Result<()> {
     let vocab = model.sampleable_vocab();
-    let generation = Generation { max_tokens: decode_tokens, sampling: Default::default(), vocab, stop_ids: vec![] };
+    let generation = RequestParams { max_tokens: decode_tokens, sampling: Default::default(), vocab, stop_ids: vec![] };
     let mut runs: Vec<Vec<Vec<ModeRun>>> = MODES.iter().map(|_| prompts.iter().map(|_| Vec::new()).collect()).collect();
     let peak_measurable = reset_peak_rss();
     let warm = warm_up_repetitions(&[&config.prefill, &config.decode]);
@@ -50,9 +50,9 @@ pub fn modes(rec: &mut Record, model: &LoadedModel, config: &PipelineConfig, pro
         // Interleaved: the three modes in turn, each a pipeline of its own.
         for (m, &mode) in MODES.iter().enumerate() {
             let cfg = PipelineConfig { mode, ..config.clone() };
-            scheduler::run(&model.net, &cfg, |p| {
+            pipeline::run(&model.net, &cfg, |p| {
                 // Warm-up: the engines' first pass (pages, pools, a GPU's graphs).
-                p.generate(None, prompt_of(8, vocab), &Generation { max_tokens: 2, ..generation.clone() }, |_| Ok(()))?;
+                p.generate(None, prompt_of(8, vocab), &RequestParams { max_tokens: 2, ..generation.clone() }, |_| Ok(()))?;
                 for (i, &n) in prompts.iter().enumerate() {
                     reset_peak_rss();
                     let t = Instant::now();
@@ -84,8 +84,8 @@ pub fn modes(rec: &mut Record, model: &LoadedModel, config: &PipelineConfig, pro
     }
 
     let engines = |mode: Mode| match mode {
-        Mode::PrefillEngine => format!("{}", config.prefill),
-        Mode::DecodeEngine => format!("{}", config.decode),
+        Mode::AllOnPrefillEngine => format!("{}", config.prefill),
+        Mode::AllOnDecodeEngine => format!("{}", config.decode),
         Mode::Hybrid => format!("{} -> {}", config.prefill, config.decode),
     };
     writeln!(rec.report, "\n## Modes ({spec}; each prompt a whole request of {decode_tokens} generated tokens; median of {reps}, min - max in brackets)\n")?;
@@ -139,7 +139,7 @@ struct PrefillWorker {
 
 impl PrefillWorker {
     /// Start the engine; an error says why it could not start.
-    fn start<'s, 'm: 's>(scope: &'s Scope<'s, 'm>, placement: &'m Placement, net: &'m Qwen35) -> Result<PrefillWorker> {
+    fn start<'s, 'm: 's>(scope: &'s Scope<'s, 'm>, placement: &'m EngineSpec, net: &'m Qwen35) -> Result<PrefillWorker> {
         let (jobs, job_rx) = channel::<(Dispatch, Vec<u32>)>();
         let (result_tx, results) = channel();
         scope.spawn(move || {
@@ -149,7 +149,7 @@ impl PrefillWorker {
             };
             let _ = result_tx.send(Ok((Duration::ZERO, PrefillStats::default())));
             for (dispatch, prompt) in job_rx {
-                engine.placement.dispatch = dispatch;
+                engine.spec.dispatch = dispatch;
                 let run = || -> Result<(Duration, PrefillStats)> {
                     let mut state = engine.new_state()?;
                     let t = Instant::now();
@@ -183,7 +183,7 @@ impl PrefillWorker {
 
 /// Table 2: a `prompt_tokens`-token prompt on the prefill engine in one-token dispatches, fixed
 /// 32-token dispatches (the study's Neural Engine shape) and one dispatch of the whole prompt.
-pub fn dispatch(rec: &mut Record, model: &LoadedModel, placement: &Placement, prompt_tokens: usize, reps: usize, spec: &str) -> Result<()> {
+pub fn dispatch(rec: &mut Record, model: &LoadedModel, placement: &EngineSpec, prompt_tokens: usize, reps: usize, spec: &str) -> Result<()> {
     let vocab = model.sampleable_vocab();
     let dispatches = [Dispatch::Sequential, Dispatch::Batched(32), Dispatch::Dynamic];
     let mut runs: Vec<Vec<(Duration, PrefillStats)>> = vec![Vec::new(); dispatches.len()];
@@ -228,7 +228,7 @@ pub fn dispatch(rec: &mut Record, model: &LoadedModel, placement: &Placement, pr
 
 /// Whether two engines share no compute: different devices, or CPU engines pinned to disjoint
 /// cores (unpinned CPU engines may land on the same cores).
-fn apart(a: &Placement, b: &Placement) -> bool {
+fn apart(a: &EngineSpec, b: &EngineSpec) -> bool {
     match (a.device, b.device) {
         (Device::Cpu, Device::Cpu) => matches!((&a.cores, &b.cores), (Some(x), Some(y)) if x.iter().all(|c| !y.contains(c))),
         (x, y) => x != y,
@@ -350,7 +350,7 @@ mod tests {
 
     #[test]
     fn engines_run_together_only_where_they_share_no_compute() {
-        let p = |s: &str| Placement::parse(s).unwrap();
+        let p = |s: &str| EngineSpec::parse(s).unwrap();
         assert!(apart(&p("cpu:cores=0"), &p("cpu:cores=1,dispatch=batched:32")));
         assert!(!apart(&p("cpu:cores=0-1"), &p("cpu:cores=1")));
         assert!(!apart(&p("cpu:threads=1"), &p("cpu:threads=1")));

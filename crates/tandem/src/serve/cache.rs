@@ -104,7 +104,7 @@ impl StateCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tandem_core::config::Qwen35Config;
+    use tandem_core::model::config::Qwen35Config;
 
     fn state(cfg: &Qwen35Config, n: usize) -> State {
         let mut s = State::new(cfg);

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tandem_core::sampling::SamplingParams;
-use tandem_core::scheduler::{Event, Generation, Pipeline, Request};
+use tandem_core::pipeline::{Event, Pipeline, Request, RequestParams};
 use tandem_core::state::State;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
@@ -148,7 +148,7 @@ impl Engines {
     /// Run `tokens` applied to `start` (a fresh state when None), then sample as `params` says
     /// (`max_tokens` 0: prefill only, the state comes back in `Done`; so does the final state
     /// with `return_state`).
-    pub fn submit(&self, start: Option<State>, tokens: Vec<u32>, params: Generation, return_state: bool) -> anyhow::Result<Running> {
+    pub fn submit(&self, start: Option<State>, tokens: Vec<u32>, params: RequestParams, return_state: bool) -> anyhow::Result<Running> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::unbounded_channel();
         self.routes.lock().expect("routes lock").insert(id, tx);
@@ -171,7 +171,7 @@ impl Engines {
 
     /// Prefill `tokens` into `start` (fresh when None) and return the state.
     pub async fn prefill(&self, start: Option<State>, tokens: Vec<u32>) -> anyhow::Result<State> {
-        let prefill_only = Generation { max_tokens: 0, sampling: SamplingParams::default(), vocab: usize::MAX, stop_ids: Vec::new() };
+        let prefill_only = RequestParams { max_tokens: 0, sampling: SamplingParams::default(), vocab: usize::MAX, stop_ids: Vec::new() };
         let mut running = self.submit(start, tokens, prefill_only, true)?;
         match running.events.recv().await {
             Some(Event::Done { state: Some(state), .. }) => Ok(state),

@@ -1,6 +1,6 @@
 //! `tandem serve`: an OpenAI-compatible HTTP server over the two-engine pipeline.
 //!
-//! request → `routes` (parse, render the chat template, tokenize) → `generation` (the session
+//! request → `routes` (parse, render the chat template, tokenize) → `completion` (the session
 //! cache's longest matching state, a checkpoint at the turn boundary) → `engines` (admission,
 //! the pipeline's engine threads, events routed back) → text deltas → JSON or SSE.
 //!
@@ -9,7 +9,7 @@
 mod api;
 mod cache;
 mod engines;
-mod generation;
+mod completion;
 mod metrics;
 mod routes;
 
@@ -22,7 +22,7 @@ use anyhow::{bail, Context, Result};
 use axum::routing::{get, post};
 use axum::Router;
 use tandem_core::chat::{ChatTemplate, Message};
-use tandem_core::scheduler;
+use tandem_core::pipeline;
 use tandem_core::session::HOLD_BACK;
 use tandem_core::tokenizer::Tokenizer;
 
@@ -171,7 +171,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     listener.set_nonblocking(true)?;
     let bound = listener.local_addr()?;
 
-    scheduler::run(&model.net, &config, |pipeline| {
+    pipeline::run(&model.net, &config, |pipeline| {
         let app = Arc::new(App {
             engines: Engines::start(pipeline.clone(), max_concurrent, max_queue),
             im_start: tokenizer.token_id("<|im_start|>"),
@@ -186,7 +186,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             session_memory,
             cache: Mutex::new(StateCache::new(session_memory)),
             metrics: Metrics::new(),
-            started: generation::unix_now(),
+            started: completion::unix_now(),
             next_id: AtomicU64::new(1),
         });
         let router = Router::new()

@@ -1,5 +1,5 @@
 //! The HTTP endpoints. Each handler parses and checks its request, renders and tokenizes on a
-//! blocking thread, and hands the tokens to a `Generation`.
+//! blocking thread, and hands the tokens to a `Completion`.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 
 use super::api::{self, ApiError, Endpoint, Options, Prompt, ResponseHead};
 use super::cache::Kind;
-use super::generation::{checkpoint_owned, lookup, unix_now, Generation, Piece, Prepared};
+use super::completion::{checkpoint_owned, lookup, unix_now, Completion, Piece, Prepared};
 use super::metrics::{add, Gauges};
 use super::App;
 
@@ -88,7 +88,7 @@ fn refuse(app: &App, endpoint: Endpoint, e: ApiError) -> Response {
 async fn serve(app: &Arc<App>, p: Prepared) -> Result<Response, ApiError> {
     let head = ResponseHead { endpoint: p.endpoint, id: format!("{}-{}", if p.endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" }, app.request_id()), created: unix_now(), model: app.model_name.clone() };
     let Options { stream, include_usage, .. } = p.options;
-    let mut generation = Generation::start(app, p).await?;
+    let mut generation = Completion::start(app, p).await?;
     if stream {
         return Ok(stream_response(head, generation, include_usage));
     }
@@ -106,7 +106,7 @@ async fn serve(app: &Arc<App>, p: Prepared) -> Result<Response, ApiError> {
 
 /// Server-sent events: a chunk per text delta (a chat's first carries the role), a last chunk
 /// with the finish reason, the usage chunk when asked for, then `data: [DONE]`.
-fn stream_response(head: ResponseHead, generation: Generation, include_usage: bool) -> Response {
+fn stream_response(head: ResponseHead, generation: Completion, include_usage: bool) -> Response {
     let data = |v: Value| SseEvent::default().data(v.to_string());
     let head = Arc::new(head);
     let opening = match head.endpoint {

@@ -1,0 +1,385 @@
+// The gated attention mixer: q/k norms and RoPE, and causal GQA attention of a prefill (tiled,
+// on tensor cores or in f32) and of a decode step (split over the positions).
+
+// Per token: split the interleaved query/gate heads, RMSNorm q and k heads with their
+// zero-centred weights, rotate the first 2 * half channels (NeoX pairs c, c + half) at
+// position pos[0] + token; keys and values go straight into the caches kc, vc at that row.
+// Grid: (tokens, hq + hkv); block: a warp multiple >= d.
+extern "C" __global__ void qk_norm_rope(const float* qg, float* q, float* gate, const float* k, const float* v, float* kc, float* vc, const float* q_norm,
+                                        const float* k_norm, const float* inv_freq, int hq, int hkv, int d, int half, const u32* pos, float eps) {
+    pdl_enter();
+    int pos0 = (int)pos[0];
+    __shared__ float sv[1024];
+    int tok = blockIdx.x, head = blockIdx.y, c = threadIdx.x;
+    bool is_q = head < hq;
+    int kh = head - hq;
+    size_t kv_at = (size_t)tok * hkv + kh, cache_at = (size_t)(pos0 + tok) * hkv + kh;
+    const float* src = is_q ? qg + ((size_t)tok * hq + head) * 2 * d : k + kv_at * d;
+    float* dst = is_q ? q + ((size_t)tok * hq + head) * d : kc + cache_at * d;
+    const float* w = is_q ? q_norm : k_norm;
+    float x = c < d ? src[c] : 0.0f;
+    if (is_q && c < d) gate[((size_t)tok * hq + head) * d + c] = src[d + c];
+    if (!is_q && c < d) vc[cache_at * d + c] = v[kv_at * d + c];
+    float inv = 1.0f / sqrtf(block_sum(x * x) / d + eps);
+    if (c < d) sv[c] = x * inv * w[c];
+    __syncthreads();
+    if (c < d) {
+        float y = sv[c];
+        if (c < 2 * half) {
+            int i = c < half ? c : c - half;
+            float angle = (float)(pos0 + tok) * inv_freq[i];
+            float cs = (float)cos((double)angle), sn = (float)sin((double)angle);
+            y = c < half ? sv[c] * cs - sv[c + half] * sn : sv[c] * cs + sv[c - half] * sn;
+        }
+        dst[c] = y;
+    }
+}
+
+// Causal GQA attention of a few tokens (decode), split over the positions (flash decoding):
+// block (token, query head, s) takes positions s * chunk .. of the visible ones: scores in shared
+// memory, their max and exp-sum, the exp-weighted sum of the value rows. One block per head
+// read the whole cache alone (8 blocks on the 0.8B model, 14 us per layer at 77 positions,
+// and slower the longer the context). Where the positions span more than one chunk, each
+// block writes (max, sum, weighted values) to `part`, and the last block of the (token, head)
+// to finish (a counter in `done`, which it resets) rescales and adds them; then the output
+// gate sigmoid(gate). Blocks past the visible positions do nothing.
+// Grid: (tokens, hq, splits); block 128; chunk <= ATTN_CHUNK; part: tokens * hq * splits *
+// (d + 2) floats; done: tokens * hq zeroed counters.
+#define ATTN_CHUNK 1024
+extern "C" __global__ void __launch_bounds__(128) attention(const float* q, const float* kc, const float* vc, const float* gate, float* out, float* part, unsigned* done,
+                                                            int hq, int hkv, int d, int chunk, int splits, const u32* pos) {
+    pdl_enter();
+    __shared__ float scores[ATTN_CHUNK];
+    int tok = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
+    int visible = (int)pos[0] + tok + 1, active = (visible + chunk - 1) / chunk;
+    if (s >= active) return;
+    int p0 = s * chunk, n = min(visible - p0, chunk);
+    int kvh = h / (hq / hkv);
+    const float* qh = q + ((size_t)tok * hq + h) * d;
+    float scale = 1.0f / sqrtf((float)d);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int p = warp; p < n; p += warps) {
+        const float* kp = kc + ((size_t)(p0 + p) * hkv + kvh) * d;
+        float sc = 0.0f;
+        for (int c = lane; c < d; c += 32) sc += qh[c] * kp[c];
+        sc = warp_sum(sc);
+        if (lane == 0) scores[p] = sc * scale;
+    }
+    __syncthreads();
+    float mx = NEG_INF;
+    for (int p = threadIdx.x; p < n; p += blockDim.x) mx = fmaxf(mx, scores[p]);
+    mx = block_max(mx);
+    float sum = 0.0f;
+    for (int p = threadIdx.x; p < n; p += blockDim.x) {
+        float e = expf(scores[p] - mx);
+        scores[p] = e;
+        sum += e;
+    }
+    sum = block_sum(sum);
+    size_t head = (size_t)tok * hq + h;
+    float* mine = part + (head * splits + s) * (d + 2);
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        // Four sums, so that four value rows are read at a time.
+        float o4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const float* vp = vc + ((size_t)p0 * hkv + kvh) * d + c;
+        int p = 0;
+        for (; p + 4 <= n; p += 4)
+#pragma unroll
+            for (int u = 0; u < 4; u++) o4[u] = fmaf(scores[p + u], vp[(size_t)(p + u) * hkv * d], o4[u]);
+        for (; p < n; p++) o4[0] = fmaf(scores[p], vp[(size_t)p * hkv * d], o4[0]);
+        float o = (o4[0] + o4[1]) + (o4[2] + o4[3]);
+        if (active == 1) out[head * d + c] = o / sum * sigmoidf_(gate[head * d + c]);
+        else mine[2 + c] = o;
+    }
+    if (active == 1) return;
+    if (threadIdx.x == 0) {
+        mine[0] = mx;
+        mine[1] = sum;
+    }
+    if (!last_block_of(&done[head], active)) return;
+    const float* all = part + head * splits * (d + 2);
+    float m = NEG_INF, l = 0.0f;
+    for (int j = 0; j < active; j++) m = fmaxf(m, __ldcg(&all[(size_t)j * (d + 2)]));
+    for (int j = 0; j < active; j++) l += __ldcg(&all[(size_t)j * (d + 2) + 1]) * expf(__ldcg(&all[(size_t)j * (d + 2)]) - m);
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float o = 0.0f;
+        for (int j = 0; j < active; j++) o += __ldcg(&all[(size_t)j * (d + 2) + 2 + c]) * expf(__ldcg(&all[(size_t)j * (d + 2)]) - m);
+        out[head * d + c] = o / l * sigmoidf_(gate[head * d + c]);
+    }
+    if (threadIdx.x == 0) done[head] = 0;
+}
+
+// Causal GQA attention of a tensor-core prefill (flash attention 2 on bf16 mma, f32 sums; the
+// f32 attention_tiled is its reference): q rounded to bf16, k and v given in bf16 (the caches
+// rounded by to_bf16, same layout [position, hkv, D]), and the softmax weights P rounded before
+// they multiply V; scores, the online softmax and the outputs in f32. Block (64 queries, query
+// head), 8 warps: warp w takes query rows 16 (w % 4).. and output dims (w / 4) D / 2.. (the two
+// warps of a row group compute the same scores, so S costs twice and each holds half of O in
+// registers). Keys go KT at a time through shared memory, two tiles in flight (cp.async: the
+// next tile loads while this one is multiplied), and every mma operand of K and V comes from
+// one ldmatrix per two 16 x 8 pieces. (The first version converted f32 tiles in registers and
+// stored them one value at a time, V transposed: 7.3 ms of a 9B prefill of 2048 tokens on an
+// H200, about 38 TFLOP/s; this one 4.6 ms.)
+// Grid: (ceil(t / 64), hq); block: 256. D: the head dim, a multiple of 32; KT a multiple of 16.
+template <int D, int KT>
+__device__ void attention_mma_body(const float* q, const bf16_t* kb, const bf16_t* vb, const float* gate, float* out, int t, int hq, int hkv, const u32* pos) {
+    constexpr int KSTEPS = D / 16, HALF = D / 2, NT = HALF / 8, PIECES = D / 8, PER = (KT * PIECES + 255) / 256;
+    __shared__ __align__(16) bf16_t ks[2][KT][D + 8];
+    __shared__ __align__(16) bf16_t vs[2][KT][D + 8];
+    int pos0 = (int)pos[0];
+    int q0 = blockIdx.x * 64, h = blockIdx.y, kvh = h / (hq / hkv);
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int row0 = q0 + (warp & 3) * 16, dim0 = (warp >> 2) * HALF;
+    int r = lane >> 2, cp = (lane & 3) * 2;
+    int kend = pos0 + min(q0 + 64, t);  // keys 0..kend - 1 are visible to some row of this block
+    int last_key = pos0 + row0 + 15;     // the last one visible to some row of this warp
+    // Scores in log2 units, for exp2f.
+    float scale = 1.4426950408889634f / sqrtf((float)D);
+    // A tile's keys and values, 16 bytes a copy, into stage `st`.
+    auto load_tile = [&](int k0, int st) {
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            int e = tid + j * 256, key = e / PIECES, c = (e % PIECES) * 8;
+            if (e < KT * PIECES) {
+                bool in = k0 + key < kend;
+                size_t at = in ? ((size_t)(k0 + key) * hkv + kvh) * D + c : 0;
+                copy16_async(&ks[st][key][c], kb + at, in);
+                copy16_async(&vs[st][key][c], vb + at, in);
+            }
+        }
+        copy_async_commit();
+    };
+    load_tile(0, 0);
+    u32 qa[KSTEPS][4];
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; kk++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int row = row0 + r + (i & 1) * 8, col = kk * 16 + cp + (i >> 1) * 8;
+            const float* src = q + ((size_t)row * hq + h) * D + col;
+            qa[kk][i] = row < t ? pack_bf16x2(src[0], src[1]) : 0u;
+        }
+    float o[NT][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < NT; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    int tiles = (kend + KT - 1) / KT;
+    for (int it = 0; it < tiles; it++) {
+        int k0 = it * KT, st = it & 1;
+        if (it + 1 < tiles) {
+            load_tile(k0 + KT, st ^ 1);
+            copy_async_wait<1>();
+        } else {
+            copy_async_wait<0>();
+        }
+        __syncthreads();  // tile `it` is in for every thread
+        if (k0 <= last_key) {
+            // S = Q K^T for this warp's 16 rows and the tile's KT keys: KT / 8 pieces of 16 x 8.
+            float s[KT / 8][4];
+#pragma unroll
+            for (int j = 0; j < KT / 8; j++) {
+                s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+                for (int kk = 0; kk < KSTEPS; kk += 2) {
+                    u32 b[4];
+                    ldmatrix_x4<false>(b, &ks[st][j * 8 + (lane & 7)][kk * 16 + (lane >> 3) * 8]);
+                    mma_bf16_16816(s[j], qa[kk], b[0], b[1]);
+                    mma_bf16_16816(s[j], qa[kk + 1], b[2], b[3]);
+                }
+            }
+            // Online softmax of the two rows this lane holds (r and r + 8; four lanes per row).
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                int qpos = pos0 + row0 + r + 8 * i;
+                float mx = NEG_INF;
+#pragma unroll
+                for (int j = 0; j < KT / 8; j++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        int key = k0 + j * 8 + cp + e;
+                        float v = key <= qpos ? s[j][2 * i + e] * scale : NEG_INF;
+                        s[j][2 * i + e] = v;
+                        mx = fmaxf(mx, v);
+                    }
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                // Key 0 is visible to every row, so after the first tile m is finite.
+                float m_new = fmaxf(m[i], mx), alpha = exp2f(m[i] - m_new), sum = 0.0f;
+#pragma unroll
+                for (int j = 0; j < KT / 8; j++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        float p = exp2f(s[j][2 * i + e] - m_new);
+                        s[j][2 * i + e] = p;
+                        sum += p;
+                    }
+                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+                sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+                l[i] = l[i] * alpha + sum;
+                m[i] = m_new;
+#pragma unroll
+                for (int j = 0; j < NT; j++) { o[j][2 * i] *= alpha; o[j][2 * i + 1] *= alpha; }
+            }
+            // O += P V: P's accumulator layout is the A operand's (keys 16 kk.. as two 8-key
+            // pieces); V's B operands for two 8-dim pieces from one transposing ldmatrix.
+#pragma unroll
+            for (int kk = 0; kk < KT / 16; kk++) {
+                u32 pa[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]), pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+                for (int j = 0; j < NT; j += 2) {
+                    u32 b[4];
+                    ldmatrix_x4<true>(b, &vs[st][kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][dim0 + j * 8 + (lane >> 4) * 8]);
+                    mma_bf16_16816(o[j], pa, b[0], b[1]);
+                    mma_bf16_16816(o[j + 1], pa, b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with stage st before it is loaded again
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        int row = row0 + r + 8 * i;
+        if (row >= t) continue;
+        float inv = 1.0f / l[i];
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                size_t at = ((size_t)row * hq + h) * D + dim0 + j * 8 + cp + e;
+                out[at] = o[j][2 * i + e] * inv * sigmoidf_(gate[at]);
+            }
+    }
+}
+// KT: 16 keys a tile at head dim 256, else 32, so that two tiles of K and V fit in the 48 KB
+// of static shared memory.
+#define ATTENTION_MMA(NAME, D)                                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const float* q, const bf16_t* kb, const bf16_t* vb, const float* gate, float* out, int t, int hq, \
+                                                           int hkv, const u32* pos) {                                                             \
+        pdl_enter();                                                                                                                              \
+        attention_mma_body<D, (D >= 256 ? 16 : 32)>(q, kb, vb, gate, out, t, hq, hkv, pos);                                                      \
+    }
+ATTENTION_MMA(attention_mma_32, 32)
+ATTENTION_MMA(attention_mma_64, 64)
+ATTENTION_MMA(attention_mma_128, 128)
+ATTENTION_MMA(attention_mma_256, 256)
+
+// Causal GQA attention of a prefill, tiled (flash attention, in f32): one block per (64 queries,
+// query head) walks the visible keys 64 at a time with an online softmax, so each key and value
+// row is read once per 64 queries and no buffer grows with the context. S = Q K^T: thread
+// (ty, tx) holds rows 4ty.. and keys 4tx..; O: rows 4ty.., columns tx + 16c. The 16 threads of
+// a row group are one half-warp (row max and sum by shuffles). d <= 256, a multiple of 16.
+// Grid: (ceil(t / 64), hq); block: 256.
+#define AQ 64
+#define AK 64
+extern "C" __global__ void __launch_bounds__(256) attention_tiled(const float* q, const float* kc, const float* vc, const float* gate, float* out, int t, int hq,
+                                                                  int hkv, int d, const u32* pos) {
+    pdl_enter();
+    // qs/ks (staged 32 channels at a time for S) share their memory with vs (16 keys of V).
+    __shared__ float tiles[2 * AQ * 33];
+    __shared__ float ps[AQ][AK + 1];
+    float(*qs)[33] = (float(*)[33])tiles;
+    float(*ks)[33] = (float(*)[33])(tiles + AQ * 33);
+    float* vs = tiles;
+    int pos0 = (int)pos[0];
+    int q0 = blockIdx.x * AQ, h = blockIdx.y, kvh = h / (hq / hkv);
+    int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
+    int rows = min(AQ, t - q0);
+    int kend = pos0 + q0 + rows;  // keys 0..kend - 1 are visible to some row of this block
+    float scale = 1.0f / sqrtf((float)d);
+    float m[4], l[4], o[4][16];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        m[r] = NEG_INF;
+        l[r] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 16; c++) o[r][c] = 0.0f;
+    }
+    for (int k0 = 0; k0 < kend; k0 += AK) {
+        float sc[4][4] = {{0}};
+        for (int d0 = 0; d0 < d; d0 += 32) {
+            __syncthreads();
+            for (int e = tid; e < AQ * 32; e += 256) {
+                int i = e / 32, dd = e % 32;
+                bool dok = d0 + dd < d;
+                qs[i][dd] = (i < rows && dok) ? q[((size_t)(q0 + i) * hq + h) * d + d0 + dd] : 0.0f;
+                ks[i][dd] = (k0 + i < kend && dok) ? kc[((size_t)(k0 + i) * hkv + kvh) * d + d0 + dd] : 0.0f;
+            }
+            __syncthreads();
+#pragma unroll 8
+            for (int dd = 0; dd < 32; dd++) {
+                float a[4], b[4];
+#pragma unroll
+                for (int r = 0; r < 4; r++) { a[r] = qs[ty * 4 + r][dd]; b[r] = ks[tx * 4 + r][dd]; }
+#pragma unroll
+                for (int r = 0; r < 4; r++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) sc[r][c] += a[r] * b[c];
+            }
+        }
+        // Online softmax: mask, new row max, rescale what was summed so far.
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            int qp = pos0 + q0 + ty * 4 + r;
+            float mx = NEG_INF;
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                int kp = k0 + tx * 4 + c;
+                sc[r][c] = kp <= qp ? sc[r][c] * scale : NEG_INF;
+                mx = fmaxf(mx, sc[r][c]);
+            }
+            for (int off = 8; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            float mn = fmaxf(m[r], mx);
+            // A row past the prompt's end sees nothing (mn = -inf): keep it at zero.
+            float corr = mn == NEG_INF ? 1.0f : expf(m[r] - mn);
+            float sum = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                float p = mn == NEG_INF ? 0.0f : expf(sc[r][c] - mn);
+                ps[ty * 4 + r][tx * 4 + c] = p;
+                sum += p;
+            }
+            for (int off = 8; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+            m[r] = mn;
+            l[r] = l[r] * corr + sum;
+#pragma unroll
+            for (int c = 0; c < 16; c++) o[r][c] *= corr;
+        }
+        // O += P V, 16 keys of V at a time.
+        for (int j0 = 0; j0 < AK; j0 += 16) {
+            __syncthreads();
+            for (int e = tid; e < 16 * d; e += 256) {
+                int jj = e / d, dd = e % d;
+                vs[jj * d + dd] = k0 + j0 + jj < kend ? vc[((size_t)(k0 + j0 + jj) * hkv + kvh) * d + dd] : 0.0f;
+            }
+            __syncthreads();
+#pragma unroll 4
+            for (int jj = 0; jj < 16; jj++) {
+                float p[4];
+#pragma unroll
+                for (int r = 0; r < 4; r++) p[r] = ps[ty * 4 + r][j0 + jj];
+#pragma unroll
+                for (int c = 0; c < 16; c++) {
+                    if (tx + 16 * c < d) {
+                        float v = vs[jj * d + tx + 16 * c];
+#pragma unroll
+                        for (int r = 0; r < 4; r++) o[r][c] += p[r] * v;
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        int i = ty * 4 + r;
+        if (i >= rows) continue;
+        float inv = 1.0f / l[r];
+#pragma unroll
+        for (int c = 0; c < 16; c++) {
+            int col = tx + 16 * c;
+            if (col < d) {
+                size_t at = ((size_t)(q0 + i) * hq + h) * d + col;
+                out[at] = o[r][c] * inv * sigmoidf_(gate[at]);
+            }
+        }
+    }
+}

@@ -1,0 +1,167 @@
+// tandem's CUDA kernels for Qwen3.5, compiled at run time with NVRTC (backend/cuda/mod.rs
+// joins the files of this folder in the order of `KERNEL_SOURCES`: common.cuh, norm.cu,
+// gemv.cu, gemm.cu, deltanet.cu, attention.cu, sample.cu; each may use what those before it
+// define). Each kernel is the GPU form of a CPU kernel in backend/cpu (kernels/ or forward.rs),
+// which is its reference: the same formula in the same f32 arithmetic (sums may run in another
+// order). Activations are f32; weights are bf16, stored as unsigned short and widened by a
+// shift. tests/cuda_emu/checks.cpp holds each kernel to a plain double-precision reference on
+// CPU threads.
+//
+// Positions are read from GPU memory (`pos`: the position of a sequence's first token in this
+// call), not passed as arguments, so that a captured decode step (a CUDA graph) replays at
+// whatever position its state has reached.
+//
+// common.cuh: the types, reductions, programmatic dependent launch, the blocks' hand-over, bf16
+// rounding, and the tensor-core instructions (mma, ldmatrix, asynchronous copies).
+
+
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float bf16_to_f32(bf16_t b) { return __uint_as_float(((u32)b) << 16); }
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float siluf_(float x) { return x / (1.0f + expf(-x)); }
+// torch softplus, threshold 20.
+__device__ __forceinline__ float softplusf_(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// Programmatic dependent launch (sm_90 and later; cuda/mod.rs sets the launch attribute): a
+// kernel may start while the one before it in the stream is still running. Each kernel first
+// lets the next one launch (`griddepcontrol.launch_dependents`), then waits until the one
+// before it has finished and its writes are visible (`griddepcontrol.wait`). Before the wait a
+// kernel reads only what no kernel of the same forward call writes (weights, and in a decode
+// step the recurrent state, whose writer ran in an earlier call), so its loads overlap the
+// previous kernel; everything else comes after it. Every kernel waits, so that a kernel's end
+// implies the end of all kernels before it. Without the attribute both are no-ops.
+__device__ __forceinline__ void pdl_launch_next() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait_previous() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// The first thing a kernel does that reads nothing before the wait.
+__device__ __forceinline__ void pdl_enter() {
+    pdl_launch_next();
+    pdl_wait_previous();
+}
+
+struct Sum {
+    __device__ float operator()(float a, float b) const { return a + b; }
+};
+struct Max {
+    __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// Reduce over the warp with `op`; every lane gets the result.
+template <typename Op>
+__device__ __forceinline__ float warp_reduce(float v, Op op) {
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, Sum()); }
+
+// Reduce over the block (blockDim.x a multiple of 32, at most 1024) with `op`, whose identity
+// is `identity`; every thread gets the result.
+template <typename Op>
+__device__ float block_reduce(float v, float identity, Op op) {
+    __shared__ float part[32];
+    __shared__ float total;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_reduce(v, op);
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float s = lane < (int)(blockDim.x >> 5) ? part[lane] : identity;
+        s = warp_reduce(s, op);
+        if (lane == 0) total = s;
+    }
+    __syncthreads();
+    return total;
+}
+__device__ float block_sum(float v) { return block_reduce(v, 0.0f, Sum()); }
+__device__ float block_max(float v) { return block_reduce(v, NEG_INF, Max()); }
+
+// Whether this block is the last of the `count` blocks that share the counter `*done` to get
+// here, where the blocks of a group hand their partial results to one of them (the pattern of
+// the CUDA threadFenceReduction sample: results, fence, then the count). What every block wrote
+// before the call is visible to the last one after it, which must reset `*done` to 0 for the
+// next launch. Every thread of the block calls it.
+__device__ bool last_block_of(unsigned* done, unsigned count) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == count - 1;
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
+// Round f32 to bf16, nearest even (the operand of a tensor-core GEMM).
+__device__ __forceinline__ bf16_t f32_to_bf16(float x) {
+    u32 b = __float_as_uint(x);
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return (bf16_t)(b >> 16);
+}
+
+// Two f32 rounded to bf16 and packed, the first in the low half: an mma operand register, or
+// two neighbours of a bf16 array.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) { return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16); }
+
+// d (16 x 8, f32) += a (16 x 16, bf16, row-major) . b (16 x 8, bf16, column-major): the
+// tensor-core instruction of sm_80 and later. Lane l holds a at rows l / 4 (+8), columns
+// 2 (l % 4) (+1, +8, +9); b at rows 2 (l % 4) (+1, +8, +9), column l / 4; d at row l / 4 (+8),
+// columns 2 (l % 4) (+1).
+__device__ __forceinline__ void mma_bf16_16816(float* d, const u32* a, u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
+}
+
+// A 16-byte copy from global to shared memory that completes in the background (cp.async,
+// sm_80 and later; elsewhere a plain copy); zeros instead where `valid` is false (src is then
+// not read). copy_async_commit closes a group of them; copy_async_wait<N> waits until at most
+// the N latest groups are still in flight (for this thread's copies: a barrier must follow
+// before other threads read them).
+__device__ __forceinline__ void copy16_async(void* dst, const void* src, bool valid) {
+#if __CUDA_ARCH__ >= 800
+    unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(valid ? 16 : 0) : "memory");
+#else
+    *(uint4*)dst = valid ? *(const uint4*)src : make_uint4(0, 0, 0, 0);
+#endif
+}
+__device__ __forceinline__ void copy_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void copy_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// Four 8 x 8 bf16 matrices from shared memory (ldmatrix, sm_80 and later, like the mma that
+// takes them): lane l gives the address of row l % 8 of matrix l / 8 (8 contiguous values).
+// r[i] gets matrix i's row l / 4, columns 2 (l % 4) and +1, or with TRANS its column l / 4,
+// rows 2 (l % 4) and +1: the layout of an mma operand register.
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const bf16_t* p) {
+#if __CUDA_ARCH__ >= 800
+    unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    if (TRANS) asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+    else asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+#else
+    __trap();
+#endif
+}

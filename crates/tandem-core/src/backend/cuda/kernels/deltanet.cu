@@ -1,0 +1,663 @@
+// The Gated DeltaNet mixer: the causal conv, the decode step, the chunked delta rule of a
+// prefill (on CUDA cores and on tensor cores) and the gated RMSNorm of its output.
+
+// Causal depthwise conv + SiLU of a prefill (qwen35.rs causal_conv_silu), and the l2 norm of
+// each q and k head of its output (q also times q_scale; the first qk_channels channels are the
+// q heads, then the k heads, of dk channels each). The window of token i is the raw inputs
+// i - kk + 1 ..= i, those before the call read from the conv state `conv` ([kk, cd], oldest
+// first). A thread takes 4 neighbouring channels of CONV_RUN tokens and slides the window over
+// them, so that each input is read once per run (one thread per token and channel read every
+// input kk times: 2.5 ms of a 9B prefill of 2048 tokens on an H200, and the norm in a kernel of
+// its own another 0.5 ms); the dk / 4 lanes of a head add up its squares with shuffles. Two
+// builds, for kk <= 4 (Qwen3.5's) and kk <= 8: the window's registers are sized by the build.
+// Grid: (ceil(t / CONV_RUN), ceil(cd / 1024)); block 256. cd a multiple of 4; dk a power of
+// two from 4 to 128.
+#define CONV_RUN 8
+__device__ __forceinline__ float conv_input(const float* conv, const float* qkv, int p, int c, int cd, int kk) {
+    return p >= 0 ? qkv[(size_t)p * cd + c] : conv[(size_t)(kk + p) * cd + c];
+}
+template <int KMAX>
+__device__ void conv_silu_rows_body(const float* conv, const float* qkv, const float* taps, float* out, int t, int cd, int kk, int qk_channels, int dk, float q_scale) {
+    int c = 4 * (blockIdx.y * blockDim.x + threadIdx.x), i0 = blockIdx.x * CONV_RUN, n = min(CONV_RUN, t - i0);
+    bool has = c < cd;
+    int cc = has ? c : 0;  // lanes past the last channel still take part in the shuffles
+    auto input = [&](int p) { return p >= 0 ? *(const float4*)&qkv[(size_t)p * cd + cc] : *(const float4*)&conv[(size_t)(kk + p) * cd + cc]; };
+    float4 tap[KMAX], win[KMAX], raw[CONV_RUN];
+#pragma unroll
+    for (int q = 0; q < KMAX; q++)
+        if (q < kk) {
+            tap[q] = *(const float4*)&taps[(size_t)q * cd + cc];
+            win[q] = input(i0 - kk + q);
+        }
+#pragma unroll
+    for (int r = 0; r < CONV_RUN; r++) raw[r] = r < n ? input(i0 + r) : make_float4(0, 0, 0, 0);
+    bool normed = c < qk_channels;
+    float scale = c < qk_channels / 2 ? q_scale : 1.0f;
+#pragma unroll
+    for (int r = 0; r < CONV_RUN; r++) {
+        if (r >= n) break;  // the same for the whole block
+        float4 acc = make_float4(0, 0, 0, 0);
+#pragma unroll
+        for (int q = 0; q < KMAX; q++) {
+            if (q + 1 < kk) win[q] = win[q + 1];
+            else if (q + 1 == kk) win[q] = raw[r];
+            if (q < kk) {
+                acc.x = fmaf(tap[q].x, win[q].x, acc.x);
+                acc.y = fmaf(tap[q].y, win[q].y, acc.y);
+                acc.z = fmaf(tap[q].z, win[q].z, acc.z);
+                acc.w = fmaf(tap[q].w, win[q].w, acc.w);
+            }
+        }
+        float4 y = make_float4(siluf_(acc.x), siluf_(acc.y), siluf_(acc.z), siluf_(acc.w));
+        float ss = y.x * y.x + y.y * y.y + y.z * y.z + y.w * y.w;
+        for (int o = 1; o < dk / 4; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (normed) {
+            float inv = 1.0f / sqrtf(ss + 1e-6f) * scale;
+            y = make_float4(y.x * inv, y.y * inv, y.z * inv, y.w * inv);
+        }
+        if (has) *(float4*)&out[(size_t)(i0 + r) * cd + c] = y;
+    }
+}
+#define CONV_SILU_ROWS(NAME, KMAX)                                                                                                                        \
+    extern "C" __global__ void NAME(const float* conv, const float* qkv, const float* taps, float* out, int t, int cd, int kk, int qk_channels, int dk, \
+                                    float q_scale) {                                                                                                      \
+        pdl_enter();                                                                                                                                      \
+        conv_silu_rows_body<KMAX>(conv, qkv, taps, out, t, cd, kk, qk_channels, dk, q_scale);                                                            \
+    }
+CONV_SILU_ROWS(conv_silu_rows_4, 4)
+CONV_SILU_ROWS(conv_silu_rows_8, 8)
+
+// After conv_silu_rows: the conv state becomes the last kk raw inputs (one thread per channel
+// reads its old columns before it writes any).
+extern "C" __global__ void conv_state_tail(float* conv, const float* qkv, int t, int cd, int kk) {
+    pdl_enter();
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cd) return;
+    float win[8];
+    for (int j = 0; j < kk; j++) win[j] = conv_input(conv, qkv, t - kk + j, c, cd, kk);
+    for (int j = 0; j < kk; j++) conv[(size_t)j * cd + c] = win[j];
+}
+
+// A DeltaNet layer's mixer for a few tokens (decode), in one launch: causal conv + SiLU, l2 norm
+// of q and k (q scaled by 1/sqrt(dk)), the gated delta rule token after token
+// (deltanet.rs recurrent_step) and the gated RMSNorm (backend/cpu/forward.rs), from the projections
+// (qkv, z, b, a) to the core output.
+// Block (vh, cb) of the grid (hv * dv / 32) owns the 32 state columns cb * 32.. of value head
+// vh: warp w holds rows w * R.. (R = DK / 16) of them and lane l column l, so that every state
+// load is one 128-byte line and a decode step spreads over hv * dv / 32 SMs (one block per key
+// head left most SMs idle: 16.7 us per layer on an H100). Every block of a key head recomputes
+// its conv, norms and gates (a few hundred values); each conv channel of v has one owner block.
+// The gated RMSNorm needs the whole head, and the key head's q/k conv window must not be
+// rewritten while one of its blocks may still read it, so each block writes its raw outputs and
+// their sum of squares per token, and the last block of the key head to finish (a counter in
+// `done`, which it resets) normalises them all and writes the q/k window.
+// Block: 512 threads; t <= 8; partial_ss: hv * (dv / 32) * 8 floats; done: hk zeroed counters.
+template <int DK>
+__device__ void deltanet_step_body(float* conv, float* state, const float* qkv, const float* z, const float* bproj, const float* aproj, const float* taps,
+                                   const float* neg_a, const float* dt_bias, const float* norm_w, float* core, float* partial_ss, unsigned* done, int t, int hk,
+                                   int hv, int dv, int cd, int kk, float eps) {
+    constexpr int WARPS = 16, R = DK / WARPS, CB = 32, KMAX = 8, TMAX = 8;
+    __shared__ float sq[DK], sk[DK], sv[CB], stats[2], red[WARPS][CB];
+    int blocks_per_head = dv / CB, vh = blockIdx.x / blocks_per_head, cb = blockIdx.x % blocks_per_head;
+    int ratio = hv / hk, kh = vh / ratio, kd = hk * DK, vd = hv * dv;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, j = cb * CB + lane;
+    // The conv channel this thread owns (if any): q, then k of the key head, then this block's v.
+    bool has_ch = tid < 2 * DK + CB;
+    int ch = tid < DK ? kh * DK + tid : tid < 2 * DK ? kd + kh * DK + (tid - DK) : 2 * kd + vh * dv + cb * CB + (tid - 2 * DK);
+    float win[KMAX];
+    if (has_ch) {
+#pragma unroll
+        for (int q = 0; q < KMAX; q++)
+            if (q < kk) win[q] = conv[(size_t)q * cd + ch];
+    }
+    float* sh = state + (size_t)vh * DK * dv;
+    float s[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) s[i] = sh[(size_t)(warp * R + i) * dv + j];
+    // The state and conv window were loaded before the wait: their last writer is this kernel
+    // in an earlier forward call, and every call starts with a copy of its token ids that
+    // waits for all earlier work.
+    pdl_enter();
+    for (int tok = 0; tok < t; tok++) {
+        if (has_ch) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int q = 0; q < KMAX; q++) {
+                if (q + 1 < kk) win[q] = win[q + 1];
+                else if (q + 1 == kk) win[q] = qkv[(size_t)tok * cd + ch];
+                if (q < kk) acc = fmaf(taps[(size_t)q * cd + ch], win[q], acc);
+            }
+            float y = siluf_(acc);
+            if (tid < DK) sq[tid] = y; else if (tid < 2 * DK) sk[tid - DK] = y; else sv[tid - 2 * DK] = y;
+        }
+        __syncthreads();
+        // Warp 0: 1 / |q| (times 1/sqrt(dk)); warp 1: 1 / |k|.
+        if (tid < 64) {
+            const float* v = tid < 32 ? sq : sk;
+            float ss = 0.0f;
+            for (int i = lane; i < DK; i += 32) ss += v[i] * v[i];
+            ss = warp_sum(ss);
+            if (lane == 0) stats[warp] = 1.0f / sqrtf(ss + 1e-6f) * (warp == 0 ? rsqrtf((float)DK) : 1.0f);
+        }
+        __syncthreads();
+        float qn = stats[0], kn = stats[1];
+        float beta = sigmoidf_(bproj[tok * hv + vh]);
+        float alpha = expf(neg_a[vh] * softplusf_(aproj[tok * hv + vh] + dt_bias[vh]));
+        float m = 0.0f;
+#pragma unroll
+        for (int i = 0; i < R; i++) { s[i] *= alpha; m += s[i] * (sk[warp * R + i] * kn); }
+        red[warp][lane] = m;
+        __syncthreads();
+        m = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) m += red[w][lane];
+        float u = beta * (sv[lane] - m);
+        float o = 0.0f;
+#pragma unroll
+        for (int i = 0; i < R; i++) { s[i] += (sk[warp * R + i] * kn) * u; o += s[i] * (sq[warp * R + i] * qn); }
+        __syncthreads();  // every warp has read red
+        red[warp][lane] = o;
+        __syncthreads();
+        if (warp == 0) {
+            o = 0.0f;
+#pragma unroll
+            for (int w = 0; w < WARPS; w++) o += red[w][lane];
+            core[(size_t)tok * vd + vh * dv + j] = o;
+            float ss = warp_sum(o * o);
+            if (lane == 0) partial_ss[(size_t)blockIdx.x * TMAX + tok] = ss;
+        }
+        __syncthreads();  // sq, sk, sv and red are rewritten by the next token
+    }
+#pragma unroll
+    for (int i = 0; i < R; i++) sh[(size_t)(warp * R + i) * dv + j] = s[i];
+    if (tid >= 2 * DK && has_ch) {
+#pragma unroll
+        for (int q = 0; q < KMAX; q++)
+            if (q < kk) conv[(size_t)q * cd + ch] = win[q];
+    }
+    // Hand over to the last block of the key head.
+    if (!last_block_of(&done[kh], ratio * blocks_per_head)) return;
+    if (tid < 2 * DK) {
+#pragma unroll
+        for (int q = 0; q < KMAX; q++)
+            if (q < kk) conv[(size_t)q * cd + ch] = win[q];
+    }
+    for (int e = tid; e < t * ratio * dv; e += blockDim.x) {
+        int tok = e / (ratio * dv), h = kh * ratio + (e % (ratio * dv)) / dv, c = e % dv;
+        float total = 0.0f;
+        for (int b = 0; b < blocks_per_head; b++) total += __ldcg(&partial_ss[(size_t)(h * blocks_per_head + b) * TMAX + tok]);
+        size_t at = (size_t)tok * vd + h * dv + c;
+        float inv = 1.0f / sqrtf(total / dv + eps);
+        core[at] = norm_w[c] * (__ldcg(&core[at]) * inv) * siluf_(z[at]);
+    }
+    if (tid == 0) done[kh] = 0;
+}
+#define DELTANET_STEP(NAME, DK)                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(512) NAME(float* conv, float* state, const float* qkv, const float* z, const float* b, const float* a, const float* taps, \
+                                    const float* na, const float* dt, const float* nw, float* core, float* pss, unsigned* done, int t, int hk, int hv, int dv, int cd, int kk, float eps) { \
+        deltanet_step_body<DK>(conv, state, qkv, z, b, a, taps, na, dt, nw, core, pss, done, t, hk, hv, dv, cd, kk, eps);                    \
+    }
+DELTANET_STEP(deltanet_step_32, 32)
+DELTANET_STEP(deltanet_step_64, 64)
+DELTANET_STEP(deltanet_step_128, 128)
+
+// The chunked gated delta rule of a prefill (deltanet.rs chunked_body), in two kernels.
+// Part 1, every (chunk of 64 tokens, value head) at once, as it needs no state: the cumulative
+// log-decay G, the matrices A = (beta k . k^T) * decay (strictly lower) and P = (q . k^T) * decay
+// (lower with the diagonal), and by forward substitution (I + A) U = beta v and
+// (I + A) W = beta k exp(G). Writes gcum [t, hv], U [t, hv, dv], W [t, hv, dk] and
+// P [chunks, hv, 64, 64]. `mixed` holds the conv output with q and k already l2-normalised.
+// Block: 256 threads (at least dk + dv); grid: (chunks, hv).
+#define CHUNK 64
+extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prep(const float* mixed, const float* bproj, const float* aproj, const float* neg_a, const float* dt_bias,
+                                                                      float* gcum, float* U, float* W, float* P, int t, int hk, int hv, int dk, int dv, int cd) {
+    pdl_enter();
+    __shared__ float qs[CHUNK][33], ks[CHUNK][33], as[CHUNK][CHUNK + 1], gc[CHUNK], bt[CHUNK];
+    int chunk = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    int c0 = chunk * CHUNK, n = min(CHUNK, t - c0);
+    int kh = h / (hv / hk), kd = hk * dk;
+    if (tid < CHUNK) {
+        float g = 0.0f, b = 0.0f;
+        if (tid < n) {
+            g = neg_a[h] * softplusf_(aproj[(size_t)(c0 + tid) * hv + h] + dt_bias[h]);
+            b = sigmoidf_(bproj[(size_t)(c0 + tid) * hv + h]);
+        }
+        gc[tid] = g;
+        bt[tid] = b;
+    }
+    __syncthreads();
+    if (tid == 0)
+        for (int i = 1; i < n; i++) gc[i] += gc[i - 1];
+    __syncthreads();
+    if (tid < n) gcum[(size_t)(c0 + tid) * hv + h] = gc[tid];
+    // k . k^T and q . k^T, 4 x 4 entries per thread, over dk in steps of 32; the next 32
+    // channels' loads in flight while these are multiplied (with the column loads below in
+    // flight together too, this kernel went from 6.3 to 5.0 ms of a 9B prefill on an H200).
+    int ty = tid / 16, tx = tid % 16;
+    float accA[4][4] = {{0}}, accP[4][4] = {{0}};
+    constexpr int PER = CHUNK * 32 / 256;
+    float rq[PER], rk[PER];
+    auto load_qk = [&](int d0) {
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            int e = tid + j * 256, i = e / 32, dd = e % 32;
+            const float* row = mixed + (size_t)(c0 + i) * cd;
+            rq[j] = i < n ? row[kh * dk + d0 + dd] : 0.0f;
+            rk[j] = i < n ? row[kd + kh * dk + d0 + dd] : 0.0f;
+        }
+    };
+    load_qk(0);
+    for (int d0 = 0; d0 < dk; d0 += 32) {
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            int e = tid + j * 256;
+            qs[e / 32][e % 32] = rq[j];
+            ks[e / 32][e % 32] = rk[j];
+        }
+        __syncthreads();
+        if (d0 + 32 < dk) load_qk(d0 + 32);
+#pragma unroll 8
+        for (int dd = 0; dd < 32; dd++) {
+            float qa[4], ka[4], kb[4];
+#pragma unroll
+            for (int r = 0; r < 4; r++) { qa[r] = qs[ty * 4 + r][dd]; ka[r] = ks[ty * 4 + r][dd]; kb[r] = ks[tx * 4 + r][dd]; }
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) { accA[r][c] += ka[r] * kb[c]; accP[r][c] += qa[r] * kb[c]; }
+        }
+        __syncthreads();
+    }
+    float* Pc = P + ((size_t)chunk * hv + h) * CHUNK * CHUNK;
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            int i = ty * 4 + r, jj = tx * 4 + c;
+            float decay = jj <= i ? expf(gc[i] - gc[jj]) : 0.0f;
+            as[i][jj] = jj < i ? bt[i] * accA[r][c] * decay : 0.0f;
+            Pc[i * CHUNK + jj] = accP[r][c] * decay;
+        }
+    __syncthreads();
+    // Forward substitution, one column of U (threads < dv) or W (the next dk) per thread, the
+    // column in registers (the loops are unrolled).
+    if (tid < dv + dk) {
+        bool is_u = tid < dv;
+        int d = is_u ? tid : tid - dv;
+        const float* src = mixed + (is_u ? 2 * kd + h * dv + d : kd + kh * dk + d);
+        // The column's 64 loads first, all in flight together, then the substitution in place.
+        float col[CHUNK];
+#pragma unroll
+        for (int i = 0; i < CHUNK; i++) col[i] = i < n ? src[(size_t)(c0 + i) * cd] : 0.0f;
+#pragma unroll
+        for (int i = 0; i < CHUNK; i++) {
+            float acc = is_u ? bt[i] * col[i] : bt[i] * col[i] * expf(gc[i]);
+#pragma unroll
+            for (int jj = 0; jj < i; jj++) acc -= as[i][jj] * col[jj];
+            col[i] = acc;
+        }
+        float* dst = is_u ? U + (size_t)h * dv + d : W + (size_t)h * dk + d;
+        size_t stride = (size_t)hv * (is_u ? dv : dk);
+        for (int i = 0; i < n; i++) dst[(size_t)(c0 + i) * stride] = col[i];
+    }
+}
+
+// Part 2, the state's way through the chunks (in order), one block per (value head, DS value
+// columns): V' = U - W S, O = (q exp(G)) S + P V', S <- exp(G_last) S + (k exp(G_last - G))^T V'.
+// The DS columns of S live in shared memory; thread (group, col) takes rows RPG * group .. of
+// the chunk's products. Block: 256 threads; grid: (hv, dv / DS).
+template <int DS>
+__device__ void deltanet_chunk_state_body(float* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P, float* core, int t, int hk, int hv,
+                                          int dk, int dv, int cd) {
+    constexpr int G = 256 / DS, RPG = CHUNK / G;
+    __shared__ float S[128][DS], vp[CHUNK][DS + 1], gc[CHUNK];
+    // xs and ys (32 key channels of W, q or k for every row), or P.
+    __shared__ float tiles[2 * CHUNK * 33];
+    float(*xs)[33] = (float(*)[33])tiles;
+    float(*ys)[33] = (float(*)[33])(tiles + CHUNK * 33);
+    float(*ps)[CHUNK] = (float(*)[CHUNK])tiles;
+    int h = blockIdx.x, col0 = blockIdx.y * DS, tid = threadIdx.x, col = tid % DS, grp = tid / DS;
+    int kh = h / (hv / hk), kd = hk * dk, vd = hv * dv;
+    float* sh = state + (size_t)h * dk * dv;
+    for (int e = tid; e < dk * DS; e += blockDim.x) S[e / DS][e % DS] = sh[(size_t)(e / DS) * dv + col0 + e % DS];
+    int chunks = (t + CHUNK - 1) / CHUNK;
+    for (int chunk = 0; chunk < chunks; chunk++) {
+        int c0 = chunk * CHUNK, n = min(CHUNK, t - c0);
+        __syncthreads();
+        if (tid < CHUNK) gc[tid] = tid < n ? gcum[(size_t)(c0 + tid) * hv + h] : 0.0f;
+        __syncthreads();
+        // This chunk's U and P, loaded now and used after W S: their loads run meanwhile.
+        const float* Pc = P + ((size_t)chunk * hv + h) * CHUNK * CHUNK;
+        float ur[RPG], pr[CHUNK * CHUNK / 256];
+#pragma unroll
+        for (int r = 0; r < RPG; r++) {
+            int i = grp * RPG + r;
+            ur[r] = i < n ? U[((size_t)(c0 + i) * hv + h) * dv + col0 + col] : 0.0f;
+        }
+#pragma unroll
+        for (int q = 0; q < CHUNK * CHUNK / 256; q++) pr[q] = Pc[tid + q * 256];
+        // W S and (q exp(G)) S, the next 32 key channels loaded while these are multiplied.
+        constexpr int PER = CHUNK * 32 / 256;
+        float rx[PER], ry[PER];
+        auto load_wq = [&](int d0) {
+#pragma unroll
+            for (int q = 0; q < PER; q++) {
+                int e = tid + q * 256, i = e / 32, dd = e % 32;
+                bool in = i < n;
+                rx[q] = in ? W[((size_t)(c0 + i) * hv + h) * dk + d0 + dd] : 0.0f;
+                ry[q] = in ? mixed[(size_t)(c0 + i) * cd + kh * dk + d0 + dd] * expf(gc[i]) : 0.0f;
+            }
+        };
+        float accv[RPG], acco[RPG];
+#pragma unroll
+        for (int r = 0; r < RPG; r++) accv[r] = acco[r] = 0.0f;
+        load_wq(0);
+        for (int d0 = 0; d0 < dk; d0 += 32) {
+#pragma unroll
+            for (int q = 0; q < PER; q++) {
+                int e = tid + q * 256;
+                xs[e / 32][e % 32] = rx[q];
+                ys[e / 32][e % 32] = ry[q];
+            }
+            __syncthreads();
+            if (d0 + 32 < dk) load_wq(d0 + 32);
+#pragma unroll 8
+            for (int dd = 0; dd < 32; dd++) {
+                float sv = S[d0 + dd][col];
+#pragma unroll
+                for (int r = 0; r < RPG; r++) { accv[r] += xs[grp * RPG + r][dd] * sv; acco[r] += ys[grp * RPG + r][dd] * sv; }
+            }
+            __syncthreads();
+        }
+#pragma unroll
+        for (int r = 0; r < RPG; r++) {
+            int i = grp * RPG + r;
+            vp[i][col] = i < n ? ur[r] - accv[r] : 0.0f;
+        }
+#pragma unroll
+        for (int q = 0; q < CHUNK * CHUNK / 256; q++) {
+            int e = tid + q * 256;
+            ps[e / CHUNK][e % CHUNK] = pr[q];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < RPG; r++) {
+            int i = grp * RPG + r;
+            if (i < n) {
+                float o = acco[r];
+                for (int jj = 0; jj <= i; jj++) o += ps[i][jj] * vp[jj][col];
+                core[(size_t)(c0 + i) * vd + h * dv + col0 + col] = o;
+            }
+        }
+        // S <- exp(G_last) S + (k exp(G_last - G))^T V', 32 key channels at a time, the next
+        // ones loaded while these are added.
+        float gl = gc[n - 1], el = expf(gl);
+        auto load_k = [&](int d0) {
+#pragma unroll
+            for (int q = 0; q < PER; q++) {
+                int e = tid + q * 256, i = e / 32, dd = e % 32;
+                rx[q] = i < n ? mixed[(size_t)(c0 + i) * cd + kd + kh * dk + d0 + dd] * expf(gl - gc[i]) : 0.0f;
+            }
+        };
+        load_k(0);
+        for (int d0 = 0; d0 < dk; d0 += 32) {
+            __syncthreads();
+#pragma unroll
+            for (int q = 0; q < PER; q++) {
+                int e = tid + q * 256;
+                xs[e / 32][e % 32] = rx[q];
+            }
+            __syncthreads();
+            if (d0 + 32 < dk) load_k(d0 + 32);
+            for (int dd = grp; dd < 32; dd += G) {
+                float acc = S[d0 + dd][col] * el;
+                for (int i = 0; i < n; i++) acc += xs[i][dd] * vp[i][col];
+                S[d0 + dd][col] = acc;
+            }
+        }
+    }
+    __syncthreads();
+    for (int e = tid; e < dk * DS; e += blockDim.x) sh[(size_t)(e / DS) * dv + col0 + e % DS] = S[e / DS][e % DS];
+}
+// Two builds of the walk: with at most 128 registers a thread, so that two blocks share an SM
+// (a grid of more blocks than SMs runs in one round), and with all it needs (about 210, one
+// block per SM), which spills nothing: a grid that fits on the SMs takes that one.
+extern "C" __global__ void __launch_bounds__(256, 2) deltanet_chunk_state(float* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P,
+                                                                       float* core, int t, int hk, int hv, int dk, int dv, int cd) {
+    pdl_enter();
+    deltanet_chunk_state_body<16>(state, mixed, gcum, U, W, P, core, t, hk, hv, dk, dv, cd);
+}
+extern "C" __global__ void __launch_bounds__(256, 1) deltanet_chunk_state_1(float* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P,
+                                                                         float* core, int t, int hk, int hv, int dk, int dv, int cd) {
+    pdl_enter();
+    deltanet_chunk_state_body<16>(state, mixed, gcum, U, W, P, core, t, hk, hv, dk, dv, cd);
+}
+
+// f(element, row, column) for each element of the state that lane (r, cp) of `warp` holds in
+// the tensor-core walk: sacc[a][nt][e] is the accumulator element e of the 16 x 8 piece at
+// rows 16 (warp + 4 a).., columns 8 nt.. (row + 8 (e / 2), column + e % 2).
+template <int MT_PER_WARP, int MT, typename F>
+__device__ __forceinline__ void for_each_state(float (&sacc)[MT_PER_WARP][2][4], int warp, int r, int cp, F f) {
+#pragma unroll
+    for (int a = 0; a < MT_PER_WARP; a++)
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int mt = warp + 4 * a;
+                if (mt < MT) f(sacc[a][nt][e], mt * 16 + r + (e >> 1) * 8, nt * 8 + cp + (e & 1));
+            }
+}
+
+// Part 2 on tensor cores (tensor-cores precision, sm_80 and later; deltanet_chunk_state is its
+// f32 reference): per chunk the same three products, V' = U - W S, O = (q exp(G)) S + P V' and
+// S <- exp(G_last) S + (k exp(G_last - G))^T V', with bf16 operands and f32 sums. The state's
+// master copy stays f32, in the registers of the last product's accumulators; a bf16 copy of
+// it (transposed: Sb[column][key channel]) is the B operand of the next chunk's first two.
+// Block (value head, 16 value columns), 4 warps: for V' and O warp w takes chunk rows 16 w..,
+// for the state key channels 16 (w + 4 j)... Shared memory, bf16: W and q exp(G) as rows
+// (phase 1), then P in their place (phase 2), then k exp(G_last - G) transposed (phase 3);
+// V' transposed (Vb[column][row]) for phases 2 and 3. `dk` must equal DK.
+// Grid: (hv, dv / 16); block 128.
+template <int DK>
+__device__ void deltanet_chunk_state_mma_body(float* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P, float* core, int t,
+                                              int hk, int hv, int dv, int cd) {
+    constexpr int DS = 16, PAD = 8, KSTEPS = DK / 16, MT = DK / 16, MT_PER_WARP = (MT + 3) / 4;
+    constexpr int ROWS = CHUNK * (DK + PAD), TRANSPOSED = DK * (CHUNK + PAD), REGION = 2 * ROWS > TRANSPOSED ? 2 * ROWS : TRANSPOSED;
+    __shared__ __align__(16) bf16_t region[REGION];
+    __shared__ __align__(16) bf16_t Sb[DS][DK + PAD];
+    __shared__ __align__(16) bf16_t Vb[DS][CHUNK + PAD];
+    __shared__ float gc[CHUNK];
+    bf16_t(*Wb)[DK + PAD] = (bf16_t(*)[DK + PAD])region;
+    bf16_t(*Qb)[DK + PAD] = (bf16_t(*)[DK + PAD])(region + ROWS);
+    bf16_t(*Pb)[CHUNK + PAD] = (bf16_t(*)[CHUNK + PAD])region;
+    bf16_t(*Kt)[CHUNK + PAD] = (bf16_t(*)[CHUNK + PAD])region;
+    int h = blockIdx.x, col0 = blockIdx.y * DS, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int r = lane >> 2, cp = (lane & 3) * 2;
+    int kh = h / (hv / hk), kd = hk * DK, vd = hv * dv;
+    float* sh = state + (size_t)h * DK * dv;
+    // The state's elements this lane holds (for_each_state), the master copy.
+    float sacc[MT_PER_WARP][2][4] = {};
+    for_each_state<MT_PER_WARP, MT>(sacc, warp, r, cp, [&](float& v, int row, int col) { v = sh[(size_t)row * dv + col0 + col]; });
+    auto store_sb = [&]() { for_each_state<MT_PER_WARP, MT>(sacc, warp, r, cp, [&](float& v, int row, int col) { Sb[col][row] = f32_to_bf16(v); }); };
+    // The A operand's registers for rows row0.. and columns k0.. of a bf16 matrix in shared memory.
+    auto a_frag = [&](u32* a, const bf16_t* base, int stride, int row0, int k0) {
+        a[0] = *(const u32*)&base[(row0 + r) * stride + k0 + cp];
+        a[1] = *(const u32*)&base[(row0 + r + 8) * stride + k0 + cp];
+        a[2] = *(const u32*)&base[(row0 + r) * stride + k0 + 8 + cp];
+        a[3] = *(const u32*)&base[(row0 + r + 8) * stride + k0 + 8 + cp];
+    };
+    store_sb();
+    // Loads in batches of 8 float4 a thread (32 KB a block in flight), converted to bf16 once
+    // they are all in: loads issued one at a time, each waited for, made this walk slower than
+    // the f32 one. ROW4 is a row's float4s; PER4 a thread's over the chunk's rows.
+    constexpr int ROW4 = DK / 4, PER4 = CHUNK * ROW4 / 128, BATCH = PER4 < 8 ? PER4 : 8;
+    static_assert(PER4 % BATCH == 0, "whole batches");
+    int chunks = (t + CHUNK - 1) / CHUNK;
+    // A batch of W and q rows of a chunk, raw (q is scaled once this chunk's G is in).
+    float4 wv[BATCH], qv[BATCH];
+    auto load_wq = [&](int chunk, int b0) {
+        int c0 = chunk * CHUNK, n = min(CHUNK, t - c0);
+#pragma unroll
+        for (int j = 0; j < BATCH; j++) {
+            int e = tid + (b0 + j) * 128, i = e / ROW4, d4 = e % ROW4;
+            bool in = i < n;
+            wv[j] = in ? ((const float4*)(W + ((size_t)(c0 + i) * hv + h) * DK))[d4] : make_float4(0, 0, 0, 0);
+            qv[j] = in ? ((const float4*)(mixed + (size_t)(c0 + i) * cd + kh * DK))[d4] : make_float4(0, 0, 0, 0);
+        }
+    };
+    load_wq(0, 0);
+    for (int chunk = 0; chunk < chunks; chunk++) {
+        int c0 = chunk * CHUNK, n = min(CHUNK, t - c0);
+        __syncthreads();  // Sb is written and the last chunk's phase 3 is done with the region
+        if (tid < CHUNK) gc[tid] = tid < n ? gcum[(size_t)(c0 + tid) * hv + h] : 0.0f;
+        // This chunk's U and P, used after phase 1: their loads run meanwhile.
+        float ur[2][4];
+        float4 pr[CHUNK * CHUNK / 4 / 128];
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int i = warp * 16 + r + (e >> 1) * 8, c = nt * 8 + cp + (e & 1);
+                ur[nt][e] = i < n ? U[((size_t)(c0 + i) * hv + h) * dv + col0 + c] : 0.0f;
+            }
+        const float4* Pc = (const float4*)(P + ((size_t)chunk * hv + h) * CHUNK * CHUNK);
+#pragma unroll
+        for (int q = 0; q < CHUNK * CHUNK / 4 / 128; q++) pr[q] = Pc[tid + q * 128];
+        __syncthreads();
+        for (int b0 = 0; b0 < PER4; b0 += BATCH) {
+            if (b0 > 0) load_wq(chunk, b0);  // the first batch came in during the chunk before
+#pragma unroll
+            for (int j = 0; j < BATCH; j++) {
+                int e = tid + (b0 + j) * 128, i = e / ROW4, d = (e % ROW4) * 4;
+                float eg = expf(gc[i]);
+                *(uint2*)&Wb[i][d] = make_uint2(pack_bf16x2(wv[j].x, wv[j].y), pack_bf16x2(wv[j].z, wv[j].w));
+                *(uint2*)&Qb[i][d] = make_uint2(pack_bf16x2(qv[j].x * eg, qv[j].y * eg), pack_bf16x2(qv[j].z * eg, qv[j].w * eg));
+            }
+        }
+        __syncthreads();
+        // Phase 1: W S and (q exp(G)) S for this warp's 16 rows.
+        float vacc[2][4], oacc[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) vacc[nt][e] = oacc[nt][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; kk++) {
+            u32 aw[4], aq[4];
+            a_frag(aw, &Wb[0][0], DK + PAD, warp * 16, kk * 16);
+            a_frag(aq, &Qb[0][0], DK + PAD, warp * 16, kk * 16);
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+                u32 b0 = *(const u32*)&Sb[nt * 8 + r][kk * 16 + cp], b1 = *(const u32*)&Sb[nt * 8 + r][kk * 16 + 8 + cp];
+                mma_bf16_16816(vacc[nt], aw, b0, b1);
+                mma_bf16_16816(oacc[nt], aq, b0, b1);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int i = warp * 16 + r + (e >> 1) * 8, c = nt * 8 + cp + (e & 1);
+                Vb[c][i] = f32_to_bf16(i < n ? ur[nt][e] - vacc[nt][e] : 0.0f);
+            }
+        __syncthreads();  // Vb is whole; W and q are done with
+        // Phase 2: O += P V'.
+#pragma unroll
+        for (int q = 0; q < CHUNK * CHUNK / 4 / 128; q++) {
+            int e = (tid + q * 128) * 4;
+            *(uint2*)&Pb[e / CHUNK][e % CHUNK] = make_uint2(pack_bf16x2(pr[q].x, pr[q].y), pack_bf16x2(pr[q].z, pr[q].w));
+        }
+        // Phase 3's first batch of k rows, in flight during phase 2 (in P's registers; the
+        // walk of a 9B prefill of 2048 tokens on an H200: 8.6 -> 8.5 ms, of the 0.8B's 5.3 ->
+        // 5.1 ms).
+        float4 kv[BATCH];
+        auto load_k = [&](int b0) {
+#pragma unroll
+            for (int j = 0; j < BATCH; j++) {
+                int e = tid + (b0 + j) * 128, i = e / ROW4, d4 = e % ROW4;
+                kv[j] = i < n ? ((const float4*)(mixed + (size_t)(c0 + i) * cd + kd + kh * DK))[d4] : make_float4(0, 0, 0, 0);
+            }
+        };
+        load_k(0);
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < CHUNK / 16; kk++) {
+            u32 ap[4];
+            a_frag(ap, &Pb[0][0], CHUNK + PAD, warp * 16, kk * 16);
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) mma_bf16_16816(oacc[nt], ap, *(const u32*)&Vb[nt * 8 + r][kk * 16 + cp], *(const u32*)&Vb[nt * 8 + r][kk * 16 + 8 + cp]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int i = warp * 16 + r + (e >> 1) * 8, c = nt * 8 + cp + (e & 1);
+                if (i < n) core[(size_t)(c0 + i) * vd + h * dv + col0 + c] = oacc[nt][e];
+            }
+        __syncthreads();  // P is done with
+        // Phase 3: S <- exp(G_last) S + (k exp(G_last - G))^T V'.
+        float gl = gc[n - 1], el = expf(gl);
+        for (int b0 = 0; b0 < PER4; b0 += BATCH) {
+            if (b0 > 0) load_k(b0);
+#pragma unroll
+            for (int j = 0; j < BATCH; j++) {
+                int e = tid + (b0 + j) * 128, i = e / ROW4, d = (e % ROW4) * 4;
+                float ek = expf(gl - gc[i]);
+                Kt[d][i] = f32_to_bf16(kv[j].x * ek);
+                Kt[d + 1][i] = f32_to_bf16(kv[j].y * ek);
+                Kt[d + 2][i] = f32_to_bf16(kv[j].z * ek);
+                Kt[d + 3][i] = f32_to_bf16(kv[j].w * ek);
+            }
+        }
+        __syncthreads();
+        // The next chunk's first W and q loads, in flight while this one's state is updated.
+        if (chunk + 1 < chunks) load_wq(chunk + 1, 0);
+#pragma unroll
+        for (int a = 0; a < MT_PER_WARP; a++) {
+            int mt = warp + 4 * a;
+            if (mt >= MT) continue;
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) sacc[a][nt][e] *= el;
+#pragma unroll
+            for (int kk = 0; kk < CHUNK / 16; kk++) {
+                u32 ak[4];
+                a_frag(ak, &Kt[0][0], CHUNK + PAD, mt * 16, kk * 16);
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++) mma_bf16_16816(sacc[a][nt], ak, *(const u32*)&Vb[nt * 8 + r][kk * 16 + cp], *(const u32*)&Vb[nt * 8 + r][kk * 16 + 8 + cp]);
+            }
+        }
+        // Sb was last read in phase 1 (several barriers ago): the next chunk's copy goes in now.
+        store_sb();
+    }
+    for_each_state<MT_PER_WARP, MT>(sacc, warp, r, cp, [&](float& v, int row, int col) { sh[(size_t)row * dv + col0 + col] = v; });
+}
+#define DELTANET_CHUNK_STATE_MMA(NAME, DK)                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) NAME(float* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P, \
+                                                           float* core, int t, int hk, int hv, int dk, int dv, int cd) {                   \
+        pdl_enter();                                                                                                                        \
+        deltanet_chunk_state_mma_body<DK>(state, mixed, gcum, U, W, P, core, t, hk, hv, dv, cd);                                           \
+    }
+DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_32, 32)
+DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_64, 64)
+DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_128, 128)
+
+// core = w * (core / rms(core)) * silu(z), per head row of width dv; in bf16 into out_bf16
+// instead where that is not null (the out projection's tensor-core GEMM operand). A warp per
+// row (a block per row: 2.0 ms of that 9B prefill, this 0.8 ms). Grid: ceil(rows / 8); block 256.
+extern "C" __global__ void gated_rms_norm(float* core, const float* z, const float* w, bf16_t* out_bf16, int rows, int dv, float eps) {
+    pdl_enter();
+    int row = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    float* x = core + (size_t)row * dv;
+    const float* g = z + (size_t)row * dv;
+    float ss = 0.0f;
+    for (int c = lane; c < dv; c += 32) ss += x[c] * x[c];
+    float inv = 1.0f / sqrtf(warp_sum(ss) / dv + eps);
+    for (int c = lane; c < dv; c += 32) {
+        float y = w[c] * (x[c] * inv) * siluf_(g[c]);
+        if (out_bf16) out_bf16[(size_t)row * dv + c] = f32_to_bf16(y); else x[c] = y;
+    }
+}

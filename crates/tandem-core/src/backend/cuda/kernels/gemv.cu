@@ -1,0 +1,304 @@
+// The decode GEMVs: products of a few tokens with the weights, read once per step.
+
+// The decode GEMV: out_j[m, r] (+)= in(x)[m, :] . W_j[r, :] for t <= T tokens (T = 1 or 8) and
+// up to four matrices of the same input in one launch (a layer's input projections). What the
+// weights are multiplied with (MODE):
+//   IN_PLAIN  x itself;
+//   IN_NORM   rms_norm(x) * scale (x2 = scale), the block's input RMSNorm (backend/cpu/forward.rs)
+//             computed on the fly: x * scale in the products, times the 1 / rms of each row,
+//             from `rms_inv` (the rms_inv kernel) or, where that is null, found by each block
+//             itself (from L2, while its weight loads are in flight: a launch fewer, but every
+//             block reads the whole rows; backend/cuda/qwen35.rs gemv chooses by the row length).
+// (The SwiGLU computed the same way inside the down projection measured slower on an H100
+// than the swiglu kernel before a plain GEMV: it reads gate and up again for every row.)
+// Each block of 256 threads (8 warps) takes one unit of `rb` rows (1, 2, 4 or 8), 8 / rb warps
+// per row, so that a matrix of few rows still has enough loads in flight; the warps' partial
+// sums are added in a fixed order (the same bits on every run). Lanes read 8 bf16 at a time.
+// Matrix j's rows are the next ceil(n_j / rb) units (blocks); `accumulate` adds into out (a
+// residual). With GLU, matrices 0 and 1 are the MLP's gate and up projections (as many rows)
+// and the output is o0 = silu(gate) * up: a unit's rows alternate gate row, up row (rb even),
+// so that its block holds both halves of the rows it writes (a swiglu launch of its own
+// measured 1.4 us per layer in a decode graph on an H200).
+#define IN_PLAIN 0
+#define IN_NORM 1
+
+template <int T, int MODE>
+__device__ __forceinline__ void gemv_chunk(uint4 p, const float* x, const float* x2, int k, int t, int c, float* acc) {
+    float wv[8];
+    wv[0] = __uint_as_float(p.x << 16); wv[1] = __uint_as_float(p.x & 0xffff0000u);
+    wv[2] = __uint_as_float(p.y << 16); wv[3] = __uint_as_float(p.y & 0xffff0000u);
+    wv[4] = __uint_as_float(p.z << 16); wv[5] = __uint_as_float(p.z & 0xffff0000u);
+    wv[6] = __uint_as_float(p.w << 16); wv[7] = __uint_as_float(p.w & 0xffff0000u);
+    float4 s0, s1;
+    if (MODE == IN_NORM) {
+        const float4* sp = (const float4*)(x2 + c * 8);
+        s0 = sp[0]; s1 = sp[1];
+    }
+#pragma unroll
+    for (int m = 0; m < T; m++) {
+        if (m < t) {
+            const float4* xp = (const float4*)(x + (size_t)m * k + c * 8);
+            float4 a = xp[0], b = xp[1];
+            if (MODE == IN_NORM) {
+                a.x *= s0.x; a.y *= s0.y; a.z *= s0.z; a.w *= s0.w;
+                b.x *= s1.x; b.y *= s1.y; b.z *= s1.z; b.w *= s1.w;
+            }
+            acc[m] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w + wv[4] * b.x + wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
+        }
+    }
+}
+
+template <int T, int MODE, bool GLU>
+__device__ void gemv_body(const bf16_t* w0, float* o0, int n0, const bf16_t* w1, float* o1, int n1, const bf16_t* w2, float* o2, int n2,
+                          const bf16_t* w3, float* o3, int n3, const float* x, const float* x2, const float* rms_inv, int k, int t, int rb, int accumulate,
+                          float eps) {
+    __shared__ float parts[8][T], squares[8][T];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int b0 = (n0 + rb - 1) / rb, b1 = (n1 + rb - 1) / rb, b2 = (n2 + rb - 1) / rb;
+    int wpr = 8 / rb;
+    // Which matrix this block's unit of rows belongs to (selects, not an indexed array:
+    // registers).
+    int block = blockIdx.x;
+    const bf16_t* w = w0;
+    float* out = o0;
+    int n = n0;
+    if (!GLU && block >= b0) { block -= b0; w = w1; out = o1; n = n1;
+        if (block >= b1) { block -= b1; w = w2; out = o2; n = n2;
+            if (block >= b2) { block -= b2; w = w3; out = o3; n = n3; } } }
+    int r = block * rb + warp / wpr, part = warp % wpr;
+    if (GLU) {
+        // The unit's rows alternate gate row, up row: its row i is row i / 2 of matrix i % 2.
+        if (r & 1) w = w1;
+        r >>= 1;
+    }
+    const uint4* row = (const uint4*)(w + (size_t)(r < n ? r : 0) * k);
+    int kc = k / 8, step = wpr * 32;
+    int c = part * 32 + lane;
+    // The first PRE x 8 weights of each lane are loaded before waiting for the input (a row
+    // of 1024 with one warp: all of them): the weight reads overlap the kernel before, and
+    // are in flight together.
+    constexpr int PRE = 4;
+    uint4 pre[PRE];
+#pragma unroll
+    for (int j = 0; j < PRE; j++) pre[j] = r < n && c + j * step < kc ? row[c + j * step] : make_uint4(0, 0, 0, 0);
+    pdl_enter();
+    if (MODE == IN_NORM && !rms_inv) {
+        // Each row's sum of squares over the whole block (a few loads per thread), one
+        // partial per warp; combined once the block has synchronised, below.
+#pragma unroll
+        for (int m = 0; m < T; m++) {
+            float ss = 0.0f;
+            if (m < t) {
+                const float4* xr = (const float4*)(x + (size_t)m * k);
+                for (int q = threadIdx.x; q < k / 4; q += 256) {
+                    float4 v = xr[q];
+                    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+                }
+            }
+            ss = warp_sum(ss);
+            if (lane == 0) squares[warp][m] = ss;
+        }
+    }
+    float acc[T];
+#pragma unroll
+    for (int m = 0; m < T; m++) acc[m] = 0.0f;
+    if (r < n) {
+#pragma unroll
+        for (int j = 0; j < PRE; j++)
+            if (c + j * step < kc) gemv_chunk<T, MODE>(pre[j], x, x2, k, t, c + j * step, acc);
+        // Past those, one load in flight per lane: four measured slower on an H100, with and
+        // without programmatic launch (9B decode 133-135 against 133-141 tok/s, interleaved;
+        // 98 against 113 before it).
+#pragma unroll 1
+        for (c += PRE * step; c < kc; c += step) gemv_chunk<T, MODE>(row[c], x, x2, k, t, c, acc);
+    }
+#pragma unroll
+    for (int m = 0; m < T; m++) acc[m] = warp_sum(acc[m]);
+    float inv[T];
+    if (MODE == IN_NORM && rms_inv) {
+#pragma unroll
+        for (int m = 0; m < T; m++) inv[m] = m < t ? rms_inv[m] : 0.0f;
+    } else if (MODE == IN_NORM) {
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < T; m++) {
+            float ss = 0.0f;
+            for (int q = 0; q < 8; q++) ss += squares[q][m];
+            inv[m] = 1.0f / sqrtf(ss / k + eps);
+        }
+    }
+    if (wpr == 1 && !GLU) {
+        // One warp per row: it writes its sums itself.
+        if (r < n && lane == 0)
+#pragma unroll
+            for (int m = 0; m < T; m++)
+                if (m < t) {
+                    size_t at = (size_t)m * n + r;
+                    out[at] = (accumulate ? out[at] : 0.0f) + (MODE == IN_NORM ? acc[m] * inv[m] : acc[m]);
+                }
+        return;
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int m = 0; m < T; m++) parts[warp][m] = acc[m];
+    __syncthreads();
+    if (GLU) {
+        // Thread p * T + m: row p of this unit's rb / 2, token m.
+        int p = threadIdx.x / T, m = threadIdx.x % T, row = (block * rb) / 2 + p;
+        if (p < rb / 2 && m < t && row < n) {
+            float g = 0.0f, u = 0.0f;
+            for (int q = 0; q < wpr; q++) {
+                g += parts[2 * p * wpr + q][m];
+                u += parts[(2 * p + 1) * wpr + q][m];
+            }
+            if (MODE == IN_NORM) { g *= inv[m]; u *= inv[m]; }
+            o0[(size_t)m * n + row] = siluf_(g) * u;
+        }
+        return;
+    }
+    if (r < n && part == 0 && lane == 0) {
+#pragma unroll
+        for (int m = 0; m < T; m++) {
+            if (m < t) {
+                float s = 0.0f;
+                for (int q = 0; q < wpr; q++) s += parts[warp + q][m];
+                if (MODE == IN_NORM) s *= inv[m];
+                size_t at = (size_t)m * n + r;
+                out[at] = (accumulate ? out[at] : 0.0f) + s;
+            }
+        }
+    }
+}
+
+#define GEMV_KERNEL(NAME, T, MODE, GLU)                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const bf16_t* w0, float* o0, int n0, const bf16_t* w1, float* o1, int n1, \
+                                                           const bf16_t* w2, float* o2, int n2, const bf16_t* w3, float* o3, int n3,   \
+                                                           const float* x, const float* x2, const float* rms_inv, int k, int t, int rb, int accumulate, float eps) { \
+        gemv_body<T, MODE, GLU>(w0, o0, n0, w1, o1, n1, w2, o2, n2, w3, o3, n3, x, x2, rms_inv, k, t, rb, accumulate, eps);          \
+    }
+GEMV_KERNEL(gemv_t1_plain, 1, IN_PLAIN, false)
+GEMV_KERNEL(gemv_t1_norm, 1, IN_NORM, false)
+GEMV_KERNEL(gemv_t1_glu, 1, IN_NORM, true)
+GEMV_KERNEL(gemv_t8_plain, 8, IN_PLAIN, false)
+GEMV_KERNEL(gemv_t8_norm, 8, IN_NORM, false)
+GEMV_KERNEL(gemv_t8_glu, 8, IN_NORM, true)
+
+// The decode GEMV of one token over rows of 1024 (the 0.8B model's input projections and its
+// LM head) as a stream: warp g of the W in the grid (a grid the GPU runs at once) takes rows
+// g, g + W, ... and loads its next row while it multiplies this one, so that loads stay in
+// flight until the matrix ends (gemv_t1_* above, a block per few rows that come and go in
+// rounds, read matrices of 10 to 17 MB at 1.7 to 1.9 TB/s on an H200, this one at 1.9 to 2.5,
+// and the LM head at 3.0 TB/s against 4.3). The same matrices (up to four, their rows in
+// turn), input modes and `accumulate` as gemv_body; with GLU a warp takes row r of gate
+// (matrix 0) and of up (matrix 1) and writes o0 = silu(gate) * up.
+// Grid: at most what runs at once; block 256. k == 32 * 8 * STREAM_PIECES.
+#define STREAM_PIECES 4
+template <int MODE, bool GLU>
+__device__ void gemv_stream_body(const bf16_t* w0, float* o0, int n0, const bf16_t* w1, float* o1, int n1, const bf16_t* w2, float* o2, int n2, const bf16_t* w3,
+                                 float* o3, int n3, const float* x, const float* x2, const float* rms_inv, int k, int accumulate, float eps) {
+    constexpr int PER = STREAM_PIECES;
+    __shared__ float squares[8];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int stride = gridDim.x * 8, total = GLU ? n0 : n0 + n1 + n2 + n3;
+    // Row i of the matrices in turn: its weights and output, and (returned) its row there.
+    auto locate = [&](int i, const bf16_t*& w, float*& out) {
+        w = w0; out = o0;
+        if (GLU) return i;
+        if (i >= n0) { i -= n0; w = w1; out = o1;
+            if (i >= n1) { i -= n1; w = w2; out = o2;
+                if (i >= n2) { i -= n2; w = w3; out = o3; } } }
+        return i;
+    };
+    auto load = [&](uint4* dst, const bf16_t* w, int r) {
+        const uint4* row = (const uint4*)(w + (size_t)r * k);
+#pragma unroll
+        for (int j = 0; j < PER; j++) dst[j] = row[lane + 32 * j];
+    };
+    // This row's weights (gate's, with GLU) and up's, loaded before the wait.
+    uint4 cw[PER], cu[PER];
+    int i = blockIdx.x * 8 + warp;
+    const bf16_t* w;
+    float* out;
+    int r = 0;
+    if (i < total) {
+        r = locate(i, w, out);
+        load(cw, w, r);
+        if (GLU) load(cu, w1, r);
+    }
+    pdl_enter();
+    float inv = 1.0f;
+    if (MODE == IN_NORM && rms_inv) {
+        inv = rms_inv[0];
+    } else if (MODE == IN_NORM) {
+        float ss = 0.0f;
+        for (int q = threadIdx.x; q < k / 4; q += 256) {
+            float4 v = ((const float4*)x)[q];
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) squares[warp] = ss;
+        __syncthreads();
+        ss = 0.0f;
+        for (int q = 0; q < 8; q++) ss += squares[q];
+        inv = 1.0f / sqrtf(ss / k + eps);
+    }
+    // This lane's inputs (times the norm's scale), kept for every row.
+    float xv[PER][8];
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const float4* xp = (const float4*)(x + (lane + 32 * j) * 8);
+        float4 a = xp[0], b = xp[1];
+        if (MODE == IN_NORM) {
+            const float4* sp = (const float4*)(x2 + (lane + 32 * j) * 8);
+            float4 sa = sp[0], sb = sp[1];
+            a = make_float4(a.x * sa.x, a.y * sa.y, a.z * sa.z, a.w * sa.w);
+            b = make_float4(b.x * sb.x, b.y * sb.y, b.z * sb.z, b.w * sb.w);
+        }
+        xv[j][0] = a.x; xv[j][1] = a.y; xv[j][2] = a.z; xv[j][3] = a.w;
+        xv[j][4] = b.x; xv[j][5] = b.y; xv[j][6] = b.z; xv[j][7] = b.w;
+    }
+    auto dot = [&](const uint4* p) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            u32 h[4] = {p[j].x, p[j].y, p[j].z, p[j].w};
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc += __uint_as_float(h[e] << 16) * xv[j][2 * e] + __uint_as_float(h[e] & 0xffff0000u) * xv[j][2 * e + 1];
+        }
+        return warp_sum(acc);
+    };
+    for (; i < total; i += stride) {
+        // The next row's loads go out before this row is multiplied.
+        uint4 nw[PER], nu[PER];
+        const bf16_t* next_w;
+        float* next_out;
+        int next_r = 0;
+        if (i + stride < total) {
+            next_r = locate(i + stride, next_w, next_out);
+            load(nw, next_w, next_r);
+            if (GLU) load(nu, w1, next_r);
+        }
+        float g = dot(cw) * inv;
+        if (GLU) {
+            float u = dot(cu) * inv;
+            if (lane == 0) o0[r] = siluf_(g) * u;
+        } else if (lane == 0) {
+            out[r] = (accumulate ? out[r] : 0.0f) + g;
+        }
+        if (i + stride < total) {
+            w = next_w; out = next_out; r = next_r;
+#pragma unroll
+            for (int j = 0; j < PER; j++) { cw[j] = nw[j]; if (GLU) cu[j] = nu[j]; }
+        }
+    }
+}
+// (At most 80 registers a thread, three blocks per SM, where that spills little: not with GLU.)
+#define GEMV_STREAM_KERNEL(NAME, MODE, GLU, BLOCKS_PER_SM)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256, BLOCKS_PER_SM) NAME(const bf16_t* w0, float* o0, int n0, const bf16_t* w1, float* o1, int n1,        \
+                                                              const bf16_t* w2, float* o2, int n2, const bf16_t* w3, float* o3, int n3,          \
+                                                              const float* x, const float* x2, const float* rms_inv, int k, int accumulate, float eps) { \
+        gemv_stream_body<MODE, GLU>(w0, o0, n0, w1, o1, n1, w2, o2, n2, w3, o3, n3, x, x2, rms_inv, k, accumulate, eps);                        \
+    }
+GEMV_STREAM_KERNEL(gemv_stream_plain, IN_PLAIN, false, 3)
+GEMV_STREAM_KERNEL(gemv_stream_norm, IN_NORM, false, 3)
+GEMV_STREAM_KERNEL(gemv_stream_glu, IN_NORM, true, 2)

@@ -1,0 +1,501 @@
+//! The CUDA backend: one GPU, its stream, cuBLAS, and tandem's kernels (kernels/, split by
+//! family and joined for NVRTC, which compiles them at run time for the GPU found). The CUDA libraries are loaded when a GPU is first asked
+//! for, not linked: tandem builds and runs on machines without CUDA, and there asking for a GPU
+//! is an error that says what is missing.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr};
+
+pub mod qwen35;
+
+/// The kernel sources, in the order they are joined into one NVRTC program: each file may use
+/// what the files before it define. (tests/cuda_on_cpu.rs joins the same list.)
+pub const KERNEL_SOURCES: [(&str, &str); 7] = [
+    ("common.cuh", include_str!("kernels/common.cuh")),
+    ("norm.cu", include_str!("kernels/norm.cu")),
+    ("gemv.cu", include_str!("kernels/gemv.cu")),
+    ("gemm.cu", include_str!("kernels/gemm.cu")),
+    ("deltanet.cu", include_str!("kernels/deltanet.cu")),
+    ("attention.cu", include_str!("kernels/attention.cu")),
+    ("sample.cu", include_str!("kernels/sample.cu")),
+];
+
+/// The one source NVRTC compiles: `KERNEL_SOURCES`, joined.
+pub fn kernel_source() -> String {
+    KERNEL_SOURCES.iter().map(|(_, text)| *text).collect::<Vec<_>>().join("\n")
+}
+const KERNEL_NAMES: &[&str] = &[
+    "embed",
+    "rms_norm",
+    "rms_inv",
+    "swiglu",
+    "swiglu_bf16",
+    "to_bf16",
+    "gemv_t1_plain",
+    "gemv_t1_norm",
+    "gemv_t1_glu",
+    "gemv_t8_plain",
+    "gemv_t8_norm",
+    "gemv_t8_glu",
+    "gemv_stream_plain",
+    "gemv_stream_norm",
+    "gemv_stream_glu",
+    "gemm_bf16_f32",
+    "conv_silu_rows_4",
+    "conv_silu_rows_8",
+    "conv_state_tail",
+    "deltanet_step_32",
+    "deltanet_step_64",
+    "deltanet_step_128",
+    "deltanet_chunk_prep",
+    "deltanet_chunk_state",
+    "deltanet_chunk_state_1",
+    "deltanet_chunk_state_mma_32",
+    "deltanet_chunk_state_mma_64",
+    "deltanet_chunk_state_mma_128",
+    "gated_rms_norm",
+    "qk_norm_rope",
+    "attention",
+    "attention_tiled",
+    "attention_mma_32",
+    "attention_mma_64",
+    "attention_mma_128",
+    "attention_mma_256",
+    "argmax_rows",
+];
+
+/// One GPU with a stream that every launch and copy of tandem goes through (so they run in
+/// order), a cuBLAS handle on that stream, and the compiled kernels.
+pub struct Gpu {
+    pub ordinal: usize,
+    pub name: String,
+    pub stream: Arc<CudaStream>,
+    pub blas: CudaBlas,
+    kernels: HashMap<&'static str, CudaFunction>,
+    /// Streaming multiprocessors.
+    pub sms: u32,
+    /// Blocks of 256 threads of a kernel that run at once on the whole GPU, by kernel, as the
+    /// driver reports them.
+    resident: std::sync::Mutex<HashMap<&'static str, u32>>,
+    /// Whether kernels launch with programmatic dependent launch (compute capability 9.0 and
+    /// later, unless TANDEM_CUDA_PDL=0): a kernel starts while the one before it finishes and
+    /// loads its weights meanwhile (kernels/common.cuh, pdl_enter).
+    pub pdl: bool,
+    /// Whether the launches of the forward call being queued use `pdl` (see `pdl_for`).
+    pdl_now: std::sync::atomic::AtomicBool,
+    /// Whether the GPU has bf16 mma instructions (compute capability 8.0 and later): the
+    /// tensor-core prefill's attention kernel needs them.
+    pub bf16_mma: bool,
+    /// While profiling: each launch's kernel with events recorded before and after it.
+    profile: std::sync::Mutex<Option<Vec<(&'static str, CudaEvent, CudaEvent)>>>,
+}
+
+/// A kernel argument: a device address, an int or a float.
+#[derive(Clone, Copy)]
+pub enum Arg {
+    Ptr(u64),
+    I32(i32),
+    F32(f32),
+}
+
+/// Page-locked host memory of one GPU's context: copies between it and the GPU run
+/// asynchronously on the stream and can be captured into a CUDA graph.
+pub struct Pinned<T> {
+    ptr: *mut T,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the buffer is plain host memory owned by this value; the GPU touches it only through
+// copies that the owner synchronizes before it reads or writes the buffer again.
+unsafe impl<T: Send> Send for Pinned<T> {}
+
+impl<T: cudarc::driver::DeviceRepr + Copy> Pinned<T> {
+    pub fn new(gpu: &Gpu, len: usize) -> Result<Pinned<T>> {
+        Self::in_context(gpu.stream.context(), len)
+    }
+
+    fn in_context(ctx: &Arc<CudaContext>, len: usize) -> Result<Pinned<T>> {
+        let (ctx, ordinal) = (ctx.clone(), ctx.ordinal());
+        ctx.bind_to_thread().map_err(|e| anyhow::anyhow!("cuda:{ordinal}: {e:?}"))?;
+        // SAFETY: a fresh allocation of len values, freed in Drop; zeroed before use.
+        let ptr = unsafe { cudarc::driver::result::malloc_host(len.max(1) * std::mem::size_of::<T>(), 0) }.map_err(|e| anyhow::anyhow!("cuda:{ordinal}: allocating {len} values of page-locked memory: {e:?}"))? as *mut T;
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(Pinned { ptr, len, ctx })
+    }
+
+    pub fn as_slice(&self) -> &[T] {
+        // SAFETY: len initialised values (zeroed at birth); see the Send note on GPU access.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        // SAFETY: as in as_slice, with &mut self the only access from the host.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl<T> Drop for Pinned<T> {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by malloc_host in `new`, freed once.
+        let _ = unsafe { cudarc::driver::result::free_host(self.ptr as *mut std::ffi::c_void) };
+    }
+}
+
+/// Two page-locked buffers through which states come from the GPU to host memory: a copy into
+/// pageable memory runs at a fraction of the bus's speed (the driver stages it through a buffer
+/// of its own, one piece at a time), and with two buffers the CPU's copy of one piece overlaps
+/// the GPU's copy of the next. Allocated at the first download (an engine whose states stay on
+/// the GPU never needs them).
+#[derive(Default)]
+pub struct Staging {
+    buffers: Option<[Pinned<f32>; 2]>,
+}
+
+/// Values per staging buffer (8 MB each).
+const STAGING_VALUES: usize = 2 << 20;
+
+impl Staging {
+    /// The first `n` values at device address `src`, copied to a new host vector.
+    pub fn download(&mut self, stream: &CudaStream, src: u64, n: usize) -> Result<Vec<f32>> {
+        let err = |e| anyhow::anyhow!("copying a state from the GPU: {e:?}");
+        stream.context().bind_to_thread().map_err(err)?;
+        let buffers = match &mut self.buffers {
+            Some(b) => b,
+            none => none.insert([Pinned::in_context(stream.context(), STAGING_VALUES)?, Pinned::in_context(stream.context(), STAGING_VALUES)?]),
+        };
+        let mut out = Vec::with_capacity(n);
+        // The piece in flight: its buffer, length and the event after its copy.
+        let mut in_flight: Option<(usize, usize, CudaEvent)> = None;
+        let (mut at, mut which) = (0, 0);
+        loop {
+            let next = if at < n {
+                let len = STAGING_VALUES.min(n - at);
+                // SAFETY: src holds n values; the buffer is not read until the event has passed
+                // and not written again until its piece has been copied out (below).
+                unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut buffers[which].as_mut_slice()[..len], src + 4 * at as u64, stream.cu_stream()) }.map_err(err)?;
+                let done = stream.record_event(None).map_err(err)?;
+                at += len;
+                which ^= 1;
+                Some((which ^ 1, len, done))
+            } else {
+                None
+            };
+            if let Some((b, len, done)) = in_flight.take() {
+                done.synchronize().map_err(err)?;
+                out.extend_from_slice(&buffers[b].as_slice()[..len]);
+            }
+            match next {
+                Some(piece) => in_flight = Some(piece),
+                None => return Ok(out),
+            }
+        }
+    }
+}
+
+/// What `Gpu::gemm_bf16` writes.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum GemmOut {
+    /// The product in f32.
+    F32,
+    /// The product added to the f32 output (a residual connection).
+    F32Add,
+    /// The product rounded to bf16.
+    Bf16,
+}
+
+/// Restores the programmatic-launch setting `Gpu::pdl_for` changed.
+pub struct PdlGuard<'g> {
+    gpu: &'g Gpu,
+    before: bool,
+}
+
+impl Drop for PdlGuard<'_> {
+    fn drop(&mut self) {
+        self.gpu.pdl_now.store(self.before, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Whether the CUDA driver library can be loaded on this machine, and if not, why not.
+pub fn driver_missing() -> Option<String> {
+    // SAFETY: only tries to dlopen the library under its usual names.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Some("the NVIDIA driver library (libcuda.so) was not found: no NVIDIA GPU driver is installed on this machine".into());
+    }
+    None
+}
+
+/// How many CUDA GPUs this machine has; an error says why none can be used.
+pub fn gpu_count() -> Result<usize> {
+    if let Some(why) = driver_missing() {
+        bail!("{why}");
+    }
+    CudaContext::device_count().map(|n| n as usize).map_err(|e| anyhow::anyhow!("cannot count GPUs: {e:?}"))
+}
+
+/// The names of this machine's CUDA GPUs, by ordinal (without compiling any kernels).
+pub fn gpu_names() -> Result<Vec<String>> {
+    (0..gpu_count()?)
+        .map(|i| CudaContext::new(i).and_then(|c| c.name()).map_err(|e| anyhow::anyhow!("cuda:{i}: {e:?}")))
+        .collect()
+}
+
+impl Gpu {
+    /// Open GPU `ordinal`: checks that the driver, NVRTC and cuBLAS libraries load, that the GPU
+    /// exists, and compiles the kernels for it.
+    pub fn open(ordinal: usize) -> Result<Gpu> {
+        if let Some(why) = driver_missing() {
+            bail!("cuda:{ordinal}: {why}");
+        }
+        // SAFETY: as above, dlopen attempts only.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            bail!("cuda:{ordinal}: the NVRTC library (libnvrtc.so) was not found; it compiles tandem's kernels at run time (install the CUDA toolkit or add its lib directory to LD_LIBRARY_PATH)");
+        }
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            bail!("cuda:{ordinal}: the cuBLAS library (libcublas.so) was not found (install the CUDA toolkit or add its lib directory to LD_LIBRARY_PATH)");
+        }
+        let count = CudaContext::device_count().map_err(|e| {
+            let stub = format!("{e:?}").contains("STUB_LIBRARY");
+            anyhow::anyhow!(
+                "cuda:{ordinal}: cannot count GPUs ({e:?}){}",
+                if stub { ": the libcuda.so loaded is the CUDA toolkit's link-time stub, not the driver; take the toolkit's lib/stubs directory out of LD_LIBRARY_PATH" } else { "" }
+            )
+        })?;
+        if ordinal >= count as usize {
+            bail!("cuda:{ordinal}: this machine has {count} CUDA GPU(s) (cuda:0..cuda:{})", count.max(1) - 1);
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: cannot create a context ({e:?})"))?;
+        // One stream does everything in order, so the per-buffer event tracking is not needed.
+        // SAFETY: no buffer of this context is used from another stream.
+        unsafe { ctx.disable_event_tracking() };
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let (major, minor) = ctx.compute_capability().map_err(|e| anyhow::anyhow!("cuda:{ordinal}: {e:?}"))?;
+        let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
+        let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), options: vec!["-std=c++17".into()], ..Default::default() };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(kernel_source(), opts).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: compiling tandem's kernels for {arch} failed: {e:?}"))?;
+        let module = ctx.load_module(ptx).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: loading the kernels: {e:?}"))?;
+        let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: {e:?}"))? as u32;
+        let mut kernels = HashMap::new();
+        for &name in KERNEL_NAMES {
+            let f = module.load_function(name).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: kernel {name}: {e:?}"))?;
+            kernels.insert(name, f);
+        }
+        // Buffers come from the device's default memory pool (stream-ordered allocation). Keep
+        // what is freed in the pool instead of handing it back to the driver at every
+        // synchronisation: a prefill allocates its workspace afresh, and remapping it each time
+        // cost milliseconds.
+        if ctx.has_async_alloc() {
+            use cudarc::driver::sys;
+            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+            let mut keep = u64::MAX;
+            // SAFETY: the context's own device; the attribute takes a u64.
+            unsafe {
+                sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+                    .result()
+                    .and_then(|()| sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut keep as *mut u64 as *mut std::ffi::c_void).result())
+            }
+            .map_err(|e| anyhow::anyhow!("cuda:{ordinal}: configuring the memory pool: {e:?}"))?;
+        }
+        // A stream of its own (not the legacy default stream): a decode step is captured into a
+        // CUDA graph on it, and two engines on one GPU run side by side on their own streams.
+        let stream = ctx.new_stream().map_err(|e| anyhow::anyhow!("cuda:{ordinal}: creating a stream: {e:?}"))?;
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: cuBLAS: {e:?}"))?;
+        let pdl = major >= 9 && std::env::var("TANDEM_CUDA_PDL").map_or(true, |v| v != "0");
+        Ok(Gpu { ordinal, name, stream, blas, kernels, sms, resident: Default::default(), pdl, pdl_now: true.into(), bf16_mma: major >= 8, profile: std::sync::Mutex::new(None) })
+    }
+
+    /// Launch kernel `name` on the stream (with programmatic dependent launch where the GPU
+    /// has it: see `pdl`).
+    pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, shared: u32, args: &[Arg]) -> Result<()> {
+        use cudarc::driver::sys;
+        let (&name, f) = self.kernels.get_key_value(name).with_context(|| format!("no kernel {name}"))?;
+        self.timed(name, || {
+            // Each argument in a slot of its own; the driver reads as many bytes from each slot
+            // as the kernel's parameter has (8 for an address, 4 for an int or a float: the low
+            // bytes of the slot on a little-endian host).
+            let mut slots: Vec<u64> = args
+                .iter()
+                .map(|a| match *a {
+                    Arg::Ptr(p) => p,
+                    Arg::I32(i) => i as u32 as u64,
+                    Arg::F32(x) => x.to_bits() as u64,
+                })
+                .collect();
+            let mut params: Vec<*mut std::ffi::c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut std::ffi::c_void).collect();
+            // SAFETY: a plain-data union; the driver reads the member its id names.
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: block,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: shared,
+                hStream: self.stream.cu_stream(),
+                attrs: &mut attr,
+                numAttrs: (self.pdl && self.pdl_now.load(std::sync::atomic::Ordering::Relaxed)) as u32,
+            };
+            self.stream.context().bind_to_thread().map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.ordinal))?;
+            // SAFETY: every kernel of kernels/ is launched through the typed wrappers of
+            // backend/cuda/qwen35.rs, which pass its parameters in order with the sizes it was written
+            // for; `slots` and `attr` outlive the call (the driver copies the arguments).
+            unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
+                .result()
+                .map_err(|e| anyhow::anyhow!("cuda:{}: launching {name}: {e:?}", self.ordinal))
+        })
+    }
+
+    /// Programmatic launch on (`decode`) or off for the launches queued until the guard drops.
+    /// A 9B prefill of 2048 tokens on an H200 ran at 23,548 tok/s with it and 26,236 without
+    /// (bench, the same binary), most likely because a prefill's kernels run several waves of
+    /// blocks and the next kernel's blocks, started early, hold SM resources the last waves
+    /// need; a decode step, one wave per kernel, is faster with it.
+    pub fn pdl_for(&self, decode: bool) -> PdlGuard<'_> {
+        use std::sync::atomic::Ordering::Relaxed;
+        PdlGuard { gpu: self, before: self.pdl_now.swap(decode, Relaxed) }
+    }
+
+    /// How many blocks of 256 threads of kernel `name` (without dynamic shared memory) the GPU
+    /// runs at once.
+    pub fn resident_blocks(&self, name: &str) -> Result<u32> {
+        let (&name, f) = self.kernels.get_key_value(name).with_context(|| format!("no kernel {name}"))?;
+        let mut known = self.resident.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&n) = known.get(name) {
+            return Ok(n);
+        }
+        let per_sm = f.occupancy_max_active_blocks_per_multiprocessor(256, 0, None).map_err(|e| anyhow::anyhow!("cuda:{}: kernel {name}: {e:?}", self.ordinal))?;
+        let n = per_sm.max(1) * self.sms;
+        known.insert(name, n);
+        Ok(n)
+    }
+
+    /// Queue `work` on the stream; while profiling, between two events recorded under `name`.
+    fn timed(&self, name: &'static str, work: impl FnOnce() -> Result<()>) -> Result<()> {
+        let mut profile = self.profile.lock().unwrap_or_else(|e| e.into_inner());
+        let event = || self.stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.ordinal));
+        let before = if profile.is_some() { Some(event()?) } else { None };
+        work()?;
+        if let (Some(list), Some(before)) = (profile.as_mut(), before) {
+            list.push((name, before, event()?));
+        }
+        Ok(())
+    }
+
+    /// Time every kernel launched from now until `finish_profile` (with an event before and
+    /// after each: not for CUDA graph captures, and a little slower than without).
+    pub fn start_profile(&self) {
+        *self.profile.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
+    }
+
+    /// Stop profiling: each kernel's name, total milliseconds and number of launches, the most
+    /// time first.
+    pub fn finish_profile(&self) -> Result<Vec<(&'static str, f64, usize)>> {
+        let list = self.profile.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_default();
+        self.synchronize()?;
+        let mut by_name: HashMap<&'static str, (f64, usize)> = HashMap::new();
+        for (name, a, b) in &list {
+            let ms = a.elapsed_ms(b).map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.ordinal))? as f64;
+            let e = by_name.entry(name).or_default();
+            e.0 += ms;
+            e.1 += 1;
+        }
+        let mut out: Vec<_> = by_name.into_iter().map(|(n, (ms, c))| (n, ms, c)).collect();
+        out.sort_by(|a, b| b.1.total_cmp(&a.1));
+        Ok(out)
+    }
+
+    pub fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        self.stream.clone_htod(host).map_err(|e| anyhow::anyhow!("cuda:{}: copying {} bytes to the GPU: {e:?}", self.ordinal, std::mem::size_of_val(host)))
+    }
+
+    pub fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        self.stream.alloc_zeros(n.max(1)).map_err(|e| anyhow::anyhow!("cuda:{}: allocating {} bytes: {e:?}", self.ordinal, n * std::mem::size_of::<T>()))
+    }
+
+    /// An uninitialised buffer of `n` values, for outputs that a kernel writes whole (saves the
+    /// memset launch of `zeros`).
+    pub fn scratch<T: cudarc::driver::DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: callers hand the buffer to a kernel or copy that writes all `n` values before
+        // anything reads them.
+        unsafe { self.stream.alloc(n.max(1)) }.map_err(|e| anyhow::anyhow!("cuda:{}: allocating {} bytes: {e:?}", self.ordinal, n * std::mem::size_of::<T>()))
+    }
+
+    pub fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(&self, dev: &CudaSlice<T>, n: usize) -> Result<Vec<T>> {
+        let mut host = vec![T::default(); n];
+        self.stream.memcpy_dtoh(&dev.slice(..n), &mut host[..]).map_err(|e| anyhow::anyhow!("cuda:{}: copying from the GPU: {e:?}", self.ordinal))?;
+        Ok(host)
+    }
+
+    /// Queue a copy of `src` to the device address `dst` (capturable into a graph).
+    pub fn copy_to_device<T: cudarc::driver::DeviceRepr + Copy>(&self, src: &Pinned<T>, dst: u64) -> Result<()> {
+        // SAFETY: dst holds src.len values (the callers' workspace buffers).
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, src.as_slice(), self.stream.cu_stream()) }.map_err(|e| anyhow::anyhow!("cuda:{}: copying to the GPU: {e:?}", self.ordinal))
+    }
+
+    /// Queue a copy of `dst.len` values at device address `src` into `dst` (capturable).
+    pub fn copy_to_host<T: cudarc::driver::DeviceRepr + Copy>(&self, src: u64, dst: &mut Pinned<T>) -> Result<()> {
+        // SAFETY: src holds dst.len values; dst is not read before the stream is synchronized.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst.as_mut_slice(), src, self.stream.cu_stream()) }.map_err(|e| anyhow::anyhow!("cuda:{}: copying from the GPU: {e:?}", self.ordinal))
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.ordinal))
+    }
+
+    /// `out[t, n] = x[t, k] · W[n, k]ᵀ` in bf16 on tensor cores with f32 sums (cuBLAS; x and W
+    /// bf16, out as `output` says): column-major `C[n, t] = W[k, n]ᵀ · X[k, t]`, which is
+    /// row-major `out[t, n]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_bf16(&self, xb: u64, t: usize, w: u64, n: usize, k: usize, out: u64, output: GemmOut) -> Result<()> {
+        let (alpha, beta) = (1.0f32, if output == GemmOut::F32Add { 1.0f32 } else { 0.0 });
+        let out_type = if output == GemmOut::Bf16 { cudaDataType::CUDA_R_16BF } else { cudaDataType::CUDA_R_32F };
+        // SAFETY: the three buffers hold t·k bf16, n·k bf16 and t·n values of out_type.
+        self.timed("cuBLAS GEMM (bf16)", || unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                t as i32,
+                k as i32,
+                &alpha as *const f32 as *const _,
+                w as *const _,
+                cudaDataType::CUDA_R_16BF,
+                k as i32,
+                xb as *const _,
+                cudaDataType::CUDA_R_16BF,
+                k as i32,
+                &beta as *const f32 as *const _,
+                out as *mut _,
+                out_type,
+                n as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| anyhow::anyhow!("cuda:{}: cuBLAS GEMM {t}x{k} by {n}x{k}: {e:?}", self.ordinal)))
+    }
+
+    /// This GPU's PCI address as NVML writes it ("00000000:65:00.0").
+    pub fn pci_bus_id(&self) -> Result<String> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let ctx = self.stream.context();
+        let get = |a| ctx.attribute(a).map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.ordinal));
+        Ok(format!("{:08X}:{:02X}:{:02X}.0", get(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?, get(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?, get(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?))
+    }
+
+    /// The device address of `s` (kernels take raw addresses, so that offsets are plain adds).
+    pub fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        let (p, _sync) = s.device_ptr(&self.stream);
+        p
+    }
+}

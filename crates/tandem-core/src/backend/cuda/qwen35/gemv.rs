@@ -1,0 +1,150 @@
+//! The decode GEMV: the launch that picks its kernel by shape, and its timing by kind for the
+//! bench.
+
+use super::*;
+
+impl GpuQwen35 {
+    /// The decode GEMV (kernels/gemv.cu gemv_*): `out_j[t, n_j] (+)= input(x)[t, k] · W_jᵀ` for t <= 8
+    /// and up to four matrices `(weights, out, n_j)` of the same input, in one launch.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemv(&self, ws: &Workspace, input: GemvInput, mats: &[(u64, u64, usize)], x: u64, k: usize, t: usize, output: GemvOut) -> Result<()> {
+        debug_assert!(t <= GEMV_MAX_T && !mats.is_empty() && mats.len() <= 4);
+        let glu = output == GemvOut::SwiGlu;
+        debug_assert!(!glu || (mats.len() == 2 && mats[0].2 == mats[1].2 && matches!(input, GemvInput::Norm(_))));
+        let g = &self.gpu;
+        let mut inv = 0;
+        let (mode, x2) = match input {
+            GemvInput::Plain => ("plain", 0),
+            GemvInput::Norm(scale) => {
+                // The 1/rms of a short row is found by every block of the GEMV itself; of a
+                // long one by a kernel before it. Measured on an H100 (interleaved runs of
+                // whole decode steps): in the GEMV, the 0.8B model's (rows of 1024) steps were
+                // 1.5% faster and the 9B's (4096) 1% slower.
+                if k > RMS_IN_GEMV_MAX_K {
+                    inv = g.ptr(&ws.rms_inv);
+                    g.launch("rms_inv", (t as u32, 1, 1), 256, 0, &[Arg::Ptr(x), Arg::Ptr(inv), Arg::I32(k as i32), Arg::F32(self.config.rms_norm_eps)])?;
+                }
+                ("norm", scale)
+            }
+        };
+        let mut args = Vec::with_capacity(19);
+        for j in 0..4 {
+            match mats.get(j) {
+                Some(&(w, out, n)) => args.extend([Arg::Ptr(w), Arg::Ptr(out), Arg::I32(n as i32)]),
+                None => args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0)]),
+            }
+        }
+        let (accumulate, eps) = (Arg::I32((output == GemvOut::Add) as i32), Arg::F32(self.config.rms_norm_eps));
+        if t == 1 && k == GEMV_STREAM_K {
+            // One token, rows of 1024: every warp streams through rows (as many blocks as run
+            // at once, fewer where the rows run out first). On an H200 (bench's GEMV table) the
+            // 0.8B model's DeltaNet input projection went from 9.0 to 7.0 us, its gate and up
+            // with the SwiGLU from 9.5 to 5.8 us and its LM head from 168 to 119 us.
+            let name = format!("gemv_stream_{}", if glu { "glu" } else { mode });
+            let rows = if glu { mats[0].2 } else { mats.iter().map(|m| m.2).sum() };
+            let blocks = (self.gpu.resident_blocks(&name)? as usize).min(rows.div_ceil(8));
+            args.extend([Arg::Ptr(x), Arg::Ptr(x2), Arg::Ptr(inv), Arg::I32(k as i32), accumulate, eps]);
+            return self.gpu.launch(&name, (blocks as u32, 1, 1), 256, 0, &args);
+        }
+        let name = format!("gemv_t{}_{}", if t == 1 { 1 } else { 8 }, if glu { "glu" } else { mode });
+        // Rows per block: the most (of 8, 4, 2, 1) whose blocks still fill at least half of
+        // what the GPU runs at once, so that a matrix of few rows gets several warps per row
+        // and its loads are spread over the GPU (as long as every lane of a row's warps has 8
+        // columns to read). Measured on an H100, every rows-per-block for every decode GEMV of
+        // the 0.8B and 9B models (bench's GEMV table): this picks the fastest or within 4% of
+        // it; choosing instead by how full the last round of blocks is made the 0.8B model's
+        // DeltaNet input projection 1.5x slower (2 rows per block, 6 rounds of small blocks).
+        let resident = self.gpu.resident_blocks(&name)? as usize;
+        // (With the SwiGLU a unit's rows are gate and up rows in turn: an even count.)
+        let units = |rb: usize| if glu { (2 * mats[0].2).div_ceil(rb) } else { mats.iter().map(|m| m.2.div_ceil(rb)).sum::<usize>() };
+        let allowed = [8usize, 4, 2, 1].into_iter().filter(|&rb| (rb == 8 || (8 / rb) * 256 <= k) && !(glu && rb == 1));
+        let rb = allowed.clone().find(|&rb| 2 * units(rb) >= resident).unwrap_or_else(|| allowed.last().unwrap_or(8));
+        args.extend([Arg::Ptr(x), Arg::Ptr(x2), Arg::Ptr(inv), Arg::I32(k as i32), Arg::I32(t as i32), Arg::I32(rb as i32), accumulate, eps]);
+        // A block per unit: the GPU's block scheduler evens out the last round.
+        self.gpu.launch(&name, (units(rb) as u32, 1, 1), 256, 0, &args)
+    }
+
+    /// The one-token GEMVs of a decode step timed alone, by kind: the DeltaNet and attention
+    /// input and output projections, the MLP's and the LM head. Each kind's launches go through
+    /// every layer's matrices in turn (so that, as in a step, the weights come from memory and
+    /// not from the L2 cache), captured as a CUDA graph of at least `launches`, replayed `reps`
+    /// times: the median microseconds per launch. A graph of a kernel that does almost nothing
+    /// (the SwiGLU of one row) shows what a launch itself costs.
+    pub fn time_decode_gemvs(&self, launches: usize, reps: usize) -> Result<Vec<GemvTiming>> {
+        let g = &self.gpu;
+        let err = |e| anyhow::anyhow!("cuda:{}: timing the decode GEMVs: {e:?}", g.ordinal);
+        let mut ws = Workspace::new(self, 1, 1, 1)?;
+        for buf in [&mut ws.x, &mut ws.core, &mut ws.attn, &mut ws.ffn_gate, &mut ws.ffn_up] {
+            g.stream.memset_zeros(buf).map_err(err)?;
+        }
+        let ws = &ws;
+        let (x, h) = (g.ptr(&ws.x), self.config.hidden_size);
+        // Per kind: its name and, per layer of that kind, (input norm, [(matrix, out)], input).
+        type Launch<'a> = (Option<&'a CudaSlice<f32>>, Vec<(&'a GpuMatrix, u64)>, u64);
+        let mut kinds: Vec<(&str, Vec<Launch>)> = ["DeltaNet in (qkv, z, b, a)", "DeltaNet out (+ residual)", "attention in (q + gate, k, v)", "attention out (+ residual)", "MLP gate, up (+ SwiGLU)", "MLP down (+ residual)"]
+            .into_iter()
+            .map(|what| (what, Vec::new()))
+            .collect();
+        for l in &self.layers {
+            match &l.mixer {
+                GpuMixer::DeltaNet(m) => {
+                    kinds[0].1.push((Some(&l.input_norm), vec![(&m.in_proj_qkv, g.ptr(&ws.qkv)), (&m.in_proj_z, g.ptr(&ws.z)), (&m.in_proj_b, g.ptr(&ws.beta)), (&m.in_proj_a, g.ptr(&ws.alpha))], x));
+                    kinds[1].1.push((None, vec![(&m.out_proj, x)], g.ptr(&ws.core)));
+                }
+                GpuMixer::Attention(m) => {
+                    kinds[2].1.push((Some(&l.input_norm), vec![(&m.q_proj, g.ptr(&ws.qg)), (&m.k_proj, g.ptr(&ws.k)), (&m.v_proj, g.ptr(&ws.v))], x));
+                    kinds[3].1.push((None, vec![(&m.o_proj, x)], g.ptr(&ws.attn)));
+                }
+            }
+            kinds[4].1.push((Some(&l.post_attention_norm), vec![(&l.gate_proj, g.ptr(&ws.ffn_gate)), (&l.up_proj, g.ptr(&ws.ffn_up))], x));
+            kinds[5].1.push((None, vec![(&l.down_proj, x)], g.ptr(&ws.ffn_gate)));
+        }
+        let mut out = Vec::new();
+        let mut time = |what: &str, rows: usize, cols: usize, bytes: usize, count: usize, work: &dyn Fn() -> Result<()>| -> Result<()> {
+            let rounds = launches.div_ceil(count);
+            work()?;
+            g.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(err)?;
+            let enqueued = (0..rounds).try_for_each(|_| work());
+            let captured = g.stream.end_capture(CUgraphInstantiate_flags(0));
+            enqueued?;
+            let graph = captured.map_err(err)?.context("the captured GEMVs are empty")?;
+            graph.launch().map_err(err)?;
+            let mut micros = Vec::with_capacity(reps);
+            for _ in 0..reps {
+                let event = || g.stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(err);
+                let before = event()?;
+                graph.launch().map_err(err)?;
+                let after = event()?;
+                g.synchronize()?;
+                micros.push(before.elapsed_ms(&after).map_err(err)? as f64 * 1e3 / (rounds * count) as f64);
+            }
+            micros.sort_by(f64::total_cmp);
+            out.push(GemvTiming { what: what.to_string(), rows, cols, bytes, micros: micros[micros.len() / 2] });
+            Ok(())
+        };
+        for (kind, (what, list)) in kinds.iter().enumerate() {
+            let Some((_, mats, _)) = list.first() else { continue };
+            // As a step runs them: the MLP's gate and up with its SwiGLU, the outputs added to x.
+            let output = match kind {
+                4 => GemvOut::SwiGlu,
+                1 | 3 | 5 => GemvOut::Add,
+                _ => GemvOut::Write,
+            };
+            let (rows, cols) = (mats.iter().map(|m| m.0.rows).sum::<usize>(), mats[0].0.cols);
+            time(what, rows, cols, rows * cols * 2, list.len(), &|| {
+                list.iter().try_for_each(|(norm, mats, input)| {
+                    let mats: Vec<(u64, u64, usize)> = mats.iter().map(|&(m, o)| (g.ptr(&m.w), o, m.rows)).collect();
+                    match norm {
+                        Some(n) => self.gemv(ws, GemvInput::Norm(g.ptr(n)), &mats, *input, cols, 1, output),
+                        None => self.gemv(ws, GemvInput::Plain, &mats, *input, cols, 1, output),
+                    }
+                })
+            })?;
+        }
+        let (head, v) = (self.lm_head.as_ref().map_or(g.ptr(&self.embed), |m| g.ptr(&m.w)), self.config.vocab_size);
+        time("LM head", v, h, v * h * 2, 1, &|| self.gemv(ws, GemvInput::Norm(g.ptr(&self.final_norm)), &[(head, g.ptr(&ws.logits), v)], x, h, 1, GemvOut::Write))?;
+        let (gate, up) = (g.ptr(&ws.ffn_gate), g.ptr(&ws.ffn_up));
+        time("SwiGLU of one row (what a launch costs)", 1, h, 0, 1, &|| g.launch("swiglu", (h.div_ceil(1024) as u32, 1, 1), 256, 0, &[Arg::Ptr(gate), Arg::Ptr(up), Arg::Ptr(0), Arg::I32(h as i32)]))?;
+        Ok(out)
+    }
+}

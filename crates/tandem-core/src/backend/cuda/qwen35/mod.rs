@@ -1,0 +1,437 @@
+//! Qwen3.5 on one GPU: the forward pass of backend/cpu/forward.rs, layer by layer, with the weights
+//! (bf16, as stored) and the request state in GPU memory. Activations are f32.
+//!
+//! Two shapes of work. Up to 8 token rows (decode, and very short prompts): bf16 GEMVs in f32
+//! that normalise their input as they read it (each layer's input projections in one launch,
+//! the output projections adding into the residual stream), a DeltaNet mixer in one launch per
+//! sequence (conv, l2 norm, the delta rule token after token, gated norm) and attention over
+//! the cache; a decode step of one sequence is captured
+//! once as a CUDA graph (the token coming in and the logits going out through page-locked
+//! memory) and replayed per token, and several sequences decode in one batched step
+//! (`decode_batch`), every weight read once for all. More rows (prefill): GEMMs, either the f32
+//! kernel (`Precision::Exact`, what `verify` checks) or cuBLAS on tensor cores with the
+//! activations rounded to bf16 (`Precision::TensorCores`), the chunked delta rule
+//! (deltanet.rs `chunked`: the chunks' matrices all at once, then the state through the chunks)
+//! and tiled causal attention.
+//!
+//! This file holds the model's weights on the GPU and the forward call; `layers.rs` the layers
+//! it enqueues, `gemv.rs` the decode GEMV, `graph.rs` the captured decode step, `state.rs` a
+//! request's state on the GPU, `workspace.rs` the buffers of a call.
+
+use anyhow::{bail, Context, Result};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::CudaSlice;
+
+use std::sync::{Arc, Mutex};
+
+mod gemv;
+mod graph;
+mod layers;
+mod state;
+mod workspace;
+
+use self::workspace::Workspace;
+use super::{Arg, GemmOut, Gpu, Pinned, Staging};
+use crate::model::config::{LayerType, Qwen35Config};
+use crate::model::qwen35::Mixer;
+use crate::model::{Logits, Qwen35};
+use crate::state::{LayerState, State};
+use crate::model::tensor::{Matrix, WeightData};
+
+/// How prefill products (more than 8 tokens) are computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// f32 activations times bf16 weights, f32 sums: the CPU engine's arithmetic.
+    Exact,
+    /// cuBLAS bf16 x bf16 on tensor cores, f32 sums: the activations are rounded to bf16.
+    TensorCores,
+}
+
+/// The most positions one decode row can see: the decode attention splits them into at most
+/// `ATTN_SPLITS` chunks of at most `ATTN_CHUNK` positions (kernels/attention.cu), each scored in shared
+/// memory (the prefill's tiled attention has no such limit).
+pub const MAX_CONTEXT: usize = ATTN_SPLITS * ATTN_CHUNK;
+const ATTN_SPLITS: usize = 64;
+const ATTN_CHUNK: usize = 1024;
+/// Products of at most this many tokens take the GEMV kernels, and sequences of at most this
+/// many rows the one-launch DeltaNet step and the untiled attention.
+const GEMV_MAX_T: usize = 8;
+/// Blocks per logits row of the greedy pick (kernels/sample.cu argmax_rows; at most 256).
+const ARGMAX_SPANS: usize = 64;
+/// The longest GEMV input row whose 1/rms each GEMV block computes itself (see `gemv`).
+const RMS_IN_GEMV_MAX_K: usize = 2048;
+/// The row length of the streaming GEMV (kernels/gemv.cu gemv_stream_*: 32 lanes x 8 x
+/// STREAM_PIECES).
+const GEMV_STREAM_K: usize = 1024;
+/// The fewest K/V rows a state's caches grow to (`grow_kv`).
+const KV_MIN_ROWS: usize = 256;
+/// Tokens per chunk of the chunked delta rule (kernels/deltanet.cu CHUNK, cpu kernels/deltanet.rs CHUNK).
+const DELTANET_CHUNK: usize = 64;
+/// Tokens per thread of a prefill's conv (kernels/deltanet.cu CONV_RUN).
+const CONV_RUN: usize = 8;
+
+/// The input of an output projection (`project_residual`).
+enum Input {
+    /// f32 rows at this device address.
+    F32(u64),
+    /// Already rounded to bf16 in `ws.xb` by the kernel before (a tensor-core GEMM's operand).
+    Bf16Ready,
+}
+
+/// What a GEMV multiplies the weights with (kernels/gemv.cu IN_PLAIN, IN_NORM).
+#[derive(Clone, Copy)]
+enum GemvInput {
+    /// x itself.
+    Plain,
+    /// rms_norm(x) times this scale (a block's input norm).
+    Norm(u64),
+}
+
+/// What a GEMV does with its sums (kernels/gemv.cu gemv_body).
+#[derive(Clone, Copy, PartialEq)]
+enum GemvOut {
+    /// Writes them.
+    Write,
+    /// Adds them to the output (a residual connection).
+    Add,
+    /// The MLP's gate and up projections (the first two matrices): writes silu(gate) * up
+    /// into the gate's output.
+    SwiGlu,
+}
+
+struct GpuMatrix {
+    w: CudaSlice<u16>,
+    rows: usize,
+    cols: usize,
+}
+
+struct DeltaNet {
+    in_proj_qkv: GpuMatrix,
+    in_proj_z: GpuMatrix,
+    in_proj_b: GpuMatrix,
+    in_proj_a: GpuMatrix,
+    conv_taps: CudaSlice<f32>,
+    dt_bias: CudaSlice<f32>,
+    neg_a: CudaSlice<f32>,
+    norm: CudaSlice<f32>,
+    out_proj: GpuMatrix,
+}
+
+struct Attention {
+    q_proj: GpuMatrix,
+    k_proj: GpuMatrix,
+    v_proj: GpuMatrix,
+    o_proj: GpuMatrix,
+    q_norm: CudaSlice<f32>,
+    k_norm: CudaSlice<f32>,
+}
+
+enum GpuMixer {
+    DeltaNet(DeltaNet),
+    Attention(Attention),
+}
+
+struct Layer {
+    input_norm: CudaSlice<f32>,
+    post_attention_norm: CudaSlice<f32>,
+    mixer: GpuMixer,
+    gate_proj: GpuMatrix,
+    up_proj: GpuMatrix,
+    down_proj: GpuMatrix,
+}
+
+pub struct GpuQwen35 {
+    pub gpu: Gpu,
+    pub config: Qwen35Config,
+    embed: CudaSlice<u16>,
+    /// None when the LM head is the embedding table (tied).
+    lm_head: Option<GpuMatrix>,
+    final_norm: CudaSlice<f32>,
+    layers: Vec<Layer>,
+    inv_freq: CudaSlice<f32>,
+    pub precision: Precision,
+    /// Replay decode steps from CUDA graphs (on by default; off to time the launches).
+    pub graphs: bool,
+    weight_bytes: usize,
+    /// Page-locked buffers for states copied from the GPU to the host, shared with the states.
+    staging: Arc<Mutex<Staging>>,
+}
+
+/// A request's state in GPU memory: the same arrays as `State`, K/V with room to grow, and
+/// once it has decoded a token, its captured decode step.
+pub struct GpuState {
+    pub position: usize,
+    layers: Vec<GpuLayerState>,
+    /// K/V rows allocated in each full-attention layer.
+    capacity: usize,
+    /// Logits of the last applied token (sampling reads them; `last_logits`).
+    last: LastLogits,
+    step: Option<StepGraph>,
+    /// The staging buffers of the engine that made this state (for `download`).
+    staging: Arc<Mutex<Staging>>,
+}
+
+/// Where a state's last logits are: on the host, or, after a decode step replayed from its graph,
+/// still on the GPU in the step's buffer, with their argmax: greedy sampling needs no more, so
+/// the row is copied to the host only when asked for.
+enum LastLogits {
+    Host(Vec<f32>),
+    InStep { argmax: u32 },
+}
+
+enum GpuLayerState {
+    Linear { conv: CudaSlice<f32>, recurrent: CudaSlice<f32> },
+    /// `[capacity, Hkv, D]` each; the first `position` rows are in use.
+    Full { k: CudaSlice<f32>, v: CudaSlice<f32> },
+}
+
+/// One decode step of one state captured as a CUDA graph, with the buffers it runs in: each
+/// token writes its position and id to `ws.io` and replays the graph (one launch instead of
+/// ~15 per layer). The graph holds the addresses of the state's arrays, so it is captured
+/// again when the K/V caches move (they grow by doubling).
+struct StepGraph {
+    graph: Graph,
+    /// The stream of the engine that captured it: the graph runs that engine's kernels on its
+    /// weights, so another engine (a state handed from prefill to decode) captures its own.
+    stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    /// The buffers the graph runs in; its logits stay in `ws.logits` until the next replay.
+    ws: Workspace,
+    capacity: usize,
+    /// The position and token id of the next step, and the argmax of the last one's logits.
+    io_host: Pinned<u32>,
+    argmax_host: Pinned<u32>,
+}
+
+/// A CUDA graph handle is not Send; a `StepGraph` is only used through `&mut GpuState`, by one
+/// thread at a time, which is all the CUDA docs ask of a graph.
+struct Graph(cudarc::driver::CudaGraph);
+// SAFETY: see above; the graph is never used from two threads at once.
+unsafe impl Send for Graph {}
+
+
+/// One line of `GpuQwen35::time_decode_gemvs`: a GEMV launch of `rows` x `cols` weights
+/// (`bytes` of them) and its median time.
+pub struct GemvTiming {
+    pub what: String,
+    pub rows: usize,
+    pub cols: usize,
+    pub bytes: usize,
+    pub micros: f64,
+}
+
+/// Where one sequence's rows are in a forward call.
+#[derive(Clone, Copy)]
+struct Rows {
+    first: usize,
+    count: usize,
+}
+
+impl GpuQwen35 {
+    /// Copy `net`'s weights to `gpu`. The GPU runs bf16 weights; another dtype (an int8
+    /// quantization, an f16 or f32 checkpoint) is refused by name.
+    pub fn upload(gpu: Gpu, net: &Qwen35, precision: Precision) -> Result<GpuQwen35> {
+        let c = net.config.clone();
+        if c.linear_key_head_dim != 32 && c.linear_key_head_dim != 64 && c.linear_key_head_dim != 128 {
+            bail!("the CUDA DeltaNet kernel is built for key heads of 32, 64 or 128 channels, this model has {}", c.linear_key_head_dim);
+        }
+        let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
+        if dv % 32 != 0 || dk + dv > 256 || c.linear_num_key_heads == 0 || !c.linear_num_value_heads.is_multiple_of(c.linear_num_key_heads) || c.linear_conv_kernel_dim > 8 {
+            bail!(
+                "the CUDA DeltaNet kernels take value heads of a multiple of 32 channels, key + value head dims up to 256, a whole number of value heads per key head and conv kernels up to 8 (this model: dk {dk}, dv {dv}, {} value and {} key heads, conv {})",
+                c.linear_num_value_heads,
+                c.linear_num_key_heads,
+                c.linear_conv_kernel_dim
+            );
+        }
+        if c.head_dim > 256 || c.head_dim % 16 != 0 {
+            bail!("the CUDA attention kernels take head dims that are a multiple of 16 up to 256 (this model: {})", c.head_dim);
+        }
+        let mut weight_bytes = 0;
+        let mut mat = |m: &Matrix, name: &str| -> Result<GpuMatrix> {
+            let WeightData::Bf16(b) = &m.data else {
+                bail!("{name}: the CUDA engine runs bf16 weights; this matrix is {:?} (drop --quant for a GPU engine)", m.dtype());
+            };
+            if m.cols % 8 != 0 {
+                bail!("{name}: {} columns; the CUDA GEMV needs a multiple of 8", m.cols);
+            }
+            weight_bytes += m.bytes();
+            Ok(GpuMatrix { w: gpu.upload(b.as_slice())?, rows: m.rows, cols: m.cols })
+        };
+        let tied = std::ptr::eq(net.lm_head_data_ptr(), net.embed_data_ptr());
+        let lm_head = if tied { None } else { Some(mat(&net.lm_head, "lm_head")?) };
+        let WeightData::Bf16(e) = &net.embed_tokens.data else { bail!("embed_tokens: the CUDA engine runs bf16 weights") };
+        let embed = gpu.upload(e.as_slice())?;
+        let mut layers = Vec::with_capacity(net.layers.len());
+        for (i, l) in net.layers.iter().enumerate() {
+            let p = format!("layers.{i}");
+            let mixer = match &l.mixer {
+                Mixer::DeltaNet(d) => GpuMixer::DeltaNet(DeltaNet {
+                    in_proj_qkv: mat(&d.in_proj_qkv, &format!("{p}.in_proj_qkv"))?,
+                    in_proj_z: mat(&d.in_proj_z, &format!("{p}.in_proj_z"))?,
+                    in_proj_b: mat(&d.in_proj_b, &format!("{p}.in_proj_b"))?,
+                    in_proj_a: mat(&d.in_proj_a, &format!("{p}.in_proj_a"))?,
+                    conv_taps: gpu.upload(&d.conv_taps)?,
+                    dt_bias: gpu.upload(&d.dt_bias)?,
+                    neg_a: gpu.upload(&d.neg_a)?,
+                    norm: gpu.upload(&d.norm)?,
+                    out_proj: mat(&d.out_proj, &format!("{p}.out_proj"))?,
+                }),
+                Mixer::Attention(a) => GpuMixer::Attention(Attention {
+                    q_proj: mat(&a.q_proj, &format!("{p}.q_proj"))?,
+                    k_proj: mat(&a.k_proj, &format!("{p}.k_proj"))?,
+                    v_proj: mat(&a.v_proj, &format!("{p}.v_proj"))?,
+                    o_proj: mat(&a.o_proj, &format!("{p}.o_proj"))?,
+                    q_norm: gpu.upload(&a.q_norm)?,
+                    k_norm: gpu.upload(&a.k_norm)?,
+                }),
+            };
+            layers.push(Layer {
+                input_norm: gpu.upload(&l.input_norm)?,
+                post_attention_norm: gpu.upload(&l.post_attention_norm)?,
+                mixer,
+                gate_proj: mat(&l.mlp.gate_proj, &format!("{p}.gate_proj"))?,
+                up_proj: mat(&l.mlp.up_proj, &format!("{p}.up_proj"))?,
+                down_proj: mat(&l.mlp.down_proj, &format!("{p}.down_proj"))?,
+            });
+        }
+        if tied {
+            weight_bytes += net.embed_tokens.bytes();
+        }
+        let final_norm = gpu.upload(&net.final_norm)?;
+        let inv_freq = gpu.upload(&net.inv_freq)?;
+        let staging = Arc::new(Mutex::new(Staging::default()));
+        gpu.synchronize()?;
+        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, weight_bytes, staging })
+    }
+
+    /// Give the GPU back (to load another model on it).
+    pub fn into_gpu(self) -> Gpu {
+        self.gpu
+    }
+
+    /// Use the RoPE frequencies of `net` (after `Qwen35::set_rope_frequencies_bf16`).
+    pub fn set_rope_frequencies(&mut self, net: &Qwen35) -> Result<()> {
+        self.inv_freq = self.gpu.upload(&net.inv_freq)?;
+        Ok(())
+    }
+
+    /// Bytes of weights one decode step reads (every matrix and the LM head).
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    /// Apply `tokens` to a host `State`: upload, forward, download. What `verify` runs (it
+    /// compares states).
+    pub fn forward_host(&self, tokens: &[u32], state: &mut State, which: Logits) -> Result<Vec<f32>> {
+        let mut g = self.upload_state(state)?;
+        let logits = self.forward(tokens, &mut g, which)?;
+        *state = self.download_state(&g)?;
+        Ok(logits)
+    }
+
+    /// Apply `tokens` to `state`, leaving the last token's logits in the state (what the engines
+    /// run: after a decode step they stay on the GPU with their argmax; `GpuState::last_logits`).
+    pub fn apply(&self, tokens: &[u32], state: &mut GpuState) -> Result<()> {
+        if tokens.len() == 1 && self.graphs {
+            self.check(tokens, state.position)?;
+            self.grow_kv(state, state.position + 1)?;
+            return self.replay_step(tokens[0], state);
+        }
+        self.forward(tokens, state, Logits::Last).map(drop)
+    }
+
+    /// Apply `tokens` to `state`; the logits of the last token, or of every token. One token
+    /// (a decode step) replays the state's captured step when `graphs` is on.
+    pub fn forward(&self, tokens: &[u32], state: &mut GpuState, which: Logits) -> Result<Vec<f32>> {
+        self.check(tokens, state.position)?;
+        self.grow_kv(state, state.position + tokens.len())?;
+        if tokens.len() == 1 && self.graphs {
+            self.replay_step(tokens[0], state)?;
+            return state.host_logits();
+        }
+        let t = tokens.len();
+        let logit_rows = if which == Logits::All { t } else { 1 };
+        let mut ws = Workspace::new(self, t, 1, logit_rows)?;
+        ws.write_io(&self.gpu, &[state.position], tokens)?;
+        self.enqueue(&ws, &mut [&mut *state], &[Rows { first: 0, count: t }], t - logit_rows, None)?;
+        let v = self.config.vocab_size;
+        let out = self.gpu.download(&ws.logits, logit_rows * v)?;
+        state.position += t;
+        state.last = LastLogits::Host(out[(logit_rows - 1) * v..].to_vec());
+        Ok(out)
+    }
+
+    /// One decode step of several sequences: `tokens[i]` applied to `states[i]`, every weight
+    /// read once for all of them (the GEMV takes up to 8 rows; more go through the GEMM); the
+    /// mixers run per sequence on its own state. Each state's last logits are set.
+    pub fn decode_batch(&self, tokens: &[u32], states: &mut [&mut GpuState]) -> Result<()> {
+        if tokens.len() != states.len() {
+            bail!("decode_batch: {} tokens for {} states", tokens.len(), states.len());
+        }
+        for (tok, s) in tokens.iter().zip(states.iter()) {
+            self.check(std::slice::from_ref(tok), s.position)?;
+        }
+        for s in states.iter_mut() {
+            let end = s.position + 1;
+            self.grow_kv(s, end)?;
+        }
+        let n = tokens.len();
+        let mut ws = Workspace::new(self, n, n, n)?;
+        let positions: Vec<usize> = states.iter().map(|s| s.position).collect();
+        ws.write_io(&self.gpu, &positions, tokens)?;
+        let rows: Vec<Rows> = (0..n).map(|i| Rows { first: i, count: 1 }).collect();
+        self.enqueue(&ws, states, &rows, 0, None)?;
+        let v = self.config.vocab_size;
+        let out = self.gpu.download(&ws.logits, n * v)?;
+        for (i, s) in states.iter_mut().enumerate() {
+            s.position += 1;
+            s.last = LastLogits::Host(out[i * v..(i + 1) * v].to_vec());
+        }
+        Ok(())
+    }
+
+    /// Refuse what the kernels cannot take, before anything is applied.
+    fn check(&self, tokens: &[u32], position: usize) -> Result<()> {
+        self.config.check_input(tokens, position, tokens.len(), self.config.max_position_embeddings.min(MAX_CONTEXT), "the CUDA engine's")
+    }
+
+    /// Queue the forward pass of the rows in `ws.io` (sequence i's rows `rows[i]` applied to
+    /// `states[i]`) and the logits of rows `logits_from..`. Nothing is allocated or copied to
+    /// or from the host here, so that a decode step can be captured as it is. `visible` sizes
+    /// the attention scores for that many positions (default: what each sequence needs now).
+    fn enqueue(&self, ws: &Workspace, states: &mut [&mut GpuState], rows: &[Rows], logits_from: usize, visible: Option<usize>) -> Result<()> {
+        let c = &self.config;
+        let g = &self.gpu;
+        let h = c.hidden_size;
+        let t: usize = rows.iter().map(|r| r.count).sum();
+        let _pdl = g.pdl_for(t <= GEMV_MAX_T);
+        let x = g.ptr(&ws.x);
+        let ids = ws.position_of(g, ws.sequences);
+        g.launch("embed", (t as u32, 1, 1), 256, 0, &[Arg::Ptr(g.ptr(&self.embed)), Arg::Ptr(ids), Arg::Ptr(x), Arg::I32(h as i32)])?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            // Each block normalises x on the way into its projections and adds its output to x
+            // (the residual stream) itself.
+            match &layer.mixer {
+                GpuMixer::DeltaNet(m) => self.deltanet(m, &layer.input_norm, ws, t, states, rows, li)?,
+                GpuMixer::Attention(m) => self.attention(m, &layer.input_norm, ws, t, states, rows, li, visible)?,
+            }
+            self.mlp(layer, ws, t)?;
+        }
+        let n = t - logits_from;
+        let last = x + (logits_from * h * 4) as u64;
+        let (head, logits) = (self.lm_head.as_ref().map_or(g.ptr(&self.embed), |m| g.ptr(&m.w)), g.ptr(&ws.logits));
+        if n <= GEMV_MAX_T {
+            return self.gemv(ws, GemvInput::Norm(g.ptr(&self.final_norm)), &[(head, logits, c.vocab_size)], last, h, n, GemvOut::Write);
+        }
+        let normed = g.ptr(&ws.normed);
+        self.rms_norm(last, g.ptr(&self.final_norm), normed, 0, n, h)?;
+        self.matmul_raw(ws, normed, n, head, c.vocab_size, h, logits)
+    }
+
+    /// The greedy pick of each of the first `rows` rows of `ws.logits` into `ws.pick`.
+    fn enqueue_argmax(&self, ws: &Workspace, rows: usize) -> Result<()> {
+        let g = &self.gpu;
+        let args = [Arg::Ptr(g.ptr(&ws.logits)), Arg::I32(self.config.vocab_size as i32), Arg::Ptr(g.ptr(&ws.pick_v)), Arg::Ptr(g.ptr(&ws.pick_i)), Arg::Ptr(g.ptr(&ws.pick_done)), Arg::Ptr(g.ptr(&ws.pick))];
+        g.launch("argmax_rows", (ARGMAX_SPANS as u32, rows as u32, 1), 256, 0, &args)
+    }
+}

@@ -1,0 +1,119 @@
+//! The buffers of one forward call, reused by every layer.
+
+use super::*;
+
+/// The buffers of one forward call over `rows` token rows (of one or several sequences); each
+/// layer reuses them.
+pub(super) struct Workspace {
+    /// The position of each sequence's first row, then the token id of each row.
+    pub(super) io: CudaSlice<u32>,
+    pub(super) sequences: usize,
+    pub(super) x: CudaSlice<f32>,
+    /// 1 / rms of each row of a long GEMV input (gemv).
+    pub(super) rms_inv: CudaSlice<f32>,
+    /// The normalised rows of an exact prefill's GEMM input.
+    pub(super) xn: CudaSlice<f32>,
+    // DeltaNet
+    pub(super) qkv: CudaSlice<f32>,
+    pub(super) conv_out: CudaSlice<f32>,
+    pub(super) z: CudaSlice<f32>,
+    pub(super) core: CudaSlice<f32>,
+    pub(super) beta: CudaSlice<f32>,
+    pub(super) alpha: CudaSlice<f32>,
+    /// The chunked delta rule's cumulative decay, U, W and P (prefill rows only).
+    pub(super) gcum: CudaSlice<f32>,
+    pub(super) chunk_u: CudaSlice<f32>,
+    pub(super) chunk_w: CudaSlice<f32>,
+    pub(super) chunk_p: CudaSlice<f32>,
+    // attention
+    pub(super) qg: CudaSlice<f32>,
+    pub(super) k: CudaSlice<f32>,
+    pub(super) v: CudaSlice<f32>,
+    pub(super) q: CudaSlice<f32>,
+    pub(super) gate: CudaSlice<f32>,
+    pub(super) attn: CudaSlice<f32>,
+    // MLP
+    pub(super) ffn_gate: CudaSlice<f32>,
+    pub(super) ffn_up: CudaSlice<f32>,
+    /// A bf16 copy of a GEMM's input (tensor-core prefill only).
+    pub(super) xb: CudaSlice<u16>,
+    /// The decode DeltaNet step's hand-over between the blocks of a key head: each block's
+    /// sum of squares per token, and a count of finished blocks per key head (zero between
+    /// launches: the last block resets it).
+    pub(super) step_ss: CudaSlice<f32>,
+    pub(super) step_done: CudaSlice<u32>,
+    /// The decode attention's hand-over between the chunks of a (row, head): each chunk's
+    /// (max, exp-sum, weighted values), and a count of finished chunks (reset by the last).
+    pub(super) attn_part: CudaSlice<f32>,
+    pub(super) attn_done: CudaSlice<u32>,
+    /// The final-normed rows that get logits, and their logits.
+    pub(super) normed: CudaSlice<f32>,
+    pub(super) logits: CudaSlice<f32>,
+    /// The greedy pick of each logits row (argmax_rows): each span's best value and index, a
+    /// count of finished spans per row (reset by the last), and the picks.
+    pub(super) pick_v: CudaSlice<f32>,
+    pub(super) pick_i: CudaSlice<u32>,
+    pub(super) pick_done: CudaSlice<u32>,
+    pub(super) pick: CudaSlice<u32>,
+}
+
+impl Workspace {
+    pub(super) fn new(net: &GpuQwen35, rows: usize, sequences: usize, logit_rows: usize) -> Result<Workspace> {
+        let c = &net.config;
+        let g = &net.gpu;
+        let (h, cd, vd, hv, f) = (c.hidden_size, c.linear_conv_dim(), c.linear_value_dim(), c.linear_num_value_heads, c.intermediate_size);
+        let (qd, kvd) = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
+        let widest = h.max(vd).max(qd).max(f);
+        let xb = if rows > GEMV_MAX_T && net.precision == Precision::TensorCores { rows * widest } else { 1 };
+        let xn = if rows > GEMV_MAX_T && net.precision == Precision::Exact { rows * h } else { 1 };
+        let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
+        let chunked = if rows > GEMV_MAX_T { rows } else { 0 };
+        Ok(Workspace {
+            io: g.scratch(sequences + rows)?,
+            sequences,
+            x: g.scratch(rows * h)?,
+            rms_inv: g.scratch(rows.min(GEMV_MAX_T))?,
+            xn: g.scratch(xn)?,
+            qkv: g.scratch(rows * cd)?,
+            conv_out: g.scratch(rows * cd)?,
+            z: g.scratch(rows * vd)?,
+            core: g.scratch(rows * vd)?,
+            beta: g.scratch(rows * hv)?,
+            alpha: g.scratch(rows * hv)?,
+            gcum: g.scratch(chunked * hv)?,
+            chunk_u: g.scratch(chunked * hv * dv)?,
+            chunk_w: g.scratch(chunked * hv * dk)?,
+            chunk_p: g.scratch(chunked.div_ceil(DELTANET_CHUNK) * hv * DELTANET_CHUNK * DELTANET_CHUNK)?,
+            qg: g.scratch(rows * 2 * qd)?,
+            k: g.scratch(rows * kvd)?,
+            v: g.scratch(rows * kvd)?,
+            q: g.scratch(rows * qd)?,
+            gate: g.scratch(rows * qd)?,
+            attn: g.scratch(rows * qd)?,
+            ffn_gate: g.scratch(rows * f)?,
+            ffn_up: g.scratch(rows * f)?,
+            xb: g.scratch(xb)?,
+            step_ss: g.scratch(hv * c.linear_value_head_dim / 32 * GEMV_MAX_T)?,
+            step_done: g.zeros(c.linear_num_key_heads)?,
+            attn_part: g.scratch(rows.min(GEMV_MAX_T) * c.num_attention_heads * ATTN_SPLITS * (c.head_dim + 2))?,
+            attn_done: g.zeros(rows.min(GEMV_MAX_T) * c.num_attention_heads)?,
+            normed: g.scratch(logit_rows * h)?,
+            logits: g.scratch(logit_rows * c.vocab_size)?,
+            pick_v: g.scratch(logit_rows * ARGMAX_SPANS)?,
+            pick_i: g.scratch(logit_rows * ARGMAX_SPANS)?,
+            pick_done: g.zeros(logit_rows)?,
+            pick: g.scratch(logit_rows)?,
+        })
+    }
+
+    /// The device address of sequence `i`'s position.
+    pub(super) fn position_of(&self, g: &Gpu, i: usize) -> u64 {
+        g.ptr(&self.io) + 4 * i as u64
+    }
+
+    /// Write the sequences' positions and the rows' token ids (before the kernels run).
+    pub(super) fn write_io(&mut self, g: &Gpu, positions: &[usize], tokens: &[u32]) -> Result<()> {
+        let io: Vec<u32> = positions.iter().map(|&p| p as u32).chain(tokens.iter().copied()).collect();
+        g.stream.memcpy_htod(&io[..], &mut self.io.slice_mut(..io.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying token ids: {e:?}", g.ordinal))
+    }
+}

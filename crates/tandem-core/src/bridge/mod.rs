@@ -1,0 +1,38 @@
+//! The bridge: everything that moves a request's state from one engine to another. Within a
+//! process the state itself moves (`Transfer::Move`); between devices it is copied host to GPU,
+//! GPU to host or GPU to GPU (`device`); as bytes (`format`) it goes through a memory-mapped
+//! file (`file`) or a byte stream (`socket`), checksummed on the way (`checksum`). The
+//! pipeline uses one pair, `handoff::Sender` and `handoff::Receiver`, whatever the transfer.
+
+pub mod checksum;
+pub mod device;
+pub mod file;
+pub mod format;
+pub mod handoff;
+pub mod socket;
+
+use std::time::Duration;
+
+/// What identifies a model for the bridge: a 128-bit hash of its config and of weights that
+/// no quantization changes (see `Qwen35::fingerprint`).
+pub type Fingerprint = u128;
+
+/// Times of one transfer, in the three parts of the study's table.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TransferTimes {
+    /// The sender turns the state into bytes and hands them on (a file write, a socket send).
+    pub serialize: Duration,
+    /// The receiver gets the bytes and checks them (mmap + header + checksum; socket receive).
+    pub read: Duration,
+    /// The receiver builds the `State` its engine works on.
+    pub rebuild: Duration,
+}
+
+impl TransferTimes {
+    pub fn total(&self) -> Duration {
+        self.serialize + self.read + self.rebuild
+    }
+}
+
+
+pub use handoff::Transfer;

@@ -1,0 +1,102 @@
+//! What flows through the pipeline for one request: the `Request` a caller submits, the
+//! `Event`s it gets back (tokens as they are sampled, then how it finished, with its timings
+//! and, when asked, its final state).
+
+use std::sync::atomic::AtomicBool;
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::bridge::TransferTimes;
+use crate::engine::PrefillStats;
+use crate::sampling::SamplingParams;
+use crate::state::State;
+
+/// One request: tokens to apply to a state (fresh, or a checkpoint of a conversation), then
+/// up to `max_tokens` sampled tokens. With `max_tokens == 0` it is a prefill only, and its
+/// `Done` carries the state.
+pub struct Request {
+    pub id: u64,
+    pub start: Option<State>,
+    pub tokens: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Ids that may be sampled (the tokenizer's vocabulary).
+    pub vocab: usize,
+    pub stop_ids: Vec<u32>,
+    /// Send the final state back in `Done` (to checkpoint a conversation).
+    pub return_state: bool,
+    /// Set to stop the request; its state is dropped.
+    pub cancel: Arc<AtomicBool>,
+    /// Where this request's events go.
+    pub events: Sender<Event>,
+}
+
+/// How to sample one request (for `Pipeline::generate`).
+#[derive(Clone, Debug)]
+pub struct RequestParams {
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub vocab: usize,
+    pub stop_ids: Vec<u32>,
+}
+
+/// What `Pipeline::generate` returns.
+pub struct Generated {
+    pub tokens: Vec<u32>,
+    pub finish: Finish,
+    pub timings: Timings,
+    pub state: Option<State>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// A stop token was sampled (not emitted).
+    Stop,
+    /// `max_tokens` reached, or the model's context is full.
+    Length,
+    Cancelled,
+    /// A prefill-only request is done.
+    Prefilled,
+}
+
+/// Per-request timings, measured where they happen.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Timings {
+    /// Submitted to prefill start.
+    pub queued: Duration,
+    pub prefill: PrefillStats,
+    /// The bridge (hybrid only).
+    pub transfer: TransferTimes,
+    /// Prefill done to decode admitted: the bridge plus the wait for the current decode step.
+    pub handoff: Duration,
+    /// Submitted to the first token sampled.
+    pub ttft: Duration,
+    /// First token to last token.
+    pub decode: Duration,
+    pub generated: usize,
+}
+
+impl Timings {
+    pub fn decode_tok_s(&self) -> f64 {
+        if self.generated < 2 {
+            return 0.0;
+        }
+        (self.generated - 1) as f64 / self.decode.as_secs_f64()
+    }
+}
+
+pub enum Event {
+    Token { id: u64, token: u32 },
+    Done { id: u64, finish: Finish, timings: Timings, state: Option<State> },
+    Failed { id: u64, error: String },
+}
+
+impl Event {
+    /// The request the event belongs to.
+    pub fn id(&self) -> u64 {
+        match self {
+            Event::Token { id, .. } | Event::Done { id, .. } | Event::Failed { id, .. } => *id,
+        }
+    }
+}

@@ -1,0 +1,72 @@
+//! A request's state where its engine keeps it: in host memory (CPU engines, and the file and
+//! socket bridges, which move host states) or in a GPU's memory. `bridge::device` moves it
+//! from one to the other.
+
+use anyhow::Result;
+
+use super::State;
+use crate::backend::cuda::qwen35::GpuState;
+use crate::sampling::Sampler;
+
+pub enum DeviceState {
+    Host(State),
+    Gpu(Box<GpuState>),
+}
+
+impl DeviceState {
+    pub fn position(&self) -> usize {
+        match self {
+            DeviceState::Host(s) => s.position,
+            DeviceState::Gpu(s) => s.position,
+        }
+    }
+
+    /// Logits of the last applied token, on the host (copied there first if a GPU decode step
+    /// left them on the GPU).
+    pub fn last_logits(&mut self) -> Result<&[f32]> {
+        match self {
+            DeviceState::Host(s) => Ok(&s.last_logits),
+            DeviceState::Gpu(s) => s.last_logits(),
+        }
+    }
+
+    /// Whether there are logits to sample from (a fresh state has none).
+    pub fn has_logits(&self) -> bool {
+        match self {
+            DeviceState::Host(s) => !s.last_logits.is_empty(),
+            DeviceState::Gpu(s) => s.has_logits(),
+        }
+    }
+
+    /// The next token by `sampler`, from the last logits: a greedy pick the GPU already made is
+    /// taken as it is (no logits cross to the host), anything else reads the logits.
+    pub fn sample(&mut self, sampler: &mut Sampler) -> Result<u32> {
+        if let DeviceState::Gpu(s) = self {
+            if let Some(token) = s.last_argmax().and_then(|a| sampler.greedy_pick(a)) {
+                return Ok(token);
+            }
+        }
+        Ok(sampler.sample(self.last_logits()?))
+    }
+
+    /// Whether some of the state lives in a state file (see `State::in_file`).
+    pub fn in_file(&self) -> bool {
+        matches!(self, DeviceState::Host(s) if s.in_file())
+    }
+
+    /// The state in this process's memory, whole (copied from the GPU or out of its file).
+    pub fn into_host(self) -> Result<State> {
+        match self {
+            DeviceState::Host(s) => Ok(s.into_owned()),
+            DeviceState::Gpu(s) => s.download(),
+        }
+    }
+
+    /// Where the state lives, for messages: `host`, `cuda:N`.
+    pub fn location(&self) -> String {
+        match self {
+            DeviceState::Host(_) => "host".into(),
+            DeviceState::Gpu(s) => format!("cuda:{}", s.ordinal()),
+        }
+    }
+}
