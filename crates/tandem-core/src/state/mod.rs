@@ -170,7 +170,15 @@ impl std::fmt::Debug for StateArray {
 impl State {
     /// Whether some of this state's arrays live in a state file.
     pub fn in_file(&self) -> bool {
-        self.layers.iter().any(|l| matches!(l, LayerState::Linear { conv, recurrent } if conv.in_file() || recurrent.in_file()))
+        self.file().is_some()
+    }
+
+    /// The state file that some of this state's arrays live in, if any.
+    pub fn file(&self) -> Option<&Arc<StateFile>> {
+        self.layers.iter().find_map(|l| match l {
+            LayerState::Linear { conv: StateArray::InFile { file, .. }, .. } | LayerState::Linear { recurrent: StateArray::InFile { file, .. }, .. } => Some(file),
+            _ => None,
+        })
     }
 
     /// This state with every array in this process's memory (copied out of its file, which is
@@ -186,15 +194,5 @@ impl State {
             }
         }
         self
-    }
-}
-
-impl State {
-    /// The state file that some of this state's arrays live in, if any.
-    pub fn file(&self) -> Option<&Arc<StateFile>> {
-        self.layers.iter().find_map(|l| match l {
-            LayerState::Linear { conv: StateArray::InFile { file, .. }, .. } | LayerState::Linear { recurrent: StateArray::InFile { file, .. }, .. } => Some(file),
-            _ => None,
-        })
     }
 }
