@@ -1,10 +1,15 @@
-//! A small command-line parser: `--name value`, `--name=value` and boolean `--flag`s, with
-//! errors that name the flag. (Enough for tandem's subcommands without a parser dependency.)
+//! The command line: a small parser (`--name value`, `--name=value` and boolean `--flag`s,
+//! with errors that name the flag; enough for tandem's subcommands without a parser
+//! dependency), and the engine and sampling options that generate, chat and serve share.
 
 use std::collections::HashMap;
 use std::str::FromStr;
 
 use anyhow::{bail, Context, Result};
+use tandem_core::bridge::Transfer;
+use tandem_core::engine::{Dispatch, EngineSpec};
+use tandem_core::pipeline::{Mode, PipelineConfig};
+use tandem_core::sampling::SamplingParams;
 
 pub struct Args {
     values: HashMap<String, Vec<String>>,
@@ -76,4 +81,69 @@ impl Args {
             Some(v) => v.parse().map_err(|_| anyhow::anyhow!("--{name} {v:?} is not a valid {}", std::any::type_name::<T>())),
         }
     }
+}
+
+/// Options of every command that runs the pipeline (generate, chat).
+pub const ENGINE_OPTIONS: [&str; 9] = ["threads", "cores", "quant", "isa", "prefill", "decode", "mode", "transfer", "max-batch"];
+
+/// The pipeline asked for on the command line. Without `--prefill`/`--decode` one engine does
+/// everything (on `--threads`/`--cores`, default all cores); with them, the default mode is
+/// hybrid.
+pub fn pipeline_config(args: &Args) -> Result<PipelineConfig> {
+    let split = args.str("prefill").is_some() || args.str("decode").is_some();
+    if split && (args.str("threads").is_some() || args.str("cores").is_some()) {
+        bail!("give engine placements (--prefill/--decode) or --threads/--cores for a single engine, not both");
+    }
+    let mode = match args.str("mode") {
+        Some(m) => Mode::parse(m)?,
+        None if split => Mode::Hybrid,
+        None => Mode::AllOnDecodeEngine,
+    };
+    let single = single_engine(args)?;
+    let placement = |name: &str, hybrid_default: &str| -> Result<EngineSpec> {
+        match args.str(name) {
+            Some(p) => EngineSpec::parse(p).with_context(|| format!("--{name}")),
+            None if mode == Mode::Hybrid => EngineSpec::parse(hybrid_default),
+            None => Ok(single.clone()),
+        }
+    };
+    let config = PipelineConfig {
+        mode,
+        prefill: placement("prefill", "cpu:cores=0")?,
+        decode: placement("decode", "cpu:cores=1")?,
+        transfer: Transfer::parse(args.str("transfer").unwrap_or("move"))?,
+        max_batch: args.get("max-batch", 8)?,
+    };
+    if config.max_batch == 0 {
+        bail!("--max-batch must be at least 1");
+    }
+    if mode != Mode::Hybrid && args.str("transfer").is_some() {
+        bail!("--transfer applies to the hybrid mode only (mode {})", mode.name());
+    }
+    Ok(config)
+}
+
+/// The one engine of `--threads N` / `--cores LIST` (default: all cores).
+fn single_engine(args: &Args) -> Result<EngineSpec> {
+    let spec = match (args.str("threads"), args.str("cores")) {
+        (Some(_), Some(_)) => bail!("give either --threads or --cores, not both"),
+        (Some(n), None) => format!("cpu:threads={n}"),
+        (None, Some(c)) => format!("cpu:cores={c}"),
+        (None, None) => "cpu".into(),
+    };
+    let mut p = EngineSpec::parse(&spec)?;
+    p.dispatch = Dispatch::Dynamic;
+    Ok(p)
+}
+
+/// `--temperature`, `--top-k`, `--top-p`, `--seed`.
+pub fn sampling(args: &Args) -> Result<SamplingParams> {
+    let params = SamplingParams {
+        temperature: args.get("temperature", 0.0)?,
+        top_k: args.get("top-k", 0)?,
+        top_p: args.get("top-p", 1.0)?,
+        seed: args.get("seed", 0)?,
+    };
+    params.validate()?;
+    Ok(params)
 }

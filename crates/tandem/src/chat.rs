@@ -16,7 +16,7 @@ use tandem_core::state::State;
 use tandem_core::tokenizer::StreamDecoder;
 
 use crate::args::Args;
-use crate::generate::{pipeline_config, sampling, ENGINE_OPTIONS};
+use crate::args::{pipeline_config, sampling, ENGINE_OPTIONS};
 
 pub fn run(argv: &[String]) -> Result<ExitCode> {
     let mut with_value = vec!["model", "system", "max-tokens", "temperature", "top-k", "top-p", "seed"];

@@ -11,6 +11,7 @@ mod serve;
 
 use std::path::Path;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::{bail, Result};
 use args::Args;
@@ -254,4 +255,9 @@ fn cmd_verify(argv: &[String]) -> Result<ExitCode> {
     }
     println!("PASS");
     Ok(ExitCode::SUCCESS)
+}
+
+/// A duration in milliseconds.
+pub fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
 }

@@ -8,51 +8,18 @@
 //! token N-1; nothing here applies or drops a token.
 
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::mpsc::{self, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 
 use super::file::{self, StateFile};
-use super::{device, socket, Fingerprint, TransferTimes};
+use super::{device, socket, Fingerprint, Transfer, TransferTimes};
 use crate::backend::cuda::qwen35::GpuQwen35;
 use crate::model::config::Qwen35Config;
 use crate::state::{DeviceState, State};
-
-/// How a hybrid pipeline moves a state from the prefill to the decode engine.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Transfer {
-    /// The state itself moves to the other thread (no copy; copied between devices where the
-    /// engines compute on different ones).
-    Move,
-    /// Written to a state file in this directory (default /dev/shm where there is one),
-    /// memory-mapped by the reader.
-    File(PathBuf),
-    /// Streamed over a Unix socket.
-    Socket,
-}
-
-impl Transfer {
-    pub fn parse(s: &str) -> Result<Transfer> {
-        Ok(match s.split_once(':') {
-            None if s == "move" => Transfer::Move,
-            None if s == "socket" => Transfer::Socket,
-            None if s == "file" => Transfer::File(file::default_dir()),
-            Some(("file", dir)) => Transfer::File(PathBuf::from(dir)),
-            _ => bail!("unknown transfer {s:?}: choose move, file[:DIR] or socket"),
-        })
-    }
-
-    pub fn name(&self) -> &'static str {
-        match self {
-            Transfer::Move => "move",
-            Transfer::File(_) => "file",
-            Transfer::Socket => "socket",
-        }
-    }
-}
 
 /// What crosses the channel beside the caller's item.
 enum Parcel {

@@ -11,7 +11,10 @@ pub mod format;
 pub mod handoff;
 pub mod socket;
 
+use std::path::PathBuf;
 use std::time::Duration;
+
+use anyhow::{bail, Result};
 
 /// What identifies a model for the bridge: a 128-bit hash of its config and of weights that
 /// no quantization changes (see `Qwen35::fingerprint`).
@@ -34,5 +37,35 @@ impl TransferTimes {
     }
 }
 
+/// How a hybrid pipeline moves a state from the prefill to the decode engine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Transfer {
+    /// The state itself moves to the other thread (no copy; copied between devices where the
+    /// engines compute on different ones).
+    Move,
+    /// Written to a state file in this directory (default /dev/shm where there is one),
+    /// memory-mapped by the reader.
+    File(PathBuf),
+    /// Streamed over a Unix socket.
+    Socket,
+}
 
-pub use handoff::Transfer;
+impl Transfer {
+    pub fn parse(s: &str) -> Result<Transfer> {
+        Ok(match s.split_once(':') {
+            None if s == "move" => Transfer::Move,
+            None if s == "socket" => Transfer::Socket,
+            None if s == "file" => Transfer::File(file::default_dir()),
+            Some(("file", dir)) => Transfer::File(PathBuf::from(dir)),
+            _ => bail!("unknown transfer {s:?}: choose move, file[:DIR] or socket"),
+        })
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Transfer::Move => "move",
+            Transfer::File(_) => "file",
+            Transfer::Socket => "socket",
+        }
+    }
+}

@@ -6,11 +6,12 @@ pub mod checkpoint;
 pub mod config;
 pub mod load;
 pub mod quant;
-pub mod qwen35;
+mod qwen35;
 pub mod synthetic;
 pub mod tensor;
 
 pub use qwen35::Qwen35;
+pub(crate) use qwen35::{GatedAttention, GatedDeltaNet, Mixer, Mlp};
 
 /// Which positions of a forward pass need logits.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]

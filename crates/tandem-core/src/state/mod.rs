@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::model::config::{LayerType, Qwen35Config};
 
-pub mod device;
+mod device;
 
 use crate::bridge::file::StateFile;
 pub use device::DeviceState;

@@ -22,7 +22,7 @@ use tandem_core::state::{LayerState, State};
 
 use super::svg::{Chart, Series};
 use super::{progress, stats, Record};
-use crate::generate::ms;
+use crate::ms;
 
 /// `(median, min, max)` of durations, in ms.
 fn ms_stats(v: &[Duration]) -> (f64, f64, f64) {

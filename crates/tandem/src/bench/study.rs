@@ -17,7 +17,7 @@ use crate::rss::{peak_rss_bytes, reset_peak_rss};
 use super::pipeline::prompt_of;
 use super::svg::{Chart, Series};
 use super::{stats, Bar, Record};
-use crate::generate::ms;
+use crate::ms;
 
 const MODES: [Mode; 3] = [Mode::AllOnPrefillEngine, Mode::AllOnDecodeEngine, Mode::Hybrid];
 

@@ -27,7 +27,7 @@ use tandem_core::session::HOLD_BACK;
 use tandem_core::tokenizer::Tokenizer;
 
 use crate::args::Args;
-use crate::generate::{pipeline_config, ENGINE_OPTIONS};
+use crate::args::{pipeline_config, ENGINE_OPTIONS};
 use api::ApiError;
 use cache::StateCache;
 use engines::Engines;

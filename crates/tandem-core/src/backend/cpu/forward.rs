@@ -11,7 +11,7 @@ use crate::backend::cpu::kernels::matmul::{gemm_group, matmul_group, GEMV_MAX_TO
 use crate::backend::cpu::kernels::norm::{gated_rms_norm_inplace, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, softplus, swiglu_inplace};
 use crate::backend::cpu::kernels::rope::{apply_rope, cos_sin};
 use crate::backend::cpu::pool::Pool;
-use crate::model::qwen35::{GatedAttention, GatedDeltaNet, Mixer, Mlp};
+use crate::model::{GatedAttention, GatedDeltaNet, Mixer, Mlp};
 use crate::model::tensor::Matrix;
 use crate::model::{Logits, Qwen35};
 use crate::state::{LayerState, State};

@@ -33,7 +33,7 @@ mod workspace;
 use self::workspace::Workspace;
 use super::{Arg, GemmOut, Gpu, Pinned, Staging};
 use crate::model::config::{LayerType, Qwen35Config};
-use crate::model::qwen35::Mixer;
+use crate::model::Mixer;
 use crate::model::{Logits, Qwen35};
 use crate::state::{LayerState, State};
 use crate::model::tensor::{Matrix, WeightData};
