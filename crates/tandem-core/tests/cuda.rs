@@ -138,7 +138,8 @@ fn decode_at_5000_positions_matches_the_cpu_engine() {
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn mma_attention_matches_the_f32_tiles() {
     let g = mma_gpu_for("the tensor-core attention kernel");
-    use tandem_core::backend::cuda::Arg;
+    use tandem_core::backend::cuda::kernels as k;
+    use tandem_core::backend::cuda::launch::Grid;
     let mut rng = tandem_core::rng::Rng::new(11);
     for (d, hq, hkv) in [(32usize, 4usize, 2usize), (256, 8, 2)] {
         let (pos0, t) = (100usize, 150usize);
@@ -147,22 +148,20 @@ fn mma_attention_matches_the_f32_tiles() {
         let (q, kc, vc, gate) = (g.upload(&q).unwrap(), g.upload(&kc).unwrap(), g.upload(&vc).unwrap(), g.upload(&gate).unwrap());
         let pos = g.upload(&[pos0 as u32]).unwrap();
         let (want, got) = (g.zeros::<f32>(t * hq * d).unwrap(), g.zeros::<f32>(t * hq * d).unwrap());
-        let grid = (t.div_ceil(64) as u32, hq as u32, 1);
-        let common = |out: &cudarc::driver::CudaSlice<f32>| vec![Arg::Ptr(g.ptr(&q)), Arg::Ptr(g.ptr(&kc)), Arg::Ptr(g.ptr(&vc)), Arg::Ptr(g.ptr(&gate)), Arg::Ptr(g.ptr(out)), Arg::I32(t as i32), Arg::I32(hq as i32), Arg::I32(hkv as i32)];
-        let mut tiled = common(&want);
-        tiled.extend([Arg::I32(d as i32), Arg::Ptr(g.ptr(&pos))]);
-        g.launch("attention_tiled", grid, 256, 0, &tiled).unwrap();
+        let grid = Grid::new((t.div_ceil(64), hq, 1), 256);
+        let (t_, hq_, hkv_) = (t as i32, hq as i32, hkv as i32);
+        g.launch(k::ATTENTION_TILED, grid, (g.ptr(&q), g.ptr(&kc), g.ptr(&vc), g.ptr(&gate), g.ptr(&want), t_, hq_, hkv_, d as i32, g.ptr(&pos))).unwrap();
         // The mma kernel takes the caches rounded to bf16 (to_bf16, as the engine does).
         let n = (pos0 + t) * hkv * d;
         let (kb, vb) = (g.zeros::<u16>(n).unwrap(), g.zeros::<u16>(n).unwrap());
         for (from, to) in [(&kc, &kb), (&vc, &vb)] {
-            g.launch("to_bf16", (n.div_ceil(1024) as u32, 1, 1), 256, 0, &[Arg::Ptr(g.ptr(from)), Arg::Ptr(g.ptr(to)), Arg::I32(n as i32)]).unwrap();
+            g.launch(k::TO_BF16, Grid::x(n.div_ceil(1024), 256), (g.ptr(from), g.ptr(to), n as i32)).unwrap();
         }
-        let mut mma = common(&got);
-        mma[1] = Arg::Ptr(g.ptr(&kb));
-        mma[2] = Arg::Ptr(g.ptr(&vb));
-        mma.push(Arg::Ptr(g.ptr(&pos)));
-        g.launch(&format!("attention_mma_{d}"), grid, 256, 0, &mma).unwrap();
+        let kernel = match d {
+            32 => k::ATTENTION_MMA_32,
+            _ => k::ATTENTION_MMA_256,
+        };
+        g.launch(kernel, grid, (g.ptr(&q), g.ptr(&kb), g.ptr(&vb), g.ptr(&gate), g.ptr(&got), t_, hq_, hkv_, g.ptr(&pos))).unwrap();
         let (want, got) = (g.download(&want, t * hq * d).unwrap(), g.download(&got, t * hq * d).unwrap());
         let largest = want.iter().fold(0f32, |m, v| m.max(v.abs()));
         let err = max_abs_diff(&got, &want);
@@ -181,7 +180,8 @@ fn mma_attention_matches_the_f32_tiles() {
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn mma_state_walk_matches_the_f32_walk() {
     let g = mma_gpu_for("the tensor-core state walk");
-    use tandem_core::backend::cuda::Arg;
+    use tandem_core::backend::cuda::kernels as k;
+    use tandem_core::backend::cuda::launch::Grid;
     let mut rng = tandem_core::rng::Rng::new(13);
     for (hk, hv, dk, dv) in [(2usize, 4usize, 32usize, 32usize), (2, 4, 128, 128)] {
         let (t, chunks) = (150usize, 3usize);
@@ -199,20 +199,18 @@ fn mma_state_walk_matches_the_f32_walk() {
         let (neg_a, dt_bias) = (g.upload(&vec![-1.0f32; hv]).unwrap(), g.upload(&vec![0.0f32; hv]).unwrap());
         let start = random(hv * dk * dv, -0.5, 0.5);
         let (gcum, u, w, p) = (g.zeros::<f32>(t * hv).unwrap(), g.zeros::<f32>(t * hv * dv).unwrap(), g.zeros::<f32>(t * hv * dk).unwrap(), g.zeros::<f32>(chunks * hv * 64 * 64).unwrap());
-        let i = |v: usize| Arg::I32(v as i32);
-        let prep = [
-            Arg::Ptr(g.ptr(&mixed)), Arg::Ptr(g.ptr(&beta)), Arg::Ptr(g.ptr(&alpha)), Arg::Ptr(g.ptr(&neg_a)), Arg::Ptr(g.ptr(&dt_bias)),
-            Arg::Ptr(g.ptr(&gcum)), Arg::Ptr(g.ptr(&u)), Arg::Ptr(g.ptr(&w)), Arg::Ptr(g.ptr(&p)), i(t), i(hk), i(hv), i(dk), i(dv), i(cd),
-        ];
-        g.launch("deltanet_chunk_prep", (chunks as u32, hv as u32, 1), 256, 0, &prep).unwrap();
+        let (t_, hk_, hv_, dk_, dv_, cd_) = (t as i32, hk as i32, hv as i32, dk as i32, dv as i32, cd as i32);
+        let prep = (g.ptr(&mixed), g.ptr(&beta), g.ptr(&alpha), g.ptr(&neg_a), g.ptr(&dt_bias), g.ptr(&gcum), g.ptr(&u), g.ptr(&w), g.ptr(&p), t_, hk_, hv_, dk_, dv_, cd_);
+        g.launch(k::DELTANET_CHUNK_PREP, Grid::new((chunks, hv, 1), 256), prep).unwrap();
+        let mma = match dk {
+            32 => k::DELTANET_CHUNK_STATE_MMA_32,
+            _ => k::DELTANET_CHUNK_STATE_MMA_128,
+        };
         let mut results = Vec::new();
-        for (kernel, threads) in [("deltanet_chunk_state_1".to_string(), 256), (format!("deltanet_chunk_state_mma_{dk}"), 128)] {
+        for (kernel, threads) in [(k::DELTANET_CHUNK_STATE_1, 256), (mma, 128)] {
             let (state, core) = (g.upload(&start).unwrap(), g.zeros::<f32>(t * hv * dv).unwrap());
-            let args = [
-                Arg::Ptr(g.ptr(&state)), Arg::Ptr(g.ptr(&mixed)), Arg::Ptr(g.ptr(&gcum)), Arg::Ptr(g.ptr(&u)), Arg::Ptr(g.ptr(&w)), Arg::Ptr(g.ptr(&p)),
-                Arg::Ptr(g.ptr(&core)), i(t), i(hk), i(hv), i(dk), i(dv), i(cd),
-            ];
-            g.launch(&kernel, (hv as u32, (dv / 16) as u32, 1), threads, 0, &args).unwrap();
+            let args = (g.ptr(&state), g.ptr(&mixed), g.ptr(&gcum), g.ptr(&u), g.ptr(&w), g.ptr(&p), g.ptr(&core), t_, hk_, hv_, dk_, dv_, cd_);
+            g.launch(kernel, Grid::new((hv, dv / 16, 1), threads), args).unwrap();
             results.push((g.download(&core, t * hv * dv).unwrap(), g.download(&state, hv * dk * dv).unwrap()));
         }
         let (want, got) = (&results[0], &results[1]);

@@ -39,7 +39,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
     let b = gpu.zeros::<u16>(n * n)?;
     let c = gpu.zeros::<f32>(n * n)?;
     let (gemm_s, _, _) = time(reps.max(3), || {
-        gpu.gemm_bf16(gpu.ptr(&a), n, gpu.ptr(&b), n, n, gpu.ptr(&c), tandem_core::backend::cuda::GemmOut::F32)?;
+        gpu.gemm_bf16(gpu.ptr(&a), n, gpu.ptr(&b), n, n, tandem_core::backend::cuda::GemmOut::F32(gpu.ptr(&c)))?;
         gpu.synchronize()
     })?;
     let tc_peak = 2.0 * (n * n * n) as f64 / gemm_s;

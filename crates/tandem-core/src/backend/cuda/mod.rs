@@ -11,63 +11,11 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr};
 
+pub mod kernels;
+pub mod launch;
 pub mod qwen35;
 
-/// The kernel sources, in the order they are joined into one NVRTC program: each file may use
-/// what the files before it define. (tests/cuda_on_cpu.rs joins the same list.)
-pub const KERNEL_SOURCES: [(&str, &str); 7] = [
-    ("common.cuh", include_str!("kernels/common.cuh")),
-    ("norm.cu", include_str!("kernels/norm.cu")),
-    ("gemv.cu", include_str!("kernels/gemv.cu")),
-    ("gemm.cu", include_str!("kernels/gemm.cu")),
-    ("deltanet.cu", include_str!("kernels/deltanet.cu")),
-    ("attention.cu", include_str!("kernels/attention.cu")),
-    ("sample.cu", include_str!("kernels/sample.cu")),
-];
-
-/// The one source NVRTC compiles: `KERNEL_SOURCES`, joined.
-pub fn kernel_source() -> String {
-    KERNEL_SOURCES.iter().map(|(_, text)| *text).collect::<Vec<_>>().join("\n")
-}
-const KERNEL_NAMES: &[&str] = &[
-    "embed",
-    "rms_norm",
-    "rms_inv",
-    "swiglu",
-    "swiglu_bf16",
-    "to_bf16",
-    "gemv_t1_plain",
-    "gemv_t1_norm",
-    "gemv_t1_glu",
-    "gemv_t8_plain",
-    "gemv_t8_norm",
-    "gemv_t8_glu",
-    "gemv_stream_plain",
-    "gemv_stream_norm",
-    "gemv_stream_glu",
-    "gemm_bf16_f32",
-    "conv_silu_rows_4",
-    "conv_silu_rows_8",
-    "conv_state_tail",
-    "deltanet_step_32",
-    "deltanet_step_64",
-    "deltanet_step_128",
-    "deltanet_chunk_prep",
-    "deltanet_chunk_state",
-    "deltanet_chunk_state_1",
-    "deltanet_chunk_state_mma_32",
-    "deltanet_chunk_state_mma_64",
-    "deltanet_chunk_state_mma_128",
-    "gated_rms_norm",
-    "qk_norm_rope",
-    "attention",
-    "attention_tiled",
-    "attention_mma_32",
-    "attention_mma_64",
-    "attention_mma_128",
-    "attention_mma_256",
-    "argmax_rows",
-];
+use launch::{DevPtr, Kernel, Params};
 
 /// One GPU with a stream that every launch and copy of tandem goes through (so they run in
 /// order), a cuBLAS handle on that stream, and the compiled kernels.
@@ -93,14 +41,6 @@ pub struct Gpu {
     pub bf16_mma: bool,
     /// While profiling: each launch's kernel with events recorded before and after it.
     profile: std::sync::Mutex<Option<Vec<(&'static str, CudaEvent, CudaEvent)>>>,
-}
-
-/// A kernel argument: a device address, an int or a float.
-#[derive(Clone, Copy)]
-pub enum Arg {
-    Ptr(u64),
-    I32(i32),
-    F32(f32),
 }
 
 /// Page-locked host memory of one GPU's context: copies between it and the GPU run
@@ -199,15 +139,15 @@ impl Staging {
     }
 }
 
-/// What `Gpu::gemm_bf16` writes.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+/// Where and how `Gpu::gemm_bf16` writes its product.
+#[derive(Clone, Copy, Debug)]
 pub enum GemmOut {
-    /// The product in f32.
-    F32,
-    /// The product added to the f32 output (a residual connection).
-    F32Add,
-    /// The product rounded to bf16.
-    Bf16,
+    /// In f32.
+    F32(DevPtr<f32>),
+    /// Added to the f32 output (a residual connection).
+    F32Add(DevPtr<f32>),
+    /// Rounded to bf16.
+    Bf16(DevPtr<u16>),
 }
 
 /// Restores the programmatic-launch setting `Gpu::pdl_for` changed.
@@ -278,11 +218,11 @@ impl Gpu {
         let (major, minor) = ctx.compute_capability().map_err(|e| anyhow::anyhow!("cuda:{ordinal}: {e:?}"))?;
         let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
         let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), options: vec!["-std=c++17".into()], ..Default::default() };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(kernel_source(), opts).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: compiling tandem's kernels for {arch} failed: {e:?}"))?;
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(kernels::source(), opts).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: compiling tandem's kernels for {arch} failed: {e:?}"))?;
         let module = ctx.load_module(ptx).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: loading the kernels: {e:?}"))?;
         let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: {e:?}"))? as u32;
         let mut kernels = HashMap::new();
-        for &name in KERNEL_NAMES {
+        for &(name, _) in kernels::ALL {
             let f = module.load_function(name).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: kernel {name}: {e:?}"))?;
             kernels.insert(name, f);
         }
@@ -310,50 +250,6 @@ impl Gpu {
         Ok(Gpu { ordinal, name, stream, blas, kernels, sms, resident: Default::default(), pdl, pdl_now: true.into(), bf16_mma: major >= 8, profile: std::sync::Mutex::new(None) })
     }
 
-    /// Launch kernel `name` on the stream (with programmatic dependent launch where the GPU
-    /// has it: see `pdl`).
-    pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, shared: u32, args: &[Arg]) -> Result<()> {
-        use cudarc::driver::sys;
-        let (&name, f) = self.kernels.get_key_value(name).with_context(|| format!("no kernel {name}"))?;
-        self.timed(name, || {
-            // Each argument in a slot of its own; the driver reads as many bytes from each slot
-            // as the kernel's parameter has (8 for an address, 4 for an int or a float: the low
-            // bytes of the slot on a little-endian host).
-            let mut slots: Vec<u64> = args
-                .iter()
-                .map(|a| match *a {
-                    Arg::Ptr(p) => p,
-                    Arg::I32(i) => i as u32 as u64,
-                    Arg::F32(x) => x.to_bits() as u64,
-                })
-                .collect();
-            let mut params: Vec<*mut std::ffi::c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut std::ffi::c_void).collect();
-            // SAFETY: a plain-data union; the driver reads the member its id names.
-            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attr.value.programmaticStreamSerializationAllowed = 1;
-            let config = sys::CUlaunchConfig {
-                gridDimX: grid.0,
-                gridDimY: grid.1,
-                gridDimZ: grid.2,
-                blockDimX: block,
-                blockDimY: 1,
-                blockDimZ: 1,
-                sharedMemBytes: shared,
-                hStream: self.stream.cu_stream(),
-                attrs: &mut attr,
-                numAttrs: (self.pdl && self.pdl_now.load(std::sync::atomic::Ordering::Relaxed)) as u32,
-            };
-            self.stream.context().bind_to_thread().map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.ordinal))?;
-            // SAFETY: every kernel of kernels/ is launched through the typed wrappers of
-            // backend/cuda/qwen35.rs, which pass its parameters in order with the sizes it was written
-            // for; `slots` and `attr` outlive the call (the driver copies the arguments).
-            unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
-                .result()
-                .map_err(|e| anyhow::anyhow!("cuda:{}: launching {name}: {e:?}", self.ordinal))
-        })
-    }
-
     /// Programmatic launch on (`decode`) or off for the launches queued until the guard drops.
     /// A 9B prefill of 2048 tokens on an H200 ran at 23,548 tok/s with it and 26,236 without
     /// (bench, the same binary), most likely because a prefill's kernels run several waves of
@@ -364,10 +260,11 @@ impl Gpu {
         PdlGuard { gpu: self, before: self.pdl_now.swap(decode, Relaxed) }
     }
 
-    /// How many blocks of 256 threads of kernel `name` (without dynamic shared memory) the GPU
-    /// runs at once.
-    pub fn resident_blocks(&self, name: &str) -> Result<u32> {
-        let (&name, f) = self.kernels.get_key_value(name).with_context(|| format!("no kernel {name}"))?;
+    /// How many blocks of 256 threads of `kernel` (without dynamic shared memory) the GPU runs
+    /// at once.
+    pub fn resident_blocks<P: Params>(&self, kernel: Kernel<P>) -> Result<u32> {
+        let name = kernel.name;
+        let f = self.kernels.get(name).with_context(|| format!("no kernel {name}"))?;
         let mut known = self.resident.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(&n) = known.get(name) {
             return Ok(n);
@@ -435,29 +332,31 @@ impl Gpu {
         Ok(host)
     }
 
-    /// Queue a copy of `src` to the device address `dst` (capturable into a graph).
-    pub fn copy_to_device<T: cudarc::driver::DeviceRepr + Copy>(&self, src: &Pinned<T>, dst: u64) -> Result<()> {
+    /// Queue a copy of `src` to `dst` (capturable into a graph).
+    pub fn copy_to_device<T: cudarc::driver::DeviceRepr + Copy>(&self, src: &Pinned<T>, dst: DevPtr<T>) -> Result<()> {
         // SAFETY: dst holds src.len values (the callers' workspace buffers).
-        unsafe { cudarc::driver::result::memcpy_htod_async(dst, src.as_slice(), self.stream.cu_stream()) }.map_err(|e| anyhow::anyhow!("cuda:{}: copying to the GPU: {e:?}", self.ordinal))
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst.addr(), src.as_slice(), self.stream.cu_stream()) }.map_err(|e| anyhow::anyhow!("cuda:{}: copying to the GPU: {e:?}", self.ordinal))
     }
 
-    /// Queue a copy of `dst.len` values at device address `src` into `dst` (capturable).
-    pub fn copy_to_host<T: cudarc::driver::DeviceRepr + Copy>(&self, src: u64, dst: &mut Pinned<T>) -> Result<()> {
+    /// Queue a copy of `dst.len` values at `src` into `dst` (capturable).
+    pub fn copy_to_host<T: cudarc::driver::DeviceRepr + Copy>(&self, src: DevPtr<T>, dst: &mut Pinned<T>) -> Result<()> {
         // SAFETY: src holds dst.len values; dst is not read before the stream is synchronized.
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst.as_mut_slice(), src, self.stream.cu_stream()) }.map_err(|e| anyhow::anyhow!("cuda:{}: copying from the GPU: {e:?}", self.ordinal))
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst.as_mut_slice(), src.addr(), self.stream.cu_stream()) }.map_err(|e| anyhow::anyhow!("cuda:{}: copying from the GPU: {e:?}", self.ordinal))
     }
 
     pub fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.ordinal))
     }
 
-    /// `out[t, n] = x[t, k] · W[n, k]ᵀ` in bf16 on tensor cores with f32 sums (cuBLAS; x and W
-    /// bf16, out as `output` says): column-major `C[n, t] = W[k, n]ᵀ · X[k, t]`, which is
+    /// `out[t, n] (+)= x[t, k] · W[n, k]ᵀ` in bf16 on tensor cores with f32 sums (cuBLAS; x
+    /// and W bf16, out as `out` says): column-major `C[n, t] = W[k, n]ᵀ · X[k, t]`, which is
     /// row-major `out[t, n]`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm_bf16(&self, xb: u64, t: usize, w: u64, n: usize, k: usize, out: u64, output: GemmOut) -> Result<()> {
-        let (alpha, beta) = (1.0f32, if output == GemmOut::F32Add { 1.0f32 } else { 0.0 });
-        let out_type = if output == GemmOut::Bf16 { cudaDataType::CUDA_R_16BF } else { cudaDataType::CUDA_R_32F };
+    pub fn gemm_bf16(&self, xb: DevPtr<u16>, t: usize, w: DevPtr<u16>, n: usize, k: usize, out: GemmOut) -> Result<()> {
+        let (alpha, beta) = (1.0f32, if matches!(out, GemmOut::F32Add(_)) { 1.0f32 } else { 0.0 });
+        let (out, out_type) = match out {
+            GemmOut::F32(p) | GemmOut::F32Add(p) => (p.addr(), cudaDataType::CUDA_R_32F),
+            GemmOut::Bf16(p) => (p.addr(), cudaDataType::CUDA_R_16BF),
+        };
         // SAFETY: the three buffers hold t·k bf16, n·k bf16 and t·n values of out_type.
         self.timed("cuBLAS GEMM (bf16)", || unsafe {
             cudarc::cublas::result::gemm_ex(
@@ -468,10 +367,10 @@ impl Gpu {
                 t as i32,
                 k as i32,
                 &alpha as *const f32 as *const _,
-                w as *const _,
+                w.addr() as *const _,
                 cudaDataType::CUDA_R_16BF,
                 k as i32,
-                xb as *const _,
+                xb.addr() as *const _,
                 cudaDataType::CUDA_R_16BF,
                 k as i32,
                 &beta as *const f32 as *const _,
@@ -493,9 +392,9 @@ impl Gpu {
         Ok(format!("{:08X}:{:02X}:{:02X}.0", get(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?, get(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?, get(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?))
     }
 
-    /// The device address of `s` (kernels take raw addresses, so that offsets are plain adds).
-    pub fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+    /// The device address of `s`, typed by its values (offsets are `DevPtr::offset`).
+    pub fn ptr<T>(&self, s: &CudaSlice<T>) -> DevPtr<T> {
         let (p, _sync) = s.device_ptr(&self.stream);
-        p
+        DevPtr::new(p)
     }
 }

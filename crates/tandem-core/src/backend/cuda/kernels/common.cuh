@@ -1,11 +1,12 @@
-// tandem's CUDA kernels for Qwen3.5, compiled at run time with NVRTC (backend/cuda/mod.rs
-// joins the files of this folder in the order of `KERNEL_SOURCES`: common.cuh, norm.cu,
+// tandem's CUDA kernels for Qwen3.5, compiled at run time with NVRTC (kernels/mod.rs joins
+// the files of this folder in the order of `SOURCES`: common.cuh, norm.cu,
 // gemv.cu, gemm.cu, deltanet.cu, attention.cu, sample.cu; each may use what those before it
 // define). Each kernel is the GPU form of a CPU kernel in backend/cpu (kernels/ or forward.rs),
 // which is its reference: the same formula in the same f32 arithmetic (sums may run in another
 // order). Activations are f32; weights are bf16, stored as unsigned short and widened by a
-// shift. tests/cuda_emu/checks.cpp holds each kernel to a plain double-precision reference on
-// CPU threads.
+// shift. Each family's *_reference.cpp beside it holds its kernels to plain double-precision
+// references on CPU threads (tests/cuda_on_cpu.rs), and kernels/mod.rs declares each kernel's
+// parameters for the Rust launches.
 //
 // Positions are read from GPU memory (`pos`: the position of a sequence's first token in this
 // call), not passed as arguments, so that a captured decode step (a CUDA graph) replays at

@@ -7,14 +7,14 @@ impl GpuQwen35 {
     /// The decode GEMV (kernels/gemv.cu gemv_*): `out_j[t, n_j] (+)= input(x)[t, k] · W_jᵀ` for t <= 8
     /// and up to four matrices `(weights, out, n_j)` of the same input, in one launch.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn gemv(&self, ws: &Workspace, input: GemvInput, mats: &[(u64, u64, usize)], x: u64, k: usize, t: usize, output: GemvOut) -> Result<()> {
+    pub(super) fn gemv(&self, ws: &Workspace, input: GemvInput, mats: &[(DevPtr<u16>, DevPtr<f32>, usize)], x: DevPtr<f32>, k: usize, t: usize, output: GemvOut) -> Result<()> {
         debug_assert!(t <= GEMV_MAX_T && !mats.is_empty() && mats.len() <= 4);
         let glu = output == GemvOut::SwiGlu;
         debug_assert!(!glu || (mats.len() == 2 && mats[0].2 == mats[1].2 && matches!(input, GemvInput::Norm(_))));
         let g = &self.gpu;
-        let mut inv = 0;
-        let (mode, x2) = match input {
-            GemvInput::Plain => ("plain", 0),
+        let mut inv = DevPtr::NULL;
+        let x2 = match input {
+            GemvInput::Plain => DevPtr::NULL,
             GemvInput::Norm(scale) => {
                 // The 1/rms of a short row is found by every block of the GEMV itself; of a
                 // long one by a kernel before it. Measured on an H100 (interleaved runs of
@@ -22,31 +22,38 @@ impl GpuQwen35 {
                 // 1.5% faster and the 9B's (4096) 1% slower.
                 if k > RMS_IN_GEMV_MAX_K {
                     inv = g.ptr(&ws.rms_inv);
-                    g.launch("rms_inv", (t as u32, 1, 1), 256, 0, &[Arg::Ptr(x), Arg::Ptr(inv), Arg::I32(k as i32), Arg::F32(self.config.rms_norm_eps)])?;
+                    g.launch(k::RMS_INV, Grid::x(t, 256), (x, inv, k as i32, self.config.rms_norm_eps))?;
                 }
-                ("norm", scale)
+                scale
             }
         };
-        let mut args = Vec::with_capacity(19);
-        for j in 0..4 {
-            match mats.get(j) {
-                Some(&(w, out, n)) => args.extend([Arg::Ptr(w), Arg::Ptr(out), Arg::I32(n as i32)]),
-                None => args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0)]),
-            }
-        }
-        let (accumulate, eps) = (Arg::I32((output == GemvOut::Add) as i32), Arg::F32(self.config.rms_norm_eps));
+        let norm = matches!(input, GemvInput::Norm(_));
+        let m = |j: usize| mats.get(j).map_or((DevPtr::NULL, DevPtr::NULL, 0), |&(w, out, n)| (w, out, n as i32));
+        let (m0, m1, m2, m3) = (m(0), m(1), m(2), m(3));
+        let (accumulate, eps) = ((output == GemvOut::Add) as i32, self.config.rms_norm_eps);
         if t == 1 && k == GEMV_STREAM_K {
             // One token, rows of 1024: every warp streams through rows (as many blocks as run
             // at once, fewer where the rows run out first). On an H200 (bench's GEMV table) the
             // 0.8B model's DeltaNet input projection went from 9.0 to 7.0 us, its gate and up
             // with the SwiGLU from 9.5 to 5.8 us and its LM head from 168 to 119 us.
-            let name = format!("gemv_stream_{}", if glu { "glu" } else { mode });
+            let kernel = match (glu, norm) {
+                (true, _) => k::GEMV_STREAM_GLU,
+                (false, true) => k::GEMV_STREAM_NORM,
+                (false, false) => k::GEMV_STREAM_PLAIN,
+            };
             let rows = if glu { mats[0].2 } else { mats.iter().map(|m| m.2).sum() };
-            let blocks = (self.gpu.resident_blocks(&name)? as usize).min(rows.div_ceil(8));
-            args.extend([Arg::Ptr(x), Arg::Ptr(x2), Arg::Ptr(inv), Arg::I32(k as i32), accumulate, eps]);
-            return self.gpu.launch(&name, (blocks as u32, 1, 1), 256, 0, &args);
+            let blocks = (g.resident_blocks(kernel)? as usize).min(rows.div_ceil(8));
+            let args = (m0.0, m0.1, m0.2, m1.0, m1.1, m1.2, m2.0, m2.1, m2.2, m3.0, m3.1, m3.2, x, x2, inv, k as i32, accumulate, eps);
+            return g.launch(kernel, Grid::x(blocks, 256), args);
         }
-        let name = format!("gemv_t{}_{}", if t == 1 { 1 } else { 8 }, if glu { "glu" } else { mode });
+        let kernel = match (t == 1, glu, norm) {
+            (true, true, _) => k::GEMV_T1_GLU,
+            (true, false, true) => k::GEMV_T1_NORM,
+            (true, false, false) => k::GEMV_T1_PLAIN,
+            (false, true, _) => k::GEMV_T8_GLU,
+            (false, false, true) => k::GEMV_T8_NORM,
+            (false, false, false) => k::GEMV_T8_PLAIN,
+        };
         // Rows per block: the most (of 8, 4, 2, 1) whose blocks still fill at least half of
         // what the GPU runs at once, so that a matrix of few rows gets several warps per row
         // and its loads are spread over the GPU (as long as every lane of a row's warps has 8
@@ -54,14 +61,14 @@ impl GpuQwen35 {
         // the 0.8B and 9B models (bench's GEMV table): this picks the fastest or within 4% of
         // it; choosing instead by how full the last round of blocks is made the 0.8B model's
         // DeltaNet input projection 1.5x slower (2 rows per block, 6 rounds of small blocks).
-        let resident = self.gpu.resident_blocks(&name)? as usize;
+        let resident = g.resident_blocks(kernel)? as usize;
         // (With the SwiGLU a unit's rows are gate and up rows in turn: an even count.)
         let units = |rb: usize| if glu { (2 * mats[0].2).div_ceil(rb) } else { mats.iter().map(|m| m.2.div_ceil(rb)).sum::<usize>() };
         let allowed = [8usize, 4, 2, 1].into_iter().filter(|&rb| (rb == 8 || (8 / rb) * 256 <= k) && !(glu && rb == 1));
         let rb = allowed.clone().find(|&rb| 2 * units(rb) >= resident).unwrap_or_else(|| allowed.last().unwrap_or(8));
-        args.extend([Arg::Ptr(x), Arg::Ptr(x2), Arg::Ptr(inv), Arg::I32(k as i32), Arg::I32(t as i32), Arg::I32(rb as i32), accumulate, eps]);
+        let args = (m0.0, m0.1, m0.2, m1.0, m1.1, m1.2, m2.0, m2.1, m2.2, m3.0, m3.1, m3.2, x, x2, inv, k as i32, t as i32, rb as i32, accumulate, eps);
         // A block per unit: the GPU's block scheduler evens out the last round.
-        self.gpu.launch(&name, (units(rb) as u32, 1, 1), 256, 0, &args)
+        g.launch(kernel, Grid::x(units(rb), 256), args)
     }
 
     /// The one-token GEMVs of a decode step timed alone, by kind: the DeltaNet and attention
@@ -80,7 +87,7 @@ impl GpuQwen35 {
         let ws = &ws;
         let (x, h) = (g.ptr(&ws.x), self.config.hidden_size);
         // Per kind: its name and, per layer of that kind, (input norm, [(matrix, out)], input).
-        type Launch<'a> = (Option<&'a CudaSlice<f32>>, Vec<(&'a GpuMatrix, u64)>, u64);
+        type Launch<'a> = (Option<&'a CudaSlice<f32>>, Vec<(&'a GpuMatrix, DevPtr<f32>)>, DevPtr<f32>);
         let mut kinds: Vec<(&str, Vec<Launch>)> = ["DeltaNet in (qkv, z, b, a)", "DeltaNet out (+ residual)", "attention in (q + gate, k, v)", "attention out (+ residual)", "MLP gate, up (+ SwiGLU)", "MLP down (+ residual)"]
             .into_iter()
             .map(|what| (what, Vec::new()))
@@ -133,7 +140,7 @@ impl GpuQwen35 {
             let (rows, cols) = (mats.iter().map(|m| m.0.rows).sum::<usize>(), mats[0].0.cols);
             time(what, rows, cols, rows * cols * 2, list.len(), &|| {
                 list.iter().try_for_each(|(norm, mats, input)| {
-                    let mats: Vec<(u64, u64, usize)> = mats.iter().map(|&(m, o)| (g.ptr(&m.w), o, m.rows)).collect();
+                    let mats: Vec<(DevPtr<u16>, DevPtr<f32>, usize)> = mats.iter().map(|&(m, o)| (g.ptr(&m.w), o, m.rows)).collect();
                     match norm {
                         Some(n) => self.gemv(ws, GemvInput::Norm(g.ptr(n)), &mats, *input, cols, 1, output),
                         None => self.gemv(ws, GemvInput::Plain, &mats, *input, cols, 1, output),
@@ -144,7 +151,7 @@ impl GpuQwen35 {
         let (head, v) = (self.lm_head.as_ref().map_or(g.ptr(&self.embed), |m| g.ptr(&m.w)), self.config.vocab_size);
         time("LM head", v, h, v * h * 2, 1, &|| self.gemv(ws, GemvInput::Norm(g.ptr(&self.final_norm)), &[(head, g.ptr(&ws.logits), v)], x, h, 1, GemvOut::Write))?;
         let (gate, up) = (g.ptr(&ws.ffn_gate), g.ptr(&ws.ffn_up));
-        time("SwiGLU of one row (what a launch costs)", 1, h, 0, 1, &|| g.launch("swiglu", (h.div_ceil(1024) as u32, 1, 1), 256, 0, &[Arg::Ptr(gate), Arg::Ptr(up), Arg::Ptr(0), Arg::I32(h as i32)]))?;
+        time("SwiGLU of one row (what a launch costs)", 1, h, 0, 1, &|| g.launch(k::SWIGLU, Grid::x(h.div_ceil(1024), 256), (gate, up, DevPtr::NULL, h as i32)))?;
         Ok(out)
     }
 }

@@ -31,7 +31,10 @@ mod state;
 mod workspace;
 
 use self::workspace::Workspace;
-use super::{Arg, GemmOut, Gpu, Pinned, Staging};
+use self::layers::NormOut;
+use super::kernels as k;
+use super::launch::{DevPtr, Grid};
+use super::{GemmOut, Gpu, Pinned, Staging};
 use crate::model::config::{LayerType, Qwen35Config};
 use crate::model::Mixer;
 use crate::model::{Logits, Qwen35};
@@ -72,8 +75,8 @@ const CONV_RUN: usize = 8;
 
 /// The input of an output projection (`project_residual`).
 enum Input {
-    /// f32 rows at this device address.
-    F32(u64),
+    /// f32 rows.
+    F32(DevPtr<f32>),
     /// Already rounded to bf16 in `ws.xb` by the kernel before (a tensor-core GEMM's operand).
     Bf16Ready,
 }
@@ -84,7 +87,7 @@ enum GemvInput {
     /// x itself.
     Plain,
     /// rms_norm(x) times this scale (a block's input norm).
-    Norm(u64),
+    Norm(DevPtr<f32>),
 }
 
 /// What a GEMV does with its sums (kernels/gemv.cu gemv_body).
@@ -407,7 +410,7 @@ impl GpuQwen35 {
         let _pdl = g.pdl_for(t <= GEMV_MAX_T);
         let x = g.ptr(&ws.x);
         let ids = ws.position_of(g, ws.sequences);
-        g.launch("embed", (t as u32, 1, 1), 256, 0, &[Arg::Ptr(g.ptr(&self.embed)), Arg::Ptr(ids), Arg::Ptr(x), Arg::I32(h as i32)])?;
+        g.launch(k::EMBED, Grid::x(t, 256), (g.ptr(&self.embed), ids, x, h as i32))?;
         for (li, layer) in self.layers.iter().enumerate() {
             // Each block normalises x on the way into its projections and adds its output to x
             // (the residual stream) itself.
@@ -418,20 +421,20 @@ impl GpuQwen35 {
             self.mlp(layer, ws, t)?;
         }
         let n = t - logits_from;
-        let last = x + (logits_from * h * 4) as u64;
+        let last = x.offset(logits_from * h);
         let (head, logits) = (self.lm_head.as_ref().map_or(g.ptr(&self.embed), |m| g.ptr(&m.w)), g.ptr(&ws.logits));
         if n <= GEMV_MAX_T {
             return self.gemv(ws, GemvInput::Norm(g.ptr(&self.final_norm)), &[(head, logits, c.vocab_size)], last, h, n, GemvOut::Write);
         }
         let normed = g.ptr(&ws.normed);
-        self.rms_norm(last, g.ptr(&self.final_norm), normed, 0, n, h)?;
-        self.matmul_raw(ws, normed, n, head, c.vocab_size, h, logits)
+        self.rms_norm(last, g.ptr(&self.final_norm), NormOut::F32(normed), n, h)?;
+        self.matmul(ws, normed, n, head, c.vocab_size, h, logits)
     }
 
     /// The greedy pick of each of the first `rows` rows of `ws.logits` into `ws.pick`.
     fn enqueue_argmax(&self, ws: &Workspace, rows: usize) -> Result<()> {
         let g = &self.gpu;
-        let args = [Arg::Ptr(g.ptr(&ws.logits)), Arg::I32(self.config.vocab_size as i32), Arg::Ptr(g.ptr(&ws.pick_v)), Arg::Ptr(g.ptr(&ws.pick_i)), Arg::Ptr(g.ptr(&ws.pick_done)), Arg::Ptr(g.ptr(&ws.pick))];
-        g.launch("argmax_rows", (ARGMAX_SPANS as u32, rows as u32, 1), 256, 0, &args)
+        let args = (g.ptr(&ws.logits), self.config.vocab_size as i32, g.ptr(&ws.pick_v), g.ptr(&ws.pick_i), g.ptr(&ws.pick_done), g.ptr(&ws.pick));
+        g.launch(k::ARGMAX_ROWS, Grid::new((ARGMAX_SPANS, rows, 1), 256), args)
     }
 }

@@ -107,8 +107,8 @@ impl Workspace {
     }
 
     /// The device address of sequence `i`'s position.
-    pub(super) fn position_of(&self, g: &Gpu, i: usize) -> u64 {
-        g.ptr(&self.io) + 4 * i as u64
+    pub(super) fn position_of(&self, g: &Gpu, i: usize) -> DevPtr<u32> {
+        g.ptr(&self.io).offset(i)
     }
 
     /// Write the sequences' positions and the rows' token ids (before the kernels run).

@@ -97,9 +97,6 @@ fn locate(units: &[usize], mut u: usize) -> (usize, usize) {
     unreachable!("unit index past the group's work")
 }
 
-/// The rows of one GEMV unit. A matrix is read as four streams far apart (rows
-/// `j · stride + o`, j = 0..4): one core reads four distant streams about 25% faster than four
-
 mod gemv;
 pub mod gemm;
 

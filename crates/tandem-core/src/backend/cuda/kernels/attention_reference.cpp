@@ -1,0 +1,76 @@
+// The reference of kernels/attention.cu and its checks (decode, tiled and tensor-core attention): run on CPU threads by
+// tests/cuda_on_cpu.rs; tests/cuda_emu/checks.cpp (random, compare, ...) includes it.
+
+// Causal GQA attention of rows pos0.. (q [t, hq, d]) over caches [pos0 + t, hkv, d], gated.
+static std::vector<double> attention_ref(const std::vector<float>& q, const std::vector<float>& kc, const std::vector<float>& vc, const std::vector<float>& gate, int t, int hq, int hkv, int d, int pos0) {
+    std::vector<double> out((size_t)t * hq * d);
+    for (int tok = 0; tok < t; tok++)
+        for (int h = 0; h < hq; h++) {
+            int kvh = h / (hq / hkv), visible = pos0 + tok + 1;
+            std::vector<double> s(visible);
+            double mx = -1e300, sum = 0;
+            for (int p = 0; p < visible; p++) {
+                double a = 0;
+                for (int c = 0; c < d; c++) a += (double)q[((size_t)tok * hq + h) * d + c] * kc[((size_t)p * hkv + kvh) * d + c];
+                s[p] = a / std::sqrt((double)d);
+                mx = std::max(mx, s[p]);
+            }
+            for (auto& x : s) sum += (x = std::exp(x - mx));
+            for (int c = 0; c < d; c++) {
+                double o = 0;
+                for (int p = 0; p < visible; p++) o += s[p] * vc[((size_t)p * hkv + kvh) * d + c];
+                size_t at = ((size_t)tok * hq + h) * d + c;
+                out[at] = o / sum * sigmoid(gate[at]);
+            }
+        }
+    return out;
+}
+
+// Rows pos0.. of a prefill or decode (up to 8: the decode kernel, split over the positions in
+// chunks as the engine sizes them for a cache of `capacity` rows; else the tiled kernel).
+static void check_attention(int t, int pos0, int d, int hq, int hkv, int capacity = 0) {
+    auto q = random((size_t)t * hq * d, -4, 4), kc = random((size_t)(pos0 + t) * hkv * d, -1, 1), vc = random((size_t)(pos0 + t) * hkv * d, -1, 1), gate = random((size_t)t * hq * d, -2, 2);
+    auto want = attention_ref(q, kc, vc, gate, t, hq, hkv, d, pos0);
+    std::vector<float> got(want.size());
+    u32 pos = pos0;
+    std::string name;
+    if (t <= 8) {
+        int chunk = std::max(64, (capacity + 63) / 64), splits = (capacity + chunk - 1) / chunk;
+        std::vector<float> part((size_t)t * hq * splits * (d + 2));
+        std::vector<unsigned> done(t * hq, 0);
+        launch(t, hq, splits, 128, [&] { attention(q.data(), kc.data(), vc.data(), gate.data(), got.data(), part.data(), done.data(), hq, hkv, d, chunk, splits, &pos); });
+        name = "attention (decode, " + std::to_string(splits) + " chunks of " + std::to_string(chunk) + ")";
+        check_counters(name + " after " + std::to_string(pos0), done);
+    } else {
+        launch((t + 63) / 64, hq, 1, 256, [&] { attention_tiled(q.data(), kc.data(), vc.data(), gate.data(), got.data(), t, hq, hkv, d, &pos); });
+        name = "attention_tiled";
+    }
+    compare(name + ", " + std::to_string(t) + " rows after " + std::to_string(pos0) + ", head dim " + std::to_string(d), got, want, 1e-5);
+}
+
+// The tensor-core attention against the f32 tiles (bf16 operands: within 1%), its caches
+// rounded to bf16 by to_bf16 as the engine does.
+template <int D>
+static void check_attention_mma(int t, int pos0, int hq, int hkv, void (*kernel)(const float*, const bf16_t*, const bf16_t*, const float*, float*, int, int, int, const u32*)) {
+    auto q = random((size_t)t * hq * D, -4, 4), kc = random((size_t)(pos0 + t) * hkv * D, -1, 1), vc = random((size_t)(pos0 + t) * hkv * D, -1, 1), gate = random((size_t)t * hq * D, -2, 2);
+    std::vector<float> f32(q.size()), got(q.size());
+    u32 pos = pos0;
+    int n = (int)kc.size();
+    std::vector<bf16_t> kb(n), vb(n);
+    launch((n + 1023) / 1024, 1, 1, 256, [&] { to_bf16(kc.data(), kb.data(), n); });
+    launch((n + 1023) / 1024, 1, 1, 256, [&] { to_bf16(vc.data(), vb.data(), n); });
+    launch((t + 63) / 64, hq, 1, 256, [&] { attention_tiled(q.data(), kc.data(), vc.data(), gate.data(), f32.data(), t, hq, hkv, D, &pos); });
+    launch((t + 63) / 64, hq, 1, 256, [&] { kernel(q.data(), kb.data(), vb.data(), gate.data(), got.data(), t, hq, hkv, &pos); });
+    compare("attention_mma_" + std::to_string(D) + " against attention_tiled, " + std::to_string(t) + " rows after " + std::to_string(pos0), got, std::vector<double>(f32.begin(), f32.end()), 1e-2);
+}
+
+static void check_attention_kernels() {
+    check_attention(1, 12, 32, 4, 2, 16);
+    check_attention(3, 300, 256, 8, 2, 512);
+    check_attention(1, 4999, 256, 8, 2, 8192);
+    check_attention(150, 100, 32, 4, 2);
+    check_attention(70, 0, 256, 8, 2);
+    check_attention_mma<32>(150, 100, 4, 2, attention_mma_32);
+    check_attention_mma<256>(70, 0, 8, 2, attention_mma_256);
+    check_attention_mma<128>(100, 40, 4, 1, attention_mma_128);
+}

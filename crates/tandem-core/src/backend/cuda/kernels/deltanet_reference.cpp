@@ -1,0 +1,177 @@
+// The reference of kernels/deltanet.cu and its checks (the conv, the decode step, the chunked rule, the gated norm): run on CPU threads by
+// tests/cuda_on_cpu.rs; tests/cuda_emu/checks.cpp (random, compare, ...) includes it.
+
+// The gated delta rule of one value head, token after token: S <- alpha S; u = beta (v - S^T k);
+// S += k u^T; o = S^T q (q, k as given). S is [dk][dv].
+static void delta_rule(std::vector<double>& S, const double* q, const double* k, const double* v, double alpha, double beta, int dk, int dv, double* o) {
+    for (auto& s : S) s *= alpha;
+    for (int j = 0; j < dv; j++) {
+        double m = 0;
+        for (int i = 0; i < dk; i++) m += S[(size_t)i * dv + j] * k[i];
+        double u = beta * (v[j] - m);
+        for (int i = 0; i < dk; i++) S[(size_t)i * dv + j] += k[i] * u;
+        o[j] = 0;
+        for (int i = 0; i < dk; i++) o[j] += S[(size_t)i * dv + j] * q[i];
+    }
+}
+
+// deltanet_step: conv + SiLU, l2 norms (q times 1/sqrt(dk)), the delta rule, the gated RMSNorm;
+// two launches (3 tokens, then 1), so that the conv window and state carry over and the
+// hand-over counters must be back at zero for the second.
+template <int DK>
+static void check_deltanet_step(int hk, int hv, int dv, void (*kernel)(float*, float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, float*, float*, unsigned*, int, int, int, int, int, int, float)) {
+    const int dk = DK, kk = 4, kd = hk * dk, cd = 2 * kd + hv * dv, vd = hv * dv;
+    const float eps = 1e-6f;
+    auto conv0 = random((size_t)kk * cd, -1, 1), state0 = random((size_t)hv * dk * dv, -0.5, 0.5), taps = random((size_t)kk * cd, -0.7, 0.7);
+    auto neg_a = random(hv, -2, -0.2), dt = random(hv, -1, 1), norm_w = random(dv, 0.5, 1.5);
+    std::vector<float> conv = conv0, state = state0, partial((size_t)hv * (dv / 32) * 8);
+    std::vector<unsigned> done(hk, 0);
+    std::vector<double> S(state0.begin(), state0.end()), win(conv0.begin(), conv0.end()), want;
+    std::vector<float> got;
+    for (int t : {3, 1}) {
+        auto qkv = random((size_t)t * cd, -2, 2), z = random((size_t)t * vd, -2, 2), b = random((size_t)t * hv, -2, 2), a = random((size_t)t * hv, -2, 2);
+        std::vector<float> core((size_t)t * vd);
+        launch(hv * dv / 32, 1, 1, 512, [&] {
+            kernel(conv.data(), state.data(), qkv.data(), z.data(), b.data(), a.data(), taps.data(), neg_a.data(), dt.data(), norm_w.data(), core.data(), partial.data(), done.data(), t, hk, hv, dv, cd, kk, eps);
+        });
+        got.insert(got.end(), core.begin(), core.end());
+        for (int tok = 0; tok < t; tok++) {
+            std::vector<double> y(cd);
+            for (int ch = 0; ch < cd; ch++) {
+                for (int j = 0; j + 1 < kk; j++) win[(size_t)j * cd + ch] = win[(size_t)(j + 1) * cd + ch];
+                win[(size_t)(kk - 1) * cd + ch] = qkv[(size_t)tok * cd + ch];
+                double acc = 0;
+                for (int j = 0; j < kk; j++) acc += (double)taps[(size_t)j * cd + ch] * win[(size_t)j * cd + ch];
+                y[ch] = acc * sigmoid(acc);
+            }
+            for (int h = 0; h < hv; h++) {
+                int kh = h / (hv / hk);
+                std::vector<double> q(y.begin() + kh * dk, y.begin() + (kh + 1) * dk), k(y.begin() + kd + kh * dk, y.begin() + kd + (kh + 1) * dk), o(dv);
+                double qs = 0, ks = 0;
+                for (int i = 0; i < dk; i++) { qs += q[i] * q[i]; ks += k[i] * k[i]; }
+                for (int i = 0; i < dk; i++) { q[i] /= std::sqrt(qs + 1e-6) * std::sqrt((double)dk); k[i] /= std::sqrt(ks + 1e-6); }
+                std::vector<double> Sh(S.begin() + (size_t)h * dk * dv, S.begin() + (size_t)(h + 1) * dk * dv);
+                double alpha = std::exp(neg_a[h] * softplus(a[tok * hv + h] + dt[h])), beta = sigmoid(b[tok * hv + h]);
+                delta_rule(Sh, q.data(), k.data(), &y[2 * kd + h * dv], alpha, beta, dk, dv, o.data());
+                std::copy(Sh.begin(), Sh.end(), S.begin() + (size_t)h * dk * dv);
+                double ss = 0;
+                for (double x : o) ss += x * x;
+                double inv = 1 / std::sqrt(ss / dv + eps);
+                for (int j = 0; j < dv; j++) {
+                    double zz = z[(size_t)tok * vd + h * dv + j];
+                    want.push_back(norm_w[j] * o[j] * inv * zz * sigmoid(zz));
+                }
+            }
+        }
+    }
+    std::string name = "deltanet_step_" + std::to_string(DK) + ", " + std::to_string(hv / hk) + " value heads per key head, dv " + std::to_string(dv);
+    compare(name + ": outputs", got, want, 1e-4);
+    compare(name + ": state", state, S, 1e-4);
+    compare(name + ": conv window", conv, win, 1e-6);
+    check_counters(name, done);
+}
+
+// The chunked rule of a prefill (deltanet_chunk_prep, then the state walk: the f32
+// deltanet_chunk_state_1, and the tensor-core one against it) against the delta rule token
+// after token, from a non-zero state.
+static void check_chunked(int t, int hk, int hv, int dk, int dv) {
+    int chunks = (t + 63) / 64, kd = hk * dk, cd = 2 * kd + hv * dv, vd = hv * dv;
+    auto mixed = random((size_t)t * cd, -1, 1), b = random(t * hv, -2, 2), a = random(t * hv, -2, 2), neg_a = random(hv, -2, -0.2), dt = random(hv, -1, 1);
+    auto state0 = random((size_t)hv * dk * dv, -0.5, 0.5);
+    std::vector<float> gcum(t * hv), U((size_t)t * hv * dv), W((size_t)t * hv * dk), P((size_t)chunks * hv * 64 * 64), core((size_t)t * vd), state = state0;
+    // q and k heads l2-normalised (q also times 1/sqrt(dk)), as conv_silu_rows leaves them.
+    for (int tok = 0; tok < t; tok++)
+        for (int head = 0; head < 2 * hk; head++) {
+            float* v = &mixed[(size_t)tok * cd + head * dk];
+            double ss = 0;
+            for (int i = 0; i < dk; i++) ss += (double)v[i] * v[i];
+            double inv = 1 / std::sqrt(ss + 1e-6) * (head < hk ? 1 / std::sqrt((double)dk) : 1);
+            for (int i = 0; i < dk; i++) v[i] = (float)(v[i] * inv);
+        }
+    launch(chunks, hv, 1, 256, [&] { deltanet_chunk_prep(mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), t, hk, hv, dk, dv, cd); });
+    launch(hv, dv / 16, 1, 256, [&] { deltanet_chunk_state_1(state.data(), mixed.data(), gcum.data(), U.data(), W.data(), P.data(), core.data(), t, hk, hv, dk, dv, cd); });
+    std::vector<double> S(state0.begin(), state0.end()), want((size_t)t * vd);
+    for (int tok = 0; tok < t; tok++)
+        for (int h = 0; h < hv; h++) {
+            int kh = h / (hv / hk);
+            std::vector<double> q(dk), k(dk), v(dv), Sh(S.begin() + (size_t)h * dk * dv, S.begin() + (size_t)(h + 1) * dk * dv);
+            for (int i = 0; i < dk; i++) { q[i] = mixed[(size_t)tok * cd + kh * dk + i]; k[i] = mixed[(size_t)tok * cd + kd + kh * dk + i]; }
+            for (int j = 0; j < dv; j++) v[j] = mixed[(size_t)tok * cd + 2 * kd + h * dv + j];
+            double alpha = std::exp(neg_a[h] * softplus(a[tok * hv + h] + dt[h])), beta = sigmoid(b[tok * hv + h]);
+            delta_rule(Sh, q.data(), k.data(), v.data(), alpha, beta, dk, dv, &want[(size_t)tok * vd + h * dv]);
+            std::copy(Sh.begin(), Sh.end(), S.begin() + (size_t)h * dk * dv);
+        }
+    std::string name = "chunked delta rule, " + std::to_string(t) + " tokens, dk " + std::to_string(dk) + ", dv " + std::to_string(dv);
+    compare(name + ": outputs", core, want, 1e-4);
+    compare(name + ": state", state, S, 1e-4);
+    // The tensor-core walk from the same matrices and start (bf16 operands: within 2%).
+    std::vector<float> core_mma(core.size()), state_mma = state0;
+    launch(hv, dv / 16, 1, 128, [&] {
+        auto walk = dk == 32 ? deltanet_chunk_state_mma_32 : dk == 64 ? deltanet_chunk_state_mma_64 : deltanet_chunk_state_mma_128;
+        walk(state_mma.data(), mixed.data(), gcum.data(), U.data(), W.data(), P.data(), core_mma.data(), t, hk, hv, dk, dv, cd);
+    });
+    compare(name + ", tensor cores: outputs", core_mma, std::vector<double>(core.begin(), core.end()), 2e-2);
+    compare(name + ", tensor cores: state", state_mma, std::vector<double>(state.begin(), state.end()), 2e-2);
+}
+
+// The causal conv + SiLU over a prefill's rows with its state carried in (and the q/k l2
+// norm), and the gated RMSNorm.
+static void check_conv_and_gated_norm() {
+    const float eps = 1e-6f;
+    // The conv with the l2 norm of the q and k heads: runs of tokens (the last partial),
+    // channels past the last of a block's lanes, both builds (kernels of 4 and of 6 taps).
+    for (auto [t, cd, hk, dk, kk] : {std::tuple{37, 300, 2, 16, 4}, {20, 1288, 2, 128, 6}}) {
+        const int qk = 2 * hk * dk;
+        const double q_scale = 1 / std::sqrt((double)dk);
+        auto conv = random((size_t)kk * cd, -1, 1), qkv = random((size_t)t * cd, -2, 2), taps = random((size_t)kk * cd, -0.7, 0.7);
+        std::vector<float> out((size_t)t * cd);
+        std::vector<double> want(out.size()), tail((size_t)kk * cd);
+        // The raw input at position i (negative: the state's columns, oldest first).
+        auto input = [&](int i, int c) -> double { return i < 0 ? conv[(size_t)(kk + i) * cd + c] : qkv[(size_t)i * cd + c]; };
+        for (int i = 0; i < t; i++) {
+            for (int c = 0; c < cd; c++) {
+                double acc = 0;
+                for (int j = 0; j < kk; j++) acc += taps[(size_t)j * cd + c] * input(i - kk + 1 + j, c);
+                want[(size_t)i * cd + c] = acc * sigmoid(acc);
+            }
+            for (int head = 0; head < qk / dk; head++) {
+                double* v = &want[(size_t)i * cd + head * dk], ss = 0;
+                for (int c = 0; c < dk; c++) ss += v[c] * v[c];
+                double inv = 1 / std::sqrt(ss + 1e-6) * (head < hk ? q_scale : 1);
+                for (int c = 0; c < dk; c++) v[c] *= inv;
+            }
+        }
+        for (int j = 0; j < kk; j++)
+            for (int c = 0; c < cd; c++) tail[(size_t)j * cd + c] = input(t - kk + j, c);
+        launch((t + CONV_RUN - 1) / CONV_RUN, (cd + 1023) / 1024, 1, 256, [&] { (kk <= 4 ? conv_silu_rows_4 : conv_silu_rows_8)(conv.data(), qkv.data(), taps.data(), out.data(), t, cd, kk, qk, dk, (float)q_scale); });
+        launch((cd + 255) / 256, 1, 1, 256, [&] { conv_state_tail(conv.data(), qkv.data(), t, cd, kk); });
+        std::string name = std::to_string(t) + " rows of " + std::to_string(cd) + " after a state, heads of " + std::to_string(dk) + ", " + std::to_string(kk) + " taps";
+        compare("conv_silu_rows_" + std::string(kk <= 4 ? "4" : "8") + " with the q/k l2 norm, " + name, out, want, 1e-6);
+        compare("conv_state_tail: the last raw inputs, " + name, conv, tail, 0);
+    }
+    {
+        const int rows = 11, dv = 32;
+        auto core = random(rows * dv, -2, 2), z = random(rows * dv, -2, 2), w = random(dv, 0.5, 1.5);
+        std::vector<double> want(rows * dv);
+        for (int i = 0; i < rows; i++) {
+            double ss = 0;
+            for (int c = 0; c < dv; c++) ss += (double)core[i * dv + c] * core[i * dv + c];
+            for (int c = 0; c < dv; c++) want[i * dv + c] = w[c] * core[i * dv + c] / std::sqrt(ss / dv + eps) * z[i * dv + c] * sigmoid(z[i * dv + c]);
+        }
+        std::vector<bf16_t> ob(rows * dv);
+        std::vector<float> from_bf16(rows * dv);
+        launch((rows + 7) / 8, 1, 1, 256, [&] { gated_rms_norm(core.data(), z.data(), w.data(), ob.data(), rows, dv, eps); });
+        for (int i = 0; i < rows * dv; i++) from_bf16[i] = bf16_to_f32(ob[i]);
+        launch((rows + 7) / 8, 1, 1, 256, [&] { gated_rms_norm(core.data(), z.data(), w.data(), nullptr, rows, dv, eps); });
+        compare("gated_rms_norm, 11 heads of 32", core, want, 1e-6);
+        compare("gated_rms_norm into bf16 (the tensor-core operand)", from_bf16, want, 4e-3);
+    }
+}
+
+static void check_deltanet_kernels() {
+    check_deltanet_step<32>(2, 4, 32, deltanet_step_32);
+    check_deltanet_step<128>(2, 4, 128, deltanet_step_128);
+    check_chunked(150, 2, 4, 32, 32);
+    check_chunked(70, 1, 2, 128, 128);
+    check_conv_and_gated_norm();
+}

@@ -1,0 +1,128 @@
+// The reference of kernels/gemv.cu and its checks (the decode GEMVs): run on CPU threads by
+// tests/cuda_on_cpu.rs; tests/cuda_emu/checks.cpp (random, compare, ...) includes it.
+
+// The decode GEMVs: up to four matrices of one input per launch, `rb` rows per block, the
+// input RMS-normalised on the fly (1/rms found in the block or given by rms_inv) or plain,
+// written or added to the output.
+static void check_gemv(int t, bool norm, bool given_inv, int rb, bool accumulate, std::vector<int> rows) {
+    const int k = 256;
+    const float eps = 1e-6f;
+    auto x = random((size_t)t * k, -2, 2), scale = random(k, 0.5, 1.5);
+    std::vector<std::vector<float>> wf(4), out(4);
+    std::vector<std::vector<bf16_t>> w(4);
+    rows.resize(4, 0);
+    int units = 0;
+    for (int j = 0; j < 4; j++) {
+        w[j] = bf16_matrix((size_t)std::max(rows[j], 1) * k, wf[j]);
+        out[j] = random((size_t)t * std::max(rows[j], 1), -1, 1);
+        units += (rows[j] + rb - 1) / rb;
+    }
+    std::vector<std::vector<double>> want(4);
+    for (int j = 0; j < 4; j++) {
+        want[j].assign(out[j].begin(), out[j].end());
+        for (int m = 0; m < t; m++) {
+            double ss = 0;
+            for (int c = 0; c < k; c++) ss += (double)x[m * k + c] * x[m * k + c];
+            double inv = norm ? 1 / std::sqrt(ss / k + eps) : 1;
+            for (int r = 0; r < rows[j]; r++) {
+                double acc = 0;
+                for (int c = 0; c < k; c++) acc += (double)wf[j][(size_t)r * k + c] * x[m * k + c] * (norm ? scale[c] : 1.0f);
+                double& o = want[j][(size_t)m * rows[j] + r];
+                o = (accumulate ? o : 0) + acc * inv;
+            }
+        }
+    }
+    std::vector<float> inv(t);
+    if (given_inv) launch(t, 1, 1, 256, [&] { rms_inv(x.data(), inv.data(), k, eps); });
+    auto kernel = t == 1 ? (norm ? gemv_t1_norm : gemv_t1_plain) : (norm ? gemv_t8_norm : gemv_t8_plain);
+    launch(units, 1, 1, 256, [&] {
+        kernel(w[0].data(), out[0].data(), rows[0], w[1].data(), out[1].data(), rows[1], w[2].data(), out[2].data(), rows[2], w[3].data(), out[3].data(), rows[3], x.data(),
+               scale.data(), given_inv ? inv.data() : nullptr, k, t, rb, accumulate, eps);
+    });
+    std::string name = std::string("gemv_t") + (t == 1 ? "1" : "8") + (norm ? "_norm" : "_plain") + ", " + std::to_string(t) + (t == 1 ? " token, " : " tokens, ") + std::to_string(rb) + " rows per block" +
+                       (norm ? (given_inv ? ", 1/rms given" : ", 1/rms in the block") : "") + (accumulate ? ", adding" : "");
+    for (int j = 0; j < 4; j++)
+        if (rows[j] > 0) compare(name + ": matrix " + std::to_string(j) + " (" + std::to_string(rows[j]) + " rows)", out[j], want[j], 1e-5);
+}
+
+// The MLP's gate and up projections with the SwiGLU in the GEMV (gemv_t*_glu): o0 =
+// silu(rms_norm(x) gate^T) * (rms_norm(x) up^T), the 1/rms found in the block.
+static void check_gemv_glu(int t, int rb, int n) {
+    const int k = 256;
+    const float eps = 1e-6f;
+    auto x = random((size_t)t * k, -2, 2), scale = random(k, 0.5, 1.5);
+    std::vector<float> gf, uf, out((size_t)t * n), up_out((size_t)t * n, 7.0f);
+    auto gw = bf16_matrix((size_t)n * k, gf), uw = bf16_matrix((size_t)n * k, uf);
+    std::vector<double> want((size_t)t * n);
+    for (int m = 0; m < t; m++) {
+        double ss = 0;
+        for (int c = 0; c < k; c++) ss += (double)x[m * k + c] * x[m * k + c];
+        double inv = 1 / std::sqrt(ss / k + eps);
+        for (int r = 0; r < n; r++) {
+            double g = 0, u = 0;
+            for (int c = 0; c < k; c++) {
+                double xn = (double)x[m * k + c] * scale[c] * inv;
+                g += gf[(size_t)r * k + c] * xn;
+                u += uf[(size_t)r * k + c] * xn;
+            }
+            want[(size_t)m * n + r] = g * sigmoid(g) * u;
+        }
+    }
+    auto kernel = t == 1 ? gemv_t1_glu : gemv_t8_glu;
+    launch((2 * n + rb - 1) / rb, 1, 1, 256, [&] {
+        kernel(gw.data(), out.data(), n, uw.data(), up_out.data(), n, nullptr, nullptr, 0, nullptr, nullptr, 0, x.data(), scale.data(), nullptr, k, t, rb, 0, eps);
+    });
+    compare("gemv_t" + std::string(t == 1 ? "1" : "8") + "_glu, " + std::to_string(t) + (t == 1 ? " token, " : " tokens, ") + std::to_string(rb) + " rows per block, " + std::to_string(n) + " rows: silu(gate) * up", out, want, 1e-5);
+}
+
+// The streaming GEMV of one token over rows of 1024 (gemv_stream_*): `blocks` blocks, so that
+// each warp takes several rows in turn; matrices in turn, plain or normalised, written or
+// added, or gate and up with the SwiGLU.
+static void check_gemv_stream(bool norm, bool glu, bool accumulate, std::vector<int> rows, int blocks) {
+    const int k = 1024;
+    const float eps = 1e-6f;
+    auto x = random(k, -2, 2), scale = random(k, 0.5, 1.5);
+    rows.resize(4, 0);
+    std::vector<std::vector<float>> wf(4), out(4);
+    std::vector<std::vector<bf16_t>> w(4);
+    for (int j = 0; j < 4; j++) {
+        w[j] = bf16_matrix((size_t)std::max(rows[j], 1) * k, wf[j]);
+        out[j] = random(std::max(rows[j], 1), -1, 1);
+    }
+    double ss = 0;
+    for (int c = 0; c < k; c++) ss += (double)x[c] * x[c];
+    double inv = norm ? 1 / std::sqrt(ss / k + eps) : 1;
+    auto product = [&](int j, int r) {
+        double acc = 0;
+        for (int c = 0; c < k; c++) acc += (double)wf[j][(size_t)r * k + c] * x[c] * (norm ? scale[c] : 1.0f);
+        return acc * inv;
+    };
+    std::vector<std::vector<double>> want(4);
+    for (int j = 0; j < 4; j++) {
+        want[j].assign(out[j].begin(), out[j].end());
+        for (int r = 0; r < rows[j]; r++) {
+            if (glu && j == 0) { double g = product(0, r); want[0][r] = g * sigmoid(g) * product(1, r); }
+            else if (!glu) want[j][r] = (accumulate ? want[j][r] : 0) + product(j, r);
+        }
+    }
+    auto kernel = glu ? gemv_stream_glu : norm ? gemv_stream_norm : gemv_stream_plain;
+    launch(blocks, 1, 1, 256, [&] {
+        kernel(w[0].data(), out[0].data(), rows[0], w[1].data(), out[1].data(), rows[1], w[2].data(), out[2].data(), rows[2], w[3].data(), out[3].data(), rows[3], x.data(), scale.data(),
+               nullptr, k, accumulate, eps);
+    });
+    std::string name = std::string("gemv_stream_") + (glu ? "glu" : norm ? "norm" : "plain") + ", " + std::to_string(blocks) + " blocks" + (accumulate ? ", adding" : "");
+    for (int j = 0; j < (glu ? 1 : 4); j++)
+        if (rows[j] > 0) compare(name + ": matrix " + std::to_string(j) + " (" + std::to_string(rows[j]) + " rows)", out[j], want[j], 1e-5);
+}
+
+static void check_gemv_kernels() {
+    check_gemv(1, true, false, 2, false, {40, 24, 3, 5});
+    check_gemv(5, true, true, 8, false, {17, 9});
+    check_gemv(5, false, false, 1, true, {11});
+    check_gemv(1, false, false, 4, true, {30});
+    check_gemv_glu(1, 8, 21);
+    check_gemv_stream(true, false, false, {40, 24, 3, 5}, 2);
+    check_gemv_stream(false, false, true, {61}, 3);
+    check_gemv_stream(true, true, false, {37, 37}, 2);
+    check_gemv_glu(3, 2, 9);
+}

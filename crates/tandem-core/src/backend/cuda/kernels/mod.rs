@@ -1,0 +1,103 @@
+//! tandem's CUDA kernels: the sources (split by family, joined into one program for NVRTC) and
+//! each kernel's parameter list as Rust launches it (`Kernel`; see launch.rs). The parameter
+//! names in the comments are the kernels' own.
+
+use super::launch::{DevPtr, Kernel, Params};
+
+/// The kernel sources, in the order they are joined into one NVRTC program: each file may use
+/// what the files before it define. (tests/cuda_on_cpu.rs joins the same list.)
+pub const SOURCES: [(&str, &str); 7] = [
+    ("common.cuh", include_str!("common.cuh")),
+    ("norm.cu", include_str!("norm.cu")),
+    ("gemv.cu", include_str!("gemv.cu")),
+    ("gemm.cu", include_str!("gemm.cu")),
+    ("deltanet.cu", include_str!("deltanet.cu")),
+    ("attention.cu", include_str!("attention.cu")),
+    ("sample.cu", include_str!("sample.cu")),
+];
+
+/// The one source NVRTC compiles: `SOURCES`, joined.
+pub fn source() -> String {
+    SOURCES.iter().map(|(_, text)| *text).collect::<Vec<_>>().join("\n")
+}
+
+type F32 = DevPtr<f32>;
+type Bf16 = DevPtr<u16>;
+type U32 = DevPtr<u32>;
+
+/// gemv.cu gemv_t1_* / gemv_t8_*: up to four matrices `(w, out, rows)` of one input, then
+/// (x, x2, rms_inv, k, t, rows_per_block, accumulate, eps).
+pub type GemvParams = (Bf16, F32, i32, Bf16, F32, i32, Bf16, F32, i32, Bf16, F32, i32, F32, F32, F32, i32, i32, i32, i32, f32);
+/// gemv.cu gemv_stream_*: as `GemvParams` without t and rows_per_block.
+pub type GemvStreamParams = (Bf16, F32, i32, Bf16, F32, i32, Bf16, F32, i32, Bf16, F32, i32, F32, F32, F32, i32, i32, f32);
+/// deltanet.cu conv_silu_rows_*: (conv, qkv, taps, out, t, cd, kk, qk_channels, dk, q_scale).
+pub type ConvRowsParams = (F32, F32, F32, F32, i32, i32, i32, i32, i32, f32);
+/// deltanet.cu deltanet_step_*: (conv, state, qkv, z, b, a, taps, neg_a, dt_bias, norm_w, core,
+/// block_ss, done, t, hk, hv, dv, cd, kk, eps).
+pub type DeltaNetStepParams = (F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, U32, i32, i32, i32, i32, i32, i32, f32);
+/// deltanet.cu deltanet_chunk_state*: (state, mixed, gcum, U, W, P, core, t, hk, hv, dk, dv, cd).
+pub type ChunkStateParams = (F32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32, i32);
+/// attention.cu attention_mma_*: (q, k_bf16, v_bf16, gate, out, t, hq, hkv, pos).
+pub type AttentionMmaParams = (F32, Bf16, Bf16, F32, F32, i32, i32, i32, U32);
+
+macro_rules! kernels {
+    ($($(#[$doc:meta])* $konst:ident = $name:literal as $params:ty;)*) => {
+        $($(#[$doc])* pub const $konst: Kernel<$params> = Kernel::new($name);)*
+        /// Every kernel: its name and its parameter types as C++ spells them.
+        pub const ALL: &[(&str, &[&str])] = &[$(($name, <$params as Params>::C_TYPES)),*];
+    };
+}
+
+kernels! {
+    /// (table, ids, x, h): row `ids[i]` of the bf16 table into x's row i.
+    EMBED = "embed" as (Bf16, U32, F32, i32);
+    /// (x, scale, out, out_bf16, d, eps): one row per block; out_bf16 where not null, else out.
+    RMS_NORM = "rms_norm" as (F32, F32, F32, Bf16, i32, f32);
+    /// (x, inv, d, eps): 1 / rms of each row.
+    RMS_INV = "rms_inv" as (F32, F32, i32, f32);
+    /// (gate, up, out_bf16, n): silu(gate) * up into gate, or into out_bf16 where not null.
+    SWIGLU = "swiglu" as (F32, F32, Bf16, i32);
+    /// (gate, up, out, n), all bf16.
+    SWIGLU_BF16 = "swiglu_bf16" as (Bf16, Bf16, Bf16, i32);
+    /// (x, y, n): f32 rounded to bf16.
+    TO_BF16 = "to_bf16" as (F32, Bf16, i32);
+    GEMV_T1_PLAIN = "gemv_t1_plain" as GemvParams;
+    GEMV_T1_NORM = "gemv_t1_norm" as GemvParams;
+    GEMV_T1_GLU = "gemv_t1_glu" as GemvParams;
+    GEMV_T8_PLAIN = "gemv_t8_plain" as GemvParams;
+    GEMV_T8_NORM = "gemv_t8_norm" as GemvParams;
+    GEMV_T8_GLU = "gemv_t8_glu" as GemvParams;
+    GEMV_STREAM_PLAIN = "gemv_stream_plain" as GemvStreamParams;
+    GEMV_STREAM_NORM = "gemv_stream_norm" as GemvStreamParams;
+    GEMV_STREAM_GLU = "gemv_stream_glu" as GemvStreamParams;
+    /// (w, x, out, n, k, t, accumulate): the exact prefill GEMM, f32 sums.
+    GEMM_BF16_F32 = "gemm_bf16_f32" as (Bf16, F32, F32, i32, i32, i32, i32);
+    CONV_SILU_ROWS_4 = "conv_silu_rows_4" as ConvRowsParams;
+    CONV_SILU_ROWS_8 = "conv_silu_rows_8" as ConvRowsParams;
+    /// (conv, qkv, t, cd, kk): the conv window after a prefill.
+    CONV_STATE_TAIL = "conv_state_tail" as (F32, F32, i32, i32, i32);
+    DELTANET_STEP_32 = "deltanet_step_32" as DeltaNetStepParams;
+    DELTANET_STEP_64 = "deltanet_step_64" as DeltaNetStepParams;
+    DELTANET_STEP_128 = "deltanet_step_128" as DeltaNetStepParams;
+    /// (mixed, b, a, neg_a, dt_bias, gcum, U, W, P, t, hk, hv, dk, dv, cd).
+    DELTANET_CHUNK_PREP = "deltanet_chunk_prep" as (F32, F32, F32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32, i32);
+    DELTANET_CHUNK_STATE = "deltanet_chunk_state" as ChunkStateParams;
+    DELTANET_CHUNK_STATE_1 = "deltanet_chunk_state_1" as ChunkStateParams;
+    DELTANET_CHUNK_STATE_MMA_32 = "deltanet_chunk_state_mma_32" as ChunkStateParams;
+    DELTANET_CHUNK_STATE_MMA_64 = "deltanet_chunk_state_mma_64" as ChunkStateParams;
+    DELTANET_CHUNK_STATE_MMA_128 = "deltanet_chunk_state_mma_128" as ChunkStateParams;
+    /// (core, z, w, out_bf16, rows, dv, eps): in place, or into out_bf16 where not null.
+    GATED_RMS_NORM = "gated_rms_norm" as (F32, F32, F32, Bf16, i32, i32, f32);
+    /// (qg, q, gate, k, v, kc, vc, q_norm, k_norm, inv_freq, hq, hkv, d, half, pos, eps).
+    QK_NORM_ROPE = "qk_norm_rope" as (F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, U32, f32);
+    /// (q, kc, vc, gate, out, part, done, hq, hkv, d, chunk, splits, pos): decode rows.
+    ATTENTION = "attention" as (F32, F32, F32, F32, F32, F32, U32, i32, i32, i32, i32, i32, U32);
+    /// (q, kc, vc, gate, out, t, hq, hkv, d, pos): prefill rows, f32 tiles.
+    ATTENTION_TILED = "attention_tiled" as (F32, F32, F32, F32, F32, i32, i32, i32, i32, U32);
+    ATTENTION_MMA_32 = "attention_mma_32" as AttentionMmaParams;
+    ATTENTION_MMA_64 = "attention_mma_64" as AttentionMmaParams;
+    ATTENTION_MMA_128 = "attention_mma_128" as AttentionMmaParams;
+    ATTENTION_MMA_256 = "attention_mma_256" as AttentionMmaParams;
+    /// (logits, n, part_v, part_i, done, out): the greedy pick of each row.
+    ARGMAX_ROWS = "argmax_rows" as (F32, i32, F32, U32, U32, U32);
+}
