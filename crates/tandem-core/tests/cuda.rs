@@ -104,6 +104,44 @@ fn gpu_prefill_and_decode_match_the_cpu_engine() {
     }
 }
 
+/// The batched decode step (every sequence's mixer in one launch per layer, greedy picks on the
+/// GPU, logits left there until asked for) against each sequence decoded alone: sequences at
+/// different positions, 3 of them (the projections by the multi-row GEMV) and 11 (by the
+/// GEMM), six greedy steps; the same picks, logits within twice the verify tolerance.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn batched_decode_matches_each_sequence_alone() {
+    let gpu0 = gpu_for("the batched decode step");
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let tokens = prompt("p4");
+    let gpu = GpuQwen35::upload(gpu0, &m.net, Precision::Exact).unwrap();
+    for lengths in [vec![5usize, 130, 40], vec![1, 2, 7, 9, 33, 64, 65, 100, 200, 299, 300]] {
+        let prefill = |len: usize| {
+            let mut s = gpu.new_state().unwrap();
+            gpu.forward(&tokens[..len], &mut s, Logits::Last).unwrap();
+            s
+        };
+        let mut alone: Vec<_> = lengths.iter().map(|&l| prefill(l)).collect();
+        let mut batch: Vec<_> = lengths.iter().map(|&l| prefill(l)).collect();
+        for step in 0..6 {
+            let picks: Vec<u32> = alone.iter_mut().map(|s| argmax(s.last_logits().unwrap())).collect();
+            for (i, s) in alone.iter_mut().enumerate() {
+                gpu.apply(&[picks[i]], s).unwrap();
+            }
+            let mut refs: Vec<_> = batch.iter_mut().collect();
+            gpu.decode_batch(&picks, &mut refs).unwrap();
+            for (i, (b, a)) in batch.iter_mut().zip(alone.iter_mut()).enumerate() {
+                let want = a.last_logits().unwrap().to_vec();
+                assert_eq!(b.last_argmax(), Some(argmax(&want)), "{} sequences, step {step}: sequence {i} (prompt of {}) picks another token", lengths.len(), lengths[i]);
+                let got = b.last_logits().unwrap();
+                let err = max_abs_diff(got, &want);
+                assert!(err <= 2.0 * LOGIT_TOL, "{} sequences, step {step}: sequence {i}: logits differ from its solo run by {err:.2e}", lengths.len());
+                assert_eq!(b.position, a.position);
+            }
+        }
+    }
+}
+
 /// A decode step far into the context: the decode attention splits its 5,000 visible
 /// positions into chunks scored by separate blocks and merged by the last one (a prompt of
 /// pseudo-random ids; the CPU engine is the reference).

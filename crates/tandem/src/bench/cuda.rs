@@ -204,7 +204,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
         // Several sequences per step: every weight read once for all of them.
         progress(&format!("{spec}: batched decode"));
         let mut one = 0.0;
-        for n in [1usize, 2, 4, 8] {
+        for n in [1usize, 2, 4, 8, 16, 32, 64] {
             let mut states = (0..n)
                 .map(|i| {
                     let mut st = g.new_state()?;

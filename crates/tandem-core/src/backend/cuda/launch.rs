@@ -78,6 +78,14 @@ impl Param for DevPtr<u32> {
     }
 }
 
+/// A table of device addresses (one per sequence of a batched step): a `float* const*`.
+impl Param for DevPtr<DevPtr<f32>> {
+    const C_TYPE: &'static str = "float**";
+    fn slot(self) -> u64 {
+        self.addr
+    }
+}
+
 impl Param for i32 {
     const C_TYPE: &'static str = "int";
     fn slot(self) -> u64 {

@@ -5,12 +5,11 @@
 // zero-centred weights, rotate the first 2 * half channels (NeoX pairs c, c + half) at
 // position pos[0] + token; keys and values go straight into the caches kc, vc at that row.
 // Grid: (tokens, hq + hkv); block: a warp multiple >= d.
-extern "C" __global__ void qk_norm_rope(const float* qg, float* q, float* gate, const float* k, const float* v, float* kc, float* vc, const float* q_norm,
-                                        const float* k_norm, const float* inv_freq, int hq, int hkv, int d, int half, const u32* pos, float eps) {
-    pdl_enter();
-    int pos0 = (int)pos[0];
+// Row `tok` of the call's rows, at position pos0 + tok of caches kc, vc.
+__device__ void qk_norm_rope_body(const float* qg, float* q, float* gate, const float* k, const float* v, float* kc, float* vc, const float* q_norm,
+                                  const float* k_norm, const float* inv_freq, int hq, int hkv, int d, int half, int pos0, int tok, float eps) {
     __shared__ float sv[1024];
-    int tok = blockIdx.x, head = blockIdx.y, c = threadIdx.x;
+    int head = blockIdx.y, c = threadIdx.x;
     bool is_q = head < hq;
     int kh = head - hq;
     size_t kv_at = (size_t)tok * hkv + kh, cache_at = (size_t)(pos0 + tok) * hkv + kh;
@@ -35,6 +34,24 @@ extern "C" __global__ void qk_norm_rope(const float* qg, float* q, float* gate, 
     }
 }
 
+extern "C" __global__ void qk_norm_rope(const float* qg, float* q, float* gate, const float* k, const float* v, float* kc, float* vc, const float* q_norm,
+                                        const float* k_norm, const float* inv_freq, int hq, int hkv, int d, int half, const u32* pos, float eps) {
+    pdl_enter();
+    qk_norm_rope_body(qg, q, gate, k, v, kc, vc, q_norm, k_norm, inv_freq, hq, hkv, d, half, (int)pos[0], blockIdx.x, eps);
+}
+
+// The batched decode step's: row b is sequence b's one token, its caches kcs[b], vcs[b], its
+// position pos[b]. The same arithmetic as qk_norm_rope on that sequence alone.
+// Grid: (sequences, hq + hkv); block as qk_norm_rope.
+extern "C" __global__ void qk_norm_rope_batch(const float* qg, float* q, float* gate, const float* k, const float* v, float* const* kcs, float* const* vcs,
+                                              const float* q_norm, const float* k_norm, const float* inv_freq, int hq, int hkv, int d, int half, const u32* pos,
+                                              float eps) {
+    pdl_enter();
+    size_t b = blockIdx.x;
+    qk_norm_rope_body(qg + b * hq * 2 * d, q + b * hq * d, gate + b * hq * d, k + b * hkv * d, v + b * hkv * d, kcs[b], vcs[b], q_norm, k_norm, inv_freq, hq, hkv, d,
+                      half, (int)pos[b], 0, eps);
+}
+
 // Causal GQA attention of a few tokens (decode), split over the positions (flash decoding):
 // block (token, query head, s) takes positions s * chunk .. of the visible ones: scores in shared
 // memory, their max and exp-sum, the exp-weighted sum of the value rows. One block per head
@@ -46,12 +63,12 @@ extern "C" __global__ void qk_norm_rope(const float* qg, float* q, float* gate, 
 // Grid: (tokens, hq, splits); block 128; chunk <= ATTN_CHUNK; part: tokens * hq * splits *
 // (d + 2) floats; done: tokens * hq zeroed counters.
 #define ATTN_CHUNK 1024
-extern "C" __global__ void __launch_bounds__(128) attention(const float* q, const float* kc, const float* vc, const float* gate, float* out, float* part, unsigned* done,
-                                                            int hq, int hkv, int d, int chunk, int splits, const u32* pos) {
-    pdl_enter();
+// Row `tok` of the call's rows, at position pos0 + tok.
+__device__ void attention_body(const float* q, const float* kc, const float* vc, const float* gate, float* out, float* part, unsigned* done, int hq, int hkv,
+                               int d, int chunk, int splits, int pos0, int tok) {
     __shared__ float scores[ATTN_CHUNK];
-    int tok = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
-    int visible = (int)pos[0] + tok + 1, active = (visible + chunk - 1) / chunk;
+    int h = blockIdx.y, s = blockIdx.z;
+    int visible = pos0 + tok + 1, active = (visible + chunk - 1) / chunk;
     if (s >= active) return;
     int p0 = s * chunk, n = min(visible - p0, chunk);
     int kvh = h / (hq / hkv);
@@ -107,6 +124,23 @@ extern "C" __global__ void __launch_bounds__(128) attention(const float* q, cons
         out[head * d + c] = o / l * sigmoidf_(gate[head * d + c]);
     }
     if (threadIdx.x == 0) done[head] = 0;
+}
+extern "C" __global__ void __launch_bounds__(128) attention(const float* q, const float* kc, const float* vc, const float* gate, float* out, float* part, unsigned* done,
+                                                            int hq, int hkv, int d, int chunk, int splits, const u32* pos) {
+    pdl_enter();
+    attention_body(q, kc, vc, gate, out, part, done, hq, hkv, d, chunk, splits, (int)pos[0], blockIdx.x);
+}
+
+// The batched decode step's: row b is sequence b's one token over its caches kcs[b], vcs[b]
+// at position pos[b]; the same arithmetic as attention on that sequence alone. Grid:
+// (sequences, hq, splits), splits sized for the sequence that sees the most positions; part
+// and done as for that many rows.
+extern "C" __global__ void __launch_bounds__(128) attention_batch(const float* q, float* const* kcs, float* const* vcs, const float* gate, float* out, float* part,
+                                                                  unsigned* done, int hq, int hkv, int d, int chunk, int splits, const u32* pos) {
+    pdl_enter();
+    size_t b = blockIdx.x;
+    attention_body(q + b * hq * d, kcs[b], vcs[b], gate + b * hq * d, out + b * hq * d, part + b * hq * splits * (d + 2), done + b * hq, hq, hkv, d, chunk, splits,
+                   (int)pos[b], 0);
 }
 
 // Causal GQA attention of a tensor-core prefill (flash attention 2 on bf16 mma, f32 sums; the

@@ -64,6 +64,46 @@ static void check_attention_mma(int t, int pos0, int hq, int hkv, void (*kernel)
     compare("attention_mma_" + std::to_string(D) + " against attention_tiled, " + std::to_string(t) + " rows after " + std::to_string(pos0), got, std::vector<double>(f32.begin(), f32.end()), 1e-2);
 }
 
+// The batched decode step's kernels against the one-sequence ones, sequence by sequence: three
+// sequences at different positions, each with its own caches; qk_norm_rope_batch writes what
+// qk_norm_rope writes for each alone, and attention_batch (split as the longest needs) what
+// attention computes for each alone with the same split: bit for bit.
+static void check_attention_batch() {
+    const int n = 3, hq = 4, hkv = 2, d = 64, half = 16, capacity = 512;
+    const float eps = 1e-6f;
+    const int pos[n] = {12, 300, 70};
+    int most = 301, chunk = std::max(64, (most + 63) / 64), splits = (most + chunk - 1) / chunk;
+    auto qg = random((size_t)n * hq * 2 * d, -2, 2), k = random((size_t)n * hkv * d, -2, 2), v = random((size_t)n * hkv * d, -2, 2);
+    auto q_norm = random(d, 0.5, 1.5), k_norm = random(d, 0.5, 1.5), inv_freq = random(half, 0.001, 1);
+    std::vector<std::vector<float>> kc(n), vc(n), kc1(n), vc1(n);
+    for (int b = 0; b < n; b++) {
+        kc[b] = random((size_t)capacity * hkv * d, -1, 1);
+        vc[b] = random((size_t)capacity * hkv * d, -1, 1);
+        kc1[b] = kc[b];
+        vc1[b] = vc[b];
+    }
+    std::vector<u32> posv(pos, pos + n);
+    std::vector<float*> kcs(n), vcs(n);
+    for (int b = 0; b < n; b++) kcs[b] = kc[b].data(), vcs[b] = vc[b].data();
+    std::vector<float> q((size_t)n * hq * d), gate(q.size()), out(q.size()), part((size_t)n * hq * splits * (d + 2));
+    std::vector<unsigned> done(n * hq, 0);
+    launch(n, hq + hkv, 1, d, [&] { qk_norm_rope_batch(qg.data(), q.data(), gate.data(), k.data(), v.data(), kcs.data(), vcs.data(), q_norm.data(), k_norm.data(), inv_freq.data(), hq, hkv, d, half, posv.data(), eps); });
+    launch(n, hq, splits, 128, [&] { attention_batch(q.data(), kcs.data(), vcs.data(), gate.data(), out.data(), part.data(), done.data(), hq, hkv, d, chunk, splits, posv.data()); });
+    bool same = all_zero(done);
+    for (int b = 0; b < n; b++) {
+        size_t at = (size_t)b * hq * d;
+        std::vector<float> q1(hq * d), g1(hq * d), o1(hq * d), p1((size_t)hq * splits * (d + 2));
+        std::vector<unsigned> d1(hq, 0);
+        u32 p = pos[b];
+        launch(1, hq + hkv, 1, d, [&] { qk_norm_rope(qg.data() + (size_t)b * hq * 2 * d, q1.data(), g1.data(), k.data() + (size_t)b * hkv * d, v.data() + (size_t)b * hkv * d, kc1[b].data(), vc1[b].data(), q_norm.data(), k_norm.data(), inv_freq.data(), hq, hkv, d, half, &p, eps); });
+        launch(1, hq, splits, 128, [&] { attention(q1.data(), kc1[b].data(), vc1[b].data(), g1.data(), o1.data(), p1.data(), d1.data(), hq, hkv, d, chunk, splits, &p); });
+        same &= std::equal(q1.begin(), q1.end(), q.begin() + at) && std::equal(g1.begin(), g1.end(), gate.begin() + at) && std::equal(o1.begin(), o1.end(), out.begin() + at);
+        same &= kc1[b] == kc[b] && vc1[b] == vc[b];
+    }
+    failures += !same;
+    printf("%s qk_norm_rope_batch + attention_batch, 3 sequences at 12, 300, 70: each sequence's bits as alone\n", same ? "ok  " : "FAIL");
+}
+
 static void check_attention_kernels() {
     check_attention(1, 12, 32, 4, 2, 16);
     check_attention(3, 300, 256, 8, 2, 512);
@@ -73,4 +113,5 @@ static void check_attention_kernels() {
     check_attention_mma<32>(150, 100, 4, 2, attention_mma_32);
     check_attention_mma<256>(70, 0, 8, 2, attention_mma_256);
     check_attention_mma<128>(100, 40, 4, 1, attention_mma_128);
+    check_attention_batch();
 }

@@ -201,6 +201,23 @@ DELTANET_STEP(deltanet_step_32, 32)
 DELTANET_STEP(deltanet_step_64, 64)
 DELTANET_STEP(deltanet_step_128, 128)
 
+// The batched decode step's: one token of each sequence, block (x, b) doing for sequence b what
+// block x of deltanet_step does for it alone (the same arithmetic), on its conv window
+// convs[b] and state states[b]; each sequence has its own hand-over buffers. Grid:
+// (hv * dv / 32, sequences); pss: sequences * hv * (dv / 32) * 8 floats; done: sequences * hk.
+#define DELTANET_STEP_BATCH(NAME, DK)                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(512) NAME(float* const* convs, float* const* states, const float* qkv, const float* z, const float* b,    \
+                                    const float* a, const float* taps, const float* na, const float* dt, const float* nw, float* core, float* pss,          \
+                                    unsigned* done, int hk, int hv, int dv, int cd, int kk, float eps) {                                                   \
+        size_t s = blockIdx.y, vd = (size_t)hv * dv;                                                                                                      \
+        deltanet_step_body<DK>(convs[s], states[s], qkv + s * cd, z + s * vd, b + s * hv, a + s * hv, taps, na, dt, nw, core + s * vd,                    \
+                               pss + s * (vd / 32) * 8, done + s * hk, 1, hk, hv, dv, cd, kk, eps);                                                        \
+    }
+DELTANET_STEP_BATCH(deltanet_step_batch_32, 32)
+DELTANET_STEP_BATCH(deltanet_step_batch_64, 64)
+DELTANET_STEP_BATCH(deltanet_step_batch_128, 128)
+
+
 // The chunked gated delta rule of a prefill (deltanet.rs chunked_body), in two kernels.
 // Part 1, every (chunk of 64 tokens, value head) at once, as it needs no state: the cumulative
 // log-decay G, the matrices A = (beta k . k^T) * decay (strictly lower) and P = (q . k^T) * decay

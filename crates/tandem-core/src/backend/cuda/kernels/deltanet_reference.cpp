@@ -168,9 +168,43 @@ static void check_conv_and_gated_norm() {
     }
 }
 
+// deltanet_step_batch against deltanet_step on each sequence alone (one token each, every
+// sequence its own conv window and state): outputs, windows and states bit for bit.
+template <int DK>
+static void check_deltanet_step_batch(int hk, int hv, int dv,
+                                      void (*batch)(float* const*, float* const*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, float*, float*, unsigned*, int, int, int, int, int, float),
+                                      void (*alone)(float*, float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, float*, float*, unsigned*, int, int, int, int, int, int, float)) {
+    const int n = 3, kk = 4, cd = 2 * hk * DK + hv * dv, vd = hv * dv, blocks = hv * dv / 32;
+    const float eps = 1e-6f;
+    auto taps = random((size_t)kk * cd, -0.7, 0.7), neg_a = random(hv, -2, -0.2), dt = random(hv, -1, 1), norm_w = random(dv, 0.5, 1.5);
+    auto qkv = random((size_t)n * cd, -2, 2), z = random((size_t)n * vd, -2, 2), b = random((size_t)n * hv, -2, 2), a = random((size_t)n * hv, -2, 2);
+    std::vector<std::vector<float>> conv(n), state(n), conv1(n), state1(n);
+    std::vector<float*> convs(n), states(n);
+    for (int s = 0; s < n; s++) {
+        conv[s] = conv1[s] = random((size_t)kk * cd, -1, 1);
+        state[s] = state1[s] = random((size_t)hv * DK * dv, -0.5, 0.5);
+        convs[s] = conv[s].data();
+        states[s] = state[s].data();
+    }
+    std::vector<float> core((size_t)n * vd), pss((size_t)n * blocks * 8);
+    std::vector<unsigned> done(n * hk, 0);
+    launch(blocks, n, 1, 512, [&] { batch(convs.data(), states.data(), qkv.data(), z.data(), b.data(), a.data(), taps.data(), neg_a.data(), dt.data(), norm_w.data(), core.data(), pss.data(), done.data(), hk, hv, dv, cd, kk, eps); });
+    bool same = all_zero(done);
+    for (int s = 0; s < n; s++) {
+        std::vector<float> core1(vd), pss1((size_t)blocks * 8);
+        std::vector<unsigned> done1(hk, 0);
+        launch(blocks, 1, 1, 512, [&] { alone(conv1[s].data(), state1[s].data(), qkv.data() + (size_t)s * cd, z.data() + (size_t)s * vd, b.data() + s * hv, a.data() + s * hv, taps.data(), neg_a.data(), dt.data(), norm_w.data(), core1.data(), pss1.data(), done1.data(), 1, hk, hv, dv, cd, kk, eps); });
+        same &= std::equal(core1.begin(), core1.end(), core.begin() + (size_t)s * vd) && conv1[s] == conv[s] && state1[s] == state[s];
+    }
+    failures += !same;
+    printf("%s deltanet_step_batch_%d, 3 sequences: each sequence's bits as alone, counters at zero\n", same ? "ok  " : "FAIL", DK);
+}
+
 static void check_deltanet_kernels() {
     check_deltanet_step<32>(2, 4, 32, deltanet_step_32);
     check_deltanet_step<128>(2, 4, 128, deltanet_step_128);
+    check_deltanet_step_batch<32>(2, 4, 32, deltanet_step_batch_32, deltanet_step_32);
+    check_deltanet_step_batch<128>(2, 4, 128, deltanet_step_batch_128, deltanet_step_128);
     check_chunked(150, 2, 4, 32, 32);
     check_chunked(70, 1, 2, 128, 128);
     check_conv_and_gated_norm();

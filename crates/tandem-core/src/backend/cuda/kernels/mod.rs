@@ -24,6 +24,8 @@ pub fn source() -> String {
 type F32 = DevPtr<f32>;
 type Bf16 = DevPtr<u16>;
 type U32 = DevPtr<u32>;
+/// A table of per-sequence f32 arrays (a batched step's states or caches).
+type Table = DevPtr<DevPtr<f32>>;
 
 /// gemv.cu gemv_t1_* / gemv_t8_*: up to four matrices `(w, out, rows)` of one input, then
 /// (x, x2, rms_inv, k, t, rows_per_block, accumulate, eps).
@@ -35,6 +37,9 @@ pub type ConvRowsParams = (F32, F32, F32, F32, i32, i32, i32, i32, i32, f32);
 /// deltanet.cu deltanet_step_*: (conv, state, qkv, z, b, a, taps, neg_a, dt_bias, norm_w, core,
 /// block_ss, done, t, hk, hv, dv, cd, kk, eps).
 pub type DeltaNetStepParams = (F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, U32, i32, i32, i32, i32, i32, i32, f32);
+/// deltanet.cu deltanet_step_batch_*: (convs, states, qkv, z, b, a, taps, neg_a, dt_bias,
+/// norm_w, core, block_ss, done, hk, hv, dv, cd, kk, eps).
+pub type DeltaNetStepBatchParams = (Table, Table, F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, U32, i32, i32, i32, i32, i32, f32);
 /// deltanet.cu deltanet_chunk_state*: (state, mixed, gcum, U, W, P, core, t, hk, hv, dk, dv, cd).
 pub type ChunkStateParams = (F32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32, i32);
 /// attention.cu attention_mma_*: (q, k_bf16, v_bf16, gate, out, t, hq, hkv, pos).
@@ -79,6 +84,9 @@ kernels! {
     DELTANET_STEP_32 = "deltanet_step_32" as DeltaNetStepParams;
     DELTANET_STEP_64 = "deltanet_step_64" as DeltaNetStepParams;
     DELTANET_STEP_128 = "deltanet_step_128" as DeltaNetStepParams;
+    DELTANET_STEP_BATCH_32 = "deltanet_step_batch_32" as DeltaNetStepBatchParams;
+    DELTANET_STEP_BATCH_64 = "deltanet_step_batch_64" as DeltaNetStepBatchParams;
+    DELTANET_STEP_BATCH_128 = "deltanet_step_batch_128" as DeltaNetStepBatchParams;
     /// (mixed, b, a, neg_a, dt_bias, gcum, U, W, P, t, hk, hv, dk, dv, cd).
     DELTANET_CHUNK_PREP = "deltanet_chunk_prep" as (F32, F32, F32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32, i32);
     DELTANET_CHUNK_STATE = "deltanet_chunk_state" as ChunkStateParams;
@@ -90,8 +98,14 @@ kernels! {
     GATED_RMS_NORM = "gated_rms_norm" as (F32, F32, F32, Bf16, i32, i32, f32);
     /// (qg, q, gate, k, v, kc, vc, q_norm, k_norm, inv_freq, hq, hkv, d, half, pos, eps).
     QK_NORM_ROPE = "qk_norm_rope" as (F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, U32, f32);
+    /// (qg, q, gate, k, v, kcs, vcs, q_norm, k_norm, inv_freq, hq, hkv, d, half, pos, eps): one
+    /// row per sequence of a batched step.
+    QK_NORM_ROPE_BATCH = "qk_norm_rope_batch" as (F32, F32, F32, F32, F32, Table, Table, F32, F32, F32, i32, i32, i32, i32, U32, f32);
     /// (q, kc, vc, gate, out, part, done, hq, hkv, d, chunk, splits, pos): decode rows.
     ATTENTION = "attention" as (F32, F32, F32, F32, F32, F32, U32, i32, i32, i32, i32, i32, U32);
+    /// (q, kcs, vcs, gate, out, part, done, hq, hkv, d, chunk, splits, pos): one row per
+    /// sequence of a batched step.
+    ATTENTION_BATCH = "attention_batch" as (F32, Table, Table, F32, F32, F32, U32, i32, i32, i32, i32, i32, U32);
     /// (q, kc, vc, gate, out, t, hq, hkv, d, pos): prefill rows, f32 tiles.
     ATTENTION_TILED = "attention_tiled" as (F32, F32, F32, F32, F32, i32, i32, i32, i32, U32);
     ATTENTION_MMA_32 = "attention_mma_32" as AttentionMmaParams;

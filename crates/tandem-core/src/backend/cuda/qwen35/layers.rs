@@ -120,6 +120,10 @@ impl GpuQwen35 {
         // Where every sequence takes the prefill path and the out projection is a tensor-core
         // GEMM, the gated norm writes that GEMM's bf16 operand itself.
         let norm_to_bf16 = t > GEMV_MAX_T && self.precision == Precision::TensorCores && rows.iter().all(|r| r.count > GEMV_MAX_T);
+        if ws.batched {
+            self.deltanet_step_batch(m, ws, li, states.len())?;
+            return self.project_residual(ws, Input::F32(g.ptr(&ws.core)), t, &m.out_proj);
+        }
         for (s, &r) in states.iter_mut().zip(rows) {
             let GpuLayerState::Linear { conv, recurrent } = &s.layers[li] else { bail!("layer {li}: state kind differs from the model's") };
             let (conv, recurrent) = (g.ptr(conv), g.ptr(recurrent));
@@ -169,6 +173,43 @@ impl GpuQwen35 {
             c.rms_norm_eps,
         );
         g.launch(kernel, Grid::x(hv * dv / 32, 512), args)
+    }
+
+    /// One token of each of `n` sequences through the mixer in one launch (kernels/deltanet.cu
+    /// deltanet_step_batch_*: what `deltanet_step` does for each alone), their conv windows and
+    /// states from the workspace's tables.
+    fn deltanet_step_batch(&self, m: &DeltaNet, ws: &Workspace, li: usize, n: usize) -> Result<()> {
+        let c = &self.config;
+        let g = &self.gpu;
+        let (hk, hv, dk, dv) = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
+        let kernel = match dk {
+            32 => k::DELTANET_STEP_BATCH_32,
+            64 => k::DELTANET_STEP_BATCH_64,
+            _ => k::DELTANET_STEP_BATCH_128,
+        };
+        let (convs, recurrents) = ws.layer_tables(g, li, n);
+        let args = (
+            convs,
+            recurrents,
+            g.ptr(&ws.qkv),
+            g.ptr(&ws.z),
+            g.ptr(&ws.beta),
+            g.ptr(&ws.alpha),
+            g.ptr(&m.conv_taps),
+            g.ptr(&m.neg_a),
+            g.ptr(&m.dt_bias),
+            g.ptr(&m.norm),
+            g.ptr(&ws.core),
+            g.ptr(&ws.step_ss),
+            g.ptr(&ws.step_done),
+            hk as i32,
+            hv as i32,
+            dv as i32,
+            c.linear_conv_dim() as i32,
+            c.linear_conv_kernel_dim as i32,
+            c.rms_norm_eps,
+        );
+        g.launch(kernel, Grid::new((hv * dv / 32, n, 1), 512), args)
     }
 
     /// One sequence's prefill rows through the mixer: the conv over all rows at once (which also
@@ -225,6 +266,10 @@ impl GpuQwen35 {
         let (qg, kp, vp, q, gate, attn) = (g.ptr(&ws.qg), g.ptr(&ws.k), g.ptr(&ws.v), g.ptr(&ws.q), g.ptr(&ws.gate), g.ptr(&ws.attn));
         self.project(ws, x, norm, t, &[(&m.q_proj, qg), (&m.k_proj, kp), (&m.v_proj, vp)])?;
         let row = hkv * d;
+        if ws.batched {
+            self.attention_batch(m, ws, states, li, visible)?;
+            return self.project_residual(ws, Input::F32(attn), t, &m.o_proj);
+        }
         for (i, (s, &r)) in states.iter_mut().zip(rows).enumerate() {
             let pos = ws.position_of(g, i);
             let GpuLayerState::Full { k: kc, v: vc } = &s.layers[li] else { bail!("layer {li}: state kind differs from the model's") };
@@ -273,6 +318,29 @@ impl GpuQwen35 {
         // (The hand-over buffers serve one sequence at a time: the launches run in order.)
         let args = (s.q, s.kc, s.vc, s.gate, s.out, g.ptr(&ws.attn_part), g.ptr(&ws.attn_done), hq as i32, hkv as i32, d as i32, chunk as i32, splits as i32, s.pos);
         g.launch(k::ATTENTION, Grid::new((s.count, hq, splits), 128), args)
+    }
+
+    /// One token of each sequence of a batched step: its q/k norms and RoPE into its caches,
+    /// then attention over them, each a launch for all sequences (the same arithmetic as
+    /// `attention_decode` for each alone), the positions split as the sequence that sees the
+    /// most needs.
+    fn attention_batch(&self, m: &Attention, ws: &Workspace, states: &[&mut GpuState], li: usize, visible: Option<usize>) -> Result<()> {
+        let c = &self.config;
+        let g = &self.gpu;
+        let n = states.len();
+        let (hq, hkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let (kcs, vcs) = ws.layer_tables(g, li, n);
+        let pos = ws.position_of(g, 0);
+        let (q, gate, attn) = (g.ptr(&ws.q), g.ptr(&ws.gate), g.ptr(&ws.attn));
+        let (hq_, hkv_, d_) = (hq as i32, hkv as i32, d as i32);
+        let args = (g.ptr(&ws.qg), q, gate, g.ptr(&ws.k), g.ptr(&ws.v), kcs, vcs, g.ptr(&m.q_norm), g.ptr(&m.k_norm), g.ptr(&self.inv_freq), hq_, hkv_, d_, (c.rotary_dim() / 2) as i32, pos, c.rms_norm_eps);
+        g.launch(k::QK_NORM_ROPE_BATCH, Grid::new((n, hq + hkv, 1), d.next_multiple_of(32)), args)?;
+        let most = visible.unwrap_or_else(|| states.iter().map(|s| s.position + 1).max().unwrap_or(1));
+        let chunk = most.div_ceil(ATTN_SPLITS).max(64);
+        let splits = most.div_ceil(chunk);
+        debug_assert!(chunk <= ATTN_CHUNK && splits <= ATTN_SPLITS);
+        let args = (q, kcs, vcs, gate, attn, g.ptr(&ws.attn_part), g.ptr(&ws.attn_done), hq_, hkv_, d_, chunk as i32, splits as i32, pos);
+        g.launch(k::ATTENTION_BATCH, Grid::new((n, hq, splits), 128), args)
     }
 
     /// Prefill rows, causal, over the caches: on tensor cores where the precision allows bf16

@@ -174,12 +174,14 @@ pub struct GpuState {
     staging: Arc<Mutex<Staging>>,
 }
 
-/// Where a state's last logits are: on the host, or, after a decode step replayed from its graph,
-/// still on the GPU in the step's buffer, with their argmax: greedy sampling needs no more, so
-/// the row is copied to the host only when asked for.
+/// Where a state's last logits are: on the host, or, after a decode step replayed from its graph
+/// or a batched step, still on the GPU in the step's buffer, with their argmax: greedy sampling
+/// needs no more, so the row is copied to the host only when asked for.
 enum LastLogits {
     Host(Vec<f32>),
     InStep { argmax: u32 },
+    /// Row `row` of a batched step's logits (on the stream that wrote them).
+    InBatch { argmax: u32, logits: Arc<CudaSlice<f32>>, row: usize, vocab: usize, stream: Arc<cudarc::driver::CudaStream> },
 }
 
 enum GpuLayerState {
@@ -382,13 +384,18 @@ impl GpuQwen35 {
         let mut ws = Workspace::new(self, n, n, n)?;
         let positions: Vec<usize> = states.iter().map(|s| s.position).collect();
         ws.write_io(&self.gpu, &positions, tokens)?;
+        if n > 1 {
+            ws.write_tables(&self.gpu, states)?;
+        }
         let rows: Vec<Rows> = (0..n).map(|i| Rows { first: i, count: 1 }).collect();
         self.enqueue(&ws, states, &rows, 0, None)?;
-        let v = self.config.vocab_size;
-        let out = self.gpu.download(&ws.logits, n * v)?;
+        // The greedy picks are found on the GPU and only they come back; each state's logits
+        // row stays in the step's buffer until somebody asks for it.
+        self.enqueue_argmax(&ws, n)?;
+        let picks = self.gpu.download(&ws.pick, n)?;
         for (i, s) in states.iter_mut().enumerate() {
             s.position += 1;
-            s.last = LastLogits::Host(out[i * v..(i + 1) * v].to_vec());
+            s.last = LastLogits::InBatch { argmax: picks[i], logits: ws.logits.clone(), row: i, vocab: self.config.vocab_size, stream: self.gpu.stream.clone() };
         }
         Ok(())
     }

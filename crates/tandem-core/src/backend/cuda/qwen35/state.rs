@@ -174,17 +174,18 @@ impl GpuState {
             + 4 * match &self.last {
                 LastLogits::Host(l) => l.len(),
                 LastLogits::InStep { .. } => self.step.as_ref().map_or(0, |s| s.ws.logits.len()),
+                LastLogits::InBatch { vocab, .. } => *vocab,
             }
     }
 
     /// The last token's logits, copied to the host first if a decode step left them on the GPU.
     pub fn last_logits(&mut self) -> Result<&[f32]> {
-        if let LastLogits::InStep { .. } = self.last {
+        if !matches!(self.last, LastLogits::Host(_)) {
             self.last = LastLogits::Host(self.host_logits()?);
         }
         match &self.last {
             LastLogits::Host(l) => Ok(l),
-            LastLogits::InStep { .. } => unreachable!("brought to the host above"),
+            _ => unreachable!("brought to the host above"),
         }
     }
 
@@ -192,7 +193,7 @@ impl GpuState {
     /// decode step replayed from its graph.
     pub fn last_argmax(&self) -> Option<u32> {
         match self.last {
-            LastLogits::InStep { argmax } => Some(argmax),
+            LastLogits::InStep { argmax } | LastLogits::InBatch { argmax, .. } => Some(argmax),
             LastLogits::Host(_) => None,
         }
     }
@@ -208,8 +209,13 @@ impl GpuState {
             LastLogits::Host(l) => Ok(l.clone()),
             LastLogits::InStep { .. } => {
                 let step = self.step.as_ref().context("the decode step whose buffer holds the logits is gone")?;
-                let (src, _sync) = cudarc::driver::DevicePtr::device_ptr(&step.ws.logits, &step.stream);
+                let (src, _sync) = cudarc::driver::DevicePtr::device_ptr(&*step.ws.logits, &step.stream);
                 self.staging.lock().unwrap_or_else(|e| e.into_inner()).download(&step.stream, src, step.ws.logits.len())
+            }
+            LastLogits::InBatch { logits, row, vocab, stream, .. } => {
+                let v = *vocab;
+                let (src, _sync) = cudarc::driver::DevicePtr::device_ptr(&**logits, stream);
+                self.staging.lock().unwrap_or_else(|e| e.into_inner()).download(stream, src + (row * v * 4) as u64, v)
             }
         }
     }

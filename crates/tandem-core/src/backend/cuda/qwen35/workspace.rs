@@ -46,9 +46,16 @@ pub(super) struct Workspace {
     /// (max, exp-sum, weighted values), and a count of finished chunks (reset by the last).
     pub(super) attn_part: CudaSlice<f32>,
     pub(super) attn_done: CudaSlice<u32>,
-    /// The final-normed rows that get logits, and their logits.
+    /// The final-normed rows that get logits, and their logits (shared with the states of a
+    /// batched step, which read their rows from it only if asked: `LastLogits::InBatch`).
     pub(super) normed: CudaSlice<f32>,
-    pub(super) logits: CudaSlice<f32>,
+    pub(super) logits: Arc<CudaSlice<f32>>,
+    /// A batched decode step's tables of per-sequence state addresses, two per layer (conv
+    /// window and recurrent state, or K and V cache), `sequences` each (`write_tables`).
+    pub(super) tables: CudaSlice<u64>,
+    /// Whether `tables` are written: every sequence brings one row and the mixers run once
+    /// for all of them.
+    pub(super) batched: bool,
     /// The greedy pick of each logits row (argmax_rows): each span's best value and index, a
     /// count of finished spans per row (reset by the last), and the picks.
     pub(super) pick_v: CudaSlice<f32>,
@@ -68,6 +75,8 @@ impl Workspace {
         let xn = if rows > GEMV_MAX_T && net.precision == Precision::Exact { rows * h } else { 1 };
         let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
         let chunked = if rows > GEMV_MAX_T { rows } else { 0 };
+        // Rows of the decode attention: a few of one sequence, or one of each of a batch.
+        let decode_rows = rows.min(GEMV_MAX_T).max(sequences);
         Ok(Workspace {
             io: g.scratch(sequences + rows)?,
             sequences,
@@ -93,12 +102,14 @@ impl Workspace {
             ffn_gate: g.scratch(rows * f)?,
             ffn_up: g.scratch(rows * f)?,
             xb: g.scratch(xb)?,
-            step_ss: g.scratch(hv * c.linear_value_head_dim / 32 * GEMV_MAX_T)?,
-            step_done: g.zeros(c.linear_num_key_heads)?,
-            attn_part: g.scratch(rows.min(GEMV_MAX_T) * c.num_attention_heads * ATTN_SPLITS * (c.head_dim + 2))?,
-            attn_done: g.zeros(rows.min(GEMV_MAX_T) * c.num_attention_heads)?,
+            step_ss: g.scratch(hv * c.linear_value_head_dim / 32 * GEMV_MAX_T * sequences)?,
+            step_done: g.zeros(c.linear_num_key_heads * sequences)?,
+            attn_part: g.scratch(decode_rows * c.num_attention_heads * ATTN_SPLITS * (c.head_dim + 2))?,
+            attn_done: g.zeros(decode_rows * c.num_attention_heads)?,
             normed: g.scratch(logit_rows * h)?,
-            logits: g.scratch(logit_rows * c.vocab_size)?,
+            logits: Arc::new(g.scratch(logit_rows * c.vocab_size)?),
+            tables: g.scratch(if sequences > 1 { 2 * c.layer_types.len() * sequences } else { 1 })?,
+            batched: false,
             pick_v: g.scratch(logit_rows * ARGMAX_SPANS)?,
             pick_i: g.scratch(logit_rows * ARGMAX_SPANS)?,
             pick_done: g.zeros(logit_rows)?,
@@ -115,5 +126,33 @@ impl Workspace {
     pub(super) fn write_io(&mut self, g: &Gpu, positions: &[usize], tokens: &[u32]) -> Result<()> {
         let io: Vec<u32> = positions.iter().map(|&p| p as u32).chain(tokens.iter().copied()).collect();
         g.stream.memcpy_htod(&io[..], &mut self.io.slice_mut(..io.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying token ids: {e:?}", g.ordinal))
+    }
+
+    /// Write the tables of a batched decode step (one row of each of `states`): layer l's
+    /// conv windows (or K caches) at `2 l · n`, its recurrent states (or V caches) at
+    /// `(2 l + 1) · n`.
+    pub(super) fn write_tables(&mut self, g: &Gpu, states: &[&mut GpuState]) -> Result<()> {
+        let n = states.len();
+        let layers = states.first().map_or(0, |s| s.layers.len());
+        let mut table = vec![0u64; 2 * layers * n];
+        for (i, s) in states.iter().enumerate() {
+            for (li, l) in s.layers.iter().enumerate() {
+                let (a, b) = match l {
+                    GpuLayerState::Linear { conv, recurrent } => (g.ptr(conv), g.ptr(recurrent)),
+                    GpuLayerState::Full { k, v } => (g.ptr(k), g.ptr(v)),
+                };
+                table[2 * li * n + i] = a.addr();
+                table[(2 * li + 1) * n + i] = b.addr();
+            }
+        }
+        g.stream.memcpy_htod(&table[..], &mut self.tables.slice_mut(..table.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying a batch's state tables: {e:?}", g.ordinal))?;
+        self.batched = true;
+        Ok(())
+    }
+
+    /// Layer `li`'s two tables of a batched step of `n` sequences.
+    pub(super) fn layer_tables(&self, g: &Gpu, li: usize, n: usize) -> (DevPtr<DevPtr<f32>>, DevPtr<DevPtr<f32>>) {
+        let base = g.ptr(&self.tables);
+        (base.offset(2 * li * n).reinterpret(), base.offset((2 * li + 1) * n).reinterpret())
     }
 }
