@@ -107,39 +107,72 @@ fn gpu_prefill_and_decode_match_the_cpu_engine() {
 /// The batched decode step (every sequence's mixer in one launch per layer, greedy picks on the
 /// GPU, logits left there until asked for) against each sequence decoded alone: sequences at
 /// different positions, 3 of them (the projections by the multi-row GEMV) and 11 (by the
-/// GEMM), six greedy steps; the same picks, logits within twice the verify tolerance.
+/// GEMM), six greedy steps, the last sequence leaving after the third; replayed from the
+/// graphs of their bucket (4 and 2 rows, 12 rows, padding rows included) and launched kernel
+/// by kernel; the same picks, logits within twice the verify tolerance.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn batched_decode_matches_each_sequence_alone() {
     let gpu0 = gpu_for("the batched decode step");
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let tokens = prompt("p4");
-    let gpu = GpuQwen35::upload(gpu0, &m.net, Precision::Exact).unwrap();
-    for lengths in [vec![5usize, 130, 40], vec![1, 2, 7, 9, 33, 64, 65, 100, 200, 299, 300]] {
-        let prefill = |len: usize| {
-            let mut s = gpu.new_state().unwrap();
-            gpu.forward(&tokens[..len], &mut s, Logits::Last).unwrap();
-            s
-        };
-        let mut alone: Vec<_> = lengths.iter().map(|&l| prefill(l)).collect();
-        let mut batch: Vec<_> = lengths.iter().map(|&l| prefill(l)).collect();
-        for step in 0..6 {
-            let picks: Vec<u32> = alone.iter_mut().map(|s| argmax(s.last_logits().unwrap())).collect();
-            for (i, s) in alone.iter_mut().enumerate() {
-                gpu.apply(&[picks[i]], s).unwrap();
+    let mut gpu = GpuQwen35::upload(gpu0, &m.net, Precision::Exact).unwrap();
+    for graphs in [true, false] {
+        for lengths in [vec![5usize, 130, 40], vec![1, 2, 7, 9, 33, 64, 65, 100, 200, 299, 300]] {
+            let prefill = |len: usize| {
+                let mut s = gpu.new_state().unwrap();
+                gpu.forward(&tokens[..len], &mut s, Logits::Last).unwrap();
+                s
+            };
+            let mut alone: Vec<_> = lengths.iter().map(|&l| prefill(l)).collect();
+            let mut batch: Vec<_> = lengths.iter().map(|&l| prefill(l)).collect();
+            gpu.graphs = graphs;
+            for step in 0..6 {
+                let running = if step < 3 { lengths.len() } else { lengths.len() - 1 };
+                let picks: Vec<u32> = alone[..running].iter_mut().map(|s| argmax(s.last_logits().unwrap())).collect();
+                for (i, s) in alone[..running].iter_mut().enumerate() {
+                    gpu.apply(&[picks[i]], s).unwrap();
+                }
+                let mut refs: Vec<_> = batch[..running].iter_mut().collect();
+                gpu.decode_batch(&picks, &mut refs).unwrap();
+                for (i, (b, a)) in batch[..running].iter_mut().zip(alone.iter_mut()).enumerate() {
+                    let want = a.last_logits().unwrap().to_vec();
+                    assert_eq!(b.last_argmax(), Some(argmax(&want)), "graphs {graphs}, {running} sequences, step {step}: sequence {i} (prompt of {}) picks another token", lengths[i]);
+                    let got = b.last_logits().unwrap();
+                    let err = max_abs_diff(got, &want);
+                    assert!(err <= 2.0 * LOGIT_TOL, "graphs {graphs}, {running} sequences, step {step}: sequence {i}: logits differ from its solo run by {err:.2e}");
+                    assert_eq!(b.position, a.position);
+                }
             }
-            let mut refs: Vec<_> = batch.iter_mut().collect();
-            gpu.decode_batch(&picks, &mut refs).unwrap();
-            for (i, (b, a)) in batch.iter_mut().zip(alone.iter_mut()).enumerate() {
-                let want = a.last_logits().unwrap().to_vec();
-                assert_eq!(b.last_argmax(), Some(argmax(&want)), "{} sequences, step {step}: sequence {i} (prompt of {}) picks another token", lengths.len(), lengths[i]);
-                let got = b.last_logits().unwrap();
-                let err = max_abs_diff(got, &want);
-                assert!(err <= 2.0 * LOGIT_TOL, "{} sequences, step {step}: sequence {i}: logits differ from its solo run by {err:.2e}", lengths.len());
-                assert_eq!(b.position, a.position);
-            }
+            gpu.graphs = true;
         }
     }
+}
+
+/// A batched step's logits stay on the GPU in its bucket's buffer; a state whose row a later
+/// step of that bucket overwrote says so rather than hand out another sequence's logits.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn logits_overwritten_by_a_later_batched_step_are_refused() {
+    let gpu0 = gpu_for("the batched decode step's logits");
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let tokens = prompt("p4");
+    let gpu = GpuQwen35::upload(gpu0, &m.net, Precision::Exact).unwrap();
+    let mut states: Vec<_> = (0..4)
+        .map(|i| {
+            let mut s = gpu.new_state().unwrap();
+            gpu.forward(&tokens[..5 + i], &mut s, Logits::Last).unwrap();
+            s
+        })
+        .collect();
+    let (first, second) = states.split_at_mut(2);
+    gpu.decode_batch(&[1, 2], &mut first.iter_mut().collect::<Vec<_>>()).unwrap();
+    gpu.decode_batch(&[3, 4], &mut second.iter_mut().collect::<Vec<_>>()).unwrap();
+    let e = format!("{:#}", first[0].last_logits().unwrap_err());
+    assert!(e.contains("overwritten by a later batched decode step"), "{e}");
+    // The greedy pick came back with the step and stays; the second batch's rows are current.
+    assert!(first[0].last_argmax().is_some());
+    assert_eq!(second[1].last_logits().unwrap().len(), m.net.config.vocab_size);
 }
 
 /// A decode step far into the context: the decode attention splits its 5,000 visible

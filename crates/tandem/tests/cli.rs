@@ -217,3 +217,27 @@ fn a_gpu_placement_generates_or_says_why_there_is_none() {
     assert!(o.status.success(), "{err}");
     assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "294,115,733,707,844");
 }
+
+/// The serving bench end to end: a real `tandem serve` child, streamed requests at two
+/// concurrencies and a Poisson rate, every request answered, every slot back after each point.
+#[test]
+fn the_serving_bench_drives_a_real_server_and_gets_every_slot_back() {
+    let o = tandem(&[
+        "bench", "--sections", "serve", "--model", "synthetic:tiny", "--threads", "1", "--max-concurrent", "3",
+        "--concurrency", "1,3", "--rates", "20", "--requests", "6", "--input-len", "12", "--output-len", "5",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    let rows: Vec<&str> = out.lines().filter(|l| l.starts_with("| concurrency ") || l.starts_with("| 20 req/s")).collect();
+    assert_eq!(rows.len(), 3, "{out}");
+    for row in rows {
+        let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+        // load, requests, failed, ..., slots free after.
+        assert_eq!((cells[2], cells[3]), ("6", "0"), "{row}");
+        assert_eq!(cells[cells.len() - 2], "3/3", "{row}");
+        let tok_s: f64 = cells[5].parse().unwrap_or(0.0);
+        assert!(tok_s > 0.0, "{row}");
+    }
+    let bad = tandem(&["bench", "--sections", "serve", "--concurrency", "0"]);
+    assert!(!bad.status.success() && stderr(&bad).contains("--concurrency"), "{}", stderr(&bad));
+}

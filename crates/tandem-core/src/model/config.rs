@@ -178,6 +178,17 @@ impl Qwen35Config {
     pub fn num_full_attention_layers(&self) -> usize {
         self.layer_types.iter().filter(|t| **t == LayerType::FullAttention).count()
     }
+    /// Bytes of one sequence's fixed-size state in f32: every DeltaNet layer's recurrent state
+    /// and conv window (what a decode step reads and writes per sequence whatever its length).
+    pub fn recurrent_state_bytes(&self) -> usize {
+        let linear_layers = self.num_hidden_layers - self.num_full_attention_layers();
+        let per_layer = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim + self.linear_conv_kernel_dim * self.linear_conv_dim();
+        4 * linear_layers * per_layer
+    }
+    /// Bytes of keys and values per token in f32, over the attention layers.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        4 * 2 * self.num_full_attention_layers() * self.num_key_value_heads * self.head_dim
+    }
 
     /// The published shapes (docs/qwen35.md §1.2), used by the synthetic models.
     pub fn preset(name: &str) -> Option<Self> {

@@ -27,6 +27,19 @@ fn time(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64, f64
     Ok(stats(&mut s))
 }
 
+/// The GPU's device memory bandwidth in bytes/s: the median of `reps` 1 GiB device-to-device
+/// copies, each reading and writing every byte.
+pub(super) fn memory_bandwidth(gpu: &Gpu, reps: usize) -> Result<f64> {
+    let bytes = 1usize << 30;
+    let src = gpu.zeros::<u8>(bytes)?;
+    let mut dst = gpu.zeros::<u8>(bytes)?;
+    let (copy_s, _, _) = time(reps, || {
+        gpu.stream.memcpy_dtod(&src, &mut dst).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        gpu.synchronize()
+    })?;
+    Ok(2.0 * bytes as f64 / copy_s)
+}
+
 pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize, decode_steps: usize, reps: usize) -> Result<()> {
     progress(&format!("opening cuda:{ordinal}"));
     let gpu = Gpu::open(ordinal)?;
@@ -44,16 +57,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
     })?;
     let tc_peak = 2.0 * (n * n * n) as f64 / gemm_s;
     drop((a, b, c));
-    let bytes = 1usize << 30;
-    let src = gpu.zeros::<u8>(bytes)?;
-    let mut dst = gpu.zeros::<u8>(bytes)?;
-    let (copy_s, _, _) = time(reps.max(3), || {
-        gpu.stream.memcpy_dtod(&src, &mut dst).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        gpu.synchronize()
-    })?;
-    // A copy reads and writes every byte.
-    let bandwidth = 2.0 * bytes as f64 / copy_s;
-    drop((src, dst));
+    let bandwidth = memory_bandwidth(&gpu, reps.max(3))?;
     writeln!(report, "| limit (measured in this run) | |\n|---|---|")?;
     writeln!(report, "| bf16 tensor-core GEMM {n}x{n}x{n} (cuBLAS) | {:.0} TFLOP/s |", tc_peak / 1e12)?;
     writeln!(report, "| device memory bandwidth (1 GiB device-to-device copy, read + write) | {:.0} GB/s |", bandwidth / 1e9)?;

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use super::nvml::EnergyMeter;
+use super::nvml::NvmlDevice;
 use tandem_core::backend::cuda::Gpu;
 use tandem_core::engine::{Engine, EngineSpec};
 use tandem_core::state::DeviceState;
@@ -22,7 +22,7 @@ pub(super) enum Counter {
     /// A CPU package's RAPL zone: its energy_uj file, wrapping at `range_uj`.
     Rapl { name: String, file: PathBuf, range_uj: u64 },
     /// A GPU board (NVML's total energy).
-    Nvml { name: String, meter: EnergyMeter },
+    Nvml { name: String, meter: NvmlDevice },
 }
 
 impl Counter {
@@ -97,7 +97,8 @@ fn virtual_machine() -> &'static str {
 
 /// A GPU board's NVML counter, or why it has none.
 pub(super) fn nvml(gpu: &Gpu) -> Result<Counter> {
-    let meter = gpu.pci_bus_id().and_then(|id| EnergyMeter::open(&id))?;
+    let meter = gpu.pci_bus_id().and_then(|id| NvmlDevice::open(&id))?;
+    meter.millijoules()?;
     Ok(Counter::Nvml { name: format!("cuda:{} {} (NVML)", gpu.ordinal, gpu.name), meter })
 }
 

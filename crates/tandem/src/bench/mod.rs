@@ -28,15 +28,17 @@ use crate::args::Args;
 pub mod cuda;
 mod energy;
 pub mod limits;
+mod load;
 mod nvml;
 pub mod pipeline;
+mod serve;
 mod study;
 mod svg;
 
 /// The report's sections, in order (the study's tables 1-7 after the engine kernels).
 const SECTIONS: [&str; 8] = ["kernels", "modes", "dispatch", "transfer", "multiturn", "concurrency", "crossover", "energy"];
-/// Sections run only when named.
-const GPU_SECTIONS: [&str; 1] = ["cuda"];
+/// Sections run only when named, each on its own.
+const OWN_SECTIONS: [&str; 2] = ["cuda", "serve"];
 
 pub const USAGE: &str = "\
 tandem bench [--model M] [--prefill PLACEMENT] [--decode PLACEMENT] [--quant bf16,int8]
@@ -66,6 +68,16 @@ run and SVG plots, to --out (default ./tandem-bench).
 --sections cuda [--device cuda:N] [--model M1,M2] [--prompts 2048] [--decode-tokens 64]:
 the CUDA engine on GPU N against the GPU's measured tensor-core peak and memory bandwidth
 (default models synthetic:qwen3.5-0.8b and synthetic:qwen3.5-9b).
+
+--sections serve [--model M] [engine options as for tandem serve] [--max-concurrent N]
+                 [--input-len 512] [--output-len 128] [--concurrency 1,8,32,64,128,256]
+                 [--rates 4,16,64|none] [--requests N] [--temperature 0]
+                 [--slo-ttft-ms 1000] [--slo-tpot-ms 50]:
+starts tandem serve on a loopback port and drives it with streamed random-token requests
+(ignore_eos) at each concurrency, then at each Poisson request rate: output and total tok/s,
+TTFT and ITL p50/p99, goodput within the SLO, GPU memory, and each point's physical limit from
+the decode engine's memory bandwidth, measured first. Requests per point: two per client, or
+15 s of arrivals (--requests N for all). --quick: concurrency 1 and 4, 64 in / 16 out.
 ";
 
 /// What a run produces: the Markdown report, every raw measurement (the JSON file) and the
@@ -117,11 +129,26 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         print!("{USAGE}");
         return Ok(ExitCode::SUCCESS);
     }
-    let args = Args::parse(argv, &["model", "threads", "cores", "quant", "prompts", "decode-tokens", "reps", "out", "isa", "sections", "prefill", "decode", "device"], &["quick"])?;
+    let args = Args::parse(
+        argv,
+        &[
+            "model", "threads", "cores", "quant", "prompts", "decode-tokens", "reps", "out", "isa", "sections", "prefill", "decode", "device", "mode", "transfer",
+            // The serve section's.
+            "input-len", "output-len", "concurrency", "rates", "requests", "max-concurrent", "temperature", "slo-ttft-ms", "slo-tpot-ms",
+        ],
+        &["quick"],
+    )?;
     let quick = args.flag("quick");
     let sections: Vec<&str> = args.str("sections").map(|s| s.split(',').map(str::trim).collect()).unwrap_or(SECTIONS.to_vec());
-    if let Some(bad) = sections.iter().find(|s| !SECTIONS.contains(s) && !GPU_SECTIONS.contains(s)) {
-        bail!("--sections: unknown section {bad:?} (sections: {}; on a GPU: {})", SECTIONS.join(", "), GPU_SECTIONS.join(", "));
+    if let Some(bad) = sections.iter().find(|s| !SECTIONS.contains(s) && !OWN_SECTIONS.contains(s)) {
+        bail!("--sections: unknown section {bad:?} (sections: {}; on their own: {})", SECTIONS.join(", "), OWN_SECTIONS.join(", "));
+    }
+    if sections == ["serve"] {
+        started();
+        let mut report = String::from("# tandem bench (serving)\n\n");
+        let result = serve::run(&mut report, &args, quick);
+        print!("{report}");
+        return result.map(|()| ExitCode::SUCCESS);
     }
     if sections == ["cuda"] {
         let ordinal = crate::parse_cuda_device(args.str("device").unwrap_or("cuda:0"))?;
@@ -134,8 +161,8 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         print!("{report}");
         return result.map(|()| ExitCode::SUCCESS);
     }
-    if sections.iter().any(|s| GPU_SECTIONS.contains(s)) {
-        bail!("--sections: run the GPU sections ({}) on their own", GPU_SECTIONS.join(", "));
+    if sections.iter().any(|s| OWN_SECTIONS.contains(s)) {
+        bail!("--sections: run {} on their own", OWN_SECTIONS.join(" and "));
     }
     let spec = args.str("model").unwrap_or("synthetic:qwen3.5-0.8b").to_string();
     let quants: Vec<String> = args.str("quant").unwrap_or("bf16,int8").split(',').map(|s| s.trim().to_string()).collect();

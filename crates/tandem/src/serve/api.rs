@@ -70,6 +70,9 @@ pub struct Options {
     pub include_usage: bool,
     /// tandem's extension: a conversation's cached states are matched within its session.
     pub session_id: Option<String>,
+    /// vLLM's extension: generate `max_tokens` even past the model's end-of-turn tokens (what
+    /// load generators send, so that every request has the asked-for length).
+    pub ignore_eos: bool,
 }
 
 pub struct ChatRequest {
@@ -208,7 +211,8 @@ fn options(f: &Fields, max_tokens_keys: &[&str]) -> Result<Options, ApiError> {
         Some(o) => o.bool("include_usage")?.unwrap_or(false),
         None => false,
     };
-    Ok(Options { model: f.str("model")?.map(str::to_string), max_tokens, sampling, stop, stream, include_usage, session_id: f.str("session_id")?.map(str::to_string) })
+    let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
+    Ok(Options { model: f.str("model")?.map(str::to_string), max_tokens, sampling, stop, stream, include_usage, session_id: f.str("session_id")?.map(str::to_string), ignore_eos })
 }
 
 /// The text of a message's `content`: a string, or an array of `{"type": "text", "text"}` parts.
@@ -409,14 +413,14 @@ mod tests {
     fn a_chat_request_reads_every_option() {
         let r = parse_chat(br#"{"model":"m","messages":[{"role":"developer","content":"Be brief."},{"role":"user","content":[{"type":"text","text":"Hi"}]}],
             "max_completion_tokens":7,"temperature":0,"top_p":0.5,"top_k":-1,"seed":3,"stop":"x","stream":true,"stream_options":{"include_usage":true},
-            "session_id":"s1","chat_template_kwargs":{"enable_thinking":true},"user":"ignored","presence_penalty":0}"#)
+            "session_id":"s1","chat_template_kwargs":{"enable_thinking":true},"user":"ignored","presence_penalty":0,"ignore_eos":true}"#)
             .unwrap_or_else(|e| panic!("{}", e.message));
         assert_eq!(r.messages, vec![Message::new("system", "Be brief."), Message::new("user", "Hi")]);
         let o = r.options;
         assert_eq!((o.model.as_deref(), o.max_tokens, o.stream, o.include_usage, o.session_id.as_deref()), (Some("m"), Some(7), true, true, Some("s1")));
         assert_eq!((o.sampling.temperature, o.sampling.top_p, o.sampling.top_k, o.sampling.seed), (0.0, 0.5, 0, 3));
         assert_eq!(o.stop, vec!["x".to_string()]);
-        assert!(r.enable_thinking);
+        assert!(r.enable_thinking && o.ignore_eos);
     }
 
     #[test]

@@ -143,7 +143,7 @@ impl Completion {
             start = Some(state);
             done = b;
         }
-        let params = pipeline::RequestParams { max_tokens: p.max_tokens, sampling: p.options.sampling.clone(), vocab: app.vocab, stop_ids: app.stop_ids.clone() };
+        let params = pipeline::RequestParams { max_tokens: p.max_tokens, sampling: p.options.sampling.clone(), vocab: app.vocab, stop_ids: if p.options.ignore_eos { Vec::new() } else { app.stop_ids.clone() } };
         let running = app.engines.submit(start, p.prompt[done..].to_vec(), params, caching).map_err(server_error)?;
         Ok(Completion {
             app: Arc::clone(app),

@@ -56,8 +56,24 @@ pub struct Counters {
     pub typing_requests: AtomicU64,
 }
 
+/// What the served model and engines are, fixed at start-up: what a load generator needs to
+/// work out the physical limit of a load (bytes a decode step reads) and to make prompts.
+#[derive(Clone, Copy, Default)]
+pub struct Served {
+    /// Bytes of weights one decode step streams.
+    pub decode_weight_bytes: usize,
+    /// Bytes of one sequence's fixed-size (recurrent and conv) state.
+    pub state_bytes: usize,
+    pub kv_bytes_per_token: usize,
+    /// Token ids a prompt may hold: 0..vocab.
+    pub vocab: usize,
+    /// Sequences that may run at once (--max-concurrent).
+    pub sequence_slots: usize,
+}
+
 pub struct Metrics {
     pub counters: Counters,
+    served: Served,
     ttft: Mutex<Histogram>,
     tpot: Mutex<Histogram>,
     /// Finished requests by (endpoint, outcome).
@@ -79,8 +95,8 @@ pub fn add(counter: &AtomicU64, n: usize) {
 }
 
 impl Metrics {
-    pub fn new() -> Metrics {
-        Metrics { counters: Counters::default(), ttft: Mutex::new(Histogram::new(&TTFT_BUCKETS)), tpot: Mutex::new(Histogram::new(&TPOT_BUCKETS)), outcomes: Mutex::new(BTreeMap::new()) }
+    pub fn new(served: Served) -> Metrics {
+        Metrics { counters: Counters::default(), served, ttft: Mutex::new(Histogram::new(&TTFT_BUCKETS)), tpot: Mutex::new(Histogram::new(&TPOT_BUCKETS)), outcomes: Mutex::new(BTreeMap::new()) }
     }
 
     pub fn ttft(&self, d: Duration) {
@@ -106,6 +122,12 @@ impl Metrics {
         };
         gauge(&mut out, "tandem_queue_depth", "Requests waiting for a sequence slot (past --max-concurrent).", g.queued as f64);
         gauge(&mut out, "tandem_active_sequences", "Requests holding a sequence slot (prefilling or decoding).", g.active as f64);
+        let m = &self.served;
+        gauge(&mut out, "tandem_sequence_slots", "Sequences that may run at once (--max-concurrent).", m.sequence_slots as f64);
+        gauge(&mut out, "tandem_model_decode_weight_bytes", "Bytes of weights one decode step streams.", m.decode_weight_bytes as f64);
+        gauge(&mut out, "tandem_model_state_bytes", "Bytes of one sequence's recurrent and conv state.", m.state_bytes as f64);
+        gauge(&mut out, "tandem_model_kv_bytes_per_token", "Bytes of keys and values one token adds.", m.kv_bytes_per_token as f64);
+        gauge(&mut out, "tandem_model_vocab_size", "Token ids a prompt may hold (0 to this, exclusive).", m.vocab as f64);
         counter(&mut out, "tandem_prompt_tokens_total", "Prompt tokens of requests served.", &c.prompt_tokens);
         counter(&mut out, "tandem_prefilled_tokens_total", "Prompt tokens prefilled (not covered by a cached state).", &c.prefilled_tokens);
         counter(&mut out, "tandem_generation_tokens_total", "Tokens generated.", &c.generation_tokens);
@@ -134,7 +156,7 @@ mod tests {
 
     #[test]
     fn histograms_are_cumulative_with_sum_and_count() {
-        let m = Metrics::new();
+        let m = Metrics::new(Served { sequence_slots: 8, ..Served::default() });
         m.ttft(Duration::from_millis(3));
         m.ttft(Duration::from_millis(70));
         m.ttft(Duration::from_secs(100));
@@ -150,6 +172,7 @@ mod tests {
             "tandem_time_to_first_token_seconds_bucket{le=\"+Inf\"} 3",
             "tandem_time_to_first_token_seconds_count 3",
             "tandem_queue_depth 1",
+            "tandem_sequence_slots 8",
             "tandem_session_hits_total 2",
             "tandem_engine_busy_seconds_total{work=\"prefill\"} 1.5",
             "tandem_requests_total{endpoint=\"chat\",outcome=\"stop\"} 1",

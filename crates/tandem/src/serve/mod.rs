@@ -31,7 +31,7 @@ use crate::args::{pipeline_config, ENGINE_OPTIONS};
 use api::ApiError;
 use cache::StateCache;
 use engines::Engines;
-use metrics::Metrics;
+use metrics::{Metrics, Served};
 
 pub const USAGE: &str = "\
 tandem serve: an OpenAI-compatible server (chat completions, completions, streaming)
@@ -47,6 +47,7 @@ ENDPOINTS:
                               typed; prefills it ahead so that sending it costs no prefill
   Request options: max_tokens (max_completion_tokens), temperature (default 1), top_p, top_k,
   seed, stop (up to 4 strings), n=1, stream, stream_options.include_usage, session_id,
+  ignore_eos (generate max_tokens past end-of-turn tokens),
   chat_template_kwargs.enable_thinking (default off). Unknown fields are ignored.
 
 OPTIONS:
@@ -167,6 +168,8 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         bail!("--max-context {max_context}: give 2 to {model_context} tokens (the model's context)");
     }
     let model_name = args.str("served-model-name").unwrap_or(spec).to_string();
+    let cfg = &model.net.config;
+    let served = Served { decode_weight_bytes: model.net.weight_bytes_per_token(), state_bytes: cfg.recurrent_state_bytes(), kv_bytes_per_token: cfg.kv_bytes_per_token(), vocab, sequence_slots: max_concurrent };
     let listener = std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
     listener.set_nonblocking(true)?;
     let bound = listener.local_addr()?;
@@ -185,7 +188,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             max_queue,
             session_memory,
             cache: Mutex::new(StateCache::new(session_memory)),
-            metrics: Metrics::new(),
+            metrics: Metrics::new(served),
             started: completion::unix_now(),
             next_id: AtomicU64::new(1),
         });

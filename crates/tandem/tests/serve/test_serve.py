@@ -150,6 +150,11 @@ def api_and_sdk():
         greedy = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0).choices[0].text
         check(r.choices[0].text == greedy, "top_k = 1 is greedy")
 
+        # ignore_eos (vLLM's extension, what load generators send): every reply has max_tokens.
+        for seed in range(6):
+            r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=40, temperature=1.0, seed=seed, extra_body={"ignore_eos": True})
+            check(r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length", f"ignore_eos, seed {seed}: {r.usage}, {r.choices[0].finish_reason}")
+
         # Bad requests: OpenAI-style errors with the right status; the server keeps serving.
         def refused(status, param, **kw):
             try:

@@ -1,4 +1,5 @@
-//! A decode step captured as a CUDA graph and replayed per token.
+//! Decode steps captured as CUDA graphs and replayed per token: one sequence's step (its own
+//! graph, in its state), and the batched step of each batch-size bucket.
 
 use super::*;
 
@@ -57,5 +58,144 @@ impl GpuQwen35 {
         }
         g.synchronize()?;
         Ok(start.elapsed().as_secs_f64() / steps as f64)
+    }
+}
+
+/// The batch size a step of `n` sequences runs at: 2, 4 or 8 (the GEMV's rows), then the
+/// powers of two and the points three quarters of the way to them (12, 16, 24, 32, 48, 64,
+/// 96, ...), so that past 8 at most a third of a step's rows are padding.
+pub(super) fn batch_bucket(n: usize) -> usize {
+    if n <= 8 {
+        return n.next_power_of_two();
+    }
+    let p = n.next_power_of_two();
+    if n <= p / 4 * 3 {
+        p / 4 * 3
+    } else {
+        p
+    }
+}
+
+/// The batched decode steps captured as CUDA graphs: per bucket (`batch_bucket`) its buffers
+/// and one graph per span of visible positions (a power of two: the attention's split over
+/// the positions is part of a captured launch), and the state the padding rows decode into.
+#[derive(Default)]
+pub(super) struct BatchSteps {
+    buckets: std::collections::HashMap<usize, BatchBucket>,
+    pad: Option<GpuState>,
+}
+
+/// One bucket's step: the workspace its graphs run in, the page-locked memory its inputs come
+/// from (positions and token ids, the state tables) and its picks go to.
+struct BatchBucket {
+    ws: Workspace,
+    io_host: Pinned<u32>,
+    tables_host: Pinned<u64>,
+    picks_host: Pinned<u32>,
+    graphs: std::collections::HashMap<usize, Graph>,
+    /// False once a capture failed: the bucket's steps are then launched kernel by kernel.
+    capturable: bool,
+    /// Steps run in `ws` so far: a state's logits row there is valid while this is unchanged.
+    written: Arc<AtomicU64>,
+}
+
+impl GpuQwen35 {
+    /// A decode step of several sequences (`decode_batch`, inputs checked, caches grown)
+    /// through the graph of its bucket and visible span, captured now if there is none. Rows
+    /// past the sequences decode token 0 at position 0 into the padding state.
+    pub(super) fn replay_batch(&self, tokens: &[u32], states: &mut [&mut GpuState]) -> Result<()> {
+        let g = &self.gpu;
+        let n = tokens.len();
+        let bucket = batch_bucket(n);
+        let most = states.iter().map(|s| s.position + 1).max().unwrap_or(1);
+        let visible = most.next_power_of_two().clamp(KV_MIN_ROWS, MAX_CONTEXT);
+        let mut guard = self.batch_steps.lock().unwrap_or_else(|e| e.into_inner());
+        let BatchSteps { buckets, pad } = &mut *guard;
+        if pad.is_none() {
+            let mut p = self.new_state()?;
+            self.grow_kv(&mut p, 1)?;
+            *pad = Some(p);
+        }
+        let b = match buckets.entry(bucket) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let mut ws = Workspace::new(self, bucket, bucket, bucket)?;
+                ws.batched = true;
+                let tables = 2 * self.config.layer_types.len() * bucket;
+                e.insert(BatchBucket {
+                    ws,
+                    io_host: Pinned::new(g, 2 * bucket)?,
+                    tables_host: Pinned::new(g, tables)?,
+                    picks_host: Pinned::new(g, bucket)?,
+                    graphs: Default::default(),
+                    capturable: true,
+                    written: Arc::new(AtomicU64::new(0)),
+                })
+            }
+        };
+        // The host side of the step: positions, then token ids; the state tables.
+        let io = b.io_host.as_mut_slice();
+        io.fill(0);
+        for (i, s) in states.iter().enumerate() {
+            io[i] = s.position as u32;
+            io[bucket + i] = tokens[i];
+        }
+        workspace::fill_tables(g, states, pad.as_ref(), b.tables_host.as_mut_slice());
+        if b.capturable && !b.graphs.contains_key(&visible) {
+            g.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(|e| anyhow::anyhow!("cuda:{}: starting a graph capture: {e:?}", g.ordinal))?;
+            let enqueued = self.enqueue_batch_step(b, visible);
+            let captured = g.stream.end_capture(CUgraphInstantiate_flags(0));
+            match (enqueued, captured) {
+                (Ok(()), Ok(Some(graph))) => {
+                    b.graphs.insert(visible, Graph(graph));
+                }
+                (enqueued, captured) => {
+                    let why = enqueued.err().map(|e| format!("{e:#}")).or_else(|| captured.err().map(|e| format!("{e:?}"))).unwrap_or_else(|| "the graph is empty".into());
+                    eprintln!("cuda:{}: the batched decode step of {bucket} rows could not be captured as a graph ({why}); it is launched kernel by kernel", g.ordinal);
+                    b.capturable = false;
+                }
+            }
+        }
+        // States still holding the previous step's rows of this buffer lose them now.
+        let step = b.written.fetch_add(1, Ordering::AcqRel) + 1;
+        match b.graphs.get(&visible) {
+            Some(graph) => graph.0.launch().map_err(|e| anyhow::anyhow!("cuda:{}: replaying a batched decode step: {e:?}", g.ordinal))?,
+            None => self.enqueue_batch_step(b, visible)?,
+        }
+        g.synchronize()?;
+        let picks = b.picks_host.as_slice();
+        for (i, s) in states.iter_mut().enumerate() {
+            s.position += 1;
+            s.last = LastLogits::InBatch { argmax: picks[i], logits: b.ws.logits.clone(), written: b.written.clone(), step, row: i, vocab: self.config.vocab_size, stream: g.stream.clone() };
+        }
+        Ok(())
+    }
+
+    /// Queue a bucket's step: its inputs in from page-locked memory, the forward pass of one
+    /// row per sequence with the attention split for `visible` positions, the greedy picks out.
+    fn enqueue_batch_step(&self, b: &mut BatchBucket, visible: usize) -> Result<()> {
+        let g = &self.gpu;
+        let rows = b.ws.sequences;
+        g.copy_to_device(&b.io_host, g.ptr(&b.ws.io))?;
+        g.copy_to_device(&b.tables_host, g.ptr(&b.ws.tables))?;
+        let each: Vec<Rows> = (0..rows).map(|i| Rows { first: i, count: 1 }).collect();
+        self.enqueue(&b.ws, &mut [], &each, 0, Some(visible))?;
+        self.enqueue_argmax(&b.ws, rows)?;
+        g.copy_to_host(g.ptr(&b.ws.pick), &mut b.picks_host)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::batch_bucket;
+
+    #[test]
+    fn batch_buckets_hold_the_batch_with_little_padding() {
+        let got: Vec<usize> = [1, 2, 3, 5, 8, 9, 12, 13, 16, 17, 24, 25, 33, 48, 49, 64, 65, 129, 200, 256].iter().map(|&n| batch_bucket(n)).collect();
+        assert_eq!(got, [1, 2, 4, 8, 8, 12, 12, 16, 16, 24, 24, 32, 48, 48, 64, 64, 96, 192, 256, 256]);
+        for n in 9..=1024 {
+            let b = batch_bucket(n);
+            assert!(b >= n && (b - n) * 3 <= b, "{n} -> {b}");
+        }
     }
 }

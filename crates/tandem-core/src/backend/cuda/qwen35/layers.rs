@@ -121,7 +121,7 @@ impl GpuQwen35 {
         // GEMM, the gated norm writes that GEMM's bf16 operand itself.
         let norm_to_bf16 = t > GEMV_MAX_T && self.precision == Precision::TensorCores && rows.iter().all(|r| r.count > GEMV_MAX_T);
         if ws.batched {
-            self.deltanet_step_batch(m, ws, li, states.len())?;
+            self.deltanet_step_batch(m, ws, li, ws.sequences)?;
             return self.project_residual(ws, Input::F32(g.ptr(&ws.core)), t, &m.out_proj);
         }
         for (s, &r) in states.iter_mut().zip(rows) {
@@ -267,7 +267,8 @@ impl GpuQwen35 {
         self.project(ws, x, norm, t, &[(&m.q_proj, qg), (&m.k_proj, kp), (&m.v_proj, vp)])?;
         let row = hkv * d;
         if ws.batched {
-            self.attention_batch(m, ws, states, li, visible)?;
+            let most = visible.unwrap_or_else(|| states.iter().map(|s| s.position + 1).max().unwrap_or(1));
+            self.attention_batch(m, ws, li, most)?;
             return self.project_residual(ws, Input::F32(attn), t, &m.o_proj);
         }
         for (i, (s, &r)) in states.iter_mut().zip(rows).enumerate() {
@@ -322,12 +323,12 @@ impl GpuQwen35 {
 
     /// One token of each sequence of a batched step: its q/k norms and RoPE into its caches,
     /// then attention over them, each a launch for all sequences (the same arithmetic as
-    /// `attention_decode` for each alone), the positions split as the sequence that sees the
-    /// most needs.
-    fn attention_batch(&self, m: &Attention, ws: &Workspace, states: &[&mut GpuState], li: usize, visible: Option<usize>) -> Result<()> {
+    /// `attention_decode` for each alone), the positions split for `most` (at least what the
+    /// sequence that sees the most needs).
+    fn attention_batch(&self, m: &Attention, ws: &Workspace, li: usize, most: usize) -> Result<()> {
         let c = &self.config;
         let g = &self.gpu;
-        let n = states.len();
+        let n = ws.sequences;
         let (hq, hkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let (kcs, vcs) = ws.layer_tables(g, li, n);
         let pos = ws.position_of(g, 0);
@@ -335,7 +336,6 @@ impl GpuQwen35 {
         let (hq_, hkv_, d_) = (hq as i32, hkv as i32, d as i32);
         let args = (g.ptr(&ws.qg), q, gate, g.ptr(&ws.k), g.ptr(&ws.v), kcs, vcs, g.ptr(&m.q_norm), g.ptr(&m.k_norm), g.ptr(&self.inv_freq), hq_, hkv_, d_, (c.rotary_dim() / 2) as i32, pos, c.rms_norm_eps);
         g.launch(k::QK_NORM_ROPE_BATCH, Grid::new((n, hq + hkv, 1), d.next_multiple_of(32)), args)?;
-        let most = visible.unwrap_or_else(|| states.iter().map(|s| s.position + 1).max().unwrap_or(1));
         let chunk = most.div_ceil(ATTN_SPLITS).max(64);
         let splits = most.div_ceil(chunk);
         debug_assert!(chunk <= ATTN_CHUNK && splits <= ATTN_SPLITS);

@@ -7,21 +7,24 @@
 //! sequence (conv, l2 norm, the delta rule token after token, gated norm) and attention over
 //! the cache; a decode step of one sequence is captured
 //! once as a CUDA graph (the token coming in and the logits going out through page-locked
-//! memory) and replayed per token, and several sequences decode in one batched step
-//! (`decode_batch`), every weight read once for all. More rows (prefill): GEMMs, either the f32
+//! memory) and replayed per token. Several sequences decode in one batched step
+//! (`decode_batch`): every weight read once for all, each layer's mixer one launch for all
+//! (their states through address tables), replayed from the graph of its batch-size bucket
+//! with padding rows (graph.rs). More rows (prefill): GEMMs, either the f32
 //! kernel (`Precision::Exact`, what `verify` checks) or cuBLAS on tensor cores with the
 //! activations rounded to bf16 (`Precision::TensorCores`), the chunked delta rule
 //! (deltanet.rs `chunked`: the chunks' matrices all at once, then the state through the chunks)
 //! and tiled causal attention.
 //!
 //! This file holds the model's weights on the GPU and the forward call; `layers.rs` the layers
-//! it enqueues, `gemv.rs` the decode GEMV, `graph.rs` the captured decode step, `state.rs` a
+//! it enqueues, `gemv.rs` the decode GEMV, `graph.rs` the captured decode steps, `state.rs` a
 //! request's state on the GPU, `workspace.rs` the buffers of a call.
 
 use anyhow::{bail, Context, Result};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaSlice;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 mod gemv;
@@ -158,6 +161,8 @@ pub struct GpuQwen35 {
     weight_bytes: usize,
     /// Page-locked buffers for states copied from the GPU to the host, shared with the states.
     staging: Arc<Mutex<Staging>>,
+    /// The batched decode steps captured so far (graph.rs).
+    batch_steps: Mutex<graph::BatchSteps>,
 }
 
 /// A request's state in GPU memory: the same arrays as `State`, K/V with room to grow, and
@@ -180,8 +185,9 @@ pub struct GpuState {
 enum LastLogits {
     Host(Vec<f32>),
     InStep { argmax: u32 },
-    /// Row `row` of a batched step's logits (on the stream that wrote them).
-    InBatch { argmax: u32, logits: Arc<CudaSlice<f32>>, row: usize, vocab: usize, stream: Arc<cudarc::driver::CudaStream> },
+    /// Row `row` of a batched step's logits (on the stream that wrote them), valid while the
+    /// buffer's step count (`written`, bumped by every step that reuses the buffer) is `step`.
+    InBatch { argmax: u32, logits: Arc<CudaSlice<f32>>, written: Arc<AtomicU64>, step: u64, row: usize, vocab: usize, stream: Arc<cudarc::driver::CudaStream> },
 }
 
 enum GpuLayerState {
@@ -306,7 +312,7 @@ impl GpuQwen35 {
         let inv_freq = gpu.upload(&net.inv_freq)?;
         let staging = Arc::new(Mutex::new(Staging::default()));
         gpu.synchronize()?;
-        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, weight_bytes, staging })
+        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, weight_bytes, staging, batch_steps: Mutex::default() })
     }
 
     /// Give the GPU back (to load another model on it).
@@ -367,8 +373,11 @@ impl GpuQwen35 {
     }
 
     /// One decode step of several sequences: `tokens[i]` applied to `states[i]`, every weight
-    /// read once for all of them (the GEMV takes up to 8 rows; more go through the GEMM); the
-    /// mixers run per sequence on its own state. Each state's last logits are set.
+    /// read once for all of them (the GEMV takes up to 8 rows; more go through the GEMM), each
+    /// layer's mixer in one launch for all (their states through the step's address tables).
+    /// With `graphs` on, the step is replayed from the graph of its batch-size bucket
+    /// (`replay_batch`). Each state's last logits are set: its greedy pick comes back, the row
+    /// stays on the GPU until asked for.
     pub fn decode_batch(&self, tokens: &[u32], states: &mut [&mut GpuState]) -> Result<()> {
         if tokens.len() != states.len() {
             bail!("decode_batch: {} tokens for {} states", tokens.len(), states.len());
@@ -381,6 +390,12 @@ impl GpuQwen35 {
             self.grow_kv(s, end)?;
         }
         let n = tokens.len();
+        if self.graphs {
+            return match states {
+                [one] => self.replay_step(tokens[0], one),
+                _ => self.replay_batch(tokens, states),
+            };
+        }
         let mut ws = Workspace::new(self, n, n, n)?;
         let positions: Vec<usize> = states.iter().map(|s| s.position).collect();
         ws.write_io(&self.gpu, &positions, tokens)?;
@@ -389,13 +404,13 @@ impl GpuQwen35 {
         }
         let rows: Vec<Rows> = (0..n).map(|i| Rows { first: i, count: 1 }).collect();
         self.enqueue(&ws, states, &rows, 0, None)?;
-        // The greedy picks are found on the GPU and only they come back; each state's logits
-        // row stays in the step's buffer until somebody asks for it.
+        // The greedy picks are found on the GPU and only they come back.
         self.enqueue_argmax(&ws, n)?;
         let picks = self.gpu.download(&ws.pick, n)?;
+        let written = Arc::new(AtomicU64::new(0));
         for (i, s) in states.iter_mut().enumerate() {
             s.position += 1;
-            s.last = LastLogits::InBatch { argmax: picks[i], logits: ws.logits.clone(), row: i, vocab: self.config.vocab_size, stream: self.gpu.stream.clone() };
+            s.last = LastLogits::InBatch { argmax: picks[i], logits: ws.logits.clone(), written: written.clone(), step: 0, row: i, vocab: self.config.vocab_size, stream: self.gpu.stream.clone() };
         }
         Ok(())
     }

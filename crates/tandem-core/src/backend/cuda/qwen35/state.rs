@@ -212,7 +212,10 @@ impl GpuState {
                 let (src, _sync) = cudarc::driver::DevicePtr::device_ptr(&*step.ws.logits, &step.stream);
                 self.staging.lock().unwrap_or_else(|e| e.into_inner()).download(&step.stream, src, step.ws.logits.len())
             }
-            LastLogits::InBatch { logits, row, vocab, stream, .. } => {
+            LastLogits::InBatch { logits, written, step, row, vocab, stream, .. } => {
+                if written.load(Ordering::Acquire) != *step {
+                    bail!("this state's logits were overwritten by a later batched decode step (read them before the next step)");
+                }
                 let v = *vocab;
                 let (src, _sync) = cudarc::driver::DevicePtr::device_ptr(&**logits, stream);
                 self.staging.lock().unwrap_or_else(|e| e.into_inner()).download(stream, src + (row * v * 4) as u64, v)

@@ -128,23 +128,11 @@ impl Workspace {
         g.stream.memcpy_htod(&io[..], &mut self.io.slice_mut(..io.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying token ids: {e:?}", g.ordinal))
     }
 
-    /// Write the tables of a batched decode step (one row of each of `states`): layer l's
-    /// conv windows (or K caches) at `2 l · n`, its recurrent states (or V caches) at
-    /// `(2 l + 1) · n`.
+    /// Write the tables of a batched decode step (one row of each of `states`; see
+    /// `fill_tables`).
     pub(super) fn write_tables(&mut self, g: &Gpu, states: &[&mut GpuState]) -> Result<()> {
-        let n = states.len();
-        let layers = states.first().map_or(0, |s| s.layers.len());
-        let mut table = vec![0u64; 2 * layers * n];
-        for (i, s) in states.iter().enumerate() {
-            for (li, l) in s.layers.iter().enumerate() {
-                let (a, b) = match l {
-                    GpuLayerState::Linear { conv, recurrent } => (g.ptr(conv), g.ptr(recurrent)),
-                    GpuLayerState::Full { k, v } => (g.ptr(k), g.ptr(v)),
-                };
-                table[2 * li * n + i] = a.addr();
-                table[(2 * li + 1) * n + i] = b.addr();
-            }
-        }
+        let mut table = vec![0u64; 2 * states.first().map_or(0, |s| s.layers.len()) * states.len()];
+        fill_tables(g, states, None, &mut table);
         g.stream.memcpy_htod(&table[..], &mut self.tables.slice_mut(..table.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying a batch's state tables: {e:?}", g.ordinal))?;
         self.batched = true;
         Ok(())
@@ -154,5 +142,27 @@ impl Workspace {
     pub(super) fn layer_tables(&self, g: &Gpu, li: usize, n: usize) -> (DevPtr<DevPtr<f32>>, DevPtr<DevPtr<f32>>) {
         let base = g.ptr(&self.tables);
         (base.offset(2 * li * n).reinterpret(), base.offset((2 * li + 1) * n).reinterpret())
+    }
+}
+
+/// The tables of a batched decode step of `table.len() / (2 · layers)` rows: layer l's conv
+/// windows (or K caches) at `2 l · n`, its recurrent states (or V caches) at `(2 l + 1) · n`;
+/// row i is `states[i]`'s, and the rows past them `pad`'s (a graph's padding rows).
+pub(super) fn fill_tables(g: &Gpu, states: &[&mut GpuState], pad: Option<&GpuState>, table: &mut [u64]) {
+    let layers = states.first().map_or(0, |s| s.layers.len());
+    let n = table.len() / (2 * layers).max(1);
+    for i in 0..n {
+        let s: &GpuState = match states.get(i) {
+            Some(s) => s,
+            None => pad.expect("a state or the padding state for every row"),
+        };
+        for (li, l) in s.layers.iter().enumerate() {
+            let (a, b) = match l {
+                GpuLayerState::Linear { conv, recurrent } => (g.ptr(conv), g.ptr(recurrent)),
+                GpuLayerState::Full { k, v } => (g.ptr(k), g.ptr(v)),
+            };
+            table[2 * li * n + i] = a.addr();
+            table[(2 * li + 1) * n + i] = b.addr();
+        }
     }
 }
