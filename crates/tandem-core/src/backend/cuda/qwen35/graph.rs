@@ -163,11 +163,7 @@ impl GpuQwen35 {
             None => self.enqueue_batch_step(b, visible)?,
         }
         g.synchronize()?;
-        let picks = b.picks_host.as_slice();
-        for (i, s) in states.iter_mut().enumerate() {
-            s.position += 1;
-            s.last = LastLogits::InBatch { argmax: picks[i], logits: b.ws.logits.clone(), written: b.written.clone(), step, row: i, vocab: self.config.vocab_size, stream: g.stream.clone() };
-        }
+        self.advance_batch(states, b.picks_host.as_slice(), &b.ws.logits, &b.written, step);
         Ok(())
     }
 

@@ -407,12 +407,18 @@ impl GpuQwen35 {
         // The greedy picks are found on the GPU and only they come back.
         self.enqueue_argmax(&ws, n)?;
         let picks = self.gpu.download(&ws.pick, n)?;
-        let written = Arc::new(AtomicU64::new(0));
+        // A workspace of its own: no later step writes these logits.
+        self.advance_batch(states, &picks, &ws.logits, &Arc::new(AtomicU64::new(0)), 0);
+        Ok(())
+    }
+
+    /// After a batched step: each state one position on, its last logits row `i` of `logits`
+    /// (valid while `written` is `step`) with its greedy pick.
+    fn advance_batch(&self, states: &mut [&mut GpuState], picks: &[u32], logits: &Arc<CudaSlice<f32>>, written: &Arc<AtomicU64>, step: u64) {
         for (i, s) in states.iter_mut().enumerate() {
             s.position += 1;
-            s.last = LastLogits::InBatch { argmax: picks[i], logits: ws.logits.clone(), written: written.clone(), step: 0, row: i, vocab: self.config.vocab_size, stream: self.gpu.stream.clone() };
+            s.last = LastLogits::InBatch { argmax: picks[i], logits: logits.clone(), written: written.clone(), step, row: i, vocab: self.config.vocab_size, stream: self.gpu.stream.clone() };
         }
-        Ok(())
     }
 
     /// Refuse what the kernels cannot take, before anything is applied.
