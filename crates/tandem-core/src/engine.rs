@@ -322,6 +322,47 @@ impl<'m> Engine<'m> {
         Ok(PrefillStats { tokens: tokens.len(), dispatches: plan.len(), padded_rows, time: start.elapsed() })
     }
 
+    /// Whether `prefill_batch` packs several prompts into one forward: a CUDA engine that
+    /// dispatches dynamically (a CPU engine's prefill already keeps its cores busy with one
+    /// prompt; a static-shape dispatch prefills one prompt at a time, as its device would).
+    pub fn packs_prompts(&self) -> bool {
+        matches!(self.backend, Backend::Cuda(_)) && self.spec.dispatch == Dispatch::Dynamic
+    }
+
+    /// Refuse a prompt that this engine cannot apply at `position` (too long for its context),
+    /// before anything is applied.
+    pub fn check_prompt(&self, tokens: &[u32], position: usize) -> Result<()> {
+        match &self.backend {
+            Backend::Cuda(g) => g.check_prompt(tokens, position),
+            Backend::Cpu(_) => self.net.config.check_input(tokens, position, tokens.len(), self.net.config.max_position_embeddings, "the model's"),
+        }
+    }
+
+    /// Apply `prompts[i]` to `states[i]`, all in one forward (`GpuQwen35::prefill_batch`:
+    /// every prompt checked first, so an error changes no state); each state's last logits are
+    /// those of its prompt's last token. Each prompt's stats carry the time of the whole call.
+    /// Only for engines that `packs_prompts`.
+    pub fn prefill_batch(&self, prompts: &[&[u32]], states: &mut [&mut DeviceState]) -> Result<Vec<PrefillStats>> {
+        let start = Instant::now();
+        let Backend::Cuda(g) = &self.backend else { bail!("prefill_batch: a CPU engine prefills one prompt at a time") };
+        if !self.packs_prompts() {
+            bail!("prefill_batch: this engine dispatches {}; packing prompts takes dynamic dispatch", self.spec.dispatch);
+        }
+        for s in states.iter_mut() {
+            device::move_in_place(self.gpu(), s)?;
+        }
+        let mut on_gpu: Vec<&mut GpuState> = states
+            .iter_mut()
+            .map(|s| match &mut **s {
+                DeviceState::Gpu(s) => &mut **s,
+                DeviceState::Host(_) => unreachable!("moved here"),
+            })
+            .collect();
+        g.prefill_batch(prompts, &mut on_gpu)?;
+        let time = start.elapsed();
+        Ok(prompts.iter().map(|p| PrefillStats { tokens: p.len(), dispatches: 1, padded_rows: 0, time }).collect())
+    }
+
     /// One decode step: `tokens[i]` applied to `states[i]`, all in one pass over the weights.
     pub fn decode(&self, tokens: &[u32], states: &mut [&mut DeviceState]) -> Result<()> {
         for s in states.iter_mut() {

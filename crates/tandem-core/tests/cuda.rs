@@ -45,8 +45,18 @@ fn state_error(got: &State, want: &State) -> f32 {
 
 const NEEDS_A_GPU: &str = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine";
 
-/// GPU 0, for `what`; a test run without one fails saying so.
-fn gpu_for(what: &str) -> Gpu {
+/// Held by each test while it uses the GPU: the tests share one CUDA context, where what one
+/// does (loading its module, freeing page-locked memory) synchronizes the whole GPU and so
+/// breaks a graph capture that another is making at that moment.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// GPU 0, for `what`, and the turn to use it; a test run without one fails saying so.
+fn gpu_for(what: &str) -> (Gpu, std::sync::MutexGuard<'static, ()>) {
+    let turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    (gpu0(what), turn)
+}
+
+fn gpu0(what: &str) -> Gpu {
     match tandem_core::backend::cuda::gpu_count() {
         Ok(n) if n > 0 => Gpu::open(0).unwrap(),
         Ok(_) => panic!("{what}: the driver reports no GPU ({NEEDS_A_GPU})"),
@@ -55,16 +65,16 @@ fn gpu_for(what: &str) -> Gpu {
 }
 
 /// GPU 0 with bf16 mma instructions (compute capability 8.0 and later), for `what`.
-fn mma_gpu_for(what: &str) -> Gpu {
-    let g = gpu_for(what);
+fn mma_gpu_for(what: &str) -> (Gpu, std::sync::MutexGuard<'static, ()>) {
+    let (g, turn) = gpu_for(what);
     assert!(g.bf16_mma, "{what}: {} has no bf16 mma (compute capability below 8.0)", g.name);
-    g
+    (g, turn)
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn gpu_prefill_and_decode_match_the_cpu_engine() {
-    let gpu0 = gpu_for("the CUDA kernels against the CPU engine");
+    let (gpu0, _turn) = gpu_for("the CUDA kernels against the CPU engine");
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let tokens = prompt("p4");
     assert_eq!(tokens.len(), 300);
@@ -113,7 +123,7 @@ fn gpu_prefill_and_decode_match_the_cpu_engine() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn batched_decode_matches_each_sequence_alone() {
-    let gpu0 = gpu_for("the batched decode step");
+    let (gpu0, _turn) = gpu_for("the batched decode step");
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let tokens = prompt("p4");
     let mut gpu = GpuQwen35::upload(gpu0, &m.net, Precision::Exact).unwrap();
@@ -149,12 +159,83 @@ fn batched_decode_matches_each_sequence_alone() {
     }
 }
 
+/// Prompts prefilled together in one forward (their rows packed, each sequence's mixer on its
+/// own rows) against each prompt prefilled alone: fresh states and states that already hold a
+/// prompt, lengths from 1 token (up to 8 are applied alone, as their GEMV is) to 300 (five
+/// delta-rule chunks), exact products and tensor cores; the same greedy picks and positions, logits within twice
+/// the verify tolerance (exact) and states within the state tolerance; then a batched decode
+/// step from the packed states picks what the solo states pick.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn packed_prefill_matches_each_prompt_alone() {
+    let (gpu0, _turn) = gpu_for("the packed prefill");
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let tokens = prompt("p4");
+    let mut gpu = GpuQwen35::upload(gpu0, &m.net, Precision::Exact).unwrap();
+    for precision in [Precision::Exact, Precision::TensorCores] {
+        gpu.precision = precision;
+        // (tokens already in the state, tokens of the prompt)
+        let cases: &[&[(usize, usize)]] = &[&[(0, 300), (0, 5)], &[(0, 1), (0, 9), (0, 64), (0, 65), (40, 130), (0, 300), (7, 2), (100, 33)]];
+        for &case in cases {
+            let start = |done: usize| {
+                let mut s = gpu.new_state().unwrap();
+                if done > 0 {
+                    gpu.forward(&tokens[..done], &mut s, Logits::Last).unwrap();
+                }
+                s
+            };
+            let mut alone: Vec<_> = case.iter().map(|&(done, _)| start(done)).collect();
+            let mut packed: Vec<_> = case.iter().map(|&(done, _)| start(done)).collect();
+            let prompts: Vec<&[u32]> = case.iter().map(|&(done, n)| &tokens[done..done + n]).collect();
+            for (s, p) in alone.iter_mut().zip(&prompts) {
+                gpu.forward(p, s, Logits::Last).unwrap();
+            }
+            let mut refs: Vec<_> = packed.iter_mut().collect();
+            gpu.prefill_batch(&prompts, &mut refs).unwrap();
+            for (i, (b, a)) in packed.iter_mut().zip(alone.iter_mut()).enumerate() {
+                let what = format!("{precision:?}, case {case:?}: sequence {i}");
+                let want = a.last_logits().unwrap().to_vec();
+                assert_eq!(b.position, a.position, "{what}");
+                // (A prompt applied alone leaves its logits on the host, with no GPU argmax.)
+                let gpu_pick = b.last_argmax();
+                let got = b.last_logits().unwrap();
+                assert_eq!(argmax(got), argmax(&want), "{what} picks another token");
+                assert!(gpu_pick.is_none() || gpu_pick == Some(argmax(got)), "{what}: the GPU's greedy pick is not the argmax of its logits");
+                let err = max_abs_diff(got, &want);
+                eprintln!("{what}: logits differ from the solo prefill by {err:.2e}");
+                if precision == Precision::Exact {
+                    assert!(err <= 2.0 * LOGIT_TOL, "{what}: logits differ from the solo prefill by {err:.2e}");
+                    let err = state_error(&gpu.download_state(b).unwrap(), &gpu.download_state(a).unwrap());
+                    assert!(err <= STATE_REL_TOL, "{what}: states differ by {err:.2e} (relative)");
+                }
+            }
+            let picks: Vec<u32> = alone.iter_mut().map(|s| argmax(s.last_logits().unwrap())).collect();
+            for (s, &p) in alone.iter_mut().zip(&picks) {
+                gpu.apply(&[p], s).unwrap();
+            }
+            let mut refs: Vec<_> = packed.iter_mut().collect();
+            gpu.decode_batch(&picks, &mut refs).unwrap();
+            for (i, (b, a)) in packed.iter_mut().zip(alone.iter_mut()).enumerate() {
+                assert_eq!(argmax(b.last_logits().unwrap()), argmax(a.last_logits().unwrap()), "{precision:?}, case {case:?}: sequence {i}: the decode step after the packed prefill picks another token");
+            }
+        }
+    }
+    // A prompt the engine cannot take is refused before any state changes.
+    gpu.precision = Precision::Exact;
+    let mut a = gpu.new_state().unwrap();
+    let mut b = gpu.new_state().unwrap();
+    let bad = [u32::MAX];
+    let e = format!("{:#}", gpu.prefill_batch(&[&tokens[..10], &bad], &mut [&mut a, &mut b]).unwrap_err());
+    assert!(e.contains("outside the model's vocabulary"), "{e}");
+    assert_eq!((a.position, b.position), (0, 0));
+}
+
 /// A batched step's logits stay on the GPU in its bucket's buffer; a state whose row a later
 /// step of that bucket overwrote says so rather than hand out another sequence's logits.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn logits_overwritten_by_a_later_batched_step_are_refused() {
-    let gpu0 = gpu_for("the batched decode step's logits");
+    let (gpu0, _turn) = gpu_for("the batched decode step's logits");
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let tokens = prompt("p4");
     let gpu = GpuQwen35::upload(gpu0, &m.net, Precision::Exact).unwrap();
@@ -181,7 +262,7 @@ fn logits_overwritten_by_a_later_batched_step_are_refused() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn decode_at_5000_positions_matches_the_cpu_engine() {
-    let gpu0 = gpu_for("long-context decode on the GPU");
+    let (gpu0, _turn) = gpu_for("long-context decode on the GPU");
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let mut rng = tandem_core::rng::Rng::new(5);
     let tokens: Vec<u32> = (0..5000).map(|_| (rng.next_f64() * m.net.config.vocab_size as f64) as u32).collect();
@@ -208,7 +289,7 @@ fn decode_at_5000_positions_matches_the_cpu_engine() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn mma_attention_matches_the_f32_tiles() {
-    let g = mma_gpu_for("the tensor-core attention kernel");
+    let (g, _turn) = mma_gpu_for("the tensor-core attention kernel");
     use tandem_core::backend::cuda::kernels as k;
     use tandem_core::backend::cuda::launch::Grid;
     let mut rng = tandem_core::rng::Rng::new(11);
@@ -250,7 +331,7 @@ fn mma_attention_matches_the_f32_tiles() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn mma_state_walk_matches_the_f32_walk() {
-    let g = mma_gpu_for("the tensor-core state walk");
+    let (g, _turn) = mma_gpu_for("the tensor-core state walk");
     use tandem_core::backend::cuda::kernels as k;
     use tandem_core::backend::cuda::launch::Grid;
     let mut rng = tandem_core::rng::Rng::new(13);

@@ -69,7 +69,7 @@ fn run_pipeline(net: &Qwen35, config: &PipelineConfig, prompts: &[Vec<u32>], max
 }
 
 fn config(mode: Mode, prefill: &str, decode: &str, transfer: Transfer, max_batch: usize) -> PipelineConfig {
-    PipelineConfig { mode, prefill: EngineSpec::parse(prefill).unwrap(), decode: EngineSpec::parse(decode).unwrap(), transfer, max_batch }
+    PipelineConfig { mode, prefill: EngineSpec::parse(prefill).unwrap(), decode: EngineSpec::parse(decode).unwrap(), transfer, max_batch, max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS }
 }
 
 #[test]
@@ -96,7 +96,8 @@ fn every_mode_dispatch_and_transfer_gives_the_reference_greedy_tokens() {
 
 /// The CUDA placements give the reference's greedy tokens: GPU with GPU, host to GPU, GPU to
 /// host, GPU to GPU through a state file; one sequence per step (its CUDA graph) and several
-/// (the batched step). Exact prefill products, so that the tiny fixture's greedy choices are
+/// (the batched step); the prompts submitted together prefilled in one packed forward, or in
+/// several under a small token budget. Exact prefill products, so that the tiny fixture's greedy choices are
 /// reproducible. Ignored by default (it needs an NVIDIA GPU): on a GPU machine, `cargo test
 /// --release -- --include-ignored`.
 #[test]
@@ -118,6 +119,9 @@ fn cuda_placements_give_the_reference_greedy_tokens() {
         config(Mode::Hybrid, "cpu:threads=1", "cuda:0,precision=exact,graphs=off", Transfer::Move, 8),
         config(Mode::Hybrid, gpu, gpu, Transfer::File(dir.clone()), 2),
         config(Mode::Hybrid, "cpu:threads=1", gpu, Transfer::Socket, 8),
+        // Prompts packed into forwards of at most 64 tokens (a longer one alone).
+        PipelineConfig { max_prefill_tokens: 64, ..config(Mode::Hybrid, gpu, gpu, Transfer::Move, 8) },
+        PipelineConfig { max_prefill_tokens: 64, ..config(Mode::AllOnDecodeEngine, gpu, gpu, Transfer::Move, 3) },
     ];
     assert_placements_give_the_reference_tokens(&m, &configs);
 }

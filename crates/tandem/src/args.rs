@@ -84,7 +84,7 @@ impl Args {
 }
 
 /// Options of every command that runs the pipeline (generate, chat).
-pub const ENGINE_OPTIONS: [&str; 9] = ["threads", "cores", "quant", "isa", "prefill", "decode", "mode", "transfer", "max-batch"];
+pub const ENGINE_OPTIONS: [&str; 10] = ["threads", "cores", "quant", "isa", "prefill", "decode", "mode", "transfer", "max-batch", "max-prefill-tokens"];
 
 /// The pipeline asked for on the command line. Without `--prefill`/`--decode` one engine does
 /// everything (on `--threads`/`--cores`, default all cores); with them, the default mode is
@@ -113,9 +113,13 @@ pub fn pipeline_config(args: &Args) -> Result<PipelineConfig> {
         decode: placement("decode", "cpu:cores=1")?,
         transfer: Transfer::parse(args.str("transfer").unwrap_or("move"))?,
         max_batch: args.get("max-batch", 8)?,
+        max_prefill_tokens: args.get("max-prefill-tokens", PipelineConfig::MAX_PREFILL_TOKENS)?,
     };
     if config.max_batch == 0 {
         bail!("--max-batch must be at least 1");
+    }
+    if config.max_prefill_tokens == 0 {
+        bail!("--max-prefill-tokens must be at least 1");
     }
     if mode != Mode::Hybrid && args.str("transfer").is_some() {
         bail!("--transfer applies to the hybrid mode only (mode {})", mode.name());

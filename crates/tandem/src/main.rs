@@ -46,6 +46,8 @@ ENGINES (generate, chat):
   --transfer move|file[:DIR]|socket
                          how a hybrid state crosses (default move: no copy)
   --max-batch N          sequences decoded together in one step (default 8)
+  --max-prefill-tokens N most prompt tokens prefilled in one forward: a CUDA engine packs the
+                         prompts that wait into one, up to this many (default 8192)
   --threads N | --cores 0,1
                          without --prefill/--decode: one engine on N threads or these cores
                          (default: one engine on all cores)

@@ -4,10 +4,10 @@
 //! is the same step for one engine that also prefills (the study's pure modes).
 
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::mpsc::TryRecvError;
 use std::time::Instant;
 
-use super::prefill::{finish_prefill_only, prefill_request};
+use super::prefill::{finish_prefill_only, prefill_requests, Queue};
 use super::request::{Event, Finish, Request, Timings};
 use super::EngineTime;
 use crate::bridge::handoff;
@@ -72,20 +72,18 @@ pub(super) fn decode_loop(engine: &Engine, mut bridge: handoff::Receiver<Handoff
     }
 }
 
-pub(super) fn single_engine_loop(engine: &Engine, requests: Receiver<(Request, Instant)>, max_batch: usize, time: &EngineTime) {
+pub(super) fn single_engine_loop(engine: &Engine, mut queue: Queue, max_batch: usize, max_prefill_tokens: usize, time: &EngineTime) {
     let mut active: Vec<Active> = Vec::new();
-    let mut open = true;
-    while open || !active.is_empty() {
-        // Admit new requests: block when idle, else take what is waiting (up to the batch).
-        while active.len() < max_batch && open {
-            let next = if active.is_empty() { requests.recv().ok() } else { requests.try_recv().ok() };
-            let Some((mut request, submitted)) = next else {
-                if active.is_empty() {
-                    open = false;
-                }
-                break;
-            };
-            if let Some((state, timings)) = prefill_request(engine, &mut request, submitted, time) {
+    loop {
+        // Admit new requests between decode steps (waiting for one when idle), up to the batch:
+        // prefilled in one forward where the engine packs prompts.
+        let room = max_batch - active.len();
+        if room > 0 {
+            let per_call = if engine.packs_prompts() { room } else { 1 };
+            let Some(mut batch) = queue.take(active.is_empty(), max_prefill_tokens, per_call) else { break };
+            let prefilled = prefill_requests(engine, &mut batch, time);
+            for ((request, submitted), done) in batch.into_iter().zip(prefilled) {
+                let Some((state, timings)) = done else { continue };
                 if request.max_tokens == 0 {
                     finish_prefill_only(request, state, timings);
                 } else {

@@ -1,4 +1,5 @@
-//! The pipeline between the engines. Requests queue for the prefill engine (`prefill.rs`);
+//! The pipeline between the engines. Requests queue for the prefill engine (`prefill.rs`),
+//! which takes those that wait together (a GPU engine prefills them in one packed forward);
 //! each prefilled state crosses the bridge (`bridge::handoff`) to the decode engine
 //! (`decode.rs`), which decodes every active sequence in one batched step per token. With two
 //! engines (hybrid) the two run at once on their own threads (and cores): while the decode
@@ -66,6 +67,14 @@ pub struct PipelineConfig {
     pub transfer: Transfer,
     /// Most sequences decoded in one step.
     pub max_batch: usize,
+    /// Most prompt tokens prefilled in one forward, where the engine packs the prompts that
+    /// wait into one (a CUDA engine); a longer prompt goes alone.
+    pub max_prefill_tokens: usize,
+}
+
+impl PipelineConfig {
+    /// The default budget of one packed prefill: 16 prompts of 512 tokens.
+    pub const MAX_PREFILL_TOKENS: usize = 8192;
 }
 
 /// Time the engines spent computing, in nanoseconds, since the pipeline started: prefill work
@@ -163,6 +172,9 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
     if config.max_batch == 0 {
         bail!("max batch must be at least 1");
     }
+    if config.max_prefill_tokens == 0 {
+        bail!("the prefill token budget must be at least 1");
+    }
     let (req_tx, req_rx) = channel::<(Request, Instant)>();
     let engine_time = Arc::new(EngineTime::default());
     let pipeline = Pipeline { requests: req_tx, engine_time: Arc::clone(&engine_time) };
@@ -170,14 +182,14 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
         let (ready_tx, ready_rx) = channel::<Result<()>>();
         let mut threads = Vec::new();
         let time = &engine_time;
-        let max_batch = config.max_batch;
+        let (max_batch, max_prefill_tokens) = (config.max_batch, config.max_prefill_tokens);
         match config.mode {
             Mode::AllOnPrefillEngine | Mode::AllOnDecodeEngine => {
                 let spec = if config.mode == Mode::AllOnPrefillEngine { &config.prefill } else { &config.decode };
                 let ready = ready_tx.clone();
                 threads.push(s.spawn(move || {
                     if let Some(engine) = start_engine(spec, net, &ready, "engine") {
-                        decode::single_engine_loop(&engine, req_rx, max_batch, time);
+                        decode::single_engine_loop(&engine, prefill::Queue::new(req_rx), max_batch, max_prefill_tokens, time);
                     }
                 }));
             }
@@ -186,7 +198,7 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                 let (ready_p, ready_d) = (ready_tx.clone(), ready_tx.clone());
                 threads.push(s.spawn(move || {
                     if let Some(engine) = start_engine(&config.prefill, net, &ready_p, "prefill engine") {
-                        prefill::prefill_loop(&engine, req_rx, to_decode, time);
+                        prefill::prefill_loop(&engine, prefill::Queue::new(req_rx), to_decode, max_prefill_tokens, time);
                     }
                 }));
                 threads.push(s.spawn(move || {

@@ -80,6 +80,8 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
     let mut gemvs = String::new();
     let mut steps_alone = String::new();
     let mut batches = String::new();
+    let mut packs = String::new();
+    let mut pack_profile = String::new();
     let mut bridges = String::new();
     let mut energy = String::new();
     let mut model = Some(gpu);
@@ -242,6 +244,56 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
             writeln!(batches, "| {spec} | {n} | {rate:.0} ({lo:.0} - {hi:.0}) | {:.2}x |", rate / one)?;
         }
 
+        // Several prompts prefilled in one forward (their rows packed) against one after
+        // another, interleaved; the last packing profiled kernel by kernel.
+        progress(&format!("{spec}: packed prefill"));
+        for n in [1usize, 2, 4, 8, 16, 32] {
+            let prompts: Vec<&[u32]> = (0..n).map(|i| &tokens[i % 7..i % 7 + prompt]).collect();
+            let packed = |g: &GpuQwen35| -> Result<()> {
+                let mut states = (0..n).map(|_| g.new_state()).collect::<Result<Vec<_>>>()?;
+                let mut refs: Vec<_> = states.iter_mut().collect();
+                g.prefill_batch(&prompts, &mut refs)
+            };
+            let one_by_one = |g: &GpuQwen35| -> Result<()> {
+                for p in &prompts {
+                    let mut st = g.new_state()?;
+                    g.apply(p, &mut st)?;
+                    st.last_logits()?;
+                }
+                Ok(())
+            };
+            packed(&g)?;
+            let (mut rates, mut alone) = (Vec::new(), Vec::new());
+            for _ in 0..reps {
+                let t = Instant::now();
+                packed(&g)?;
+                rates.push((n * prompt) as f64 / t.elapsed().as_secs_f64());
+                if n == 1 || n == 16 {
+                    let t = Instant::now();
+                    one_by_one(&g)?;
+                    alone.push((n * prompt) as f64 / t.elapsed().as_secs_f64());
+                }
+            }
+            let (rate, lo, hi) = stats(&mut rates);
+            let alone = if alone.is_empty() { "-".to_string() } else { format!("{:.0}", stats(&mut alone).0) };
+            let flops = n as f64 * net.prefill_flops(prompt);
+            let secs = (n * prompt) as f64 / rate;
+            writeln!(packs, "| {spec} | {n} | {} | {rate:.0} ({lo:.0} - {hi:.0}) | {:.0} | {:.0}% | {alone} |", n * prompt, flops / secs / 1e12, 100.0 * flops / secs / tc_peak)?;
+            if n == 16 {
+                g.gpu.start_profile();
+                packed(&g)?;
+                let profile = g.gpu.finish_profile()?;
+                let total: f64 = profile.iter().map(|p| p.1).sum();
+                writeln!(pack_profile, "
+{spec}, {n} prompts of {prompt} tokens packed: {total:.1} ms of kernels ({} launches):
+", profile.iter().map(|p| p.2).sum::<usize>())?;
+                writeln!(pack_profile, "| kernel | ms | launches | share |\n|---|---|---|---|")?;
+                for (name, ms, count) in profile.iter().take(12) {
+                    writeln!(pack_profile, "| {name} | {ms:.2} | {count} | {:.0}% |", 100.0 * ms / total)?;
+                }
+            }
+        }
+
         // The bridge between devices: a prefilled state copied GPU -> host, host -> GPU, GPU ->
         // GPU (the same one, and the peer where there are two).
         progress(&format!("{spec}: bridge"));
@@ -297,6 +349,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
     )?;
     writeln!(report, "\n### The decode GEMVs alone (one token; each kind through every layer's matrices, a CUDA graph of 40 launches or more, median of 5 replays)\n\n| model | GEMV | weights | MB | µs per launch | GB/s | of bandwidth |\n|---|---|---|---|---|---|---|\n{gemvs}")?;
     writeln!(report, "\n### Batched decode (one step for every sequence; one sequence: the graph)\n\n| model | sequences | aggregate tok/s | vs one |\n|---|---|---|---|\n{batches}")?;
+    writeln!(report, "\n### Packed prefill (prompts of {prompt} tokens prefilled in one forward, their rows packed; against the same prompts one after another, measured at 1 and 16; median of {reps})\n\n| model | prompts | tokens | tok/s | TFLOP/s | of bf16 peak | one after another tok/s |\n|---|---|---|---|---|---|---|\n{packs}{pack_profile}")?;
     writeln!(
         report,
         "\n### The bridge between devices (a prefilled state, median of {reps}; {})\n\n| model | tokens | copy | MB | ms | GB/s |\n|---|---|---|---|---|---|\n{bridges}",

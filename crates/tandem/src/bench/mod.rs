@@ -134,7 +134,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         &[
             "model", "threads", "cores", "quant", "prompts", "decode-tokens", "reps", "out", "isa", "sections", "prefill", "decode", "device", "mode", "transfer",
             // The serve section's.
-            "input-len", "output-len", "concurrency", "rates", "requests", "max-concurrent", "temperature", "slo-ttft-ms", "slo-tpot-ms",
+            "input-len", "output-len", "concurrency", "rates", "requests", "max-concurrent", "max-prefill-tokens", "temperature", "slo-ttft-ms", "slo-tpot-ms",
         ],
         &["quick"],
     )?;
@@ -512,6 +512,7 @@ fn pipeline_config(args: &Args) -> Result<tandem_core::pipeline::PipelineConfig>
         decode: EngineSpec::parse(args.str("decode").unwrap_or(d)).context("--decode")?,
         transfer: Transfer::Move,
         max_batch: 8,
+        max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS,
     })
 }
 

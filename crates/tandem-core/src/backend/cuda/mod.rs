@@ -344,6 +344,12 @@ impl Gpu {
         unsafe { cudarc::driver::result::memcpy_dtoh_async(dst.as_mut_slice(), src.addr(), self.stream.cu_stream()) }.map_err(|e| anyhow::anyhow!("cuda:{}: copying from the GPU: {e:?}", self.ordinal))
     }
 
+    /// Queue a copy of `n` values from `src` to `dst`, both on this GPU.
+    pub fn copy_on_device<T: cudarc::driver::DeviceRepr>(&self, src: DevPtr<T>, dst: DevPtr<T>, n: usize) -> Result<()> {
+        // SAFETY: the callers' buffers hold n values at src and at dst, and do not overlap.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst.addr(), src.addr(), n * std::mem::size_of::<T>(), self.stream.cu_stream()) }.map_err(|e| anyhow::anyhow!("cuda:{}: copying on the GPU: {e:?}", self.ordinal))
+    }
+
     pub fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.ordinal))
     }

@@ -69,13 +69,50 @@ CONV_SILU_ROWS(conv_silu_rows_8, 8)
 
 // After conv_silu_rows: the conv state becomes the last kk raw inputs (one thread per channel
 // reads its old columns before it writes any).
-extern "C" __global__ void conv_state_tail(float* conv, const float* qkv, int t, int cd, int kk) {
-    pdl_enter();
+__device__ void conv_state_tail_body(float* conv, const float* qkv, int t, int cd, int kk) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= cd) return;
     float win[8];
     for (int j = 0; j < kk; j++) win[j] = conv_input(conv, qkv, t - kk + j, c, cd, kk);
     for (int j = 0; j < kk; j++) conv[(size_t)j * cd + c] = win[j];
+}
+extern "C" __global__ void conv_state_tail(float* conv, const float* qkv, int t, int cd, int kk) {
+    pdl_enter();
+    conv_state_tail_body(conv, qkv, t, cd, kk);
+}
+
+// The prefill kernels of several sequences packed into one forward, one sequence per
+// blockIdx.z (the *_packed kernels): each does what its one-sequence kernel does on that
+// sequence's rows, conv window and state alone (the same arithmetic, bit for bit), so that a
+// packed prefill launches each once per layer rather than once per sequence (a prompt's
+// DeltaNet launches alone fill few SMs: 16 prompts of 512 tokens of the 0.8B spent 63% of
+// their kernel time in them, one after another). `seqs` holds three values per sequence: its
+// first row among the packed rows, its row count, and its first chunk of the chunked rule's
+// scratch P. The grid is sized for the longest sequence; the blocks past a shorter one's rows
+// return at once.
+struct PackedSeq {
+    int first, count, chunk0;
+};
+__device__ __forceinline__ PackedSeq packed_seq(const u32* seqs) {
+    const u32* s = seqs + 3 * blockIdx.z;
+    return {(int)s[0], (int)s[1], (int)s[2]};
+}
+#define CONV_SILU_ROWS_PACKED(NAME, KMAX)                                                                                                          \
+    extern "C" __global__ void NAME(float* const* convs, const u32* seqs, const float* qkv, const float* taps, float* out, int cd, int kk,          \
+                                    int qk_channels, int dk, float q_scale) {                                                                      \
+        pdl_enter();                                                                                                                               \
+        PackedSeq q = packed_seq(seqs);                                                                                                            \
+        if ((int)blockIdx.x * CONV_RUN >= q.count) return;                                                                                          \
+        size_t at = (size_t)q.first * cd;                                                                                                          \
+        conv_silu_rows_body<KMAX>(convs[blockIdx.z], qkv + at, taps, out + at, q.count, cd, kk, qk_channels, dk, q_scale);                           \
+    }
+CONV_SILU_ROWS_PACKED(conv_silu_rows_packed_4, 4)
+CONV_SILU_ROWS_PACKED(conv_silu_rows_packed_8, 8)
+// Grid: (ceil(cd / 256), 1, sequences); block 256.
+extern "C" __global__ void conv_state_tail_packed(float* const* convs, const u32* seqs, const float* qkv, int cd, int kk) {
+    pdl_enter();
+    PackedSeq q = packed_seq(seqs);
+    conv_state_tail_body(convs[blockIdx.z], qkv + (size_t)q.first * cd, q.count, cd, kk);
 }
 
 // A DeltaNet layer's mixer for a few tokens (decode), in one launch: causal conv + SiLU, l2 norm
@@ -226,9 +263,8 @@ DELTANET_STEP_BATCH(deltanet_step_batch_128, 128)
 // P [chunks, hv, 64, 64]. `mixed` holds the conv output with q and k already l2-normalised.
 // Block: 256 threads (at least dk + dv); grid: (chunks, hv).
 #define CHUNK 64
-extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prep(const float* mixed, const float* bproj, const float* aproj, const float* neg_a, const float* dt_bias,
-                                                                      float* gcum, float* U, float* W, float* P, int t, int hk, int hv, int dk, int dv, int cd) {
-    pdl_enter();
+__device__ void deltanet_chunk_prep_body(const float* mixed, const float* bproj, const float* aproj, const float* neg_a, const float* dt_bias, float* gcum, float* U,
+                                         float* W, float* P, int t, int hk, int hv, int dk, int dv, int cd) {
     __shared__ float qs[CHUNK][33], ks[CHUNK][33], as[CHUNK][CHUNK + 1], gc[CHUNK], bt[CHUNK];
     int chunk = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     int c0 = chunk * CHUNK, n = min(CHUNK, t - c0);
@@ -317,6 +353,23 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prep(const floa
         size_t stride = (size_t)hv * (is_u ? dv : dk);
         for (int i = 0; i < n; i++) dst[(size_t)(c0 + i) * stride] = col[i];
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prep(const float* mixed, const float* bproj, const float* aproj, const float* neg_a, const float* dt_bias,
+                                                                      float* gcum, float* U, float* W, float* P, int t, int hk, int hv, int dk, int dv, int cd) {
+    pdl_enter();
+    deltanet_chunk_prep_body(mixed, bproj, aproj, neg_a, dt_bias, gcum, U, W, P, t, hk, hv, dk, dv, cd);
+}
+// Grid: (most chunks of a sequence, hv, sequences).
+extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prep_packed(const u32* seqs, const float* mixed, const float* bproj, const float* aproj, const float* neg_a,
+                                                                             const float* dt_bias, float* gcum, float* U, float* W, float* P, int hk, int hv, int dk, int dv,
+                                                                             int cd) {
+    pdl_enter();
+    PackedSeq q = packed_seq(seqs);
+    if ((int)blockIdx.x * CHUNK >= q.count) return;
+    size_t r = q.first;
+    deltanet_chunk_prep_body(mixed + r * cd, bproj + r * hv, aproj + r * hv, neg_a, dt_bias, gcum + r * hv, U + r * hv * dv, W + r * hv * dk,
+                             P + (size_t)q.chunk0 * hv * CHUNK * CHUNK, q.count, hk, hv, dk, dv, cd);
 }
 
 // Part 2, the state's way through the chunks (in order), one block per (value head, DS value
@@ -660,6 +713,28 @@ __device__ void deltanet_chunk_state_mma_body(float* state, const float* mixed, 
 DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_32, 32)
 DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_64, 64)
 DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_128, 128)
+
+// The state walks of a packed prefill (grid: (hv, dv / 16, sequences)): sequence z's rows of
+// the packed arrays and its own state.
+#define PACKED_WALK_ARGS(q)                                                                                                              \
+    states[blockIdx.z], mixed + (size_t)q.first * cd, gcum + (size_t)q.first * hv, U + (size_t)q.first * hv * dv, W + (size_t)q.first * hv * dk, \
+        P + (size_t)q.chunk0 * hv * CHUNK * CHUNK, core + (size_t)q.first * hv * dv, q.count
+#define DELTANET_CHUNK_STATE_MMA_PACKED(NAME, DK)                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(128) NAME(float* const* states, const u32* seqs, const float* mixed, const float* gcum, const float* U, \
+                                                           const float* W, const float* P, float* core, int hk, int hv, int dk, int dv, int cd) {    \
+        pdl_enter();                                                                                                                                 \
+        PackedSeq q = packed_seq(seqs);                                                                                                              \
+        deltanet_chunk_state_mma_body<DK>(PACKED_WALK_ARGS(q), hk, hv, dv, cd);                                                                      \
+    }
+DELTANET_CHUNK_STATE_MMA_PACKED(deltanet_chunk_state_mma_packed_32, 32)
+DELTANET_CHUNK_STATE_MMA_PACKED(deltanet_chunk_state_mma_packed_64, 64)
+DELTANET_CHUNK_STATE_MMA_PACKED(deltanet_chunk_state_mma_packed_128, 128)
+extern "C" __global__ void __launch_bounds__(256, 2) deltanet_chunk_state_packed(float* const* states, const u32* seqs, const float* mixed, const float* gcum, const float* U,
+                                                                              const float* W, const float* P, float* core, int hk, int hv, int dk, int dv, int cd) {
+    pdl_enter();
+    PackedSeq q = packed_seq(seqs);
+    deltanet_chunk_state_body<16>(PACKED_WALK_ARGS(q), hk, hv, dk, dv, cd);
+}
 
 // core = w * (core / rms(core)) * silu(z), per head row of width dv; in bf16 into out_bf16
 // instead where that is not null (the out projection's tensor-core GEMM operand). A warp per

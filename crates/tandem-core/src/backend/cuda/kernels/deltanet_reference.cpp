@@ -200,7 +200,67 @@ static void check_deltanet_step_batch(int hk, int hv, int dv,
     printf("%s deltanet_step_batch_%d, 3 sequences: each sequence's bits as alone, counters at zero\n", same ? "ok  " : "FAIL", DK);
 }
 
+// The prefill kernels of a packed prefill (conv_silu_rows_packed, conv_state_tail_packed,
+// deltanet_chunk_prep_packed, the f32 and tensor-core walks *_packed) against the one-sequence
+// kernels on each sequence alone: three sequences of 70, 9 and 130 rows (chunks that end
+// mid-sequence, a sequence of one partial chunk), each with its own conv window and state;
+// outputs, windows and states bit for bit.
+template <int DK>
+static void check_chunked_packed(int hk, int hv, int dv) {
+    const int n = 3, kk = 4, cd = 2 * hk * DK + hv * dv, vd = hv * dv, qk = 2 * hk * DK;
+    const int counts[n] = {70, 9, 130};
+    const float q_scale = 1 / std::sqrt((float)DK);
+    int t = 0, chunks = 0, longest = 0;
+    std::vector<u32> seqs;
+    for (int c : counts) {
+        seqs.insert(seqs.end(), {(u32)t, (u32)c, (u32)chunks});
+        t += c;
+        chunks += (c + 63) / 64;
+        longest = std::max(longest, c);
+    }
+    auto taps = random((size_t)kk * cd, -0.7, 0.7), neg_a = random(hv, -2, -0.2), dt = random(hv, -1, 1);
+    auto qkv = random((size_t)t * cd, -2, 2), b = random((size_t)t * hv, -2, 2), a = random((size_t)t * hv, -2, 2);
+    std::vector<std::vector<float>> conv(n), state(n), state_mma(n);
+    std::vector<float*> convs(n), states(n), states_mma(n);
+    for (int s = 0; s < n; s++) {
+        conv[s] = random((size_t)kk * cd, -1, 1);
+        state[s] = state_mma[s] = random((size_t)hv * DK * dv, -0.5, 0.5);
+        convs[s] = conv[s].data();
+        states[s] = state[s].data();
+        states_mma[s] = state_mma[s].data();
+    }
+    // Alone first, from copies of the same windows and states.
+    auto conv1 = conv, state1 = state, state1_mma = state_mma;
+    std::vector<float> mixed1((size_t)t * cd), core1((size_t)t * vd), core1_mma((size_t)t * vd);
+    auto walk_mma = DK == 32 ? deltanet_chunk_state_mma_32 : DK == 64 ? deltanet_chunk_state_mma_64 : deltanet_chunk_state_mma_128;
+    for (int s = 0, first = 0; s < n; first += counts[s], s++) {
+        int c = counts[s], ch = (c + 63) / 64;
+        float* mx = mixed1.data() + (size_t)first * cd;
+        std::vector<float> gcum((size_t)c * hv), U((size_t)c * hv * dv), W((size_t)c * hv * DK), P((size_t)ch * hv * 64 * 64);
+        launch((c + CONV_RUN - 1) / CONV_RUN, (cd + 1023) / 1024, 1, 256, [&] { conv_silu_rows_4(conv1[s].data(), qkv.data() + (size_t)first * cd, taps.data(), mx, c, cd, kk, qk, DK, q_scale); });
+        launch((cd + 255) / 256, 1, 1, 256, [&] { conv_state_tail(conv1[s].data(), qkv.data() + (size_t)first * cd, c, cd, kk); });
+        launch(ch, hv, 1, 256, [&] { deltanet_chunk_prep(mx, b.data() + (size_t)first * hv, a.data() + (size_t)first * hv, neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), c, hk, hv, DK, dv, cd); });
+        launch(hv, dv / 16, 1, 256, [&] { deltanet_chunk_state(state1[s].data(), mx, gcum.data(), U.data(), W.data(), P.data(), core1.data() + (size_t)first * vd, c, hk, hv, DK, dv, cd); });
+        launch(hv, dv / 16, 1, 128, [&] { walk_mma(state1_mma[s].data(), mx, gcum.data(), U.data(), W.data(), P.data(), core1_mma.data() + (size_t)first * vd, c, hk, hv, DK, dv, cd); });
+    }
+    // Packed: each kernel once for the three.
+    std::vector<float> mixed((size_t)t * cd), core((size_t)t * vd), core_mma((size_t)t * vd);
+    std::vector<float> gcum((size_t)t * hv), U((size_t)t * hv * dv), W((size_t)t * hv * DK), P((size_t)chunks * hv * 64 * 64);
+    launch((longest + CONV_RUN - 1) / CONV_RUN, (cd + 1023) / 1024, n, 256, [&] { conv_silu_rows_packed_4(convs.data(), seqs.data(), qkv.data(), taps.data(), mixed.data(), cd, kk, qk, DK, q_scale); });
+    launch((cd + 255) / 256, 1, n, 256, [&] { conv_state_tail_packed(convs.data(), seqs.data(), qkv.data(), cd, kk); });
+    launch((longest + 63) / 64, hv, n, 256, [&] { deltanet_chunk_prep_packed(seqs.data(), mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), hk, hv, DK, dv, cd); });
+    launch(hv, dv / 16, n, 256, [&] { deltanet_chunk_state_packed(states.data(), seqs.data(), mixed.data(), gcum.data(), U.data(), W.data(), P.data(), core.data(), hk, hv, DK, dv, cd); });
+    auto packed_mma = DK == 32 ? deltanet_chunk_state_mma_packed_32 : DK == 64 ? deltanet_chunk_state_mma_packed_64 : deltanet_chunk_state_mma_packed_128;
+    launch(hv, dv / 16, n, 128, [&] { packed_mma(states_mma.data(), seqs.data(), mixed.data(), gcum.data(), U.data(), W.data(), P.data(), core_mma.data(), hk, hv, DK, dv, cd); });
+    bool same = mixed == mixed1 && core == core1 && core_mma == core1_mma;
+    for (int s = 0; s < n; s++) same &= conv[s] == conv1[s] && state[s] == state1[s] && state_mma[s] == state1_mma[s];
+    failures += !same;
+    printf("%s the packed prefill kernels, dk %d, 3 sequences of 70, 9 and 130 rows: each sequence's bits as alone\n", same ? "ok  " : "FAIL", DK);
+}
+
 static void check_deltanet_kernels() {
+    check_chunked_packed<32>(2, 4, 32);
+    check_chunked_packed<128>(1, 2, 128);
     check_deltanet_step<32>(2, 4, 32, deltanet_step_32);
     check_deltanet_step<128>(2, 4, 128, deltanet_step_128);
     check_deltanet_step_batch<32>(2, 4, 32, deltanet_step_batch_32, deltanet_step_32);

@@ -42,6 +42,12 @@ pub type DeltaNetStepParams = (F32, F32, F32, F32, F32, F32, F32, F32, F32, F32,
 pub type DeltaNetStepBatchParams = (Table, Table, F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, U32, i32, i32, i32, i32, i32, f32);
 /// deltanet.cu deltanet_chunk_state*: (state, mixed, gcum, U, W, P, core, t, hk, hv, dk, dv, cd).
 pub type ChunkStateParams = (F32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32, i32);
+/// deltanet.cu conv_silu_rows_packed_*: (convs, seqs, qkv, taps, out, cd, kk, qk_channels, dk,
+/// q_scale); `seqs` (first row, rows, first chunk) per sequence of a packed prefill.
+pub type ConvRowsPackedParams = (Table, U32, F32, F32, F32, i32, i32, i32, i32, f32);
+/// deltanet.cu deltanet_chunk_state*_packed: (states, seqs, mixed, gcum, U, W, P, core, hk, hv,
+/// dk, dv, cd).
+pub type ChunkStatePackedParams = (Table, U32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32);
 /// attention.cu attention_mma_*: (q, k_bf16, v_bf16, gate, out, t, hq, hkv, pos).
 pub type AttentionMmaParams = (F32, Bf16, Bf16, F32, F32, i32, i32, i32, U32);
 
@@ -81,6 +87,10 @@ kernels! {
     CONV_SILU_ROWS_8 = "conv_silu_rows_8" as ConvRowsParams;
     /// (conv, qkv, t, cd, kk): the conv window after a prefill.
     CONV_STATE_TAIL = "conv_state_tail" as (F32, F32, i32, i32, i32);
+    CONV_SILU_ROWS_PACKED_4 = "conv_silu_rows_packed_4" as ConvRowsPackedParams;
+    CONV_SILU_ROWS_PACKED_8 = "conv_silu_rows_packed_8" as ConvRowsPackedParams;
+    /// (convs, seqs, qkv, cd, kk): the conv windows after a packed prefill.
+    CONV_STATE_TAIL_PACKED = "conv_state_tail_packed" as (Table, U32, F32, i32, i32);
     DELTANET_STEP_32 = "deltanet_step_32" as DeltaNetStepParams;
     DELTANET_STEP_64 = "deltanet_step_64" as DeltaNetStepParams;
     DELTANET_STEP_128 = "deltanet_step_128" as DeltaNetStepParams;
@@ -89,7 +99,13 @@ kernels! {
     DELTANET_STEP_BATCH_128 = "deltanet_step_batch_128" as DeltaNetStepBatchParams;
     /// (mixed, b, a, neg_a, dt_bias, gcum, U, W, P, t, hk, hv, dk, dv, cd).
     DELTANET_CHUNK_PREP = "deltanet_chunk_prep" as (F32, F32, F32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32, i32);
+    /// (seqs, mixed, b, a, neg_a, dt_bias, gcum, U, W, P, hk, hv, dk, dv, cd).
+    DELTANET_CHUNK_PREP_PACKED = "deltanet_chunk_prep_packed" as (U32, F32, F32, F32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32);
     DELTANET_CHUNK_STATE = "deltanet_chunk_state" as ChunkStateParams;
+    DELTANET_CHUNK_STATE_PACKED = "deltanet_chunk_state_packed" as ChunkStatePackedParams;
+    DELTANET_CHUNK_STATE_MMA_PACKED_32 = "deltanet_chunk_state_mma_packed_32" as ChunkStatePackedParams;
+    DELTANET_CHUNK_STATE_MMA_PACKED_64 = "deltanet_chunk_state_mma_packed_64" as ChunkStatePackedParams;
+    DELTANET_CHUNK_STATE_MMA_PACKED_128 = "deltanet_chunk_state_mma_packed_128" as ChunkStatePackedParams;
     DELTANET_CHUNK_STATE_1 = "deltanet_chunk_state_1" as ChunkStateParams;
     DELTANET_CHUNK_STATE_MMA_32 = "deltanet_chunk_state_mma_32" as ChunkStateParams;
     DELTANET_CHUNK_STATE_MMA_64 = "deltanet_chunk_state_mma_64" as ChunkStateParams;

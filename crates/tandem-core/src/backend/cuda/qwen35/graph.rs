@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// Captures of a batch bucket's step tried before its steps are launched kernel by kernel.
+const CAPTURE_TRIES: u32 = 3;
+
 impl GpuQwen35 {
     /// A decode step through the state's captured graph (captured now if it has none, or if
     /// its K/V caches moved since). The logits stay in the step's buffer; their argmax comes
@@ -24,14 +27,22 @@ impl GpuQwen35 {
             // it inside the graph: one launch and one wait per token.
             let enqueued = g
                 .copy_to_device(&io_host, g.ptr(&ws.io))
-                .and_then(|()| self.enqueue(&ws, &mut [&mut *state], &[Rows { first: 0, count: 1 }], 0, Some(visible)))
+                .and_then(|()| self.enqueue(&ws, &mut [&mut *state], &[Rows { first: 0, count: 1 }], LogitRows::From(0), Some(visible)))
                 .and_then(|()| self.enqueue_argmax(&ws, 1))
                 .and_then(|()| g.copy_to_host(g.ptr(&ws.pick), &mut argmax_host));
             // End the capture whatever happened, so that the stream is usable again.
             let captured = g.stream.end_capture(CUgraphInstantiate_flags(0));
-            enqueued?;
-            let graph = captured.map_err(|e| anyhow::anyhow!("cuda:{}: capturing the decode step: {e:?}", g.ordinal))?.context("the captured decode step is empty")?;
-            state.step = Some(StepGraph { graph: Graph(graph), stream: g.stream.clone(), ws, capacity: state.capacity, io_host, argmax_host });
+            match (enqueued, captured) {
+                (Ok(()), Ok(Some(graph))) => state.step = Some(StepGraph { graph: Graph(graph), stream: g.stream.clone(), ws, capacity: state.capacity, io_host, argmax_host }),
+                // A capture fails where another thread does what synchronizes the whole GPU
+                // meanwhile (loading a module, freeing page-locked memory); nothing captured
+                // ran, so this token goes kernel by kernel and the next one captures again.
+                (enqueued, captured) => {
+                    let why = enqueued.err().map(|e| format!("{e:#}")).or_else(|| captured.err().map(|e| format!("{e:?}"))).unwrap_or_else(|| "the graph is empty".into());
+                    eprintln!("cuda:{}: a decode step could not be captured as a graph ({why}); this one is launched kernel by kernel", g.ordinal);
+                    return self.forward_launches(&[token], state, Logits::Last).map(drop);
+                }
+            }
         }
         let step = state.step.as_mut().expect("captured above");
         // The previous replay has finished (its argmax was read), so the host side is free.
@@ -93,8 +104,11 @@ struct BatchBucket {
     tables_host: Pinned<u64>,
     picks_host: Pinned<u32>,
     graphs: std::collections::HashMap<usize, Graph>,
-    /// False once a capture failed: the bucket's steps are then launched kernel by kernel.
-    capturable: bool,
+    /// Failed captures of this bucket so far: a capture fails where another thread
+    /// synchronizes the whole GPU meanwhile (loading a module, freeing page-locked memory), so
+    /// a failure is tried again, up to `CAPTURE_TRIES`, before the bucket's steps are launched
+    /// kernel by kernel for good.
+    capture_failures: u32,
     /// Steps run in `ws` so far: a state's logits row there is valid while this is unchanged.
     written: Arc<AtomicU64>,
 }
@@ -128,7 +142,7 @@ impl GpuQwen35 {
                     tables_host: Pinned::new(g, tables)?,
                     picks_host: Pinned::new(g, bucket)?,
                     graphs: Default::default(),
-                    capturable: true,
+                    capture_failures: 0,
                     written: Arc::new(AtomicU64::new(0)),
                 })
             }
@@ -141,7 +155,7 @@ impl GpuQwen35 {
             io[bucket + i] = tokens[i];
         }
         workspace::fill_tables(g, states, pad.as_ref(), b.tables_host.as_mut_slice());
-        if b.capturable && !b.graphs.contains_key(&visible) {
+        if b.capture_failures < CAPTURE_TRIES && !b.graphs.contains_key(&visible) {
             g.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(|e| anyhow::anyhow!("cuda:{}: starting a graph capture: {e:?}", g.ordinal))?;
             let enqueued = self.enqueue_batch_step(b, visible);
             let captured = g.stream.end_capture(CUgraphInstantiate_flags(0));
@@ -151,8 +165,8 @@ impl GpuQwen35 {
                 }
                 (enqueued, captured) => {
                     let why = enqueued.err().map(|e| format!("{e:#}")).or_else(|| captured.err().map(|e| format!("{e:?}"))).unwrap_or_else(|| "the graph is empty".into());
-                    eprintln!("cuda:{}: the batched decode step of {bucket} rows could not be captured as a graph ({why}); it is launched kernel by kernel", g.ordinal);
-                    b.capturable = false;
+                    eprintln!("cuda:{}: the batched decode step of {bucket} rows could not be captured as a graph ({why}); this one is launched kernel by kernel", g.ordinal);
+                    b.capture_failures += 1;
                 }
             }
         }
@@ -163,7 +177,7 @@ impl GpuQwen35 {
             None => self.enqueue_batch_step(b, visible)?,
         }
         g.synchronize()?;
-        self.advance_batch(states, b.picks_host.as_slice(), &b.ws.logits, &b.written, step);
+        self.advance_batch(states, &vec![1; n], b.picks_host.as_slice(), &b.ws.logits, &b.written, step);
         Ok(())
     }
 
@@ -175,7 +189,7 @@ impl GpuQwen35 {
         g.copy_to_device(&b.io_host, g.ptr(&b.ws.io))?;
         g.copy_to_device(&b.tables_host, g.ptr(&b.ws.tables))?;
         let each: Vec<Rows> = (0..rows).map(|i| Rows { first: i, count: 1 }).collect();
-        self.enqueue(&b.ws, &mut [], &each, 0, Some(visible))?;
+        self.enqueue(&b.ws, &mut [], &each, LogitRows::From(0), Some(visible))?;
         self.enqueue_argmax(&b.ws, rows)?;
         g.copy_to_host(g.ptr(&b.ws.pick), &mut b.picks_host)
     }

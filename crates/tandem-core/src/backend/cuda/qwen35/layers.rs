@@ -124,6 +124,11 @@ impl GpuQwen35 {
             self.deltanet_step_batch(m, ws, li, ws.sequences)?;
             return self.project_residual(ws, Input::F32(g.ptr(&ws.core)), t, &m.out_proj);
         }
+        if ws.packed {
+            self.deltanet_chunked_packed(m, ws, li, rows, norm_to_bf16)?;
+            let input = if norm_to_bf16 { Input::Bf16Ready } else { Input::F32(g.ptr(&ws.core)) };
+            return self.project_residual(ws, input, t, &m.out_proj);
+        }
         for (s, &r) in states.iter_mut().zip(rows) {
             let GpuLayerState::Linear { conv, recurrent } = &s.layers[li] else { bail!("layer {li}: state kind differs from the model's") };
             let (conv, recurrent) = (g.ptr(conv), g.ptr(recurrent));
@@ -251,6 +256,45 @@ impl GpuQwen35 {
         let out_bf16 = if norm_to_bf16 { g.ptr(&ws.xb).offset(r.first * vd) } else { DevPtr::NULL };
         let rows = r.count * hv as usize;
         g.launch(k::GATED_RMS_NORM, Grid::x(rows.div_ceil(8), 256), (core, z, g.ptr(&m.norm), out_bf16, rows as i32, dv, c.rms_norm_eps))
+    }
+
+    /// The prefill rows of every sequence of a packed prefill through the mixer, each kernel of
+    /// `deltanet_chunked` launched once for all of them (kernels/deltanet.cu *_packed: the same
+    /// arithmetic on each sequence's rows and state), their states through the workspace's
+    /// tables; the gated norm in one launch over every row.
+    fn deltanet_chunked_packed(&self, m: &DeltaNet, ws: &Workspace, li: usize, rows: &[Rows], norm_to_bf16: bool) -> Result<()> {
+        let c = &self.config;
+        let g = &self.gpu;
+        let (hk, hv, dk, dv) = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
+        let (cd, kk) = (c.linear_conv_dim(), c.linear_conv_kernel_dim);
+        let (n, t) = (rows.len(), rows.iter().map(|r| r.count).sum::<usize>());
+        let longest = rows.iter().map(|r| r.count).max().unwrap_or(0);
+        let (convs, recurrents) = ws.layer_tables(g, li, n);
+        let seqs = g.ptr(&ws.seqs);
+        let (qkv, conv_out, core) = (g.ptr(&ws.qkv), g.ptr(&ws.conv_out), g.ptr(&ws.core));
+        let conv_kernel = if kk <= 4 { k::CONV_SILU_ROWS_PACKED_4 } else { k::CONV_SILU_ROWS_PACKED_8 };
+        let conv_args = (convs, seqs, qkv, g.ptr(&m.conv_taps), conv_out, cd as i32, kk as i32, (2 * hk * dk) as i32, dk as i32, 1.0 / (dk as f32).sqrt());
+        g.launch(conv_kernel, Grid::new((longest.div_ceil(CONV_RUN), cd.div_ceil(1024), n), 256), conv_args)?;
+        g.launch(k::CONV_STATE_TAIL_PACKED, Grid::new((cd.div_ceil(256), 1, n), 256), (convs, seqs, qkv, cd as i32, kk as i32))?;
+        let (gcum, cu, cw, cp) = (g.ptr(&ws.gcum), g.ptr(&ws.chunk_u), g.ptr(&ws.chunk_w), g.ptr(&ws.chunk_p));
+        let (hk_, hv_, dk_, dv_, cd_) = (hk as i32, hv as i32, dk as i32, dv as i32, cd as i32);
+        let prep = (seqs, conv_out, g.ptr(&ws.beta), g.ptr(&ws.alpha), g.ptr(&m.neg_a), g.ptr(&m.dt_bias), gcum, cu, cw, cp, hk_, hv_, dk_, dv_, cd_);
+        g.launch(k::DELTANET_CHUNK_PREP_PACKED, Grid::new((longest.div_ceil(DELTANET_CHUNK), hv, n), 256), prep)?;
+        let walk = (recurrents, seqs, conv_out, gcum, cu, cw, cp, core, hk_, hv_, dk_, dv_, cd_);
+        let grid = |threads| Grid::new((hv, dv / 16, n), threads);
+        if self.precision == Precision::TensorCores && g.bf16_mma {
+            let kernel = match dk {
+                32 => k::DELTANET_CHUNK_STATE_MMA_PACKED_32,
+                64 => k::DELTANET_CHUNK_STATE_MMA_PACKED_64,
+                _ => k::DELTANET_CHUNK_STATE_MMA_PACKED_128,
+            };
+            g.launch(kernel, grid(128), walk)?;
+        } else {
+            g.launch(k::DELTANET_CHUNK_STATE_PACKED, grid(256), walk)?;
+        }
+        let out_bf16 = if norm_to_bf16 { g.ptr(&ws.xb) } else { DevPtr::NULL };
+        let head_rows = t * hv;
+        g.launch(k::GATED_RMS_NORM, Grid::x(head_rows.div_ceil(8), 256), (core, g.ptr(&ws.z), g.ptr(&m.norm), out_bf16, head_rows as i32, dv_, c.rms_norm_eps))
     }
 
     /// The attention block: q (with its gate), k and v for all rows, then per sequence its

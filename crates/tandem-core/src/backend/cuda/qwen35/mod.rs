@@ -14,7 +14,9 @@
 //! kernel (`Precision::Exact`, what `verify` checks) or cuBLAS on tensor cores with the
 //! activations rounded to bf16 (`Precision::TensorCores`), the chunked delta rule
 //! (deltanet.rs `chunked`: the chunks' matrices all at once, then the state through the chunks)
-//! and tiled causal attention.
+//! and tiled causal attention. Several prompts prefill in one forward (`prefill_batch`): their
+//! rows packed, one GEMM per projection for all, each DeltaNet prefill kernel one launch for
+//! all sequences, attention per sequence, logits of each prompt's last row.
 //!
 //! This file holds the model's weights on the GPU and the forward call; `layers.rs` the layers
 //! it enqueues, `gemv.rs` the decode GEMV, `graph.rs` the captured decode steps, `state.rs` a
@@ -237,6 +239,17 @@ struct Rows {
     count: usize,
 }
 
+/// Which rows of a forward call get logits.
+#[derive(Clone, Copy)]
+enum LogitRows {
+    /// The rows from this one on: every row, the last one, or one per sequence of a batched
+    /// decode step.
+    From(usize),
+    /// The last row of each sequence (a packed prefill): gathered first, then normed and
+    /// multiplied as `From` rows are.
+    LastOfEach,
+}
+
 impl GpuQwen35 {
     /// Copy `net`'s weights to `gpu`. The GPU runs bf16 weights; another dtype (an int8
     /// quantization, an f16 or f32 checkpoint) is refused by name.
@@ -360,11 +373,16 @@ impl GpuQwen35 {
             self.replay_step(tokens[0], state)?;
             return state.host_logits();
         }
+        self.forward_launches(tokens, state, which)
+    }
+
+    /// `forward` kernel by kernel (checked, caches grown): no graph.
+    fn forward_launches(&self, tokens: &[u32], state: &mut GpuState, which: Logits) -> Result<Vec<f32>> {
         let t = tokens.len();
         let logit_rows = if which == Logits::All { t } else { 1 };
         let mut ws = Workspace::new(self, t, 1, logit_rows)?;
         ws.write_io(&self.gpu, &[state.position], tokens)?;
-        self.enqueue(&ws, &mut [&mut *state], &[Rows { first: 0, count: t }], t - logit_rows, None)?;
+        self.enqueue(&ws, &mut [&mut *state], &[Rows { first: 0, count: t }], LogitRows::From(t - logit_rows), None)?;
         let v = self.config.vocab_size;
         let out = self.gpu.download(&ws.logits, logit_rows * v)?;
         state.position += t;
@@ -401,24 +419,92 @@ impl GpuQwen35 {
         ws.write_io(&self.gpu, &positions, tokens)?;
         if n > 1 {
             ws.write_tables(&self.gpu, states)?;
+            ws.batched = true;
         }
         let rows: Vec<Rows> = (0..n).map(|i| Rows { first: i, count: 1 }).collect();
-        self.enqueue(&ws, states, &rows, 0, None)?;
+        self.enqueue(&ws, states, &rows, LogitRows::From(0), None)?;
         // The greedy picks are found on the GPU and only they come back.
         self.enqueue_argmax(&ws, n)?;
         let picks = self.gpu.download(&ws.pick, n)?;
         // A workspace of its own: no later step writes these logits.
-        self.advance_batch(states, &picks, &ws.logits, &Arc::new(AtomicU64::new(0)), 0);
+        self.advance_batch(states, &vec![1; n], &picks, &ws.logits, &Arc::new(AtomicU64::new(0)), 0);
         Ok(())
     }
 
-    /// After a batched step: each state one position on, its last logits row `i` of `logits`
-    /// (valid while `written` is `step`) with its greedy pick.
-    fn advance_batch(&self, states: &mut [&mut GpuState], picks: &[u32], logits: &Arc<CudaSlice<f32>>, written: &Arc<AtomicU64>, step: u64) {
+    /// Prefill several prompts in one forward: `prompts[i]` applied to `states[i]`, their rows
+    /// packed one after another (no padding), so that each projection is one GEMM over all of
+    /// them (a prompt of a few hundred tokens alone leaves most of the tensor cores idle); each
+    /// sequence's mixer runs on its own rows and state, and only each prompt's last row gets
+    /// logits. Each state's last logits are left as `decode_batch` leaves them: the greedy
+    /// pick on the host, the row on the GPU until asked for. Every prompt is checked before
+    /// anything is applied.
+    ///
+    /// A prompt of at most `GEMV_MAX_T` tokens is applied alone: alone it takes the GEMV in
+    /// f32, and packed it would take the GEMM, on tensor cores with bf16 inputs, which may
+    /// pick another token. Every packed prompt takes the GEMM alone too.
+    pub fn prefill_batch(&self, prompts: &[&[u32]], states: &mut [&mut GpuState]) -> Result<()> {
+        if prompts.len() != states.len() {
+            bail!("prefill_batch: {} prompts for {} states", prompts.len(), states.len());
+        }
+        for (p, s) in prompts.iter().zip(states.iter()) {
+            if p.is_empty() {
+                bail!("prefill_batch: an empty prompt (a state with nothing to apply has no new logits)");
+            }
+            self.check(p, s.position)?;
+        }
+        let (mut long, mut long_states) = (Vec::new(), Vec::new());
+        for (p, s) in prompts.iter().zip(states.iter_mut()) {
+            if p.len() <= GEMV_MAX_T {
+                self.apply(p, s)?;
+            } else {
+                long.push(*p);
+                long_states.push(&mut **s);
+            }
+        }
+        match long.len() {
+            0 => Ok(()),
+            1 => self.apply(long[0], long_states[0]),
+            _ => self.prefill_packed(&long, &mut long_states),
+        }
+    }
+
+    /// `prefill_batch` of prompts of more than `GEMV_MAX_T` tokens each, checked.
+    fn prefill_packed(&self, prompts: &[&[u32]], states: &mut [&mut GpuState]) -> Result<()> {
+        for (p, s) in prompts.iter().zip(states.iter_mut()) {
+            let end = s.position + p.len();
+            self.grow_kv(s, end)?;
+        }
+        let n = prompts.len();
+        let mut rows = Vec::with_capacity(n);
+        let mut t = 0;
+        for p in prompts {
+            rows.push(Rows { first: t, count: p.len() });
+            t += p.len();
+        }
+        let mut ws = Workspace::new(self, t, n, n)?;
+        let positions: Vec<usize> = states.iter().map(|s| s.position).collect();
+        ws.write_io(&self.gpu, &positions, &prompts.concat())?;
+        ws.write_packed(&self.gpu, states, &rows)?;
+        self.enqueue(&ws, states, &rows, LogitRows::LastOfEach, None)?;
+        self.enqueue_argmax(&ws, n)?;
+        let picks = self.gpu.download(&ws.pick, n)?;
+        let applied: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+        self.advance_batch(states, &applied, &picks, &ws.logits, &Arc::new(AtomicU64::new(0)), 0);
+        Ok(())
+    }
+
+    /// After a batched call: state `i` `applied[i]` positions on, its last logits row `i` of
+    /// `logits` (valid while `written` is `step`) with its greedy pick.
+    fn advance_batch(&self, states: &mut [&mut GpuState], applied: &[usize], picks: &[u32], logits: &Arc<CudaSlice<f32>>, written: &Arc<AtomicU64>, step: u64) {
         for (i, s) in states.iter_mut().enumerate() {
-            s.position += 1;
+            s.position += applied[i];
             s.last = LastLogits::InBatch { argmax: picks[i], logits: logits.clone(), written: written.clone(), step, row: i, vocab: self.config.vocab_size, stream: self.gpu.stream.clone() };
         }
+    }
+
+    /// Refuse a prompt the kernels cannot apply at `position`, before anything is applied.
+    pub fn check_prompt(&self, tokens: &[u32], position: usize) -> Result<()> {
+        self.check(tokens, position)
     }
 
     /// Refuse what the kernels cannot take, before anything is applied.
@@ -427,10 +513,10 @@ impl GpuQwen35 {
     }
 
     /// Queue the forward pass of the rows in `ws.io` (sequence i's rows `rows[i]` applied to
-    /// `states[i]`) and the logits of rows `logits_from..`. Nothing is allocated or copied to
+    /// `states[i]`) and the logits of the rows `logits` names. Nothing is allocated or copied to
     /// or from the host here, so that a decode step can be captured as it is. `visible` sizes
     /// the attention scores for that many positions (default: what each sequence needs now).
-    fn enqueue(&self, ws: &Workspace, states: &mut [&mut GpuState], rows: &[Rows], logits_from: usize, visible: Option<usize>) -> Result<()> {
+    fn enqueue(&self, ws: &Workspace, states: &mut [&mut GpuState], rows: &[Rows], logits: LogitRows, visible: Option<usize>) -> Result<()> {
         let c = &self.config;
         let g = &self.gpu;
         let h = c.hidden_size;
@@ -448,8 +534,16 @@ impl GpuQwen35 {
             }
             self.mlp(layer, ws, t)?;
         }
-        let n = t - logits_from;
-        let last = x.offset(logits_from * h);
+        let (last, n) = match logits {
+            LogitRows::From(from) => (x.offset(from * h), t - from),
+            LogitRows::LastOfEach => {
+                let gathered = g.ptr(&ws.last_rows);
+                for (i, r) in rows.iter().enumerate() {
+                    g.copy_on_device(x.offset((r.first + r.count - 1) * h), gathered.offset(i * h), h)?;
+                }
+                (gathered, rows.len())
+            }
+        };
         let (head, logits) = (self.lm_head.as_ref().map_or(g.ptr(&self.embed), |m| g.ptr(&m.w)), g.ptr(&ws.logits));
         if n <= GEMV_MAX_T {
             return self.gemv(ws, GemvInput::Norm(g.ptr(&self.final_norm)), &[(head, logits, c.vocab_size)], last, h, n, GemvOut::Write);

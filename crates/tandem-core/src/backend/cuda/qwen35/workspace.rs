@@ -50,12 +50,20 @@ pub(super) struct Workspace {
     /// batched step, which read their rows from it only if asked: `LastLogits::InBatch`).
     pub(super) normed: CudaSlice<f32>,
     pub(super) logits: Arc<CudaSlice<f32>>,
+    /// The last row of each sequence of a packed prefill, gathered for the LM head
+    /// (`LogitRows::LastOfEach`).
+    pub(super) last_rows: CudaSlice<f32>,
     /// A batched decode step's tables of per-sequence state addresses, two per layer (conv
     /// window and recurrent state, or K and V cache), `sequences` each (`write_tables`).
     pub(super) tables: CudaSlice<u64>,
-    /// Whether `tables` are written: every sequence brings one row and the mixers run once
-    /// for all of them.
+    /// A batched decode step: every sequence brings one row and the mixers run once for all
+    /// of them (`tables` written).
     pub(super) batched: bool,
+    /// A packed prefill: every sequence brings more than `GEMV_MAX_T` rows and the DeltaNet
+    /// prefill kernels run once for all of them (`tables` and `seqs` written; `write_packed`).
+    pub(super) packed: bool,
+    /// Each sequence's first row, row count and first chunk of `chunk_p` (a packed prefill).
+    pub(super) seqs: CudaSlice<u32>,
     /// The greedy pick of each logits row (argmax_rows): each span's best value and index, a
     /// count of finished spans per row (reset by the last), and the picks.
     pub(super) pick_v: CudaSlice<f32>,
@@ -92,7 +100,8 @@ impl Workspace {
             gcum: g.scratch(chunked * hv)?,
             chunk_u: g.scratch(chunked * hv * dv)?,
             chunk_w: g.scratch(chunked * hv * dk)?,
-            chunk_p: g.scratch(chunked.div_ceil(DELTANET_CHUNK) * hv * DELTANET_CHUNK * DELTANET_CHUNK)?,
+            // (Each sequence of a packed prefill starts a chunk of its own.)
+            chunk_p: g.scratch(if chunked > 0 { chunked.div_ceil(DELTANET_CHUNK) + sequences - 1 } else { 0 } * hv * DELTANET_CHUNK * DELTANET_CHUNK)?,
             qg: g.scratch(rows * 2 * qd)?,
             k: g.scratch(rows * kvd)?,
             v: g.scratch(rows * kvd)?,
@@ -108,8 +117,11 @@ impl Workspace {
             attn_done: g.zeros(decode_rows * c.num_attention_heads)?,
             normed: g.scratch(logit_rows * h)?,
             logits: Arc::new(g.scratch(logit_rows * c.vocab_size)?),
+            last_rows: g.scratch(if rows > sequences { sequences * h } else { 1 })?,
             tables: g.scratch(if sequences > 1 { 2 * c.layer_types.len() * sequences } else { 1 })?,
             batched: false,
+            packed: false,
+            seqs: g.scratch(if sequences > 1 { 3 * sequences } else { 1 })?,
             pick_v: g.scratch(logit_rows * ARGMAX_SPANS)?,
             pick_i: g.scratch(logit_rows * ARGMAX_SPANS)?,
             pick_done: g.zeros(logit_rows)?,
@@ -128,13 +140,27 @@ impl Workspace {
         g.stream.memcpy_htod(&io[..], &mut self.io.slice_mut(..io.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying token ids: {e:?}", g.ordinal))
     }
 
-    /// Write the tables of a batched decode step (one row of each of `states`; see
-    /// `fill_tables`).
+    /// Write the tables of `states` (see `fill_tables`), for a batched decode step (launched
+    /// kernel by kernel) or a packed prefill.
     pub(super) fn write_tables(&mut self, g: &Gpu, states: &[&mut GpuState]) -> Result<()> {
         let mut table = vec![0u64; 2 * states.first().map_or(0, |s| s.layers.len()) * states.len()];
         fill_tables(g, states, None, &mut table);
-        g.stream.memcpy_htod(&table[..], &mut self.tables.slice_mut(..table.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying a batch's state tables: {e:?}", g.ordinal))?;
-        self.batched = true;
+        g.stream.memcpy_htod(&table[..], &mut self.tables.slice_mut(..table.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying a batch's state tables: {e:?}", g.ordinal))
+    }
+
+    /// Make this the workspace of a packed prefill of `states`, whose rows are `rows` (more
+    /// than `GEMV_MAX_T` each): their tables, and where each one's rows and chunks are.
+    pub(super) fn write_packed(&mut self, g: &Gpu, states: &[&mut GpuState], rows: &[Rows]) -> Result<()> {
+        debug_assert!(rows.iter().all(|r| r.count > GEMV_MAX_T));
+        self.write_tables(g, states)?;
+        let mut seqs = Vec::with_capacity(3 * rows.len());
+        let mut chunk = 0;
+        for r in rows {
+            seqs.extend([r.first as u32, r.count as u32, chunk as u32]);
+            chunk += r.count.div_ceil(DELTANET_CHUNK);
+        }
+        g.stream.memcpy_htod(&seqs[..], &mut self.seqs.slice_mut(..seqs.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying a packed prefill's sequences: {e:?}", g.ordinal))?;
+        self.packed = true;
         Ok(())
     }
 
