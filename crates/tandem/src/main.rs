@@ -38,7 +38,9 @@ ENGINES (generate, chat):
   --decode PLACEMENT     the decode engine, e.g. cpu:cores=1
                          PLACEMENT = cpu[:cores=LIST|threads=N][,dispatch=MODE]; dispatch modes:
                          sequential | batched:N (fixed N-token dispatches, last one padded and
-                         masked) | buckets:64,256,512 | dynamic (default)
+                         masked) | buckets:64,256,512 | dynamic (default); or
+                         cuda[:N][,precision=exact|tensor-cores][,graphs=on|off]
+                         [,priority=high|normal][,dispatch=MODE] (README: Engines)
   --mode hybrid|prefill-engine|decode-engine
                          hybrid: prefill on one engine, the state crosses the bridge, decode on the
                          other (default when --prefill or --decode is given; cores 0 and 1 unless

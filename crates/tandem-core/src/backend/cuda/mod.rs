@@ -190,6 +190,13 @@ impl Gpu {
     /// Open GPU `ordinal`: checks that the driver, NVRTC and cuBLAS libraries load, that the GPU
     /// exists, and compiles the kernels for it.
     pub fn open(ordinal: usize) -> Result<Gpu> {
+        Gpu::open_with_priority(ordinal, false)
+    }
+
+    /// `open`, with the stream at the GPU's highest priority where `high`: where two engines
+    /// share a GPU, the blocks of the decode engine's kernels are then scheduled before the
+    /// prefill engine's waiting blocks (a decode step no longer waits for a whole prefill).
+    pub fn open_with_priority(ordinal: usize, high: bool) -> Result<Gpu> {
         if let Some(why) = driver_missing() {
             bail!("cuda:{ordinal}: {why}");
         }
@@ -244,7 +251,13 @@ impl Gpu {
         }
         // A stream of its own (not the legacy default stream): a decode step is captured into a
         // CUDA graph on it, and two engines on one GPU run side by side on their own streams.
-        let stream = ctx.new_stream().map_err(|e| anyhow::anyhow!("cuda:{ordinal}: creating a stream: {e:?}"))?;
+        let stream = if high {
+            let (_least, greatest) = cudarc::driver::result::stream::get_priority_range().map_err(|e| anyhow::anyhow!("cuda:{ordinal}: stream priorities: {e:?}"))?;
+            ctx.new_stream_with_priority(greatest)
+        } else {
+            ctx.new_stream()
+        }
+        .map_err(|e| anyhow::anyhow!("cuda:{ordinal}: creating a stream: {e:?}"))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: cuBLAS: {e:?}"))?;
         let pdl = major >= 9 && std::env::var("TANDEM_CUDA_PDL").map_or(true, |v| v != "0");
         Ok(Gpu { ordinal, name, stream, blas, kernels, sms, resident: Default::default(), pdl, pdl_now: true.into(), bf16_mma: major >= 8, profile: std::sync::Mutex::new(None) })
