@@ -177,7 +177,7 @@ impl GpuQwen35 {
             None => self.enqueue_batch_step(b, visible)?,
         }
         g.synchronize()?;
-        self.advance_batch(states, &vec![1; n], b.picks_host.as_slice(), &b.ws.logits, &b.written, step);
+        self.advance_batch(states, |_| 1, b.picks_host.as_slice(), &b.ws.logits, &b.written, step);
         Ok(())
     }
 

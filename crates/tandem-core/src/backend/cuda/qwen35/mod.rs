@@ -427,7 +427,7 @@ impl GpuQwen35 {
         self.enqueue_argmax(&ws, n)?;
         let picks = self.gpu.download(&ws.pick, n)?;
         // A workspace of its own: no later step writes these logits.
-        self.advance_batch(states, &vec![1; n], &picks, &ws.logits, &Arc::new(AtomicU64::new(0)), 0);
+        self.advance_batch(states, |_| 1, &picks, &ws.logits, &Arc::new(AtomicU64::new(0)), 0);
         Ok(())
     }
 
@@ -488,16 +488,15 @@ impl GpuQwen35 {
         self.enqueue(&ws, states, &rows, LogitRows::LastOfEach, None)?;
         self.enqueue_argmax(&ws, n)?;
         let picks = self.gpu.download(&ws.pick, n)?;
-        let applied: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
-        self.advance_batch(states, &applied, &picks, &ws.logits, &Arc::new(AtomicU64::new(0)), 0);
+        self.advance_batch(states, |i| prompts[i].len(), &picks, &ws.logits, &Arc::new(AtomicU64::new(0)), 0);
         Ok(())
     }
 
-    /// After a batched call: state `i` `applied[i]` positions on, its last logits row `i` of
+    /// After a batched call: state `i` `applied(i)` positions on, its last logits row `i` of
     /// `logits` (valid while `written` is `step`) with its greedy pick.
-    fn advance_batch(&self, states: &mut [&mut GpuState], applied: &[usize], picks: &[u32], logits: &Arc<CudaSlice<f32>>, written: &Arc<AtomicU64>, step: u64) {
+    fn advance_batch(&self, states: &mut [&mut GpuState], applied: impl Fn(usize) -> usize, picks: &[u32], logits: &Arc<CudaSlice<f32>>, written: &Arc<AtomicU64>, step: u64) {
         for (i, s) in states.iter_mut().enumerate() {
-            s.position += applied[i];
+            s.position += applied(i);
             s.last = LastLogits::InBatch { argmax: picks[i], logits: logits.clone(), written: written.clone(), step, row: i, vocab: self.config.vocab_size, stream: self.gpu.stream.clone() };
         }
     }
