@@ -1,6 +1,6 @@
-//! Where a batched decode step spends its time: synthetic 0.8B on one thread, the step time
-//! for 1 and for 8 sequences (median of a few steps). For `perf record` and for comparing
-//! kernels: `cargo run --release --example decode_batch -p tandem-core [THREADS] [SEQS]`.
+//! Where a batched decode step spends its time: synthetic 0.8B, the step time for 1 and for SEQS
+//! sequences, interleaved (median of 6 steps each). For `perf record` and for comparing kernels:
+//! `cargo run --release --example decode_batch -p tandem-core [THREADS] [SEQS] [bf16|int8]`.
 use std::time::Instant;
 use tandem_core::model::load::LoadedModel;
 use tandem_core::backend::cpu::pool::Pool;
@@ -10,7 +10,10 @@ fn main() {
     let max_seqs: usize = std::env::args().nth(2).map_or(8, |a| a.parse().unwrap());
     let t_start = Instant::now();
     let pool = Pool::new(threads);
-    let model = LoadedModel::load("synthetic:qwen3.5-0.8b").unwrap();
+    let model = match std::env::args().nth(3).as_deref() {
+        Some("int8") => LoadedModel::load_int8("synthetic:qwen3.5-0.8b", &pool).unwrap(),
+        _ => LoadedModel::load("synthetic:qwen3.5-0.8b").unwrap(),
+    };
     let net = &model.net;
     let base: Vec<State> = (0..max_seqs)
         .map(|i| {

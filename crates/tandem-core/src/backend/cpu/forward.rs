@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 
 use crate::backend::cpu::kernels::attention::attention_head;
 use crate::backend::cpu::kernels::deltanet::{self, ChunkScratch};
-use crate::backend::cpu::kernels::matmul::{gemm_group, matmul_group, GEMV_MAX_TOKENS};
+use crate::backend::cpu::kernels::matmul::{decode_group, gemm_group, matmul_group, GEMV_MAX_TOKENS};
 use crate::backend::cpu::kernels::norm::{gated_rms_norm_inplace, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, softplus, swiglu_inplace};
 use crate::backend::cpu::kernels::rope::{apply_rope, cos_sin};
 use crate::backend::cpu::pool::Pool;
@@ -33,7 +33,7 @@ impl Qwen35 {
         let mut logits = Vec::new();
         for piece in tokens.chunks(MAX_TOKENS_PER_PASS) {
             let rows = piece.len();
-            let out = self.forward_pass(&self.pass(pool, false), piece, &mut [Segment { state: &mut *state, rows: 0..rows, valid: rows }], which);
+            let out = self.forward_pass(&self.pass(pool, Kernels::Prompt), piece, &mut [Segment { state: &mut *state, rows: 0..rows, valid: rows }], which);
             if which == Logits::All {
                 logits.extend_from_slice(&out);
             } else {
@@ -54,13 +54,14 @@ impl Qwen35 {
         }
         self.check(tokens, state, valid)?;
         let rows = tokens.len();
-        self.forward_pass(&self.pass(pool, true), tokens, &mut [Segment { state, rows: 0..rows, valid }], Logits::Last);
+        self.forward_pass(&self.pass(pool, Kernels::Gemm), tokens, &mut [Segment { state, rows: 0..rows, valid }], Logits::Last);
         Ok(())
     }
 
     /// One decode step for many sequences at once: `tokens[i]` is applied to `states[i]`, and
     /// each state's `last_logits` is updated. The weights are streamed once for the whole
-    /// batch; the mixers run per sequence, each at its own position.
+    /// batch; the mixers run per sequence, each at its own position. Every sequence comes out
+    /// bit for bit as if it had stepped alone (float weights), whatever the batch's size.
     pub fn decode_batch(&self, pool: &Pool, tokens: &[u32], states: &mut [&mut State]) -> Result<()> {
         if tokens.len() != states.len() || tokens.is_empty() {
             bail!("decode_batch needs one token per state ({} tokens, {} states)", tokens.len(), states.len());
@@ -69,7 +70,7 @@ impl Qwen35 {
             self.check(&tokens[i..i + 1], state, 1).with_context(|| format!("sequence {i} of the batch"))?;
         }
         let mut segs: Vec<Segment> = states.iter_mut().enumerate().map(|(i, st)| Segment { state: &mut **st, rows: i..i + 1, valid: 1 }).collect();
-        self.forward_pass(&self.pass(pool, false), tokens, &mut segs, Logits::Last);
+        self.forward_pass(&self.pass(pool, Kernels::Decode), tokens, &mut segs, Logits::Last);
         Ok(())
     }
 
@@ -310,18 +311,29 @@ impl Qwen35 {
         pass.products(&gate, t, &mut [(&m.down_proj, out)]);
     }
 
-    fn pass<'p>(&self, pool: &'p Pool, gemm_only: bool) -> Pass<'p> {
-        Pass { pool, gemm_only, bf16_inputs: self.gemm_inputs_bf16 }
+    fn pass<'p>(&self, pool: &'p Pool, kernels: Kernels) -> Pass<'p> {
+        Pass { pool, kernels, bf16_inputs: self.gemm_inputs_bf16 }
     }
 }
 
-/// How a pass multiplies: its pool, whether every product is a GEMM whatever its row
-/// count (a static-shape dispatch: then a one-row dispatch computes exactly what the same row
-/// computes inside a padded one) or a single row takes the GEMV, and whether the inputs of
-/// products of more than `GEMV_MAX_TOKENS` rows are rounded to bf16 first.
+/// Which product kernels a pass takes.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Kernels {
+    /// A prompt: the GEMV up to `GEMV_MAX_TOKENS` rows, the GEMM past.
+    Prompt,
+    /// A static-shape dispatch: the GEMM whatever the row count, so that a one-row dispatch
+    /// computes exactly what the same row computes inside a padded one.
+    Gemm,
+    /// A decode step of a batch: the GEMV whatever the row count, so that each sequence gets
+    /// the bits it would get alone.
+    Decode,
+}
+
+/// How a pass multiplies: its pool, its kernels, and whether the inputs of products of more
+/// than `GEMV_MAX_TOKENS` rows are rounded to bf16 first.
 struct Pass<'p> {
     pool: &'p Pool,
-    gemm_only: bool,
+    kernels: Kernels,
     bf16_inputs: bool,
 }
 
@@ -334,10 +346,10 @@ impl Pass<'_> {
         } else {
             x
         };
-        if self.gemm_only {
-            gemm_group(self.pool, x, t, jobs)
-        } else {
-            matmul_group(self.pool, x, t, jobs)
+        match self.kernels {
+            Kernels::Prompt => matmul_group(self.pool, x, t, jobs),
+            Kernels::Gemm => gemm_group(self.pool, x, t, jobs),
+            Kernels::Decode => decode_group(self.pool, x, t, jobs),
         }
     }
 }
@@ -404,7 +416,7 @@ mod tests {
         assert!(rounded != x);
         let run = |bf16_inputs: bool, x: &[f32], t: usize| {
             let mut out = vec![0f32; t * w.rows];
-            Pass { pool: &pool, gemm_only: false, bf16_inputs }.products(&x[..t * k], t, &mut [(w, &mut out)]);
+            Pass { pool: &pool, kernels: Kernels::Prompt, bf16_inputs }.products(&x[..t * k], t, &mut [(w, &mut out)]);
             out
         };
         assert!(run(true, &x, 9) == run(false, &rounded, 9), "9 rows: not the product of the rounded input");
@@ -430,7 +442,7 @@ mod tests {
         let _same_kernels = crate::backend::cpu::kernels::hold_isa();
         let (mut one, mut pieces) = (State::new(&m.net.config), State::new(&m.net.config));
         let rows = tokens.len();
-        let want = m.net.forward_pass(&m.net.pass(&pool, false), &tokens, &mut [Segment { state: &mut one, rows: 0..rows, valid: rows }], Logits::All);
+        let want = m.net.forward_pass(&m.net.pass(&pool, Kernels::Prompt), &tokens, &mut [Segment { state: &mut one, rows: 0..rows, valid: rows }], Logits::All);
         let got = m.net.forward(&pool, &tokens, &mut pieces, Logits::All).unwrap();
         assert!(want == got, "logits differ");
         assert!(one == pieces, "states differ");
@@ -469,36 +481,44 @@ mod tests {
     }
 
     /// One batched decode step over sequences at different positions equals stepping each
-    /// alone (to summation order: the batch's products are a GEMM, a lone token's a GEMV).
+    /// alone, bit for bit, for batches of up to 8 rows and past them, with the weights as
+    /// stored and quantized to int8.
     #[test]
     fn a_batched_decode_step_equals_one_sequence_at_a_time() {
-        let m = tiny();
         let pool = Pool::new(2);
-        let mut states: Vec<State> = [3usize, 70, 130]
+        let _same_kernels = crate::backend::cpu::kernels::hold_isa();
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
+        for m in [tiny(), crate::model::load::LoadedModel::load_int8(dir.to_str().unwrap(), &pool).unwrap()] {
+            for lengths in [&[3usize, 70, 130][..], &[1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144]] {
+                let tokens: Vec<u32> = (0..lengths.len() as u32).map(|i| (i * 397 + 5) % 1024).collect();
+                batched_step_equals_steps_alone(&m, &pool, lengths, &tokens);
+            }
+        }
+        let m = tiny();
+        // A batch whose tokens and states do not pair up is refused.
+        let mut st = State::new(&m.net.config);
+        assert!(m.net.decode_batch(&pool, &[1, 2], &mut [&mut st]).is_err());
+    }
+
+    fn batched_step_equals_steps_alone(m: &crate::model::load::LoadedModel, pool: &Pool, lengths: &[usize], tokens: &[u32]) {
+        let mut states: Vec<State> = lengths
             .iter()
             .map(|&n| {
                 let mut st = State::new(&m.net.config);
                 let p: Vec<u32> = (0..n as u32).map(|i| (i * 31 + n as u32) % 1024).collect();
-                m.net.forward(&pool, &p, &mut st, Logits::Last).unwrap();
+                m.net.forward(pool, &p, &mut st, Logits::Last).unwrap();
                 st
             })
             .collect();
-        let tokens = [5u32, 900, 17];
         let mut alone = states.clone();
-        for (st, &tok) in alone.iter_mut().zip(&tokens) {
-            m.net.forward(&pool, &[tok], st, Logits::Last).unwrap();
+        for (st, &tok) in alone.iter_mut().zip(tokens) {
+            m.net.forward(pool, &[tok], st, Logits::Last).unwrap();
         }
         let mut refs: Vec<&mut State> = states.iter_mut().collect();
-        m.net.decode_batch(&pool, &tokens, &mut refs).unwrap();
+        m.net.decode_batch(pool, tokens, &mut refs).unwrap();
         for (i, (b, a)) in states.iter().zip(&alone).enumerate() {
-            assert_eq!(b.position, a.position);
-            let err = b.last_logits.iter().zip(&a.last_logits).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-            assert!(err < 1e-4, "sequence {i}: logits differ by {err}");
-            assert_eq!(crate::sampling::argmax(&b.last_logits), crate::sampling::argmax(&a.last_logits));
+            assert!(b == a, "a batch of {}: sequence {i} (position {}) differs from its step alone", lengths.len(), a.position);
         }
-        // A batch whose tokens and states do not pair up is refused.
-        let mut one: Vec<&mut State> = alone.iter_mut().take(1).collect();
-        assert!(m.net.decode_batch(&pool, &[1, 2], &mut one).is_err());
     }
 
     /// A call that fails leaves the state untouched (no part of the input is applied).

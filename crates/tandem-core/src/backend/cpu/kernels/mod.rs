@@ -26,7 +26,7 @@ pub fn isa() -> Isa {
     let cap = MAX_ISA.load(Ordering::Relaxed);
     #[cfg(target_arch = "x86_64")]
     {
-        if cap >= Isa::Avx512 as u8 && std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw") {
+        if cap >= Isa::Avx512 as u8 && std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw") && std::arch::is_x86_feature_detected!("avx512vl") {
             return Isa::Avx512;
         }
         if cap >= Isa::Avx2 as u8 && std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
@@ -45,7 +45,7 @@ pub fn available_isas() -> Vec<Isa> {
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
             v.push(Isa::Avx2);
         }
-        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw") {
+        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw") && std::arch::is_x86_feature_detected!("avx512vl") {
             v.push(Isa::Avx512);
         }
     }

@@ -1,5 +1,6 @@
-//! The decode GEMV: up to `GEMV_MAX_TOKENS` tokens, each weight row read once for all of
-//! them, in units that the pool's workers take from a queue; the int8 rows by VNNI.
+//! The decode GEMV: any number of tokens (a decode step of a batch), each weight row read from
+//! memory once for all of them and each token's sums in the one-token order, in units that the
+//! pool's workers take from a queue; one token's int8 rows by VNNI.
 
 use super::*;
 
@@ -29,12 +30,13 @@ fn gemv_units(w: &Matrix) -> (usize, usize) {
     (stride, (16384 / row_bytes.max(1)).max(1))
 }
 
-/// The GEMV of `t` tokens (1..=GEMV_MAX_TOKENS), `x` and the outputs row-major.
+/// The GEMV of `t` tokens, `x` and the outputs row-major.
 pub(super) fn gemv_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, OutPtr)]) {
     let cuts: Vec<(usize, usize)> = jobs.iter().map(|(w, _)| gemv_units(w)).collect();
     let units: Vec<usize> = cuts.iter().map(|&(stride, per)| stride.div_ceil(per)).collect();
-    // One token's int8 weights are multiplied by x rounded to int16, split into bytes for VNNI.
-    let xq = (t == 1 && jobs.iter().any(|(w, _)| int8_vnni_applies(w))).then(|| QuantizedX::new(x));
+    // int8 weights are multiplied by each token's x rounded to int16, split into bytes for VNNI.
+    let k = jobs[0].0.cols;
+    let xq: Vec<QuantizedX> = if jobs.iter().any(|(w, _)| int8_vnni_applies(w)) { x.chunks_exact(k).map(QuantizedX::new).collect() } else { Vec::new() };
     let queue = WorkQueue::new(units.iter().sum());
     pool.run(&|_| {
         while let Some(u) = queue.take() {
@@ -42,19 +44,21 @@ pub(super) fn gemv_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, Out
             let (w, out) = jobs[j];
             let (stride, per) = cuts[j];
             let set = RowSet { offsets: u * per..((u + 1) * per).min(stride), stride, rows: w.rows };
-            if t > 1 {
-                // SAFETY: units are disjoint sets of rows inside every token's output row.
-                unsafe { gemv_rows_multi(x, t, w, &set, out.0) };
-                continue;
-            }
             #[cfg(target_arch = "x86_64")]
-            if let (Some(xq), true) = (&xq, int8_vnni_applies(w)) {
-                // SAFETY: int8_vnni_applies checked the CPU features; units are disjoint rows.
-                unsafe { avx512::gemv_i8_vnni(xq, w, &set, out.0) };
+            if int8_vnni_applies(w) {
+                // SAFETY: int8_vnni_applies checked the CPU features; units are disjoint sets
+                // of rows inside every token's output row.
+                unsafe { avx512::gemv_i8_vnni(&xq, w, &set, out.0) };
                 continue;
             }
-            // SAFETY: units are disjoint sets of rows inside out.
-            unsafe { gemv_rows(x, w, &set, out.0) }
+            // SAFETY: as above.
+            unsafe {
+                if t > 1 {
+                    gemv_rows_multi(x, t, w, &set, out.0)
+                } else {
+                    gemv_rows(x, w, &set, out.0)
+                }
+            }
         }
     });
 }
@@ -67,15 +71,7 @@ pub unsafe fn gemv_rows_multi(x: &[f32], t: usize, w: &Matrix, rows: &RowSet, ou
     let (n, k) = (w.rows, w.cols);
     #[cfg(target_arch = "x86_64")]
     if crate::backend::cpu::kernels::isa() == crate::backend::cpu::kernels::Isa::Avx512 && k % 16 == 0 {
-        macro_rules! tokens {
-            ($($t:literal)*) => {
-                match t {
-                    $($t => return avx512::gemv_rows_multi::<$t>(x, w, rows, out),)*
-                    _ => {}
-                }
-            };
-        }
-        tokens!(2 3 4 5 6 7 8);
+        return avx512::gemv_rows_multi(x, t, w, rows, out);
     }
     // Elsewhere: token by token (each reads the weights again; correct, not the fast path).
     for m in 0..t {
@@ -178,53 +174,72 @@ mod avx512 {
         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)))
     }
 
-    /// int8 rows · int16 x, four rows at a time: per 64 weights of a row, two `vpdpbusd`
-    /// (x's low and high bytes, unsigned, times the signed weights) and no widening. With
+    /// int8 rows · int16 x for every token of `xs` (outputs `w.rows` apart), four rows × two
+    /// tokens at a time: per 64 weights of a row and token, two `vpdpbusd` (x's low and high
+    /// bytes, unsigned, times the signed weights) and no widening. With
     /// `x = 256 · (hi − 128) + lo`: `Σ w·x = 256 · (Σ w·hi − 128 · Σ w) + Σ w·lo`, exact in
-    /// integers (`Σ w` is stored with the weights).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    pub unsafe fn gemv_i8_vnni(x: &QuantizedX, w: &Matrix, rows: &RowSet, out: *mut f32) {
+    /// integers (`Σ w` is stored with the weights), so that a token's outputs are the same bits
+    /// whichever tokens come with it.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn gemv_i8_vnni(xs: &[QuantizedX], w: &Matrix, rows: &RowSet, out: *mut f32) {
         let WeightData::Int8 { q, scales, sums } = &w.data else { unreachable!("int8 weights only") };
-        let k = w.cols;
-        let (qp, lo, hi) = (q.as_slice().as_ptr(), x.lo.as_ptr(), x.hi.as_ptr());
+        let (n, k) = (w.rows, w.cols);
+        let qp = q.as_slice().as_ptr();
         let (scales, sums) = (scales.as_slice(), sums.as_slice());
-        let finish = |r: usize, dot_lo: i32, dot_hi: i32| {
-            let exact = 256 * (dot_hi as i64 - 128 * sums[r] as i64) + dot_lo as i64;
-            *out.add(r) = exact as f32 * scales[r] * x.scale;
-        };
-        for_row_quads(rows, |quad| match quad {
-            Ok(r) => {
-                let p = r.map(|r| qp.add(r * k));
-                let mut acc_lo = [_mm512_setzero_si512(); 4];
-                let mut acc_hi = [_mm512_setzero_si512(); 4];
-                let mut i = 0;
-                while i < k {
-                    let (xl, xh) = (_mm512_loadu_si512(lo.add(i) as *const _), _mm512_loadu_si512(hi.add(i) as *const _));
-                    for j in 0..4 {
-                        _mm_prefetch::<_MM_HINT_T0>(p[j].wrapping_add(i + PREFETCH_BYTES) as *const i8);
-                        let wv = _mm512_loadu_si512(p[j].add(i) as *const _);
-                        acc_lo[j] = _mm512_dpbusd_epi32(acc_lo[j], xl, wv);
-                        acc_hi[j] = _mm512_dpbusd_epi32(acc_hi[j], xh, wv);
-                    }
-                    i += 64;
+        for_row_quads(rows, |quad| {
+            let (r, four) = match quad {
+                Ok(r) => (r, true),
+                Err(r) => ([r; 4], false),
+            };
+            let p = r.map(|r| qp.add(r * k));
+            let mut m0 = 0;
+            while m0 < xs.len() {
+                let g = (xs.len() - m0).min(2);
+                let tokens = &xs[m0..m0 + g];
+                let done = |j: usize, m: usize, dot_lo: i32, dot_hi: i32| {
+                    let exact = 256 * (dot_hi as i64 - 128 * sums[r[j]] as i64) + dot_lo as i64;
+                    *out.add((m0 + m) * n + r[j]) = exact as f32 * scales[r[j]] * tokens[m].scale;
+                };
+                match (four, g) {
+                    (true, 2) => vnni_tile::<4, 2>(p, k, tokens, m0 == 0, done),
+                    (true, _) => vnni_tile::<4, 1>(p, k, tokens, m0 == 0, done),
+                    (false, 2) => vnni_tile::<1, 2>(p, k, tokens, m0 == 0, done),
+                    (false, _) => vnni_tile::<1, 1>(p, k, tokens, m0 == 0, done),
                 }
-                for j in 0..4 {
-                    finish(r[j], _mm512_reduce_add_epi32(acc_lo[j]), _mm512_reduce_add_epi32(acc_hi[j]));
-                }
-            }
-            Err(r) => {
-                let p = qp.add(r * k);
-                let (mut acc_lo, mut acc_hi) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-                let mut i = 0;
-                while i < k {
-                    let wv = _mm512_loadu_si512(p.add(i) as *const _);
-                    acc_lo = _mm512_dpbusd_epi32(acc_lo, _mm512_loadu_si512(lo.add(i) as *const _), wv);
-                    acc_hi = _mm512_dpbusd_epi32(acc_hi, _mm512_loadu_si512(hi.add(i) as *const _), wv);
-                    i += 64;
-                }
-                finish(r, _mm512_reduce_add_epi32(acc_lo), _mm512_reduce_add_epi32(acc_hi));
+                m0 += g;
             }
         });
+    }
+
+    /// `R` int8 rows (at `p`) × `G` tokens: `done(j, m, Σ w·lo, Σ w·hi)` for row j and token m.
+    /// The rows are prefetched on the `first` pass over them.
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // m and j index the tokens and the accumulators together
+    unsafe fn vnni_tile<const R: usize, const G: usize>(p: [*const i8; 4], k: usize, xs: &[QuantizedX], first: bool, mut done: impl FnMut(usize, usize, i32, i32)) {
+        let mut lo = [[_mm512_setzero_si512(); G]; R];
+        let mut hi = [[_mm512_setzero_si512(); G]; R];
+        let mut i = 0;
+        while i < k {
+            if first {
+                for pj in &p[..R] {
+                    _mm_prefetch::<_MM_HINT_T0>(pj.wrapping_add(i + PREFETCH_BYTES) as *const i8);
+                }
+            }
+            let wv: [__m512i; R] = std::array::from_fn(|j| _mm512_loadu_si512(p[j].add(i) as *const _));
+            for m in 0..G {
+                let (xl, xh) = (_mm512_loadu_si512(xs[m].lo.as_ptr().add(i) as *const _), _mm512_loadu_si512(xs[m].hi.as_ptr().add(i) as *const _));
+                for j in 0..R {
+                    lo[j][m] = _mm512_dpbusd_epi32(lo[j][m], xl, wv[j]);
+                    hi[j][m] = _mm512_dpbusd_epi32(hi[j][m], xh, wv[j]);
+                }
+            }
+            i += 64;
+        }
+        for j in 0..R {
+            for m in 0..G {
+                done(j, m, _mm512_reduce_add_epi32(lo[j][m]), _mm512_reduce_add_epi32(hi[j][m]));
+            }
+        }
     }
 
     /// How far ahead of each stream to prefetch (about 20 lines: enough in flight to cover
@@ -245,42 +260,46 @@ mod avx512 {
         }
     }
 
-    /// `T` tokens at once, two rows at a time: each weight is loaded once for all tokens. Per
-    /// (row, token) the sum runs exactly as in `gemv_rows` (16 lanes over k in order, reduced at
-    /// the end), so a decode step of a batch gives each sequence the bits it would get alone
-    /// (bf16/f16/f32 weights; int8 rows here use f32 arithmetic, not the one-token VNNI path).
-    #[target_feature(enable = "avx512f,avx512bw,f16c")]
-    pub unsafe fn gemv_rows_multi<const T: usize>(x: &[f32], w: &Matrix, rows: &RowSet, out: *mut f32) {
+    /// Tokens per tile: four rows × four tokens are 16 accumulators (six tokens, 24
+    /// accumulators, measured no faster and slower for k = 1024).
+    const TILE_TOKENS: usize = 4;
+    /// Up to this many tokens, a tile's four rows come from four distant streams.
+    const FAR_QUADS_UP_TO: usize = 8;
+
+    /// Any number of tokens, four rows × four tokens at a time: the four rows' weights are read
+    /// from memory once (while the first four tokens pass over them) and from cache for the
+    /// next four, and so on. Each (row, token) sum runs exactly as in `gemv_rows` (16 lanes
+    /// over k in order, reduced at the end), so that a sequence in a decode step of any size
+    /// gets the bits it would get alone (int8 rows come here only where VNNI does not apply:
+    /// then one token's take `gemv_rows`, in the same order).
+    // avx512vl: without it the reductions at the end can use only the first 16 registers,
+    // and the compiler keeps one of the 16 accumulators on the stack.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+    pub unsafe fn gemv_rows_multi(x: &[f32], t: usize, w: &Matrix, rows: &RowSet, out: *mut f32) {
         let (n, k) = (w.rows, w.cols);
         let xp = x.as_ptr();
+        // Which rows go together. A step of a few tokens is bound by reading the weights, and
+        // four distant streams read faster (see `RowSet`); of more, by the FMAs, where four
+        // adjacent rows do better (`examples/gemv_multi.rs` on 2 threads: distant streams twice
+        // as fast at 2 tokens, adjacent rows 8-26% faster from 16 tokens on).
+        let order: Vec<usize> = if t <= FAR_QUADS_UP_TO {
+            rows.offsets.clone().flat_map(|o| (0..4).map(move |j| j * rows.stride + o)).filter(|&r| r < rows.rows).collect()
+        } else {
+            rows.iter().collect()
+        };
+        let whole = order.len() / 4 * 4;
+        let groups = order[..whole].chunks_exact(4).map(|c| (true, [c[0], c[1], c[2], c[3]])).chain(order[whole..].iter().map(|&r| (false, [r; 4])));
         macro_rules! kernel {
             ($ptr:expr, $elem:ty, $load:ident, $scale:expr) => {{
-                let base = $ptr;
-                let line = 64 / std::mem::size_of::<$elem>();
-                let ahead = PREFETCH_BYTES / std::mem::size_of::<$elem>();
-                let all: Vec<usize> = rows.iter().collect();
-                for pair in all.chunks(2) {
-                    let p: [*const $elem; 2] = [base.add(pair[0] * k), base.add(pair[pair.len() - 1] * k)];
-                    let mut a = [[_mm512_setzero_ps(); T]; 2];
-                    let mut i = 0;
-                    while i < k {
-                        if i % line == 0 {
-                            for pj in p {
-                                _mm_prefetch::<_MM_HINT_T0>(pj.wrapping_add(i + ahead) as *const i8);
-                            }
-                        }
-                        let wv = [$load(p[0].add(i)), $load(p[1].add(i))];
-                        for m in 0..T {
-                            let xv = _mm512_loadu_ps(xp.add(m * k + i));
-                            a[0][m] = _mm512_fmadd_ps(wv[0], xv, a[0][m]);
-                            a[1][m] = _mm512_fmadd_ps(wv[1], xv, a[1][m]);
-                        }
-                        i += 16;
-                    }
-                    for (j, &r) in pair.iter().enumerate() {
-                        for m in 0..T {
-                            *out.add(m * n + r) = _mm512_reduce_add_ps(a[j][m]) * $scale(r);
-                        }
+                let base: *const $elem = $ptr;
+                for (quad, r) in groups {
+                    let p = r.map(|r| base.add(r * k));
+                    let mut m0 = 0;
+                    while m0 < t {
+                        let g = (t - m0).min(TILE_TOKENS);
+                        let o = out.add(m0 * n);
+                        tile_of(quad, g, p, k, xp.add(m0 * k), m0 == 0, |q| $load(q), |j, m, v| *o.add(m * n + r[j]) = v * $scale(r[j]));
+                        m0 += g;
                     }
                 }
             }};
@@ -293,6 +312,54 @@ mod avx512 {
             WeightData::Int8 { q, scales, .. } => {
                 let s = scales.as_slice();
                 kernel!(q.as_slice().as_ptr(), i8, load_i8, |r: usize| s[r])
+            }
+        }
+    }
+
+    /// A tile of four rows (`quad`) or one, and `g` (1..=TILE_TOKENS) tokens.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile_of<E>(quad: bool, g: usize, p: [*const E; 4], k: usize, x: *const f32, first: bool, load: impl Fn(*const E) -> __m512, done: impl FnMut(usize, usize, f32)) {
+        match (quad, g) {
+            (true, 1) => tile::<E, 4, 1>(p, k, x, first, load, done),
+            (true, 2) => tile::<E, 4, 2>(p, k, x, first, load, done),
+            (true, 3) => tile::<E, 4, 3>(p, k, x, first, load, done),
+            (true, 4) => tile::<E, 4, 4>(p, k, x, first, load, done),
+            (false, 1) => tile::<E, 1, 1>(p, k, x, first, load, done),
+            (false, 2) => tile::<E, 1, 2>(p, k, x, first, load, done),
+            (false, 3) => tile::<E, 1, 3>(p, k, x, first, load, done),
+            (false, 4) => tile::<E, 1, 4>(p, k, x, first, load, done),
+            _ => unreachable!("a tile has 1..={TILE_TOKENS} tokens"),
+        }
+    }
+
+    /// `R` weight rows (at `p`) × `G` tokens (x rows at `x`, `k` apart): `done(j, m, Σ)` for
+    /// row j and token m. The rows' weights are prefetched on the `first` pass over them.
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // m and j index x and the accumulators together
+    unsafe fn tile<E, const R: usize, const G: usize>(p: [*const E; 4], k: usize, x: *const f32, first: bool, load: impl Fn(*const E) -> __m512, mut done: impl FnMut(usize, usize, f32)) {
+        let line = 64 / std::mem::size_of::<E>();
+        let ahead = PREFETCH_BYTES / std::mem::size_of::<E>();
+        let mut a = [[_mm512_setzero_ps(); G]; R];
+        let mut i = 0;
+        while i < k {
+            if first && i % line == 0 {
+                for pj in &p[..R] {
+                    _mm_prefetch::<_MM_HINT_T0>(pj.wrapping_add(i + ahead) as *const i8);
+                }
+            }
+            let wv: [__m512; R] = std::array::from_fn(|j| load(p[j].add(i)));
+            for m in 0..G {
+                let xv = _mm512_loadu_ps(x.add(m * k + i));
+                for j in 0..R {
+                    a[j][m] = _mm512_fmadd_ps(wv[j], xv, a[j][m]);
+                }
+            }
+            i += 16;
+        }
+        for (j, row) in a.iter().enumerate() {
+            for (m, acc) in row.iter().enumerate() {
+                done(j, m, _mm512_reduce_add_ps(*acc));
             }
         }
     }

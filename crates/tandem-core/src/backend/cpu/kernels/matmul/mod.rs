@@ -1,7 +1,7 @@
-//! `out = x · Wᵀ` for a weight matrix in its stored dtype: the GEMV of decode (one token:
-//! bound by how fast the weights stream from memory) and the GEMM of prefill (many tokens:
-//! bound by FMA throughput). `matmul_ref` is the plain definition the fast paths are tested
-//! against.
+//! `out = x · Wᵀ` for a weight matrix in its stored dtype: the GEMV of decode (one token, or
+//! one per sequence of a batch: bound by how fast the weights stream from memory, and past a
+//! few tokens by FMA throughput) and the GEMM of prefill (many tokens: bound by FMA
+//! throughput). `matmul_ref` is the plain definition the fast paths are tested against.
 //!
 //! Work is cut into units (a few rows of a GEMV, a few output columns of a GEMM) that the
 //! pool's workers take in turn from a queue, and the products that read the same input (q, k
@@ -49,8 +49,9 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-/// Most tokens that take the GEMV path (a decode step of a batch of sequences): each weight row
-/// is read once for all of them. Past this, the packed GEMM.
+/// Most tokens of a prompt that take the GEMV; past this, the packed GEMM (a decode step takes
+/// the GEMV whatever its size, `decode_group`; the two cross between 128 and 256 tokens for
+/// rows of 1024, docs/results/2026-11-25-cpu-batched-decode.md).
 pub const GEMV_MAX_TOKENS: usize = 8;
 
 /// `out = x · Wᵀ` on the pool: GEMV for up to `GEMV_MAX_TOKENS` tokens, packed GEMM for more.
@@ -66,6 +67,14 @@ pub fn matmul_group(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, 
     } else {
         gemm::gemm_group(pool, x, t, &jobs);
     }
+}
+
+/// `out_i = x · W_iᵀ` for every product of a decode step of `t` sequences: each token's
+/// outputs are the one-token GEMV's, bit for bit, whatever `t` (each weight row read from memory
+/// once for all tokens).
+pub fn decode_group(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])]) {
+    let jobs = checked_jobs(x, t, products);
+    gemv_group(pool, x, t, &jobs);
 }
 
 /// `out_i = x · W_iᵀ` for every product of the group as a GEMM, whatever `t` (a static-shape
@@ -212,29 +221,39 @@ mod tests {
         let mut seed = 7;
         for threads in [1, 3] {
             let pool = Pool::new(threads);
-            for &(t, n, k) in &[(1, 5, 16), (1, 33, 96), (1, 70, 1024), (1, 7, 800), (2, 17, 48), (3, 9, 64), (8, 70, 1024), (5, 7, 800), (13, 64, 256), (25, 100, 300), (12, 32, 600)] {
+            for &(t, n, k) in &[(1, 5, 16), (1, 33, 96), (1, 70, 1024), (1, 7, 800), (2, 17, 48), (3, 9, 64), (8, 70, 1024), (5, 7, 800), (13, 64, 256), (25, 100, 300), (12, 32, 600), (33, 70, 1024), (9, 23, 48), (6, 9, 128), (17, 13, 192)] {
                 let x: Vec<f32> = (0..t * k).map(|_| lcg(&mut seed)).collect();
                 for w in &test_matrices(n, k, &mut seed) {
                     let mut want = vec![0f32; t * n];
                     let mut got = vec![0f32; t * n];
                     matmul_ref(&x, t, w, &mut want);
                     matmul(&pool, &x, t, w, &mut got);
-                    // int8 decode rounds x to int16: at most half a step (max|x| / 65534) per input.
+                    // The int8 GEMV (VNNI) rounds each token's x to int16: at most half a step
+                    // (max|x| / 65534) per input.
                     let x_max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let int8 = w.dtype() == crate::model::tensor::DType::I8;
+                    let tol = |r: usize, gemv: bool| {
+                        let rounding = if int8 && gemv { (0..k).map(|c| weight(w, r, c).abs()).sum::<f32>() * x_max / 65534.0 } else { 0.0 };
+                        2e-6 * (k as f32).sqrt() * 4.0 + rounding
+                    };
                     for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                        let r = i % n;
-                        let mut tol = 2e-6 * (k as f32).sqrt() * 4.0;
-                        if w.dtype() == crate::model::tensor::DType::I8 && t == 1 {
-                            tol += (0..k).map(|c| weight(w, r, c).abs()).sum::<f32>() * x_max / 65534.0;
-                        }
-                        assert!((a - b).abs() <= tol, "{} t={t} n={n} k={k} [{i}]: {a} vs {b}", w.dtype());
+                        assert!((a - b).abs() <= tol(i % n, t <= GEMV_MAX_TOKENS), "{} t={t} n={n} k={k} [{i}]: {a} vs {b}", w.dtype());
                     }
-                    // Each token of a multi-token GEMV gets the one-token GEMV's bits (float weights).
-                    if (2..=GEMV_MAX_TOKENS).contains(&t) && w.dtype() != crate::model::tensor::DType::I8 {
+                    // A decode step's product, at any number of tokens: each token gets the
+                    // one-token GEMV's bits (every dtype), and the reference within tolerance.
+                    let mut step = vec![0f32; t * n];
+                    decode_group(&pool, &x, t, &mut [(w, &mut step)]);
+                    if t <= GEMV_MAX_TOKENS {
+                        assert!(step == got, "{} t={t}: a decode step differs from the GEMV", w.dtype());
+                    }
+                    for (i, (a, b)) in step.iter().zip(&want).enumerate() {
+                        assert!((a - b).abs() <= tol(i % n, true), "decode step {} t={t} n={n} k={k} [{i}]: {a} vs {b}", w.dtype());
+                    }
+                    if t > 1 {
                         for m in 0..t {
                             let mut alone = vec![0f32; n];
                             matmul(&pool, &x[m * k..(m + 1) * k], 1, w, &mut alone);
-                            assert!(alone == got[m * n..(m + 1) * n], "{} t={t}: token {m} differs from its one-token product", w.dtype());
+                            assert!(alone == step[m * n..(m + 1) * n], "{} t={t}: token {m} of a decode step differs from its one-token product", w.dtype());
                         }
                     }
                     // The GEMM also runs single rows (static-shape dispatches).
