@@ -375,3 +375,35 @@ fn mma_state_walk_matches_the_f32_walk() {
         }
     }
 }
+
+/// The kernels are compiled once and then loaded from the kernel cache (the same CUBIN); a
+/// cache file damaged on disk is not loaded but compiled again and replaced.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn kernels_come_from_the_cache_after_the_first_compile() {
+    use tandem_core::backend::cuda::compile::{kernels_for, Origin};
+    let (g, _turn) = gpu_for("the kernel cache");
+    let arch = g.arch.clone();
+    let dir = std::env::temp_dir().join(format!("tandem-kernel-cache-test-{}", std::process::id()));
+    let source = tandem_core::backend::cuda::kernels::source();
+    let (first, origin) = kernels_for(&source, &arch, Some(&dir)).unwrap();
+    let Origin::Compiled { cached_to: Some(file), seconds } = origin else { panic!("first time: {origin:?}") };
+    let (again, origin) = kernels_for(&source, &arch, Some(&dir)).unwrap();
+    assert_eq!(origin, Origin::Cached(file.clone()));
+    assert!(again == first, "the cached CUBIN differs from the compiled one");
+    // Another source is another file.
+    let (_, origin) = kernels_for(&format!("{source}\n// another version\n"), &arch, Some(&dir)).unwrap();
+    assert!(matches!(origin, Origin::Compiled { .. }), "a changed source was loaded from the cache: {origin:?}");
+    // A damaged file: compiled again, and the file made good.
+    let mut bytes = std::fs::read(&file).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x10;
+    std::fs::write(&file, &bytes).unwrap();
+    let (fixed, origin) = kernels_for(&source, &arch, Some(&dir)).unwrap();
+    assert!(matches!(origin, Origin::Compiled { .. }), "a damaged file was loaded: {origin:?}");
+    assert!(fixed == first);
+    let (_, origin) = kernels_for(&source, &arch, Some(&dir)).unwrap();
+    assert_eq!(origin, Origin::Cached(file));
+    eprintln!("{arch}: compiled in {seconds:.2} s, {} KB", first.len() / 1024);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

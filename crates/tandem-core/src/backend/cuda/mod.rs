@@ -1,5 +1,6 @@
 //! The CUDA backend: one GPU, its stream, cuBLAS, and tandem's kernels (kernels/, split by
-//! family and joined for NVRTC, which compiles them at run time for the GPU found). The CUDA libraries are loaded when a GPU is first asked
+//! family and joined for NVRTC, which compiles them at run time for the GPU found, and kept on
+//! disk by compile.rs). The CUDA libraries are loaded when a GPU is first asked
 //! for, not linked: tandem builds and runs on machines without CUDA, and there asking for a GPU
 //! is an error that says what is missing.
 
@@ -11,6 +12,7 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr};
 
+pub mod compile;
 pub mod kernels;
 pub mod launch;
 pub mod qwen35;
@@ -22,9 +24,13 @@ use launch::{DevPtr, Kernel, Params};
 pub struct Gpu {
     pub ordinal: usize,
     pub name: String,
+    /// The architecture the kernels are compiled for, such as `sm_90`.
+    pub arch: String,
     pub stream: Arc<CudaStream>,
     pub blas: CudaBlas,
     kernels: HashMap<&'static str, CudaFunction>,
+    /// Where the compiled kernels came from: the kernel cache or NVRTC just now.
+    pub kernel_origin: compile::Origin,
     /// Streaming multiprocessors.
     pub sms: u32,
     /// Blocks of 256 threads of a kernel that run at once on the whole GPU, by kernel, as the
@@ -223,10 +229,13 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let (major, minor) = ctx.compute_capability().map_err(|e| anyhow::anyhow!("cuda:{ordinal}: {e:?}"))?;
-        let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
-        let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), options: vec!["-std=c++17".into()], ..Default::default() };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(kernels::source(), opts).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: compiling tandem's kernels for {arch} failed: {e:?}"))?;
-        let module = ctx.load_module(ptx).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: loading the kernels: {e:?}"))?;
+        let arch = format!("sm_{major}{minor}");
+        let (cubin, kernel_origin) = compile::kernels_for(&kernels::source(), &arch, compile::cache_dir().as_deref()).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: {e:#}"))?;
+        if let compile::Origin::Compiled { seconds, cached_to } = &kernel_origin {
+            let kept = cached_to.as_ref().map_or("not cached".to_string(), |f| format!("cached in {}", f.display()));
+            eprintln!("cuda:{ordinal}: kernels compiled for {arch} in {seconds:.1} s ({kept})");
+        }
+        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: loading the kernels ({kernel_origin:?}): {e:?}"))?;
         let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: {e:?}"))? as u32;
         let mut kernels = HashMap::new();
         for &(name, _) in kernels::ALL {
@@ -260,7 +269,7 @@ impl Gpu {
         .map_err(|e| anyhow::anyhow!("cuda:{ordinal}: creating a stream: {e:?}"))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: cuBLAS: {e:?}"))?;
         let pdl = major >= 9 && std::env::var("TANDEM_CUDA_PDL").map_or(true, |v| v != "0");
-        Ok(Gpu { ordinal, name, stream, blas, kernels, sms, resident: Default::default(), pdl, pdl_now: true.into(), bf16_mma: major >= 8, profile: std::sync::Mutex::new(None) })
+        Ok(Gpu { ordinal, name, arch, stream, blas, kernels, kernel_origin, sms, resident: Default::default(), pdl, pdl_now: true.into(), bf16_mma: major >= 8, profile: std::sync::Mutex::new(None) })
     }
 
     /// Programmatic launch on (`decode`) or off for the launches queued until the guard drops.
