@@ -1,6 +1,6 @@
 // The decode GEMVs: products of a few tokens with the weights, read once per step.
 
-// The decode GEMV: out_j[m, r] (+)= in(x)[m, :] . W_j[r, :] for t <= T tokens (T = 1 or 8) and
+// The decode GEMV: out_j[m, r] (+)= in(x)[m, :] . W_j[r, :] for t <= T tokens (T = 1, 2, 4, 8) and
 // up to four matrices of the same input in one launch (a layer's input projections). What the
 // weights are multiplied with (MODE):
 //   IN_PLAIN  x itself;
@@ -179,6 +179,15 @@ __device__ void gemv_body(const bf16_t* w0, float* o0, int n0, const bf16_t* w1,
 GEMV_KERNEL(gemv_t1_plain, 1, IN_PLAIN, false)
 GEMV_KERNEL(gemv_t1_norm, 1, IN_NORM, false)
 GEMV_KERNEL(gemv_t1_glu, 1, IN_NORM, true)
+// Steps of 2 and of 3-4 tokens have kernels of their own: with T = 8 they would carry eight
+// accumulators per lane and reduce all eight across the warp, for rows of 1024 (4 chunks per
+// lane) about as much work as the products.
+GEMV_KERNEL(gemv_t2_plain, 2, IN_PLAIN, false)
+GEMV_KERNEL(gemv_t2_norm, 2, IN_NORM, false)
+GEMV_KERNEL(gemv_t2_glu, 2, IN_NORM, true)
+GEMV_KERNEL(gemv_t4_plain, 4, IN_PLAIN, false)
+GEMV_KERNEL(gemv_t4_norm, 4, IN_NORM, false)
+GEMV_KERNEL(gemv_t4_glu, 4, IN_NORM, true)
 GEMV_KERNEL(gemv_t8_plain, 8, IN_PLAIN, false)
 GEMV_KERNEL(gemv_t8_norm, 8, IN_NORM, false)
 GEMV_KERNEL(gemv_t8_glu, 8, IN_NORM, true)

@@ -1,6 +1,9 @@
 // The reference of kernels/gemv.cu and its checks (the decode GEMVs): run on CPU threads by
 // tests/cuda_on_cpu.rs; tests/cuda_emu/checks.cpp (random, compare, ...) includes it.
 
+// The T of the kernel that takes t tokens (gemv.rs chooses the same).
+static const char* gemv_t(int t) { return t == 1 ? "1" : t == 2 ? "2" : t <= 4 ? "4" : "8"; }
+
 // The decode GEMVs: up to four matrices of one input per launch, `rb` rows per block, the
 // input RMS-normalised on the fly (1/rms found in the block or given by rms_inv) or plain,
 // written or added to the output.
@@ -34,12 +37,12 @@ static void check_gemv(int t, bool norm, bool given_inv, int rb, bool accumulate
     }
     std::vector<float> inv(t);
     if (given_inv) launch(t, 1, 1, 256, [&] { rms_inv(x.data(), inv.data(), k, eps); });
-    auto kernel = t == 1 ? (norm ? gemv_t1_norm : gemv_t1_plain) : (norm ? gemv_t8_norm : gemv_t8_plain);
+    auto kernel = t == 1 ? (norm ? gemv_t1_norm : gemv_t1_plain) : t == 2 ? (norm ? gemv_t2_norm : gemv_t2_plain) : t <= 4 ? (norm ? gemv_t4_norm : gemv_t4_plain) : (norm ? gemv_t8_norm : gemv_t8_plain);
     launch(units, 1, 1, 256, [&] {
         kernel(w[0].data(), out[0].data(), rows[0], w[1].data(), out[1].data(), rows[1], w[2].data(), out[2].data(), rows[2], w[3].data(), out[3].data(), rows[3], x.data(),
                scale.data(), given_inv ? inv.data() : nullptr, k, t, rb, accumulate, eps);
     });
-    std::string name = std::string("gemv_t") + (t == 1 ? "1" : "8") + (norm ? "_norm" : "_plain") + ", " + std::to_string(t) + (t == 1 ? " token, " : " tokens, ") + std::to_string(rb) + " rows per block" +
+    std::string name = std::string("gemv_t") + gemv_t(t) + (norm ? "_norm" : "_plain") + ", " + std::to_string(t) + (t == 1 ? " token, " : " tokens, ") + std::to_string(rb) + " rows per block" +
                        (norm ? (given_inv ? ", 1/rms given" : ", 1/rms in the block") : "") + (accumulate ? ", adding" : "");
     for (int j = 0; j < 4; j++)
         if (rows[j] > 0) compare(name + ": matrix " + std::to_string(j) + " (" + std::to_string(rows[j]) + " rows)", out[j], want[j], 1e-5);
@@ -68,11 +71,11 @@ static void check_gemv_glu(int t, int rb, int n) {
             want[(size_t)m * n + r] = g * sigmoid(g) * u;
         }
     }
-    auto kernel = t == 1 ? gemv_t1_glu : gemv_t8_glu;
+    auto kernel = t == 1 ? gemv_t1_glu : t == 2 ? gemv_t2_glu : t <= 4 ? gemv_t4_glu : gemv_t8_glu;
     launch((2 * n + rb - 1) / rb, 1, 1, 256, [&] {
         kernel(gw.data(), out.data(), n, uw.data(), up_out.data(), n, nullptr, nullptr, 0, nullptr, nullptr, 0, x.data(), scale.data(), nullptr, k, t, rb, 0, eps);
     });
-    compare("gemv_t" + std::string(t == 1 ? "1" : "8") + "_glu, " + std::to_string(t) + (t == 1 ? " token, " : " tokens, ") + std::to_string(rb) + " rows per block, " + std::to_string(n) + " rows: silu(gate) * up", out, want, 1e-5);
+    compare("gemv_t" + std::string(gemv_t(t)) + "_glu, " + std::to_string(t) + (t == 1 ? " token, " : " tokens, ") + std::to_string(rb) + " rows per block, " + std::to_string(n) + " rows: silu(gate) * up", out, want, 1e-5);
 }
 
 // The streaming GEMV of one token over rows of 1024 (gemv_stream_*): `blocks` blocks, so that
@@ -125,4 +128,10 @@ static void check_gemv_kernels() {
     check_gemv_stream(false, false, true, {61}, 3);
     check_gemv_stream(true, true, false, {37, 37}, 2);
     check_gemv_glu(3, 2, 9);
+    check_gemv(2, true, false, 4, false, {33, 8});
+    check_gemv(3, false, false, 2, true, {19, 5, 7});
+    check_gemv(4, true, true, 8, false, {21});
+    check_gemv_glu(2, 4, 13);
+    check_gemv_glu(4, 8, 11);
+    check_gemv_glu(8, 2, 6);
 }

@@ -27,7 +27,7 @@ type U32 = DevPtr<u32>;
 /// A table of per-sequence f32 arrays (a batched step's states or caches).
 type Table = DevPtr<DevPtr<f32>>;
 
-/// gemv.cu gemv_t1_* / gemv_t8_*: up to four matrices `(w, out, rows)` of one input, then
+/// gemv.cu gemv_t1_* / gemv_t2_* / gemv_t4_* / gemv_t8_*: up to four matrices `(w, out, rows)` of one input, then
 /// (x, x2, rms_inv, k, t, rows_per_block, accumulate, eps).
 pub type GemvParams = (Bf16, F32, i32, Bf16, F32, i32, Bf16, F32, i32, Bf16, F32, i32, F32, F32, F32, i32, i32, i32, i32, f32);
 /// gemv.cu gemv_stream_*: as `GemvParams` without t and rows_per_block.
@@ -75,6 +75,12 @@ kernels! {
     GEMV_T1_PLAIN = "gemv_t1_plain" as GemvParams;
     GEMV_T1_NORM = "gemv_t1_norm" as GemvParams;
     GEMV_T1_GLU = "gemv_t1_glu" as GemvParams;
+    GEMV_T2_PLAIN = "gemv_t2_plain" as GemvParams;
+    GEMV_T2_NORM = "gemv_t2_norm" as GemvParams;
+    GEMV_T2_GLU = "gemv_t2_glu" as GemvParams;
+    GEMV_T4_PLAIN = "gemv_t4_plain" as GemvParams;
+    GEMV_T4_NORM = "gemv_t4_norm" as GemvParams;
+    GEMV_T4_GLU = "gemv_t4_glu" as GemvParams;
     GEMV_T8_PLAIN = "gemv_t8_plain" as GemvParams;
     GEMV_T8_NORM = "gemv_t8_norm" as GemvParams;
     GEMV_T8_GLU = "gemv_t8_glu" as GemvParams;

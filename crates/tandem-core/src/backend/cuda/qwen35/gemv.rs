@@ -46,14 +46,13 @@ impl GpuQwen35 {
             let args = (m0.0, m0.1, m0.2, m1.0, m1.1, m1.2, m2.0, m2.1, m2.2, m3.0, m3.1, m3.2, x, x2, inv, k as i32, accumulate, eps);
             return g.launch(kernel, Grid::x(blocks, 256), args);
         }
-        let kernel = match (t == 1, glu, norm) {
-            (true, true, _) => k::GEMV_T1_GLU,
-            (true, false, true) => k::GEMV_T1_NORM,
-            (true, false, false) => k::GEMV_T1_PLAIN,
-            (false, true, _) => k::GEMV_T8_GLU,
-            (false, false, true) => k::GEMV_T8_NORM,
-            (false, false, false) => k::GEMV_T8_PLAIN,
+        let kernels = match t {
+            1 => [k::GEMV_T1_GLU, k::GEMV_T1_NORM, k::GEMV_T1_PLAIN],
+            2 => [k::GEMV_T2_GLU, k::GEMV_T2_NORM, k::GEMV_T2_PLAIN],
+            3 | 4 => [k::GEMV_T4_GLU, k::GEMV_T4_NORM, k::GEMV_T4_PLAIN],
+            _ => [k::GEMV_T8_GLU, k::GEMV_T8_NORM, k::GEMV_T8_PLAIN],
         };
+        let kernel = kernels[if glu { 0 } else if norm { 1 } else { 2 }];
         // Rows per block: the most (of 8, 4, 2, 1) whose blocks still fill at least half of
         // what the GPU runs at once, so that a matrix of few rows gets several warps per row
         // and its loads are spread over the GPU (as long as every lane of a row's warps has 8
