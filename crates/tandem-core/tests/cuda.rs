@@ -119,42 +119,86 @@ fn gpu_prefill_and_decode_match_the_cpu_engine() {
 /// different positions, 3 of them (the projections by the multi-row GEMV) and 11 (by the
 /// GEMM), six greedy steps, the last sequence leaving after the third; replayed from the
 /// graphs of their bucket (4 and 2 rows, 12 rows, padding rows included) and launched kernel
-/// by kernel; the same picks, logits within twice the verify tolerance.
+/// by kernel. Exact products (the batch on the GEMV up to 8 rows, else the exact GEMM): the same
+/// picks, logits within twice the verify tolerance. Tensor-core precision with the GEMM from 2
+/// sequences (the one sequence's GEMV multiplies the same bf16-rounded inputs, but sums them in
+/// another order, and a value that differs in its last f32 bit may round to the other bf16
+/// downstream): logits within `TC_LOGIT_REL_TOL` of the largest, the same picks except where
+/// the solo run's best two are closer than that. Both precisions: the same sequences decoded two
+/// or three at a time get what they get in the batch, within the same bounds.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn batched_decode_matches_each_sequence_alone() {
+    /// Measured on an H100 with the tiny fixture model (random weights, which magnify a
+    /// difference): most sequences within 6e-7 of the largest logit, a few at 2e-3 to 7e-3
+    /// (an input rounded to the other bf16 somewhere in the step); 1.1e-2 when the GEMV
+    /// multiplied f32 inputs and the GEMM their bf16 roundings.
+    const TC_LOGIT_REL_TOL: f32 = 2e-2;
     let (gpu0, _turn) = gpu_for("the batched decode step");
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let tokens = prompt("p4");
     let mut gpu = GpuQwen35::upload(gpu0, &m.net, Precision::Exact).unwrap();
-    for graphs in [true, false] {
-        for lengths in [vec![5usize, 130, 40], vec![1, 2, 7, 9, 33, 64, 65, 100, 200, 299, 300]] {
-            let prefill = |len: usize| {
-                let mut s = gpu.new_state().unwrap();
-                gpu.forward(&tokens[..len], &mut s, Logits::Last).unwrap();
-                s
-            };
-            let mut alone: Vec<_> = lengths.iter().map(|&l| prefill(l)).collect();
-            let mut batch: Vec<_> = lengths.iter().map(|&l| prefill(l)).collect();
-            gpu.graphs = graphs;
-            for step in 0..6 {
-                let running = if step < 3 { lengths.len() } else { lengths.len() - 1 };
-                let picks: Vec<u32> = alone[..running].iter_mut().map(|s| argmax(s.last_logits().unwrap())).collect();
-                for (i, s) in alone[..running].iter_mut().enumerate() {
-                    gpu.apply(&[picks[i]], s).unwrap();
+    for (precision, gemm_from) in [(Precision::Exact, gpu.decode_gemm_from()), (Precision::TensorCores, 2)] {
+        gpu.precision = precision;
+        gpu.set_decode_gemm_from(gemm_from);
+        for graphs in [true, false] {
+            for lengths in [vec![5usize, 130, 40], vec![1, 2, 7, 9, 33, 64, 65, 100, 200, 299, 300]] {
+                let prefill = |len: usize| {
+                    let mut s = gpu.new_state().unwrap();
+                    gpu.forward(&tokens[..len], &mut s, Logits::Last).unwrap();
+                    s
+                };
+                let mut alone: Vec<_> = lengths.iter().map(|&l| prefill(l)).collect();
+                let mut batch: Vec<_> = lengths.iter().map(|&l| prefill(l)).collect();
+                let mut small: Vec<_> = lengths.iter().map(|&l| prefill(l)).collect();
+                gpu.graphs = graphs;
+                for step in 0..6 {
+                    let running = if step < 3 { lengths.len() } else { lengths.len() - 1 };
+                    let picks: Vec<u32> = alone[..running].iter_mut().map(|s| argmax(s.last_logits().unwrap())).collect();
+                    for (i, s) in alone[..running].iter_mut().enumerate() {
+                        gpu.apply(&[picks[i]], s).unwrap();
+                    }
+                    let mut refs: Vec<_> = batch[..running].iter_mut().collect();
+                    gpu.decode_batch(&picks, &mut refs).unwrap();
+                    // (Read before the smaller batches' steps, which may reuse the buffer; the
+                    // GPU's picks first, as reading the logits brings them to the host.)
+                    let gpu_picks: Vec<Option<u32>> = batch[..running].iter().map(|s| s.last_argmax()).collect();
+                    let batched: Vec<Vec<f32>> = batch[..running].iter_mut().map(|s| s.last_logits().unwrap().to_vec()).collect();
+                    // Two at a time, the last three together where two would leave one alone
+                    // (each group's logits read before the next group's step reuses the buffer).
+                    let mut in_small = Vec::new();
+                    let mut from = 0;
+                    while from < running {
+                        let to = if running - from == 3 { running } else { from + 2 };
+                        let mut refs: Vec<_> = small[from..to].iter_mut().collect();
+                        gpu.decode_batch(&picks[from..to], &mut refs).unwrap();
+                        in_small.extend(small[from..to].iter_mut().map(|s| s.last_logits().unwrap().to_vec()));
+                        from = to;
+                    }
+                    for i in 0..running {
+                        let what = format!("{precision:?} from {gemm_from}, graphs {graphs}, {running} sequences, step {step}: sequence {i} (prompt of {})", lengths[i]);
+                        let want = alone[i].last_logits().unwrap().to_vec();
+                        let tol = match precision {
+                            Precision::Exact => 2.0 * LOGIT_TOL,
+                            Precision::TensorCores => TC_LOGIT_REL_TOL * want.iter().fold(0.0f32, |m, v| m.max(v.abs())),
+                        };
+                        let pick = gpu_picks[i].unwrap_or_else(|| panic!("{what}: no pick from the GPU"));
+                        let best = argmax(&want);
+                        let tie = precision == Precision::TensorCores && want[best as usize] - want[pick as usize] <= tol;
+                        assert!(pick == best || tie, "{what} picks {pick}, alone {best} (logits {} and {})", want[pick as usize], want[best as usize]);
+                        assert_eq!(batch[i].position, alone[i].position);
+                        let got = &batched[i];
+                        let err = max_abs_diff(got, &want);
+                        if step == 0 && i == 0 {
+                            eprintln!("{what}: logits differ from the solo run's by {err:.2e}");
+                        }
+                        assert!(err <= tol, "{what}: logits differ from its solo run by {err:.2e} (bound {tol:.2e})");
+                        let err = max_abs_diff(&in_small[i], got);
+                        assert!(err <= tol, "{what}: logits in a batch of {running} and of 2 or 3 differ by {err:.2e} (bound {tol:.2e})");
+                    }
                 }
-                let mut refs: Vec<_> = batch[..running].iter_mut().collect();
-                gpu.decode_batch(&picks, &mut refs).unwrap();
-                for (i, (b, a)) in batch[..running].iter_mut().zip(alone.iter_mut()).enumerate() {
-                    let want = a.last_logits().unwrap().to_vec();
-                    assert_eq!(b.last_argmax(), Some(argmax(&want)), "graphs {graphs}, {running} sequences, step {step}: sequence {i} (prompt of {}) picks another token", lengths[i]);
-                    let got = b.last_logits().unwrap();
-                    let err = max_abs_diff(got, &want);
-                    assert!(err <= 2.0 * LOGIT_TOL, "graphs {graphs}, {running} sequences, step {step}: sequence {i}: logits differ from its solo run by {err:.2e}");
-                    assert_eq!(b.position, a.position);
-                }
+                gpu.graphs = true;
             }
-            gpu.graphs = true;
         }
     }
 }

@@ -205,13 +205,13 @@ fn cmd_verify(argv: &[String]) -> Result<ExitCode> {
     let precision = match args.str("precision").unwrap_or("exact") {
         "exact" => Precision::Exact,
         "tensor-cores" => Precision::TensorCores,
-        other => bail!("--precision {other:?}: exact (f32 products, the default) or tensor-cores (products of more than 8 rows take bf16 inputs)"),
+        other => bail!("--precision {other:?}: exact (f32 products, the default) or tensor-cores (products take bf16-rounded inputs)"),
     };
     let checks = match args.str("device") {
         None | Some("cpu") => {
             if precision == Precision::TensorCores {
                 // The CPU engine computing as the GPU's tensor-core prefill does.
-                println!("device: cpu, precision TensorCores (the inputs of products of more than 8 rows rounded to bf16)");
+                println!("device: cpu, precision TensorCores (the inputs of every product rounded to bf16)");
                 model.net.set_gemm_inputs_bf16(true);
             }
             tandem_core::verify::verify(&pool, &mut model.net, reference)?

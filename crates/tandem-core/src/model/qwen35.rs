@@ -158,9 +158,9 @@ impl Qwen35 {
         self.inv_freq = if rounded { inv_freq_bf16(c.rope_theta, c.rotary_dim()) } else { inv_freq(c.rope_theta, c.rotary_dim()) };
     }
 
-    /// Compute as a GPU's tensor-core prefill does (`cuda::qwen35::Precision::TensorCores`):
-    /// the input of every product of more than `GEMV_MAX_TOKENS` rows rounded to bf16 (to
-    /// nearest, ties to even) before the f32 sums; decode-sized products stay f32 as there.
+    /// Compute as the GPU does with tensor-core precision (`cuda::qwen35::Precision::TensorCores`):
+    /// the input of every product rounded to bf16 (to nearest, ties to even) before the f32
+    /// sums, decode-sized products too (the GPU's GEMV rounds its inputs as its GEMM does).
     /// The CPU reference for that arithmetic (`tandem verify --precision tensor-cores`), and a
     /// measure of how far bf16 activations move a model's outputs.
     pub fn set_gemm_inputs_bf16(&mut self, rounded: bool) {

@@ -71,6 +71,8 @@ inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
 template <typename T> inline T __ldcg(const T* p) { return *(volatile const T*)p; }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return reinterpret_cast<std::atomic<unsigned>*>(p)->fetch_add(v); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
 inline void warp_sync() { g_block->warps[threadIdx.x >> 5]->arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int m) {
     int w = threadIdx.x >> 5, l = threadIdx.x & 31;

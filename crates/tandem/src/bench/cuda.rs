@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use std::time::Instant;
 
 use anyhow::Result;
-use tandem_core::backend::cuda::qwen35::{GpuQwen35, Precision};
+use tandem_core::backend::cuda::qwen35::{GpuQwen35, GpuState, Precision};
 use tandem_core::backend::cuda::Gpu;
 use tandem_core::model::Logits;
 use tandem_core::sampling::argmax;
@@ -119,7 +119,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
         let decode_run = |g: &GpuQwen35| -> Result<f64> {
             let mut st = g.new_state()?;
             g.forward(&tokens[..13], &mut st, Logits::Last)?;
-            let greedy = |st: &mut tandem_core::backend::cuda::qwen35::GpuState| -> Result<u32> {
+            let greedy = |st: &mut GpuState| -> Result<u32> {
                 Ok(match st.last_argmax() {
                     Some(a) => a,
                     None => argmax(st.last_logits()?),
@@ -207,10 +207,13 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
             writeln!(profiles, "| {name} | {ms:.2} | {count} | {:.0}% |", 100.0 * ms / total)?;
         }
 
-        // Several sequences per step: every weight read once for all of them.
+        // Several sequences per step: every weight read once for all of them. Up to 8
+        // sequences, the products by the GEMV and by the tensor-core GEMM, interleaved (the
+        // engine's default takes the GEMM from `decode_gemm_from` sequences).
         progress(&format!("{spec}: batched decode"));
+        let default_from = g.decode_gemm_from();
         let mut one = 0.0;
-        for n in [1usize, 2, 4, 8, 16, 32, 64] {
+        for n in [1usize, 2, 3, 4, 6, 8, 16, 32, 64] {
             let mut states = (0..n)
                 .map(|i| {
                     let mut st = g.new_state()?;
@@ -219,29 +222,43 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
                 })
                 .collect::<Result<Vec<_>>>()?;
             let ids: Vec<u32> = (0..n as u32).map(|i| 100 + i).collect();
-            let mut step_once = || -> Result<()> {
+            // (GEMM from, label): both paths where the GEMV can take the batch (its graph's
+            // bucket, the batch padded to a power of two, has at most 8 rows).
+            let paths: Vec<(usize, &str)> = if (2..=8).contains(&n) { vec![(9, "GEMV"), (2, "GEMM")] } else { vec![(default_from, "")] };
+            let mut rates = vec![Vec::new(); paths.len()];
+            for rep in 0..=reps {
+                for (p, &(from, _)) in paths.iter().enumerate() {
+                    g.set_decode_gemm_from(from);
+                    let step_once = |states: &mut Vec<GpuState>| -> Result<()> {
+                        if n == 1 {
+                            g.forward(&ids, &mut states[0], Logits::Last)?;
+                        } else {
+                            let mut refs: Vec<_> = states.iter_mut().collect();
+                            g.decode_batch(&ids, &mut refs)?;
+                        }
+                        Ok(())
+                    };
+                    // One untimed step captures the path's graph (and, first, warms up).
+                    step_once(&mut states)?;
+                    if rep == 0 {
+                        continue;
+                    }
+                    let t = Instant::now();
+                    for _ in 0..decode_steps {
+                        step_once(&mut states)?;
+                    }
+                    rates[p].push((n * decode_steps) as f64 / t.elapsed().as_secs_f64());
+                }
+            }
+            g.set_decode_gemm_from(default_from);
+            for (p, &(from, label)) in paths.iter().enumerate() {
+                let (rate, lo, hi) = stats(&mut rates[p]);
                 if n == 1 {
-                    g.forward(&ids, &mut states[0], Logits::Last)?;
-                } else {
-                    let mut refs: Vec<_> = states.iter_mut().collect();
-                    g.decode_batch(&ids, &mut refs)?;
+                    one = rate;
                 }
-                Ok(())
-            };
-            step_once()?;
-            let mut rates = Vec::new();
-            for _ in 0..reps {
-                let t = Instant::now();
-                for _ in 0..decode_steps {
-                    step_once()?;
-                }
-                rates.push((n * decode_steps) as f64 / t.elapsed().as_secs_f64());
+                let chosen = if paths.len() == 1 || (n.next_power_of_two() >= default_from) == (from == 2) { " (default)" } else { "" };
+                writeln!(batches, "| {spec} | {n} | {label}{chosen} | {rate:.0} ({lo:.0} - {hi:.0}) | {:.2}x |", rate / one)?;
             }
-            let (rate, lo, hi) = stats(&mut rates);
-            if n == 1 {
-                one = rate;
-            }
-            writeln!(batches, "| {spec} | {n} | {rate:.0} ({lo:.0} - {hi:.0}) | {:.2}x |", rate / one)?;
         }
 
         // Several prompts prefilled in one forward (their rows packed) against one after
@@ -348,7 +365,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
         "\n### A decode step on the GPU alone (its graph replayed {decode_steps} times back to back, one wait at the end; median of {reps}) against a step as `apply` runs it with its greedy pick (a wait, and the argmax, found on the GPU, copied to the host each token)\n\n| model | µs per step, GPU alone | µs per step, apply + pick | tok/s, GPU alone |\n|---|---|---|---|\n{steps_alone}"
     )?;
     writeln!(report, "\n### The decode GEMVs alone (one token; each kind through every layer's matrices, a CUDA graph of 40 launches or more, median of 5 replays)\n\n| model | GEMV | weights | MB | µs per launch | GB/s | of bandwidth |\n|---|---|---|---|---|---|---|\n{gemvs}")?;
-    writeln!(report, "\n### Batched decode (one step for every sequence; one sequence: the graph)\n\n| model | sequences | aggregate tok/s | vs one |\n|---|---|---|---|\n{batches}")?;
+    writeln!(report, "\n### Batched decode (one step for every sequence, replayed from its batch-size bucket's graph; one sequence: its own graph). From 2 to 8 sequences the products by the GEMV and by the tensor-core GEMM, interleaved; (default): the path the engine takes\n\n| model | sequences | products | aggregate tok/s | vs one |\n|---|---|---|---|---|\n{batches}")?;
     writeln!(report, "\n### Packed prefill (prompts of {prompt} tokens prefilled in one forward, their rows packed; against the same prompts one after another, measured at 1 and 16; median of {reps})\n\n| model | prompts | tokens | tok/s | TFLOP/s | of bf16 peak | one after another tok/s |\n|---|---|---|---|---|---|---|\n{packs}{pack_profile}")?;
     writeln!(
         report,

@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 
 use crate::backend::cpu::kernels::attention::attention_head;
 use crate::backend::cpu::kernels::deltanet::{self, ChunkScratch};
-use crate::backend::cpu::kernels::matmul::{decode_group, gemm_group, matmul_group, GEMV_MAX_TOKENS};
+use crate::backend::cpu::kernels::matmul::{decode_group, gemm_group, matmul_group};
 use crate::backend::cpu::kernels::norm::{gated_rms_norm_inplace, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, softplus, swiglu_inplace};
 use crate::backend::cpu::kernels::rope::{apply_rope, cos_sin};
 use crate::backend::cpu::pool::Pool;
@@ -329,8 +329,8 @@ enum Kernels {
     Decode,
 }
 
-/// How a pass multiplies: its pool, its kernels, and whether the inputs of products of more
-/// than `GEMV_MAX_TOKENS` rows are rounded to bf16 first.
+/// How a pass multiplies: its pool, its kernels, and whether the inputs of its products are
+/// rounded to bf16 first (the GPU's tensor-core precision).
 struct Pass<'p> {
     pool: &'p Pool,
     kernels: Kernels,
@@ -340,7 +340,7 @@ struct Pass<'p> {
 impl Pass<'_> {
     fn products(&self, x: &[f32], t: usize, jobs: &mut [(&Matrix, &mut [f32])]) {
         let rounded: Vec<f32>;
-        let x = if self.bf16_inputs && t > GEMV_MAX_TOKENS {
+        let x = if self.bf16_inputs {
             rounded = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
             &rounded
         } else {
@@ -401,10 +401,10 @@ fn add_inplace(x: &mut [f32], y: &[f32]) {
 mod tests {
     use super::*;
 
-    /// The tensor-core emulation rounds the inputs of products of more than 8 rows, and only
-    /// those: a short forward pass is bit for bit the f32 one.
+    /// The tensor-core emulation rounds the inputs of every product (a decode-sized one too, as
+    /// the GPU's GEMV does with tensor-core precision): the product of the rounded input.
     #[test]
-    fn bf16_gemm_inputs_round_only_products_of_more_than_8_rows() {
+    fn bf16_gemm_inputs_round_every_product() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
         let mut m = crate::model::load::LoadedModel::load(dir.to_str().unwrap()).unwrap();
         let pool = Pool::new(1);
@@ -419,15 +419,16 @@ mod tests {
             Pass { pool: &pool, kernels: Kernels::Prompt, bf16_inputs }.products(&x[..t * k], t, &mut [(w, &mut out)]);
             out
         };
-        assert!(run(true, &x, 9) == run(false, &rounded, 9), "9 rows: not the product of the rounded input");
-        assert!(run(true, &x, 9) != run(false, &x, 9), "9 rows: the input was not rounded");
-        assert!(run(true, &x, 8) == run(false, &x, 8), "8 rows (a decode-sized product) were rounded");
+        for t in [1, 8, 9] {
+            assert!(run(true, &x, t) == run(false, &rounded, t), "{t} rows: not the product of the rounded input");
+            assert!(run(true, &x, t) != run(false, &x, t), "{t} rows: the input was not rounded");
+        }
 
         let tokens = [3u32, 141, 59, 26, 535];
         let plain = m.net.forward(&pool, &tokens, &mut State::new(&m.net.config), Logits::All).unwrap();
         m.net.set_gemm_inputs_bf16(true);
         let emulated = m.net.forward(&pool, &tokens, &mut State::new(&m.net.config), Logits::All).unwrap();
-        assert!(plain == emulated, "a 5-token pass changed under the tensor-core emulation");
+        assert!(plain != emulated, "a 5-token pass did not change under the tensor-core emulation");
     }
 
     /// `forward` applies long inputs in pieces; the pieces start on DeltaNet chunk boundaries,

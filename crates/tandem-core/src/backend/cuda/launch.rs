@@ -127,7 +127,7 @@ macro_rules! tuples {
     () => {};
 }
 
-tuples!(A B C D E F G H I J K L M N O P Q R S T);
+tuples!(A B C D E F G H I J K L M N O P Q R S T U);
 
 /// A kernel of kernels/ by name, with its parameter list `P`.
 pub struct Kernel<P> {

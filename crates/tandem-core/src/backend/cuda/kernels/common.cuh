@@ -109,6 +109,30 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float x) {
     return (bf16_t)(b >> 16);
 }
 
+// The 1/rms of a row of k floats (k a multiple of 4) in one order for every kernel that
+// normalises (rms_norm, rms_inv, the GEMVs), on blocks of 256 threads: thread i adds the
+// squares of float4s i, i + 256, ... (`thread_squares`), each warp's sum goes to
+// squares[warp], and `inv_rms_of` adds the eight in order. The GEMV with tensor-core precision
+// rounds rms_norm(x) * scale to bf16 itself, so it must find the 1/rms that rms_norm finds for
+// the GEMM, to the bit (else an input here and there rounds the other way). The products are
+// rounded (`__fmul_rn`, `__fadd_rn`) so that the compiler contracts them the same way everywhere.
+__device__ __forceinline__ float squares_of4(float4 v) {
+    return __fadd_rn(__fadd_rn(__fmul_rn(v.x, v.x), __fmul_rn(v.y, v.y)), __fadd_rn(__fmul_rn(v.z, v.z), __fmul_rn(v.w, v.w)));
+}
+__device__ __forceinline__ float thread_squares(const float* x, int k) {
+    float ss = 0.0f;
+    for (int q = threadIdx.x; q < k / 4; q += 256) ss = __fadd_rn(ss, squares_of4(((const float4*)x)[q]));
+    return ss;
+}
+__device__ __forceinline__ float inv_rms_of(const float* squares8, int k, float eps) {
+    float ss = 0.0f;
+    for (int q = 0; q < 8; q++) ss = __fadd_rn(ss, squares8[q]);
+    return 1.0f / sqrtf(ss / k + eps);
+}
+
+// f32 rounded to the nearest bf16 and back (a tensor-core operand's value, in f32).
+__device__ __forceinline__ float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
 // Two f32 rounded to bf16 and packed, the first in the low half: an mma operand register, or
 // two neighbours of a bf16 array.
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) { return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16); }

@@ -19,11 +19,16 @@
 // and the output is o0 = silu(gate) * up: a unit's rows alternate gate row, up row (rb even),
 // so that its block holds both halves of the rows it writes (a swiglu launch of its own
 // measured 1.4 us per layer in a decode graph on an H200).
+// With `round_in` (tensor-core precision) the GEMV multiplies what a tensor-core GEMM of the same
+// rows would: each input value rounded to bf16 (with IN_NORM, rms_norm(x) * scale rounded, so
+// the 1/rms is found before the products), and with GLU gate and up rounded to bf16 before the
+// SwiGLU (as the GEMM writes them). A sequence then gets the same products whether its step
+// takes the GEMV or, in a larger batch, the GEMM; only the order of the sums differs.
 #define IN_PLAIN 0
 #define IN_NORM 1
 
 template <int T, int MODE>
-__device__ __forceinline__ void gemv_chunk(uint4 p, const float* x, const float* x2, int k, int t, int c, float* acc) {
+__device__ __forceinline__ void gemv_chunk(uint4 p, const float* x, const float* x2, const float* inv, int round_in, int k, int t, int c, float* acc) {
     float wv[8];
     wv[0] = __uint_as_float(p.x << 16); wv[1] = __uint_as_float(p.x & 0xffff0000u);
     wv[2] = __uint_as_float(p.y << 16); wv[3] = __uint_as_float(p.y & 0xffff0000u);
@@ -39,7 +44,15 @@ __device__ __forceinline__ void gemv_chunk(uint4 p, const float* x, const float*
         if (m < t) {
             const float4* xp = (const float4*)(x + (size_t)m * k + c * 8);
             float4 a = xp[0], b = xp[1];
-            if (MODE == IN_NORM) {
+            if (round_in && MODE == IN_NORM) {
+                // (x * 1/rms) * scale, as rms_norm computes it, then rounded.
+                float r = inv[m];
+                a = make_float4(round_bf16(a.x * r * s0.x), round_bf16(a.y * r * s0.y), round_bf16(a.z * r * s0.z), round_bf16(a.w * r * s0.w));
+                b = make_float4(round_bf16(b.x * r * s1.x), round_bf16(b.y * r * s1.y), round_bf16(b.z * r * s1.z), round_bf16(b.w * r * s1.w));
+            } else if (round_in) {
+                a = make_float4(round_bf16(a.x), round_bf16(a.y), round_bf16(a.z), round_bf16(a.w));
+                b = make_float4(round_bf16(b.x), round_bf16(b.y), round_bf16(b.z), round_bf16(b.w));
+            } else if (MODE == IN_NORM) {
                 a.x *= s0.x; a.y *= s0.y; a.z *= s0.z; a.w *= s0.w;
                 b.x *= s1.x; b.y *= s1.y; b.z *= s1.z; b.w *= s1.w;
             }
@@ -51,8 +64,8 @@ __device__ __forceinline__ void gemv_chunk(uint4 p, const float* x, const float*
 template <int T, int MODE, bool GLU>
 __device__ void gemv_body(const bf16_t* w0, float* o0, int n0, const bf16_t* w1, float* o1, int n1, const bf16_t* w2, float* o2, int n2,
                           const bf16_t* w3, float* o3, int n3, const float* x, const float* x2, const float* rms_inv, int k, int t, int rb, int accumulate,
-                          float eps) {
-    __shared__ float parts[8][T], squares[8][T];
+                          float eps, int round_in) {
+    __shared__ float parts[8][T], squares[T][8];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int b0 = (n0 + rb - 1) / rb, b1 = (n1 + rb - 1) / rb, b2 = (n2 + rb - 1) / rb;
     int wpr = 8 / rb;
@@ -87,46 +100,43 @@ __device__ void gemv_body(const bf16_t* w0, float* o0, int n0, const bf16_t* w1,
         // partial per warp; combined once the block has synchronised, below.
 #pragma unroll
         for (int m = 0; m < T; m++) {
-            float ss = 0.0f;
-            if (m < t) {
-                const float4* xr = (const float4*)(x + (size_t)m * k);
-                for (int q = threadIdx.x; q < k / 4; q += 256) {
-                    float4 v = xr[q];
-                    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-                }
-            }
+            float ss = m < t ? thread_squares(x + (size_t)m * k, k) : 0.0f;
             ss = warp_sum(ss);
-            if (lane == 0) squares[warp][m] = ss;
+            if (lane == 0) squares[m][warp] = ss;
         }
     }
+    // Each row's 1/rms: given, or from the block's sums of squares (before the products where
+    // the inputs are rounded, else after them, while the last loads are in flight).
+    float inv[T];
+    auto find_inv = [&]() {
+        if (rms_inv) {
+#pragma unroll
+            for (int m = 0; m < T; m++) inv[m] = m < t ? rms_inv[m] : 0.0f;
+            return;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < T; m++) inv[m] = inv_rms_of(squares[m], k, eps);
+    };
+    if (MODE == IN_NORM && round_in) find_inv();
     float acc[T];
 #pragma unroll
     for (int m = 0; m < T; m++) acc[m] = 0.0f;
     if (r < n) {
 #pragma unroll
         for (int j = 0; j < PRE; j++)
-            if (c + j * step < kc) gemv_chunk<T, MODE>(pre[j], x, x2, k, t, c + j * step, acc);
+            if (c + j * step < kc) gemv_chunk<T, MODE>(pre[j], x, x2, inv, round_in, k, t, c + j * step, acc);
         // Past those, one load in flight per lane: four measured slower on an H100, with and
         // without programmatic launch (9B decode 133-135 against 133-141 tok/s, interleaved;
         // 98 against 113 before it).
 #pragma unroll 1
-        for (c += PRE * step; c < kc; c += step) gemv_chunk<T, MODE>(row[c], x, x2, k, t, c, acc);
+        for (c += PRE * step; c < kc; c += step) gemv_chunk<T, MODE>(row[c], x, x2, inv, round_in, k, t, c, acc);
     }
 #pragma unroll
     for (int m = 0; m < T; m++) acc[m] = warp_sum(acc[m]);
-    float inv[T];
-    if (MODE == IN_NORM && rms_inv) {
-#pragma unroll
-        for (int m = 0; m < T; m++) inv[m] = m < t ? rms_inv[m] : 0.0f;
-    } else if (MODE == IN_NORM) {
-        __syncthreads();
-#pragma unroll
-        for (int m = 0; m < T; m++) {
-            float ss = 0.0f;
-            for (int q = 0; q < 8; q++) ss += squares[q][m];
-            inv[m] = 1.0f / sqrtf(ss / k + eps);
-        }
-    }
+    // The sums still to be scaled by 1/rms (the inputs were not rounded).
+    bool scale = MODE == IN_NORM && !round_in;
+    if (scale) find_inv();
     if (wpr == 1 && !GLU) {
         // One warp per row: it writes its sums itself.
         if (r < n && lane == 0)
@@ -134,7 +144,7 @@ __device__ void gemv_body(const bf16_t* w0, float* o0, int n0, const bf16_t* w1,
             for (int m = 0; m < T; m++)
                 if (m < t) {
                     size_t at = (size_t)m * n + r;
-                    out[at] = (accumulate ? out[at] : 0.0f) + (MODE == IN_NORM ? acc[m] * inv[m] : acc[m]);
+                    out[at] = (accumulate ? out[at] : 0.0f) + (scale ? acc[m] * inv[m] : acc[m]);
                 }
         return;
     }
@@ -151,7 +161,8 @@ __device__ void gemv_body(const bf16_t* w0, float* o0, int n0, const bf16_t* w1,
                 g += parts[2 * p * wpr + q][m];
                 u += parts[(2 * p + 1) * wpr + q][m];
             }
-            if (MODE == IN_NORM) { g *= inv[m]; u *= inv[m]; }
+            if (scale) { g *= inv[m]; u *= inv[m]; }
+            if (round_in) { g = round_bf16(g); u = round_bf16(u); }
             o0[(size_t)m * n + row] = siluf_(g) * u;
         }
         return;
@@ -162,7 +173,7 @@ __device__ void gemv_body(const bf16_t* w0, float* o0, int n0, const bf16_t* w1,
             if (m < t) {
                 float s = 0.0f;
                 for (int q = 0; q < wpr; q++) s += parts[warp + q][m];
-                if (MODE == IN_NORM) s *= inv[m];
+                if (scale) s *= inv[m];
                 size_t at = (size_t)m * n + r;
                 out[at] = (accumulate ? out[at] : 0.0f) + s;
             }
@@ -173,8 +184,9 @@ __device__ void gemv_body(const bf16_t* w0, float* o0, int n0, const bf16_t* w1,
 #define GEMV_KERNEL(NAME, T, MODE, GLU)                                                                                             \
     extern "C" __global__ void __launch_bounds__(256) NAME(const bf16_t* w0, float* o0, int n0, const bf16_t* w1, float* o1, int n1, \
                                                            const bf16_t* w2, float* o2, int n2, const bf16_t* w3, float* o3, int n3,   \
-                                                           const float* x, const float* x2, const float* rms_inv, int k, int t, int rb, int accumulate, float eps) { \
-        gemv_body<T, MODE, GLU>(w0, o0, n0, w1, o1, n1, w2, o2, n2, w3, o3, n3, x, x2, rms_inv, k, t, rb, accumulate, eps);          \
+                                                           const float* x, const float* x2, const float* rms_inv, int k, int t, int rb, int accumulate, float eps, \
+                                                           int round_in) {                                                                  \
+        gemv_body<T, MODE, GLU>(w0, o0, n0, w1, o1, n1, w2, o2, n2, w3, o3, n3, x, x2, rms_inv, k, t, rb, accumulate, eps, round_in);  \
     }
 GEMV_KERNEL(gemv_t1_plain, 1, IN_PLAIN, false)
 GEMV_KERNEL(gemv_t1_norm, 1, IN_NORM, false)
@@ -204,7 +216,7 @@ GEMV_KERNEL(gemv_t8_glu, 8, IN_NORM, true)
 #define STREAM_PIECES 4
 template <int MODE, bool GLU>
 __device__ void gemv_stream_body(const bf16_t* w0, float* o0, int n0, const bf16_t* w1, float* o1, int n1, const bf16_t* w2, float* o2, int n2, const bf16_t* w3,
-                                 float* o3, int n3, const float* x, const float* x2, const float* rms_inv, int k, int accumulate, float eps) {
+                                 float* o3, int n3, const float* x, const float* x2, const float* rms_inv, int k, int accumulate, float eps, int round_in) {
     constexpr int PER = STREAM_PIECES;
     __shared__ float squares[8];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -239,17 +251,10 @@ __device__ void gemv_stream_body(const bf16_t* w0, float* o0, int n0, const bf16
     if (MODE == IN_NORM && rms_inv) {
         inv = rms_inv[0];
     } else if (MODE == IN_NORM) {
-        float ss = 0.0f;
-        for (int q = threadIdx.x; q < k / 4; q += 256) {
-            float4 v = ((const float4*)x)[q];
-            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        }
-        ss = warp_sum(ss);
+        float ss = warp_sum(thread_squares(x, k));
         if (lane == 0) squares[warp] = ss;
         __syncthreads();
-        ss = 0.0f;
-        for (int q = 0; q < 8; q++) ss += squares[q];
-        inv = 1.0f / sqrtf(ss / k + eps);
+        inv = inv_rms_of(squares, k, eps);
     }
     // This lane's inputs (times the norm's scale), kept for every row.
     float xv[PER][8];
@@ -260,8 +265,18 @@ __device__ void gemv_stream_body(const bf16_t* w0, float* o0, int n0, const bf16
         if (MODE == IN_NORM) {
             const float4* sp = (const float4*)(x2 + (lane + 32 * j) * 8);
             float4 sa = sp[0], sb = sp[1];
-            a = make_float4(a.x * sa.x, a.y * sa.y, a.z * sa.z, a.w * sa.w);
-            b = make_float4(b.x * sb.x, b.y * sb.y, b.z * sb.z, b.w * sb.w);
+            if (round_in) {
+                // (x * 1/rms) * scale, as rms_norm computes it, then rounded.
+                a = make_float4(a.x * inv * sa.x, a.y * inv * sa.y, a.z * inv * sa.z, a.w * inv * sa.w);
+                b = make_float4(b.x * inv * sb.x, b.y * inv * sb.y, b.z * inv * sb.z, b.w * inv * sb.w);
+            } else {
+                a = make_float4(a.x * sa.x, a.y * sa.y, a.z * sa.z, a.w * sa.w);
+                b = make_float4(b.x * sb.x, b.y * sb.y, b.z * sb.z, b.w * sb.w);
+            }
+        }
+        if (round_in) {
+            a = make_float4(round_bf16(a.x), round_bf16(a.y), round_bf16(a.z), round_bf16(a.w));
+            b = make_float4(round_bf16(b.x), round_bf16(b.y), round_bf16(b.z), round_bf16(b.w));
         }
         xv[j][0] = a.x; xv[j][1] = a.y; xv[j][2] = a.z; xv[j][3] = a.w;
         xv[j][4] = b.x; xv[j][5] = b.y; xv[j][6] = b.z; xv[j][7] = b.w;
@@ -287,9 +302,12 @@ __device__ void gemv_stream_body(const bf16_t* w0, float* o0, int n0, const bf16
             load(nw, next_w, next_r);
             if (GLU) load(nu, w1, next_r);
         }
-        float g = dot(cw) * inv;
+        // (The rounded inputs were scaled by 1/rms already.)
+        float after = round_in ? 1.0f : inv;
+        float g = dot(cw) * after;
         if (GLU) {
-            float u = dot(cu) * inv;
+            float u = dot(cu) * after;
+            if (round_in) { g = round_bf16(g); u = round_bf16(u); }
             if (lane == 0) o0[r] = siluf_(g) * u;
         } else if (lane == 0) {
             out[r] = (accumulate ? out[r] : 0.0f) + g;
@@ -305,8 +323,9 @@ __device__ void gemv_stream_body(const bf16_t* w0, float* o0, int n0, const bf16
 #define GEMV_STREAM_KERNEL(NAME, MODE, GLU, BLOCKS_PER_SM)                                                                                      \
     extern "C" __global__ void __launch_bounds__(256, BLOCKS_PER_SM) NAME(const bf16_t* w0, float* o0, int n0, const bf16_t* w1, float* o1, int n1,        \
                                                               const bf16_t* w2, float* o2, int n2, const bf16_t* w3, float* o3, int n3,          \
-                                                              const float* x, const float* x2, const float* rms_inv, int k, int accumulate, float eps) { \
-        gemv_stream_body<MODE, GLU>(w0, o0, n0, w1, o1, n1, w2, o2, n2, w3, o3, n3, x, x2, rms_inv, k, accumulate, eps);                        \
+                                                              const float* x, const float* x2, const float* rms_inv, int k, int accumulate, float eps,   \
+                                                              int round_in) {                                                                    \
+        gemv_stream_body<MODE, GLU>(w0, o0, n0, w1, o1, n1, w2, o2, n2, w3, o3, n3, x, x2, rms_inv, k, accumulate, eps, round_in);              \
     }
 GEMV_STREAM_KERNEL(gemv_stream_plain, IN_PLAIN, false, 3)
 GEMV_STREAM_KERNEL(gemv_stream_norm, IN_NORM, false, 3)

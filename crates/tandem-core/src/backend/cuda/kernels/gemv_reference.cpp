@@ -6,8 +6,10 @@ static const char* gemv_t(int t) { return t == 1 ? "1" : t == 2 ? "2" : t <= 4 ?
 
 // The decode GEMVs: up to four matrices of one input per launch, `rb` rows per block, the
 // input RMS-normalised on the fly (1/rms found in the block or given by rms_inv) or plain,
-// written or added to the output.
-static void check_gemv(int t, bool norm, bool given_inv, int rb, bool accumulate, std::vector<int> rows) {
+// written or added to the output; with `round`, each input value (normalised and scaled, in f32
+// as rms_norm computes it) rounded to bf16 first (the reference rounds the same f32 values,
+// its 1/rms in double then f32: on these inputs no value rounds the other way).
+static void check_gemv(int t, bool norm, bool given_inv, int rb, bool accumulate, std::vector<int> rows, bool round = false) {
     const int k = 256;
     const float eps = 1e-6f;
     auto x = random((size_t)t * k, -2, 2), scale = random(k, 0.5, 1.5);
@@ -20,37 +22,44 @@ static void check_gemv(int t, bool norm, bool given_inv, int rb, bool accumulate
         out[j] = random((size_t)t * std::max(rows[j], 1), -1, 1);
         units += (rows[j] + rb - 1) / rb;
     }
+    std::vector<float> inv(t);
+    if (given_inv) launch(t, 1, 1, 256, [&] { rms_inv(x.data(), inv.data(), k, eps); });
     std::vector<std::vector<double>> want(4);
     for (int j = 0; j < 4; j++) {
         want[j].assign(out[j].begin(), out[j].end());
         for (int m = 0; m < t; m++) {
             double ss = 0;
             for (int c = 0; c < k; c++) ss += (double)x[m * k + c] * x[m * k + c];
-            double inv = norm ? 1 / std::sqrt(ss / k + eps) : 1;
+            double inv_m = norm ? (given_inv ? inv[m] : 1 / std::sqrt(ss / k + eps)) : 1;
+            // The input the products take: x (times the scale), or its rounded normalised value.
+            auto in = [&](int c) -> double {
+                float v = x[m * k + c];
+                if (!round) return (double)v * (norm ? scale[c] : 1.0f);
+                return round_bf16(norm ? v * (float)inv_m * scale[c] : v);
+            };
             for (int r = 0; r < rows[j]; r++) {
                 double acc = 0;
-                for (int c = 0; c < k; c++) acc += (double)wf[j][(size_t)r * k + c] * x[m * k + c] * (norm ? scale[c] : 1.0f);
+                for (int c = 0; c < k; c++) acc += (double)wf[j][(size_t)r * k + c] * in(c);
                 double& o = want[j][(size_t)m * rows[j] + r];
-                o = (accumulate ? o : 0) + acc * inv;
+                o = (accumulate ? o : 0) + (round ? acc : acc * inv_m);
             }
         }
     }
-    std::vector<float> inv(t);
-    if (given_inv) launch(t, 1, 1, 256, [&] { rms_inv(x.data(), inv.data(), k, eps); });
     auto kernel = t == 1 ? (norm ? gemv_t1_norm : gemv_t1_plain) : t == 2 ? (norm ? gemv_t2_norm : gemv_t2_plain) : t <= 4 ? (norm ? gemv_t4_norm : gemv_t4_plain) : (norm ? gemv_t8_norm : gemv_t8_plain);
     launch(units, 1, 1, 256, [&] {
         kernel(w[0].data(), out[0].data(), rows[0], w[1].data(), out[1].data(), rows[1], w[2].data(), out[2].data(), rows[2], w[3].data(), out[3].data(), rows[3], x.data(),
-               scale.data(), given_inv ? inv.data() : nullptr, k, t, rb, accumulate, eps);
+               scale.data(), given_inv ? inv.data() : nullptr, k, t, rb, accumulate, eps, round);
     });
     std::string name = std::string("gemv_t") + gemv_t(t) + (norm ? "_norm" : "_plain") + ", " + std::to_string(t) + (t == 1 ? " token, " : " tokens, ") + std::to_string(rb) + " rows per block" +
-                       (norm ? (given_inv ? ", 1/rms given" : ", 1/rms in the block") : "") + (accumulate ? ", adding" : "");
+                       (norm ? (given_inv ? ", 1/rms given" : ", 1/rms in the block") : "") + (accumulate ? ", adding" : "") + (round ? ", inputs rounded to bf16" : "");
     for (int j = 0; j < 4; j++)
         if (rows[j] > 0) compare(name + ": matrix " + std::to_string(j) + " (" + std::to_string(rows[j]) + " rows)", out[j], want[j], 1e-5);
 }
 
 // The MLP's gate and up projections with the SwiGLU in the GEMV (gemv_t*_glu): o0 =
-// silu(rms_norm(x) gate^T) * (rms_norm(x) up^T), the 1/rms found in the block.
-static void check_gemv_glu(int t, int rb, int n) {
+// silu(rms_norm(x) gate^T) * (rms_norm(x) up^T), the 1/rms found in the block; with `round`,
+// the inputs and then gate and up rounded to bf16.
+static void check_gemv_glu(int t, int rb, int n, bool round = false) {
     const int k = 256;
     const float eps = 1e-6f;
     auto x = random((size_t)t * k, -2, 2), scale = random(k, 0.5, 1.5);
@@ -64,24 +73,25 @@ static void check_gemv_glu(int t, int rb, int n) {
         for (int r = 0; r < n; r++) {
             double g = 0, u = 0;
             for (int c = 0; c < k; c++) {
-                double xn = (double)x[m * k + c] * scale[c] * inv;
+                double xn = round ? (double)round_bf16(x[m * k + c] * (float)inv * scale[c]) : (double)x[m * k + c] * scale[c] * inv;
                 g += gf[(size_t)r * k + c] * xn;
                 u += uf[(size_t)r * k + c] * xn;
             }
+            if (round) { g = round_bf16((float)g); u = round_bf16((float)u); }
             want[(size_t)m * n + r] = g * sigmoid(g) * u;
         }
     }
     auto kernel = t == 1 ? gemv_t1_glu : t == 2 ? gemv_t2_glu : t <= 4 ? gemv_t4_glu : gemv_t8_glu;
     launch((2 * n + rb - 1) / rb, 1, 1, 256, [&] {
-        kernel(gw.data(), out.data(), n, uw.data(), up_out.data(), n, nullptr, nullptr, 0, nullptr, nullptr, 0, x.data(), scale.data(), nullptr, k, t, rb, 0, eps);
+        kernel(gw.data(), out.data(), n, uw.data(), up_out.data(), n, nullptr, nullptr, 0, nullptr, nullptr, 0, x.data(), scale.data(), nullptr, k, t, rb, 0, eps, round);
     });
-    compare("gemv_t" + std::string(gemv_t(t)) + "_glu, " + std::to_string(t) + (t == 1 ? " token, " : " tokens, ") + std::to_string(rb) + " rows per block, " + std::to_string(n) + " rows: silu(gate) * up", out, want, 1e-5);
+    compare("gemv_t" + std::string(gemv_t(t)) + "_glu, " + std::to_string(t) + (t == 1 ? " token, " : " tokens, ") + std::to_string(rb) + " rows per block, " + std::to_string(n) + " rows: silu(gate) * up" + (round ? ", rounded to bf16" : ""), out, want, 1e-5);
 }
 
 // The streaming GEMV of one token over rows of 1024 (gemv_stream_*): `blocks` blocks, so that
 // each warp takes several rows in turn; matrices in turn, plain or normalised, written or
-// added, or gate and up with the SwiGLU.
-static void check_gemv_stream(bool norm, bool glu, bool accumulate, std::vector<int> rows, int blocks) {
+// added, or gate and up with the SwiGLU; with `round`, as check_gemv's and check_gemv_glu's.
+static void check_gemv_stream(bool norm, bool glu, bool accumulate, std::vector<int> rows, int blocks, bool round = false) {
     const int k = 1024;
     const float eps = 1e-6f;
     auto x = random(k, -2, 2), scale = random(k, 0.5, 1.5);
@@ -97,7 +107,11 @@ static void check_gemv_stream(bool norm, bool glu, bool accumulate, std::vector<
     double inv = norm ? 1 / std::sqrt(ss / k + eps) : 1;
     auto product = [&](int j, int r) {
         double acc = 0;
-        for (int c = 0; c < k; c++) acc += (double)wf[j][(size_t)r * k + c] * x[c] * (norm ? scale[c] : 1.0f);
+        for (int c = 0; c < k; c++) {
+            double in = round ? (double)round_bf16(norm ? x[c] * (float)inv * scale[c] : x[c]) : (double)x[c] * (norm ? scale[c] : 1.0f);
+            acc += (double)wf[j][(size_t)r * k + c] * in;
+        }
+        if (round) return glu ? (double)round_bf16((float)acc) : acc;
         return acc * inv;
     };
     std::vector<std::vector<double>> want(4);
@@ -111,9 +125,9 @@ static void check_gemv_stream(bool norm, bool glu, bool accumulate, std::vector<
     auto kernel = glu ? gemv_stream_glu : norm ? gemv_stream_norm : gemv_stream_plain;
     launch(blocks, 1, 1, 256, [&] {
         kernel(w[0].data(), out[0].data(), rows[0], w[1].data(), out[1].data(), rows[1], w[2].data(), out[2].data(), rows[2], w[3].data(), out[3].data(), rows[3], x.data(), scale.data(),
-               nullptr, k, accumulate, eps);
+               nullptr, k, accumulate, eps, round);
     });
-    std::string name = std::string("gemv_stream_") + (glu ? "glu" : norm ? "norm" : "plain") + ", " + std::to_string(blocks) + " blocks" + (accumulate ? ", adding" : "");
+    std::string name = std::string("gemv_stream_") + (glu ? "glu" : norm ? "norm" : "plain") + ", " + std::to_string(blocks) + " blocks" + (accumulate ? ", adding" : "") + (round ? ", inputs rounded to bf16" : "");
     for (int j = 0; j < (glu ? 1 : 4); j++)
         if (rows[j] > 0) compare(name + ": matrix " + std::to_string(j) + " (" + std::to_string(rows[j]) + " rows)", out[j], want[j], 1e-5);
 }
@@ -134,4 +148,14 @@ static void check_gemv_kernels() {
     check_gemv_glu(2, 4, 13);
     check_gemv_glu(4, 8, 11);
     check_gemv_glu(8, 2, 6);
+    // Inputs rounded to bf16 (tensor-core precision).
+    check_gemv(1, false, false, 4, true, {30, 7}, true);
+    check_gemv(3, false, false, 2, false, {19}, true);
+    check_gemv(5, true, true, 8, false, {17, 9}, true);
+    check_gemv(2, true, false, 4, false, {33, 8}, true);
+    check_gemv_glu(1, 8, 21, true);
+    check_gemv_glu(4, 8, 11, true);
+    check_gemv_stream(false, false, true, {61}, 3, true);
+    check_gemv_stream(true, false, false, {40, 24, 3, 5}, 2, true);
+    check_gemv_stream(true, true, false, {37, 37}, 2, true);
 }

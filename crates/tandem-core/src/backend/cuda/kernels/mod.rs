@@ -28,10 +28,10 @@ type U32 = DevPtr<u32>;
 type Table = DevPtr<DevPtr<f32>>;
 
 /// gemv.cu gemv_t1_* / gemv_t2_* / gemv_t4_* / gemv_t8_*: up to four matrices `(w, out, rows)` of one input, then
-/// (x, x2, rms_inv, k, t, rows_per_block, accumulate, eps).
-pub type GemvParams = (Bf16, F32, i32, Bf16, F32, i32, Bf16, F32, i32, Bf16, F32, i32, F32, F32, F32, i32, i32, i32, i32, f32);
+/// (x, x2, rms_inv, k, t, rows_per_block, accumulate, eps, round_in).
+pub type GemvParams = (Bf16, F32, i32, Bf16, F32, i32, Bf16, F32, i32, Bf16, F32, i32, F32, F32, F32, i32, i32, i32, i32, f32, i32);
 /// gemv.cu gemv_stream_*: as `GemvParams` without t and rows_per_block.
-pub type GemvStreamParams = (Bf16, F32, i32, Bf16, F32, i32, Bf16, F32, i32, Bf16, F32, i32, F32, F32, F32, i32, i32, f32);
+pub type GemvStreamParams = (Bf16, F32, i32, Bf16, F32, i32, Bf16, F32, i32, Bf16, F32, i32, F32, F32, F32, i32, i32, f32, i32);
 /// deltanet.cu conv_silu_rows_*: (conv, qkv, taps, out, t, cd, kk, qk_channels, dk, q_scale).
 pub type ConvRowsParams = (F32, F32, F32, F32, i32, i32, i32, i32, i32, f32);
 /// deltanet.cu deltanet_step_*: (conv, state, qkv, z, b, a, taps, neg_a, dt_bias, norm_w, core,

@@ -11,7 +11,8 @@ extern "C" __global__ void embed(const bf16_t* table, const u32* ids, float* x, 
 // out = x / rms(x) * scale, per row of width d; in bf16 into out_bf16 where that is not null
 // (the input of a tensor-core GEMM), else in f32 into out. A row of up to 16 values a thread
 // (d a multiple of 4) is read once, in 16-byte pieces, and kept in registers; a longer one is
-// read twice. Grid: rows.
+// read twice. With 256 threads and d a multiple of 4 (up to 4096) the 1/rms is the GEMVs'
+// (common.cuh thread_squares). Grid: rows.
 extern "C" __global__ void rms_norm(const float* x, const float* scale, float* out, bf16_t* out_bf16, int d, float eps) {
     pdl_enter();
     const float* xr = x + (size_t)blockIdx.x * d;
@@ -19,14 +20,28 @@ extern "C" __global__ void rms_norm(const float* x, const float* scale, float* o
     if (d % 4 == 0 && d <= 16 * (int)blockDim.x) {
         constexpr int V = 4;
         float4 v[V];
-        float ss = 0.0f;
 #pragma unroll
         for (int j = 0; j < V; j++) {
             int c4 = threadIdx.x + j * blockDim.x;
             v[j] = c4 < d / 4 ? ((const float4*)xr)[c4] : make_float4(0, 0, 0, 0);
-            ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
         }
-        float inv = 1.0f / sqrtf(block_sum(ss) / d + eps);
+        float inv;
+        if (blockDim.x == 256) {
+            // thread_squares' order (the zeros past the row add nothing).
+            __shared__ float squares[8];
+            float ss = 0.0f;
+#pragma unroll
+            for (int j = 0; j < V; j++) ss = __fadd_rn(ss, squares_of4(v[j]));
+            ss = warp_sum(ss);
+            if ((threadIdx.x & 31) == 0) squares[threadIdx.x >> 5] = ss;
+            __syncthreads();
+            inv = inv_rms_of(squares, d, eps);
+        } else {
+            float ss = 0.0f;
+#pragma unroll
+            for (int j = 0; j < V; j++) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+            inv = 1.0f / sqrtf(block_sum(ss) / d + eps);
+        }
 #pragma unroll
         for (int j = 0; j < V; j++) {
             int c4 = threadIdx.x + j * blockDim.x;
@@ -90,6 +105,15 @@ extern "C" __global__ void swiglu_bf16(const bf16_t* gate, const bf16_t* up, bf1
 extern "C" __global__ void rms_inv(const float* x, float* inv, int d, float eps) {
     pdl_enter();
     const float* xr = x + (size_t)blockIdx.x * d;
+    if (d % 4 == 0 && blockDim.x == 256) {
+        // The GEMVs' and rms_norm's order (common.cuh thread_squares).
+        __shared__ float squares[8];
+        float ss = warp_sum(thread_squares(xr, d));
+        if ((threadIdx.x & 31) == 0) squares[threadIdx.x >> 5] = ss;
+        __syncthreads();
+        if (threadIdx.x == 0) inv[blockIdx.x] = inv_rms_of(squares, d, eps);
+        return;
+    }
     float ss = 0.0f;
     for (int c = threadIdx.x; c < d; c += blockDim.x) ss += xr[c] * xr[c];
     ss = block_sum(ss);

@@ -31,6 +31,9 @@ impl GpuQwen35 {
         let m = |j: usize| mats.get(j).map_or((DevPtr::NULL, DevPtr::NULL, 0), |&(w, out, n)| (w, out, n as i32));
         let (m0, m1, m2, m3) = (m(0), m(1), m(2), m(3));
         let (accumulate, eps) = ((output == GemvOut::Add) as i32, self.config.rms_norm_eps);
+        // With tensor-core precision the GEMV multiplies the bf16-rounded inputs, as the GEMM
+        // does (kernels/gemv.cu): a sequence's products do not depend on which one its step takes.
+        let round_in = (self.precision == Precision::TensorCores) as i32;
         if t == 1 && k == GEMV_STREAM_K {
             // One token, rows of 1024: every warp streams through rows (as many blocks as run
             // at once, fewer where the rows run out first). On an H200 (bench's GEMV table) the
@@ -43,7 +46,7 @@ impl GpuQwen35 {
             };
             let rows = if glu { mats[0].2 } else { mats.iter().map(|m| m.2).sum() };
             let blocks = (g.resident_blocks(kernel)? as usize).min(rows.div_ceil(8));
-            let args = (m0.0, m0.1, m0.2, m1.0, m1.1, m1.2, m2.0, m2.1, m2.2, m3.0, m3.1, m3.2, x, x2, inv, k as i32, accumulate, eps);
+            let args = (m0.0, m0.1, m0.2, m1.0, m1.1, m1.2, m2.0, m2.1, m2.2, m3.0, m3.1, m3.2, x, x2, inv, k as i32, accumulate, eps, round_in);
             return g.launch(kernel, Grid::x(blocks, 256), args);
         }
         let kernels = match t {
@@ -65,7 +68,7 @@ impl GpuQwen35 {
         let units = |rb: usize| if glu { (2 * mats[0].2).div_ceil(rb) } else { mats.iter().map(|m| m.2.div_ceil(rb)).sum::<usize>() };
         let allowed = [8usize, 4, 2, 1].into_iter().filter(|&rb| (rb == 8 || (8 / rb) * 256 <= k) && !(glu && rb == 1));
         let rb = allowed.clone().find(|&rb| 2 * units(rb) >= resident).unwrap_or_else(|| allowed.last().unwrap_or(8));
-        let args = (m0.0, m0.1, m0.2, m1.0, m1.1, m1.2, m2.0, m2.1, m2.2, m3.0, m3.1, m3.2, x, x2, inv, k as i32, t as i32, rb as i32, accumulate, eps);
+        let args = (m0.0, m0.1, m0.2, m1.0, m1.1, m1.2, m2.0, m2.1, m2.2, m3.0, m3.1, m3.2, x, x2, inv, k as i32, t as i32, rb as i32, accumulate, eps, round_in);
         // A block per unit: the GPU's block scheduler evens out the last round.
         g.launch(kernel, Grid::x(units(rb), 256), args)
     }

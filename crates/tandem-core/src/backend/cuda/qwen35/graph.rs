@@ -133,8 +133,7 @@ impl GpuQwen35 {
         let b = match buckets.entry(bucket) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
-                let mut ws = Workspace::new(self, bucket, bucket, bucket)?;
-                ws.batched = true;
+                let ws = Workspace::batched(self, bucket)?;
                 let tables = 2 * self.config.layer_types.len() * bucket;
                 e.insert(BatchBucket {
                     ws,

@@ -25,8 +25,9 @@ impl GpuQwen35 {
     /// `rms_norm(x[rows, d]) * w` into `out`.
     pub(super) fn rms_norm(&self, x: DevPtr<f32>, w: DevPtr<f32>, out: NormOut, rows: usize, d: usize) -> Result<()> {
         // Sixteen values a thread (kept in registers between the sum and the scaling), up to
-        // 1024 threads: a row is one block.
-        let threads = d.div_ceil(16).next_multiple_of(32).clamp(32, 1024);
+        // 1024 threads: a row is one block. Rows of up to 4096 on 256 threads, whose 1/rms is
+        // the GEMVs' to the bit (kernels/common.cuh thread_squares).
+        let threads = if d.is_multiple_of(4) && d <= 16 * 256 { 256 } else { d.div_ceil(16).next_multiple_of(32).clamp(32, 1024) };
         let (out, out_bf16) = match out {
             NormOut::F32(p) => (p, DevPtr::NULL),
             NormOut::Bf16(p) => (DevPtr::NULL, p),
@@ -37,7 +38,7 @@ impl GpuQwen35 {
     /// `out[t, n] = x[t, k] · W[n, k]ᵀ`: the GEMV for decode-sized t, else a prefill GEMM.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn matmul(&self, ws: &Workspace, x: DevPtr<f32>, t: usize, w: DevPtr<u16>, n: usize, k: usize, out: DevPtr<f32>) -> Result<()> {
-        if t <= GEMV_MAX_T {
+        if ws.takes_gemv(t) {
             return self.gemv(ws, GemvInput::Plain, &[(w, out, n)], x, k, t, GemvOut::Write);
         }
         let input = self.gemm_input(ws, x, t, k)?;
@@ -74,7 +75,7 @@ impl GpuQwen35 {
         let g = &self.gpu;
         let k = mats[0].0.cols;
         debug_assert!(mats.iter().all(|(m, _)| m.cols == k));
-        if t <= GEMV_MAX_T && mats.len() <= 4 {
+        if ws.takes_gemv(t) && mats.len() <= 4 {
             let list: Vec<(DevPtr<u16>, DevPtr<f32>, usize)> = mats.iter().map(|&(m, out)| (g.ptr(&m.w), out, m.rows)).collect();
             return self.gemv(ws, GemvInput::Norm(g.ptr(norm)), &list, x, k, t, GemvOut::Write);
         }
@@ -102,7 +103,7 @@ impl GpuQwen35 {
             Input::Bf16Ready => return self.gemm(GemmInput::Bf16(g.ptr(&ws.xb)), t, g.ptr(&m.w), m.rows, m.cols, x, true),
             Input::F32(input) => input,
         };
-        if t <= GEMV_MAX_T {
+        if ws.takes_gemv(t) {
             return self.gemv(ws, GemvInput::Plain, &[(g.ptr(&m.w), x, m.rows)], input, m.cols, t, GemvOut::Add);
         }
         let input = self.gemm_input(ws, input, t, m.cols)?;
@@ -419,7 +420,7 @@ impl GpuQwen35 {
     /// The MLP block, `x += down(silu(gate(n)) * up(n))` with `n` the normalised x: by the GEMV
     /// for decode-sized rows, else on tensor cores or exact as the precision says.
     pub(super) fn mlp(&self, l: &Layer, ws: &Workspace, t: usize) -> Result<()> {
-        if t <= GEMV_MAX_T {
+        if ws.takes_gemv(t) {
             return self.mlp_gemv(l, ws, t);
         }
         match self.precision {

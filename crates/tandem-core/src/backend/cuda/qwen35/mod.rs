@@ -46,12 +46,14 @@ use crate::model::{Logits, Qwen35};
 use crate::state::{LayerState, State};
 use crate::model::tensor::{Matrix, WeightData};
 
-/// How prefill products (more than 8 tokens) are computed.
+/// How the products with the weights are computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Precision {
     /// f32 activations times bf16 weights, f32 sums: the CPU engine's arithmetic.
     Exact,
-    /// cuBLAS bf16 x bf16 on tensor cores, f32 sums: the activations are rounded to bf16.
+    /// The activations rounded to bf16, f32 sums: cuBLAS bf16 x bf16 on tensor cores for
+    /// prefills and large decode batches, the GEMV on the same rounded inputs for the rest,
+    /// so that a sequence's products are the same whichever kernel its step takes.
     TensorCores,
 }
 
@@ -64,6 +66,23 @@ const ATTN_CHUNK: usize = 1024;
 /// Products of at most this many tokens take the GEMV kernels, and sequences of at most this
 /// many rows the one-launch DeltaNet step and the untiled attention.
 const GEMV_MAX_T: usize = 8;
+/// The default of `GpuQwen35::decode_gemm_from`: from 4 sequences (a bucket of 4 rows), or
+/// from 2 for models of rows longer than 2048 (`decode_gemm_from_for`). Measured on an H100
+/// (`tandem bench --sections cuda`, the two paths interleaved): the 0.8B (rows of 1024)
+/// decodes 2 sequences faster on the GEMV (1,191 against 1,021 tok/s) and 3 or 4 faster on the
+/// GEMM (1,998 against 1,788 at 4); the 9B (rows of 4096) is faster on the GEMM from 2 (264
+/// against 236), 1.6x at 4 and 2.8x at 8. The GEMV of several tokens reads each token's input
+/// once per weight chunk, from L1 where a row is short.
+const DECODE_GEMM_FROM: usize = 4;
+const DECODE_GEMM_FROM_LONG_ROWS: usize = 2;
+/// `DECODE_GEMM_FROM` for a model of this shape.
+fn decode_gemm_from_for(c: &Qwen35Config) -> usize {
+    if c.hidden_size > 2048 {
+        DECODE_GEMM_FROM_LONG_ROWS
+    } else {
+        DECODE_GEMM_FROM
+    }
+}
 /// Blocks per logits row of the greedy pick (kernels/sample.cu argmax_rows; at most 256).
 const ARGMAX_SPANS: usize = 64;
 /// The longest GEMV input row whose 1/rms each GEMV block computes itself (see `gemv`).
@@ -160,6 +179,9 @@ pub struct GpuQwen35 {
     pub precision: Precision,
     /// Replay decode steps from CUDA graphs (on by default; off to time the launches).
     pub graphs: bool,
+    /// Batched decode steps of at least this many sequences compute their products as
+    /// tensor-core GEMMs, smaller ones with the GEMV (`set_decode_gemm_from`).
+    decode_gemm_from: usize,
     weight_bytes: usize,
     /// Page-locked buffers for states copied from the GPU to the host, shared with the states.
     staging: Arc<Mutex<Staging>>,
@@ -325,7 +347,8 @@ impl GpuQwen35 {
         let inv_freq = gpu.upload(&net.inv_freq)?;
         let staging = Arc::new(Mutex::new(Staging::default()));
         gpu.synchronize()?;
-        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, weight_bytes, staging, batch_steps: Mutex::default() })
+        let decode_gemm_from = decode_gemm_from_for(&c);
+        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, decode_gemm_from, weight_bytes, staging, batch_steps: Mutex::default() })
     }
 
     /// Give the GPU back (to load another model on it).
@@ -337,6 +360,19 @@ impl GpuQwen35 {
     pub fn set_rope_frequencies(&mut self, net: &Qwen35) -> Result<()> {
         self.inv_freq = self.gpu.upload(&net.inv_freq)?;
         Ok(())
+    }
+
+    /// From how many sequences a batched decode step computes its products as tensor-core
+    /// GEMMs (with tensor-core precision; exact precision keeps the GEMV up to 8).
+    pub fn decode_gemm_from(&self) -> usize {
+        self.decode_gemm_from
+    }
+
+    /// Set `decode_gemm_from` (at least 2; past 8 the GEMV takes every batch up to 8); the
+    /// batched steps captured so far are dropped, to be captured again as they are needed.
+    pub fn set_decode_gemm_from(&mut self, n: usize) {
+        self.decode_gemm_from = n.max(2);
+        *self.batch_steps.get_mut().unwrap_or_else(|e| e.into_inner()) = graph::BatchSteps::default();
     }
 
     /// Bytes of weights one decode step reads (every matrix and the LM head).
@@ -391,7 +427,7 @@ impl GpuQwen35 {
     }
 
     /// One decode step of several sequences: `tokens[i]` applied to `states[i]`, every weight
-    /// read once for all of them (the GEMV takes up to 8 rows; more go through the GEMM), each
+    /// read once for all of them (by the GEMV below `decode_gemm_from` rows, else the GEMM), each
     /// layer's mixer in one launch for all (their states through the step's address tables).
     /// With `graphs` on, the step is replayed from the graph of its batch-size bucket
     /// (`replay_batch`). Each state's last logits are set: its greedy pick comes back, the row
@@ -414,12 +450,11 @@ impl GpuQwen35 {
                 _ => self.replay_batch(tokens, states),
             };
         }
-        let mut ws = Workspace::new(self, n, n, n)?;
+        let mut ws = if n > 1 { Workspace::batched(self, n)? } else { Workspace::new(self, 1, 1, 1)? };
         let positions: Vec<usize> = states.iter().map(|s| s.position).collect();
         ws.write_io(&self.gpu, &positions, tokens)?;
         if n > 1 {
             ws.write_tables(&self.gpu, states)?;
-            ws.batched = true;
         }
         let rows: Vec<Rows> = (0..n).map(|i| Rows { first: i, count: 1 }).collect();
         self.enqueue(&ws, states, &rows, LogitRows::From(0), None)?;
@@ -544,7 +579,7 @@ impl GpuQwen35 {
             }
         };
         let (head, logits) = (self.lm_head.as_ref().map_or(g.ptr(&self.embed), |m| g.ptr(&m.w)), g.ptr(&ws.logits));
-        if n <= GEMV_MAX_T {
+        if ws.takes_gemv(n) {
             return self.gemv(ws, GemvInput::Norm(g.ptr(&self.final_norm)), &[(head, logits, c.vocab_size)], last, h, n, GemvOut::Write);
         }
         let normed = g.ptr(&ws.normed);

@@ -8,6 +8,8 @@ pub(super) struct Workspace {
     /// The position of each sequence's first row, then the token id of each row.
     pub(super) io: CudaSlice<u32>,
     pub(super) sequences: usize,
+    /// Products of at most this many rows take the GEMV (`takes_gemv`), more the GEMM.
+    gemv_max: usize,
     pub(super) x: CudaSlice<f32>,
     /// 1 / rms of each row of a long GEMV input (gemv).
     pub(super) rms_inv: CudaSlice<f32>,
@@ -73,14 +75,36 @@ pub(super) struct Workspace {
 }
 
 impl Workspace {
+    /// The workspace of a forward call: products of up to `GEMV_MAX_T` rows take the GEMV.
     pub(super) fn new(net: &GpuQwen35, rows: usize, sequences: usize, logit_rows: usize) -> Result<Workspace> {
+        Workspace::with(net, rows, sequences, logit_rows, GEMV_MAX_T)
+    }
+
+    /// The workspace of a batched decode step of `n` sequences (one row each): its products
+    /// take the tensor-core GEMM from `decode_gemm_from` sequences (`GpuQwen35::decode_gemm_from`).
+    pub(super) fn batched(net: &GpuQwen35, n: usize) -> Result<Workspace> {
+        let gemv_max = match net.precision {
+            Precision::TensorCores => (net.decode_gemm_from - 1).clamp(1, GEMV_MAX_T),
+            Precision::Exact => GEMV_MAX_T,
+        };
+        let mut ws = Workspace::with(net, n, n, n, gemv_max)?;
+        ws.batched = true;
+        Ok(ws)
+    }
+
+    /// Whether a product of `t` rows takes the GEMV (else the GEMM).
+    pub(super) fn takes_gemv(&self, t: usize) -> bool {
+        t <= self.gemv_max
+    }
+
+    fn with(net: &GpuQwen35, rows: usize, sequences: usize, logit_rows: usize, gemv_max: usize) -> Result<Workspace> {
         let c = &net.config;
         let g = &net.gpu;
         let (h, cd, vd, hv, f) = (c.hidden_size, c.linear_conv_dim(), c.linear_value_dim(), c.linear_num_value_heads, c.intermediate_size);
         let (qd, kvd) = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
         let widest = h.max(vd).max(qd).max(f);
-        let xb = if rows > GEMV_MAX_T && net.precision == Precision::TensorCores { rows * widest } else { 1 };
-        let xn = if rows > GEMV_MAX_T && net.precision == Precision::Exact { rows * h } else { 1 };
+        let xb = if rows > gemv_max && net.precision == Precision::TensorCores { rows * widest } else { 1 };
+        let xn = if rows > gemv_max && net.precision == Precision::Exact { rows * h } else { 1 };
         let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
         let chunked = if rows > GEMV_MAX_T { rows } else { 0 };
         // Rows of the decode attention: a few of one sequence, or one of each of a batch.
@@ -88,6 +112,7 @@ impl Workspace {
         Ok(Workspace {
             io: g.scratch(sequences + rows)?,
             sequences,
+            gemv_max,
             x: g.scratch(rows * h)?,
             rms_inv: g.scratch(rows.min(GEMV_MAX_T))?,
             xn: g.scratch(xn)?,

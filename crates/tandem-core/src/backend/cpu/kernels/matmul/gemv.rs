@@ -85,7 +85,7 @@ fn int8_vnni_applies(w: &Matrix) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         matches!(w.data, WeightData::Int8 { .. })
-            && w.cols % 64 == 0
+            && w.cols.is_multiple_of(64)
             && w.cols < 65536
             && crate::backend::cpu::kernels::isa() == crate::backend::cpu::kernels::Isa::Avx512
             && std::arch::is_x86_feature_detected!("avx512vnni")
@@ -128,7 +128,7 @@ impl QuantizedX {
 pub unsafe fn gemv_rows(x: &[f32], w: &Matrix, rows: &RowSet, out: *mut f32) {
     #[cfg(target_arch = "x86_64")]
     match crate::backend::cpu::kernels::isa() {
-        crate::backend::cpu::kernels::Isa::Avx512 if w.cols % 16 == 0 => return avx512::gemv_rows(x, w, rows, out),
+        crate::backend::cpu::kernels::Isa::Avx512 if w.cols.is_multiple_of(16) => return avx512::gemv_rows(x, w, rows, out),
         crate::backend::cpu::kernels::Isa::Avx512 | crate::backend::cpu::kernels::Isa::Avx2 => return gemv_rows_avx2(x, w, rows, out),
         crate::backend::cpu::kernels::Isa::Portable => {}
     }
