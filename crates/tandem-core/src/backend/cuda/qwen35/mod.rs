@@ -474,9 +474,10 @@ impl GpuQwen35 {
     /// pick on the host, the row on the GPU until asked for. Every prompt is checked before
     /// anything is applied.
     ///
-    /// A prompt of at most `GEMV_MAX_T` tokens is applied alone: alone it takes the GEMV in
-    /// f32, and packed it would take the GEMM, on tensor cores with bf16 inputs, which may
-    /// pick another token. Every packed prompt takes the GEMM alone too.
+    /// A prompt of at most `GEMV_MAX_T` tokens is applied alone: alone it takes the GEMV, and
+    /// packed it would take the GEMM, which sums in another order (with exact precision the
+    /// exact GEMM, another kernel still), so that it could pick another token. Every packed
+    /// prompt takes the GEMM alone too.
     pub fn prefill_batch(&self, prompts: &[&[u32]], states: &mut [&mut GpuState]) -> Result<()> {
         if prompts.len() != states.len() {
             bail!("prefill_batch: {} prompts for {} states", prompts.len(), states.len());
