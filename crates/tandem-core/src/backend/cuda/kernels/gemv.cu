@@ -27,6 +27,17 @@
 #define IN_PLAIN 0
 #define IN_NORM 1
 
+// Four input values as the products take them: x, or x * scale (IN_NORM; the 1/rms applied to
+// the sums), or with `round_in` (x * 1/rms) * scale as rms_norm computes it (IN_NORM) or x,
+// rounded to bf16.
+template <int MODE>
+__device__ __forceinline__ float4 gemv_input(float4 v, float4 s, float inv, int round_in) {
+    if (MODE == IN_NORM && round_in) v = make_float4(v.x * inv * s.x, v.y * inv * s.y, v.z * inv * s.z, v.w * inv * s.w);
+    else if (MODE == IN_NORM) v = make_float4(v.x * s.x, v.y * s.y, v.z * s.z, v.w * s.w);
+    if (round_in) v = make_float4(round_bf16(v.x), round_bf16(v.y), round_bf16(v.z), round_bf16(v.w));
+    return v;
+}
+
 template <int T, int MODE>
 __device__ __forceinline__ void gemv_chunk(uint4 p, const float* x, const float* x2, const float* inv, int round_in, int k, int t, int c, float* acc) {
     float wv[8];
@@ -34,7 +45,7 @@ __device__ __forceinline__ void gemv_chunk(uint4 p, const float* x, const float*
     wv[2] = __uint_as_float(p.y << 16); wv[3] = __uint_as_float(p.y & 0xffff0000u);
     wv[4] = __uint_as_float(p.z << 16); wv[5] = __uint_as_float(p.z & 0xffff0000u);
     wv[6] = __uint_as_float(p.w << 16); wv[7] = __uint_as_float(p.w & 0xffff0000u);
-    float4 s0, s1;
+    float4 s0 = make_float4(1, 1, 1, 1), s1 = s0;
     if (MODE == IN_NORM) {
         const float4* sp = (const float4*)(x2 + c * 8);
         s0 = sp[0]; s1 = sp[1];
@@ -43,19 +54,8 @@ __device__ __forceinline__ void gemv_chunk(uint4 p, const float* x, const float*
     for (int m = 0; m < T; m++) {
         if (m < t) {
             const float4* xp = (const float4*)(x + (size_t)m * k + c * 8);
-            float4 a = xp[0], b = xp[1];
-            if (round_in && MODE == IN_NORM) {
-                // (x * 1/rms) * scale, as rms_norm computes it, then rounded.
-                float r = inv[m];
-                a = make_float4(round_bf16(a.x * r * s0.x), round_bf16(a.y * r * s0.y), round_bf16(a.z * r * s0.z), round_bf16(a.w * r * s0.w));
-                b = make_float4(round_bf16(b.x * r * s1.x), round_bf16(b.y * r * s1.y), round_bf16(b.z * r * s1.z), round_bf16(b.w * r * s1.w));
-            } else if (round_in) {
-                a = make_float4(round_bf16(a.x), round_bf16(a.y), round_bf16(a.z), round_bf16(a.w));
-                b = make_float4(round_bf16(b.x), round_bf16(b.y), round_bf16(b.z), round_bf16(b.w));
-            } else if (MODE == IN_NORM) {
-                a.x *= s0.x; a.y *= s0.y; a.z *= s0.z; a.w *= s0.w;
-                b.x *= s1.x; b.y *= s1.y; b.z *= s1.z; b.w *= s1.w;
-            }
+            float r = MODE == IN_NORM && round_in ? inv[m] : 1.0f;
+            float4 a = gemv_input<MODE>(xp[0], s0, r, round_in), b = gemv_input<MODE>(xp[1], s1, r, round_in);
             acc[m] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w + wv[4] * b.x + wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
         }
     }
@@ -261,23 +261,12 @@ __device__ void gemv_stream_body(const bf16_t* w0, float* o0, int n0, const bf16
 #pragma unroll
     for (int j = 0; j < PER; j++) {
         const float4* xp = (const float4*)(x + (lane + 32 * j) * 8);
-        float4 a = xp[0], b = xp[1];
+        float4 sa = make_float4(1, 1, 1, 1), sb = sa;
         if (MODE == IN_NORM) {
             const float4* sp = (const float4*)(x2 + (lane + 32 * j) * 8);
-            float4 sa = sp[0], sb = sp[1];
-            if (round_in) {
-                // (x * 1/rms) * scale, as rms_norm computes it, then rounded.
-                a = make_float4(a.x * inv * sa.x, a.y * inv * sa.y, a.z * inv * sa.z, a.w * inv * sa.w);
-                b = make_float4(b.x * inv * sb.x, b.y * inv * sb.y, b.z * inv * sb.z, b.w * inv * sb.w);
-            } else {
-                a = make_float4(a.x * sa.x, a.y * sa.y, a.z * sa.z, a.w * sa.w);
-                b = make_float4(b.x * sb.x, b.y * sb.y, b.z * sb.z, b.w * sb.w);
-            }
+            sa = sp[0]; sb = sp[1];
         }
-        if (round_in) {
-            a = make_float4(round_bf16(a.x), round_bf16(a.y), round_bf16(a.z), round_bf16(a.w));
-            b = make_float4(round_bf16(b.x), round_bf16(b.y), round_bf16(b.z), round_bf16(b.w));
-        }
+        float4 a = gemv_input<MODE>(xp[0], sa, inv, round_in), b = gemv_input<MODE>(xp[1], sb, inv, round_in);
         xv[j][0] = a.x; xv[j][1] = a.y; xv[j][2] = a.z; xv[j][3] = a.w;
         xv[j][4] = b.x; xv[j][5] = b.y; xv[j][6] = b.z; xv[j][7] = b.w;
     }
