@@ -341,18 +341,31 @@ fn mma_attention_matches_the_f32_tiles() {
         let (pos0, t) = (100usize, 150usize);
         let mut random = |len: usize, scale: f32| -> Vec<f32> { (0..len).map(|_| (rng.next_f64() * 2.0 - 1.0) as f32 * scale).collect() };
         let (q, kc, vc, gate) = (random(t * hq * d, 4.0), random((pos0 + t) * hkv * d, 1.0), random((pos0 + t) * hkv * d, 1.0), random(t * hq * d, 2.0));
-        let (q, kc, vc, gate) = (g.upload(&q).unwrap(), g.upload(&kc).unwrap(), g.upload(&vc).unwrap(), g.upload(&gate).unwrap());
+        // A paged cache of one layer (koff 0): block i holds positions 16 i.. (keys, then
+        // values), placed in reverse order in memory.
+        let (row, bs) = (hkv * d, tandem_core::backend::cuda::qwen35::kv_cache::KV_BLOCK);
+        let blocks = (pos0 + t).div_ceil(bs);
+        let mut image = vec![0f32; blocks * 2 * bs * row];
+        for p in 0..pos0 + t {
+            let at = (blocks - 1 - p / bs) * 2 * bs * row + (p % bs) * row;
+            image[at..at + row].copy_from_slice(&kc[p * row..(p + 1) * row]);
+            image[at + bs * row..at + (bs + 1) * row].copy_from_slice(&vc[p * row..(p + 1) * row]);
+        }
+        let cache = g.upload(&image).unwrap();
+        let table: Vec<u64> = (0..blocks).map(|i| g.ptr(&cache).offset((blocks - 1 - i) * 2 * bs * row).addr()).collect();
+        let table = g.upload(&table).unwrap();
+        let table = g.ptr(&table).reinterpret::<tandem_core::backend::cuda::launch::DevPtr<f32>>();
+        let (q, gate) = (g.upload(&q).unwrap(), g.upload(&gate).unwrap());
         let pos = g.upload(&[pos0 as u32]).unwrap();
         let (want, got) = (g.zeros::<f32>(t * hq * d).unwrap(), g.zeros::<f32>(t * hq * d).unwrap());
         let grid = Grid::new((t.div_ceil(64), hq, 1), 256);
         let (t_, hq_, hkv_) = (t as i32, hq as i32, hkv as i32);
-        g.launch(k::ATTENTION_TILED, grid, (g.ptr(&q), g.ptr(&kc), g.ptr(&vc), g.ptr(&gate), g.ptr(&want), t_, hq_, hkv_, d as i32, g.ptr(&pos))).unwrap();
-        // The mma kernel takes the caches rounded to bf16 (to_bf16, as the engine does).
-        let n = (pos0 + t) * hkv * d;
+        g.launch(k::ATTENTION_TILED, grid, (g.ptr(&q), table, 0, g.ptr(&gate), g.ptr(&want), t_, hq_, hkv_, d as i32, g.ptr(&pos))).unwrap();
+        // The mma kernel takes the cache's rows gathered and rounded to bf16 (kv_to_bf16, as
+        // the engine does).
+        let n = (pos0 + t) * row;
         let (kb, vb) = (g.zeros::<u16>(n).unwrap(), g.zeros::<u16>(n).unwrap());
-        for (from, to) in [(&kc, &kb), (&vc, &vb)] {
-            g.launch(k::TO_BF16, Grid::x(n.div_ceil(1024), 256), (g.ptr(from), g.ptr(to), n as i32)).unwrap();
-        }
+        g.launch(k::KV_TO_BF16, Grid::x(n.div_ceil(1024), 256), (table, 0, g.ptr(&kb), g.ptr(&vb), (pos0 + t) as i32, row as i32)).unwrap();
         let kernel = match d {
             32 => k::ATTENTION_MMA_32,
             _ => k::ATTENTION_MMA_256,
@@ -450,4 +463,50 @@ fn kernels_come_from_the_cache_after_the_first_compile() {
     assert_eq!(origin, Origin::Cached(file));
     eprintln!("{arch}: compiled in {seconds:.2} s, {} KB", first.len() / 1024);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The paged K/V cache at its limit: a state takes blocks of 16 positions as it grows and gives
+/// them back when dropped; a call that needs more than the pool may hold is refused with
+/// `KvCacheFull` before anything is applied (the state stays where it was), and once blocks
+/// are free again the same call succeeds; blocks that served another sequence (handed out
+/// again in another order) give the same logits as a fresh engine's.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn kv_cache_refuses_past_its_limit_and_reuses_freed_blocks() {
+    use tandem_core::backend::cuda::qwen35::kv_cache::{KvCacheFull, KV_BLOCK};
+    let (g, _turn) = gpu_for("the paged K/V cache");
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let tokens = prompt("p4");
+    let gpu = GpuQwen35::upload(g, &m.net, Precision::Exact).unwrap();
+    let fresh = {
+        let mut s = gpu.new_state().unwrap();
+        gpu.forward(&tokens[..40], &mut s, Logits::Last).unwrap()
+    };
+    let pool = gpu.kv_pool().clone();
+    pool.set_limit(Some(3));
+    assert_eq!(3 * KV_BLOCK, 48);
+    let mut a = gpu.new_state().unwrap();
+    let mut first = gpu.new_state().unwrap();
+    gpu.forward(&tokens[..20], &mut first, Logits::Last).unwrap();
+    assert_eq!(pool.level().used, 2);
+    drop(first);
+    assert_eq!(pool.level().used, 0, "a dropped state gives its blocks back");
+    // Blocks that held another sequence's rows, taken in another order.
+    let logits = gpu.forward(&tokens[..40], &mut a, Logits::Last).unwrap();
+    assert_eq!(logits, fresh, "reused blocks give other logits than a fresh engine's");
+    assert_eq!(pool.level().used, 3);
+    let mut b = gpu.new_state().unwrap();
+    let refused = gpu.forward(&tokens[..10], &mut b, Logits::Last).unwrap_err();
+    assert!(refused.downcast_ref::<KvCacheFull>().is_some(), "not a KvCacheFull: {refused:#}");
+    assert_eq!(b.position, 0, "a refused call applied something");
+    for &t in &tokens[40..48] {
+        gpu.forward(&[t], &mut a, Logits::Last).unwrap();
+    }
+    let refused = gpu.forward(&[tokens[48]], &mut a, Logits::Last).unwrap_err();
+    assert!(refused.downcast_ref::<KvCacheFull>().is_some(), "not a KvCacheFull: {refused:#}");
+    assert_eq!(a.position, 48);
+    drop(a);
+    gpu.forward(&tokens[..10], &mut b, Logits::Last).unwrap();
+    assert_eq!(pool.level().used, 1);
+    assert_eq!(pool.available(), Some(2));
 }

@@ -360,6 +360,12 @@ impl Gpu {
         unsafe { cudarc::driver::result::memcpy_htod_async(dst.addr(), src.as_slice(), self.stream.cu_stream()) }.map_err(|e| anyhow::anyhow!("cuda:{}: copying to the GPU: {e:?}", self.ordinal))
     }
 
+    /// Queue a copy of the first `n` values of `src` to `dst` (capturable).
+    pub fn copy_part_to_device<T: cudarc::driver::DeviceRepr + Copy>(&self, src: &Pinned<T>, n: usize, dst: DevPtr<T>) -> Result<()> {
+        // SAFETY: dst holds n values (the callers' workspace buffers); src holds at least n.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst.addr(), &src.as_slice()[..n], self.stream.cu_stream()) }.map_err(|e| anyhow::anyhow!("cuda:{}: copying to the GPU: {e:?}", self.ordinal))
+    }
+
     /// Queue a copy of `dst.len` values at `src` into `dst` (capturable).
     pub fn copy_to_host<T: cudarc::driver::DeviceRepr + Copy>(&self, src: DevPtr<T>, dst: &mut Pinned<T>) -> Result<()> {
         // SAFETY: src holds dst.len values; dst is not read before the stream is synchronized.

@@ -1,24 +1,36 @@
 // The gated attention mixer: q/k norms and RoPE, and causal GQA attention of a prefill (tiled,
-// on tensor cores or in f32) and of a decode step (split over the positions).
+// on tensor cores or in f32) and of a decode step (split over the positions), over the paged
+// K/V cache.
+
+// The paged K/V cache: a sequence's keys and values live in blocks of KV_BLOCK positions, and
+// its block table lists each block's address in position order. A block holds those positions'
+// rows of every attention layer (row = hkv * d floats): layer l's keys at l * 2 * KV_BLOCK * row
+// floats (the layer's `koff`), its values KV_BLOCK * row further; so one table serves every
+// layer, and a block moves between engines in one copy. (qwen35/kv_cache.rs: KV_BLOCK.)
+#define KV_BLOCK 16
+// The key row of position p (its value row is KV_BLOCK * row further).
+__device__ __forceinline__ float* kv_row(float* const* blocks, int koff, int p, int row) { return blocks[p / KV_BLOCK] + koff + (size_t)(p % KV_BLOCK) * row; }
 
 // Per token: split the interleaved query/gate heads, RMSNorm q and k heads with their
 // zero-centred weights, rotate the first 2 * half channels (NeoX pairs c, c + half) at
-// position pos[0] + token; keys and values go straight into the caches kc, vc at that row.
-// Grid: (tokens, hq + hkv); block: a warp multiple >= d.
-// Row `tok` of the call's rows, at position pos0 + tok of caches kc, vc.
-__device__ void qk_norm_rope_body(const float* qg, float* q, float* gate, const float* k, const float* v, float* kc, float* vc, const float* q_norm,
+// position pos[0] + token; keys and values go straight into the cache (the blocks of table
+// `blocks`, layer offset koff) at that position. Grid: (tokens, hq + hkv); block: a warp
+// multiple >= d.
+// Row `tok` of the call's rows, at position pos0 + tok.
+__device__ void qk_norm_rope_body(const float* qg, float* q, float* gate, const float* k, const float* v, float* const* blocks, int koff, const float* q_norm,
                                   const float* k_norm, const float* inv_freq, int hq, int hkv, int d, int half, int pos0, int tok, float eps) {
     __shared__ float sv[1024];
     int head = blockIdx.y, c = threadIdx.x;
     bool is_q = head < hq;
     int kh = head - hq;
-    size_t kv_at = (size_t)tok * hkv + kh, cache_at = (size_t)(pos0 + tok) * hkv + kh;
+    size_t kv_at = (size_t)tok * hkv + kh;
+    float* key = is_q ? nullptr : kv_row(blocks, koff, pos0 + tok, hkv * d) + (size_t)kh * d;
     const float* src = is_q ? qg + ((size_t)tok * hq + head) * 2 * d : k + kv_at * d;
-    float* dst = is_q ? q + ((size_t)tok * hq + head) * d : kc + cache_at * d;
+    float* dst = is_q ? q + ((size_t)tok * hq + head) * d : key;
     const float* w = is_q ? q_norm : k_norm;
     float x = c < d ? src[c] : 0.0f;
     if (is_q && c < d) gate[((size_t)tok * hq + head) * d + c] = src[d + c];
-    if (!is_q && c < d) vc[cache_at * d + c] = v[kv_at * d + c];
+    if (!is_q && c < d) key[(size_t)KV_BLOCK * hkv * d + c] = v[kv_at * d + c];
     float inv = 1.0f / sqrtf(block_sum(x * x) / d + eps);
     if (c < d) sv[c] = x * inv * w[c];
     __syncthreads();
@@ -34,22 +46,22 @@ __device__ void qk_norm_rope_body(const float* qg, float* q, float* gate, const 
     }
 }
 
-extern "C" __global__ void qk_norm_rope(const float* qg, float* q, float* gate, const float* k, const float* v, float* kc, float* vc, const float* q_norm,
+extern "C" __global__ void qk_norm_rope(const float* qg, float* q, float* gate, const float* k, const float* v, float* const* blocks, int koff, const float* q_norm,
                                         const float* k_norm, const float* inv_freq, int hq, int hkv, int d, int half, const u32* pos, float eps) {
     pdl_enter();
-    qk_norm_rope_body(qg, q, gate, k, v, kc, vc, q_norm, k_norm, inv_freq, hq, hkv, d, half, (int)pos[0], blockIdx.x, eps);
+    qk_norm_rope_body(qg, q, gate, k, v, blocks, koff, q_norm, k_norm, inv_freq, hq, hkv, d, half, (int)pos[0], blockIdx.x, eps);
 }
 
-// The batched decode step's: row b is sequence b's one token, its caches kcs[b], vcs[b], its
-// position pos[b]. The same arithmetic as qk_norm_rope on that sequence alone.
-// Grid: (sequences, hq + hkv); block as qk_norm_rope.
-extern "C" __global__ void qk_norm_rope_batch(const float* qg, float* q, float* gate, const float* k, const float* v, float* const* kcs, float* const* vcs,
+// The batched decode step's: row b is sequence b's one token, its block table at
+// blocks + b * width, its position pos[b]. The same arithmetic as qk_norm_rope on that sequence
+// alone. Grid: (sequences, hq + hkv); block as qk_norm_rope.
+extern "C" __global__ void qk_norm_rope_batch(const float* qg, float* q, float* gate, const float* k, const float* v, float* const* blocks, int width, int koff,
                                               const float* q_norm, const float* k_norm, const float* inv_freq, int hq, int hkv, int d, int half, const u32* pos,
                                               float eps) {
     pdl_enter();
     size_t b = blockIdx.x;
-    qk_norm_rope_body(qg + b * hq * 2 * d, q + b * hq * d, gate + b * hq * d, k + b * hkv * d, v + b * hkv * d, kcs[b], vcs[b], q_norm, k_norm, inv_freq, hq, hkv, d,
-                      half, (int)pos[b], 0, eps);
+    qk_norm_rope_body(qg + b * hq * 2 * d, q + b * hq * d, gate + b * hq * d, k + b * hkv * d, v + b * hkv * d, blocks + b * width, koff, q_norm, k_norm, inv_freq, hq,
+                      hkv, d, half, (int)pos[b], 0, eps);
 }
 
 // Causal GQA attention of a few tokens (decode), split over the positions (flash decoding):
@@ -64,19 +76,19 @@ extern "C" __global__ void qk_norm_rope_batch(const float* qg, float* q, float* 
 // (d + 2) floats; done: tokens * hq zeroed counters.
 #define ATTN_CHUNK 1024
 // Row `tok` of the call's rows, at position pos0 + tok.
-__device__ void attention_body(const float* q, const float* kc, const float* vc, const float* gate, float* out, float* part, unsigned* done, int hq, int hkv,
+__device__ void attention_body(const float* q, float* const* blocks, int koff, const float* gate, float* out, float* part, unsigned* done, int hq, int hkv,
                                int d, int chunk, int splits, int pos0, int tok) {
     __shared__ float scores[ATTN_CHUNK];
     int h = blockIdx.y, s = blockIdx.z;
     int visible = pos0 + tok + 1, active = (visible + chunk - 1) / chunk;
     if (s >= active) return;
     int p0 = s * chunk, n = min(visible - p0, chunk);
-    int kvh = h / (hq / hkv);
+    int kvh = h / (hq / hkv), row = hkv * d;
     const float* qh = q + ((size_t)tok * hq + h) * d;
     float scale = 1.0f / sqrtf((float)d);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     for (int p = warp; p < n; p += warps) {
-        const float* kp = kc + ((size_t)(p0 + p) * hkv + kvh) * d;
+        const float* kp = kv_row(blocks, koff, p0 + p, row) + (size_t)kvh * d;
         float sc = 0.0f;
         for (int c = lane; c < d; c += 32) sc += qh[c] * kp[c];
         sc = warp_sum(sc);
@@ -98,12 +110,12 @@ __device__ void attention_body(const float* q, const float* kc, const float* vc,
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
         // Four sums, so that four value rows are read at a time.
         float o4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        const float* vp = vc + ((size_t)p0 * hkv + kvh) * d + c;
+        size_t vc = (size_t)KV_BLOCK * row + (size_t)kvh * d + c;
         int p = 0;
         for (; p + 4 <= n; p += 4)
 #pragma unroll
-            for (int u = 0; u < 4; u++) o4[u] = fmaf(scores[p + u], vp[(size_t)(p + u) * hkv * d], o4[u]);
-        for (; p < n; p++) o4[0] = fmaf(scores[p], vp[(size_t)p * hkv * d], o4[0]);
+            for (int u = 0; u < 4; u++) o4[u] = fmaf(scores[p + u], kv_row(blocks, koff, p0 + p + u, row)[vc], o4[u]);
+        for (; p < n; p++) o4[0] = fmaf(scores[p], kv_row(blocks, koff, p0 + p, row)[vc], o4[0]);
         float o = (o4[0] + o4[1]) + (o4[2] + o4[3]);
         if (active == 1) out[head * d + c] = o / sum * sigmoidf_(gate[head * d + c]);
         else mine[2 + c] = o;
@@ -125,27 +137,40 @@ __device__ void attention_body(const float* q, const float* kc, const float* vc,
     }
     if (threadIdx.x == 0) done[head] = 0;
 }
-extern "C" __global__ void __launch_bounds__(128) attention(const float* q, const float* kc, const float* vc, const float* gate, float* out, float* part, unsigned* done,
+extern "C" __global__ void __launch_bounds__(128) attention(const float* q, float* const* blocks, int koff, const float* gate, float* out, float* part, unsigned* done,
                                                             int hq, int hkv, int d, int chunk, int splits, const u32* pos) {
     pdl_enter();
-    attention_body(q, kc, vc, gate, out, part, done, hq, hkv, d, chunk, splits, (int)pos[0], blockIdx.x);
+    attention_body(q, blocks, koff, gate, out, part, done, hq, hkv, d, chunk, splits, (int)pos[0], blockIdx.x);
 }
 
-// The batched decode step's: row b is sequence b's one token over its caches kcs[b], vcs[b]
-// at position pos[b]; the same arithmetic as attention on that sequence alone. Grid:
-// (sequences, hq, splits), splits sized for the sequence that sees the most positions; part
-// and done as for that many rows.
-extern "C" __global__ void __launch_bounds__(128) attention_batch(const float* q, float* const* kcs, float* const* vcs, const float* gate, float* out, float* part,
+// The batched decode step's: row b is sequence b's one token over its cache (block table at
+// blocks + b * width) at position pos[b]; the same arithmetic as attention on that sequence
+// alone. Grid: (sequences, hq, splits), splits sized for the sequence that sees the most
+// positions; part and done as for that many rows.
+extern "C" __global__ void __launch_bounds__(128) attention_batch(const float* q, float* const* blocks, int width, int koff, const float* gate, float* out, float* part,
                                                                   unsigned* done, int hq, int hkv, int d, int chunk, int splits, const u32* pos) {
     pdl_enter();
     size_t b = blockIdx.x;
-    attention_body(q + b * hq * d, kcs[b], vcs[b], gate + b * hq * d, out + b * hq * d, part + b * hq * splits * (d + 2), done + b * hq, hq, hkv, d, chunk, splits,
-                   (int)pos[b], 0);
+    attention_body(q + b * hq * d, blocks + b * width, koff, gate + b * hq * d, out + b * hq * d, part + b * hq * splits * (d + 2), done + b * hq, hq, hkv, d, chunk,
+                   splits, (int)pos[b], 0);
+}
+
+// The keys and values of positions 0..n of one layer, gathered from the cache and rounded to
+// bf16 ([position, hkv, d] each): the tensor-core prefill attention's operands. Four values a
+// thread. Grid: ceil(n * row / 1024); block 256.
+extern "C" __global__ void kv_to_bf16(float* const* blocks, int koff, bf16_t* kb, bf16_t* vb, int n, int row) {
+    pdl_enter();
+    size_t total = (size_t)n * row;
+    for (size_t i = 4 * ((size_t)blockIdx.x * blockDim.x + threadIdx.x), end = i + 4; i < end && i < total; i++) {
+        const float* key = kv_row(blocks, koff, (int)(i / row), row) + i % row;
+        kb[i] = f32_to_bf16(key[0]);
+        vb[i] = f32_to_bf16(key[(size_t)KV_BLOCK * row]);
+    }
 }
 
 // Causal GQA attention of a tensor-core prefill (flash attention 2 on bf16 mma, f32 sums; the
-// f32 attention_tiled is its reference): q rounded to bf16, k and v given in bf16 (the caches
-// rounded by to_bf16, same layout [position, hkv, D]), and the softmax weights P rounded before
+// f32 attention_tiled is its reference): q rounded to bf16, k and v given in bf16 (gathered
+// from the cache by kv_to_bf16, [position, hkv, D]), and the softmax weights P rounded before
 // they multiply V; scores, the online softmax and the outputs in f32. Block (64 queries, query
 // head), 8 warps: warp w takes query rows 16 (w % 4).. and output dims (w / 4) D / 2.. (the two
 // warps of a row group compute the same scores, so S costs twice and each holds half of O in
@@ -305,7 +330,7 @@ ATTENTION_MMA(attention_mma_256, 256)
 // Grid: (ceil(t / 64), hq); block: 256.
 #define AQ 64
 #define AK 64
-extern "C" __global__ void __launch_bounds__(256) attention_tiled(const float* q, const float* kc, const float* vc, const float* gate, float* out, int t, int hq,
+extern "C" __global__ void __launch_bounds__(256) attention_tiled(const float* q, float* const* blocks, int koff, const float* gate, float* out, int t, int hq,
                                                                   int hkv, int d, const u32* pos) {
     pdl_enter();
     // qs/ks (staged 32 channels at a time for S) share their memory with vs (16 keys of V).
@@ -315,7 +340,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_tiled(const float* q
     float(*ks)[33] = (float(*)[33])(tiles + AQ * 33);
     float* vs = tiles;
     int pos0 = (int)pos[0];
-    int q0 = blockIdx.x * AQ, h = blockIdx.y, kvh = h / (hq / hkv);
+    int q0 = blockIdx.x * AQ, h = blockIdx.y, kvh = h / (hq / hkv), row = hkv * d;
     int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
     int rows = min(AQ, t - q0);
     int kend = pos0 + q0 + rows;  // keys 0..kend - 1 are visible to some row of this block
@@ -336,7 +361,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_tiled(const float* q
                 int i = e / 32, dd = e % 32;
                 bool dok = d0 + dd < d;
                 qs[i][dd] = (i < rows && dok) ? q[((size_t)(q0 + i) * hq + h) * d + d0 + dd] : 0.0f;
-                ks[i][dd] = (k0 + i < kend && dok) ? kc[((size_t)(k0 + i) * hkv + kvh) * d + d0 + dd] : 0.0f;
+                ks[i][dd] = (k0 + i < kend && dok) ? kv_row(blocks, koff, k0 + i, row)[(size_t)kvh * d + d0 + dd] : 0.0f;
             }
             __syncthreads();
 #pragma unroll 8
@@ -383,7 +408,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_tiled(const float* q
             __syncthreads();
             for (int e = tid; e < 16 * d; e += 256) {
                 int jj = e / d, dd = e % d;
-                vs[jj * d + dd] = k0 + j0 + jj < kend ? vc[((size_t)(k0 + j0 + jj) * hkv + kvh) * d + dd] : 0.0f;
+                vs[jj * d + dd] = k0 + j0 + jj < kend ? kv_row(blocks, koff, k0 + j0 + jj, row)[(size_t)KV_BLOCK * row + (size_t)kvh * d + dd] : 0.0f;
             }
             __syncthreads();
 #pragma unroll 4

@@ -24,7 +24,8 @@ pub fn source() -> String {
 type F32 = DevPtr<f32>;
 type Bf16 = DevPtr<u16>;
 type U32 = DevPtr<u32>;
-/// A table of per-sequence f32 arrays (a batched step's states or caches).
+/// A table of f32 arrays: a batched step's per-sequence states, or K/V block tables
+/// (kernels/attention.cu, the paged cache).
 type Table = DevPtr<DevPtr<f32>>;
 
 /// gemv.cu gemv_t1_* / gemv_t2_* / gemv_t4_* / gemv_t8_*: up to four matrices `(w, out, rows)` of one input, then
@@ -118,18 +119,20 @@ kernels! {
     DELTANET_CHUNK_STATE_MMA_PACKED_128 = "deltanet_chunk_state_mma_packed_128" as ChunkStatePackedParams;
     /// (core, z, w, out_bf16, rows, dv, eps): in place, or into out_bf16 where not null.
     GATED_RMS_NORM = "gated_rms_norm" as (F32, F32, F32, Bf16, i32, i32, f32);
-    /// (qg, q, gate, k, v, kc, vc, q_norm, k_norm, inv_freq, hq, hkv, d, half, pos, eps).
-    QK_NORM_ROPE = "qk_norm_rope" as (F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, U32, f32);
-    /// (qg, q, gate, k, v, kcs, vcs, q_norm, k_norm, inv_freq, hq, hkv, d, half, pos, eps): one
-    /// row per sequence of a batched step.
-    QK_NORM_ROPE_BATCH = "qk_norm_rope_batch" as (F32, F32, F32, F32, F32, Table, Table, F32, F32, F32, i32, i32, i32, i32, U32, f32);
-    /// (q, kc, vc, gate, out, part, done, hq, hkv, d, chunk, splits, pos): decode rows.
-    ATTENTION = "attention" as (F32, F32, F32, F32, F32, F32, U32, i32, i32, i32, i32, i32, U32);
-    /// (q, kcs, vcs, gate, out, part, done, hq, hkv, d, chunk, splits, pos): one row per
-    /// sequence of a batched step.
-    ATTENTION_BATCH = "attention_batch" as (F32, Table, Table, F32, F32, F32, U32, i32, i32, i32, i32, i32, U32);
-    /// (q, kc, vc, gate, out, t, hq, hkv, d, pos): prefill rows, f32 tiles.
-    ATTENTION_TILED = "attention_tiled" as (F32, F32, F32, F32, F32, i32, i32, i32, i32, U32);
+    /// (qg, q, gate, k, v, blocks, koff, q_norm, k_norm, inv_freq, hq, hkv, d, half, pos, eps).
+    QK_NORM_ROPE = "qk_norm_rope" as (F32, F32, F32, F32, F32, Table, i32, F32, F32, F32, i32, i32, i32, i32, U32, f32);
+    /// (qg, q, gate, k, v, blocks, width, koff, q_norm, k_norm, inv_freq, hq, hkv, d, half, pos,
+    /// eps): one row per sequence of a batched step.
+    QK_NORM_ROPE_BATCH = "qk_norm_rope_batch" as (F32, F32, F32, F32, F32, Table, i32, i32, F32, F32, F32, i32, i32, i32, i32, U32, f32);
+    /// (q, blocks, koff, gate, out, part, done, hq, hkv, d, chunk, splits, pos): decode rows.
+    ATTENTION = "attention" as (F32, Table, i32, F32, F32, F32, U32, i32, i32, i32, i32, i32, U32);
+    /// (q, blocks, width, koff, gate, out, part, done, hq, hkv, d, chunk, splits, pos): one row
+    /// per sequence of a batched step.
+    ATTENTION_BATCH = "attention_batch" as (F32, Table, i32, i32, F32, F32, F32, U32, i32, i32, i32, i32, i32, U32);
+    /// (blocks, koff, k_bf16, v_bf16, n, row): positions 0..n of a layer's cache in bf16.
+    KV_TO_BF16 = "kv_to_bf16" as (Table, i32, Bf16, Bf16, i32, i32);
+    /// (q, blocks, koff, gate, out, t, hq, hkv, d, pos): prefill rows, f32 tiles.
+    ATTENTION_TILED = "attention_tiled" as (F32, Table, i32, F32, F32, i32, i32, i32, i32, U32);
     ATTENTION_MMA_32 = "attention_mma_32" as AttentionMmaParams;
     ATTENTION_MMA_64 = "attention_mma_64" as AttentionMmaParams;
     ATTENTION_MMA_128 = "attention_mma_128" as AttentionMmaParams;

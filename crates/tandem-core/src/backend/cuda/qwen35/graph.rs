@@ -8,32 +8,36 @@ const CAPTURE_TRIES: u32 = 3;
 
 impl GpuQwen35 {
     /// A decode step through the state's captured graph (captured now if it has none, or if
-    /// its K/V caches moved since). The logits stay in the step's buffer; their argmax comes
-    /// back.
+    /// its K/V blocks outgrew the graph's span). The logits stay in the step's buffer; their
+    /// argmax comes back.
     pub(super) fn replay_step(&self, token: u32, state: &mut GpuState) -> Result<()> {
         let g = &self.gpu;
-        if state.step.as_ref().is_none_or(|s| s.capacity != state.capacity || !std::sync::Arc::ptr_eq(&s.stream, &g.stream)) {
+        let capacity = state.kv.capacity();
+        if state.step.as_ref().is_none_or(|s| s.span < capacity || !std::sync::Arc::ptr_eq(&s.stream, &g.stream)) {
             // The old step's buffer may hold the last logits: they come to the host first, so
             // that a failed capture leaves the state whole.
             state.last_logits()?;
             state.step = None;
-            let ws = Workspace::new(self, 1, 1, 1)?;
+            let mut ws = Workspace::new(self, 1, 1, 1)?;
+            // The attention's split over the positions is sized for the whole span, so that the
+            // one captured launch serves every position up to it.
+            let span = capacity.next_power_of_two().clamp(KV_MIN_ROWS, MAX_CONTEXT);
+            ws.kv_width = span / KV_BLOCK;
             let (io_host, mut argmax_host) = (Pinned::<u32>::new(g, 2)?, Pinned::<u32>::new(g, 1)?);
-            // The attention's split over the positions is sized for the whole cache, so that
-            // the one captured launch serves every position.
-            let visible = state.capacity.min(MAX_CONTEXT);
+            let blocks_host = Pinned::<u64>::new(g, ws.kv_width)?;
             g.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(|e| anyhow::anyhow!("cuda:{}: starting a graph capture: {e:?}", g.ordinal))?;
             // The position and token id come in from pinned memory and the argmax goes out to
             // it inside the graph: one launch and one wait per token.
             let enqueued = g
                 .copy_to_device(&io_host, g.ptr(&ws.io))
-                .and_then(|()| self.enqueue(&ws, &mut [&mut *state], &[Rows { first: 0, count: 1 }], LogitRows::From(0), Some(visible)))
+                .and_then(|()| g.copy_to_device(&blocks_host, g.ptr(&ws.blocks)))
+                .and_then(|()| self.enqueue(&ws, &mut [&mut *state], &[Rows { first: 0, count: 1 }], LogitRows::From(0), Some(span)))
                 .and_then(|()| self.enqueue_argmax(&ws, 1))
                 .and_then(|()| g.copy_to_host(g.ptr(&ws.pick), &mut argmax_host));
             // End the capture whatever happened, so that the stream is usable again.
             let captured = g.stream.end_capture(CUgraphInstantiate_flags(0));
             match (enqueued, captured) {
-                (Ok(()), Ok(Some(graph))) => state.step = Some(StepGraph { graph: Graph(graph), stream: g.stream.clone(), ws, capacity: state.capacity, io_host, argmax_host }),
+                (Ok(()), Ok(Some(graph))) => state.step = Some(StepGraph { graph: Graph(graph), stream: g.stream.clone(), ws, span, io_host, blocks_host, argmax_host }),
                 // A capture fails where another thread does what synchronizes the whole GPU
                 // meanwhile (loading a module, freeing page-locked memory); nothing captured
                 // ran, so this token goes kernel by kernel and the next one captures again.
@@ -47,6 +51,9 @@ impl GpuQwen35 {
         let step = state.step.as_mut().expect("captured above");
         // The previous replay has finished (its argmax was read), so the host side is free.
         step.io_host.as_mut_slice().copy_from_slice(&[state.position as u32, token]);
+        let (blocks, host) = (state.kv.table(), step.blocks_host.as_mut_slice());
+        host[..blocks.len()].copy_from_slice(blocks);
+        host[blocks.len()..].fill(0);
         step.graph.0.launch().map_err(|e| anyhow::anyhow!("cuda:{}: replaying the decode step: {e:?}", g.ordinal))?;
         g.synchronize()?;
         state.position += 1;
@@ -97,11 +104,13 @@ pub(super) struct BatchSteps {
 }
 
 /// One bucket's step: the workspace its graphs run in, the page-locked memory its inputs come
-/// from (positions and token ids, the state tables) and its picks go to.
+/// from (positions and token ids, the state tables, the K/V block tables: as many entries per
+/// row as the graph's visible span has blocks) and its picks go to.
 struct BatchBucket {
     ws: Workspace,
     io_host: Pinned<u32>,
     tables_host: Pinned<u64>,
+    blocks_host: Pinned<u64>,
     picks_host: Pinned<u32>,
     graphs: std::collections::HashMap<usize, Graph>,
     /// Failed captures of this bucket so far: a capture fails where another thread
@@ -114,7 +123,7 @@ struct BatchBucket {
 }
 
 impl GpuQwen35 {
-    /// A decode step of several sequences (`decode_batch`, inputs checked, caches grown)
+    /// A decode step of several sequences (`decode_batch`, inputs checked, K/V blocks taken)
     /// through the graph of its bucket and visible span, captured now if there is none. Rows
     /// past the sequences decode token 0 at position 0 into the padding state.
     pub(super) fn replay_batch(&self, tokens: &[u32], states: &mut [&mut GpuState]) -> Result<()> {
@@ -139,6 +148,7 @@ impl GpuQwen35 {
                     ws,
                     io_host: Pinned::new(g, 2 * bucket)?,
                     tables_host: Pinned::new(g, tables)?,
+                    blocks_host: Pinned::new(g, bucket * MAX_CONTEXT / KV_BLOCK)?,
                     picks_host: Pinned::new(g, bucket)?,
                     graphs: Default::default(),
                     capture_failures: 0,
@@ -154,6 +164,8 @@ impl GpuQwen35 {
             io[bucket + i] = tokens[i];
         }
         workspace::fill_tables(g, states, pad.as_ref(), b.tables_host.as_mut_slice());
+        let width = visible / KV_BLOCK;
+        workspace::fill_blocks(states, pad.as_ref(), width, &mut b.blocks_host.as_mut_slice()[..bucket * width]);
         if b.capture_failures < CAPTURE_TRIES && !b.graphs.contains_key(&visible) {
             g.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(|e| anyhow::anyhow!("cuda:{}: starting a graph capture: {e:?}", g.ordinal))?;
             let enqueued = self.enqueue_batch_step(b, visible);
@@ -187,6 +199,8 @@ impl GpuQwen35 {
         let rows = b.ws.sequences;
         g.copy_to_device(&b.io_host, g.ptr(&b.ws.io))?;
         g.copy_to_device(&b.tables_host, g.ptr(&b.ws.tables))?;
+        b.ws.kv_width = visible / KV_BLOCK;
+        g.copy_part_to_device(&b.blocks_host, rows * b.ws.kv_width, g.ptr(&b.ws.blocks))?;
         let each: Vec<Rows> = (0..rows).map(|i| Rows { first: i, count: 1 }).collect();
         self.enqueue(&b.ws, &mut [], &each, LogitRows::From(0), Some(visible))?;
         self.enqueue_argmax(&b.ws, rows)?;

@@ -313,13 +313,14 @@ impl GpuQwen35 {
         let row = hkv * d;
         if ws.batched {
             let most = visible.unwrap_or_else(|| states.iter().map(|s| s.position + 1).max().unwrap_or(1));
-            self.attention_batch(m, ws, li, most)?;
+            self.attention_batch(m, ws, most)?;
             return self.project_residual(ws, Input::F32(attn), t, &m.o_proj);
         }
+        let koff = m.koff as i32;
         for (i, (s, &r)) in states.iter_mut().zip(rows).enumerate() {
             let pos = ws.position_of(g, i);
-            let GpuLayerState::Full { k: kc, v: vc } = &s.layers[li] else { bail!("layer {li}: state kind differs from the model's") };
-            let (kc, vc) = (g.ptr(kc), g.ptr(vc));
+            let GpuLayerState::Full = &s.layers[li] else { bail!("layer {li}: state kind differs from the model's") };
+            let blocks = ws.blocks_of(g, i);
             let (q, gate, attn) = (q.offset(r.first * hq * d), gate.offset(r.first * hq * d), attn.offset(r.first * hq * d));
             let args = (
                 qg.offset(r.first * 2 * hq * d),
@@ -327,8 +328,8 @@ impl GpuQwen35 {
                 gate,
                 kp.offset(r.first * row),
                 vp.offset(r.first * row),
-                kc,
-                vc,
+                blocks,
+                koff,
                 g.ptr(&m.q_norm),
                 g.ptr(&m.k_norm),
                 g.ptr(&self.inv_freq),
@@ -340,7 +341,7 @@ impl GpuQwen35 {
                 c.rms_norm_eps,
             );
             g.launch(k::QK_NORM_ROPE, Grid::new((r.count, hq + hkv, 1), d.next_multiple_of(32)), args)?;
-            let seq = AttentionRows { q, gate, out: attn, kc, vc, pos, count: r.count, seen: s.position };
+            let seq = AttentionRows { q, gate, out: attn, blocks, koff, pos, count: r.count, seen: s.position };
             if r.count > GEMV_MAX_T {
                 self.attention_prefill(seq)?;
             } else {
@@ -362,7 +363,7 @@ impl GpuQwen35 {
         let splits = most.div_ceil(chunk);
         debug_assert!(chunk <= ATTN_CHUNK && splits <= ATTN_SPLITS);
         // (The hand-over buffers serve one sequence at a time: the launches run in order.)
-        let args = (s.q, s.kc, s.vc, s.gate, s.out, g.ptr(&ws.attn_part), g.ptr(&ws.attn_done), hq as i32, hkv as i32, d as i32, chunk as i32, splits as i32, s.pos);
+        let args = (s.q, s.blocks, s.koff, s.gate, s.out, g.ptr(&ws.attn_part), g.ptr(&ws.attn_done), hq as i32, hkv as i32, d as i32, chunk as i32, splits as i32, s.pos);
         g.launch(k::ATTENTION, Grid::new((s.count, hq, splits), 128), args)
     }
 
@@ -370,27 +371,27 @@ impl GpuQwen35 {
     /// then attention over them, each a launch for all sequences (the same arithmetic as
     /// `attention_decode` for each alone), the positions split for `most` (at least what the
     /// sequence that sees the most needs).
-    fn attention_batch(&self, m: &Attention, ws: &Workspace, li: usize, most: usize) -> Result<()> {
+    fn attention_batch(&self, m: &Attention, ws: &Workspace, most: usize) -> Result<()> {
         let c = &self.config;
         let g = &self.gpu;
         let n = ws.sequences;
         let (hq, hkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let (kcs, vcs) = ws.layer_tables(g, li, n);
+        let (blocks, width, koff) = (ws.blocks_of(g, 0), ws.kv_width as i32, m.koff as i32);
         let pos = ws.position_of(g, 0);
         let (q, gate, attn) = (g.ptr(&ws.q), g.ptr(&ws.gate), g.ptr(&ws.attn));
         let (hq_, hkv_, d_) = (hq as i32, hkv as i32, d as i32);
-        let args = (g.ptr(&ws.qg), q, gate, g.ptr(&ws.k), g.ptr(&ws.v), kcs, vcs, g.ptr(&m.q_norm), g.ptr(&m.k_norm), g.ptr(&self.inv_freq), hq_, hkv_, d_, (c.rotary_dim() / 2) as i32, pos, c.rms_norm_eps);
+        let args = (g.ptr(&ws.qg), q, gate, g.ptr(&ws.k), g.ptr(&ws.v), blocks, width, koff, g.ptr(&m.q_norm), g.ptr(&m.k_norm), g.ptr(&self.inv_freq), hq_, hkv_, d_, (c.rotary_dim() / 2) as i32, pos, c.rms_norm_eps);
         g.launch(k::QK_NORM_ROPE_BATCH, Grid::new((n, hq + hkv, 1), d.next_multiple_of(32)), args)?;
         let chunk = most.div_ceil(ATTN_SPLITS).max(64);
         let splits = most.div_ceil(chunk);
         debug_assert!(chunk <= ATTN_CHUNK && splits <= ATTN_SPLITS);
-        let args = (q, kcs, vcs, gate, attn, g.ptr(&ws.attn_part), g.ptr(&ws.attn_done), hq_, hkv_, d_, chunk as i32, splits as i32, pos);
+        let args = (q, blocks, width, koff, gate, attn, g.ptr(&ws.attn_part), g.ptr(&ws.attn_done), hq_, hkv_, d_, chunk as i32, splits as i32, pos);
         g.launch(k::ATTENTION_BATCH, Grid::new((n, hq, splits), 128), args)
     }
 
-    /// Prefill rows, causal, over the caches: on tensor cores where the precision allows bf16
-    /// operands and a build of the kernel exists for the head dim (the caches' rows so far
-    /// rounded to bf16 first); else in f32 tiles.
+    /// Prefill rows, causal, over the cache: on tensor cores where the precision allows bf16
+    /// operands and a build of the kernel exists for the head dim (the cache's rows so far
+    /// gathered and rounded to bf16 first); else in f32 tiles.
     fn attention_prefill(&self, s: AttentionRows) -> Result<()> {
         let c = &self.config;
         let g = &self.gpu;
@@ -405,15 +406,13 @@ impl GpuQwen35 {
         };
         match mma {
             Some(kernel) if self.precision == Precision::TensorCores && g.bf16_mma => {
-                let n = (s.seen + s.count) * hkv * d;
-                let kv: CudaSlice<u16> = g.scratch(2 * n)?;
-                let (kb, vb) = (g.ptr(&kv), g.ptr(&kv).offset(n));
-                for (from, to) in [(s.kc, kb), (s.vc, vb)] {
-                    g.launch(k::TO_BF16, Grid::x(n.div_ceil(1024), 256), (from, to, n as i32))?;
-                }
+                let (rows, row) = (s.seen + s.count, hkv * d);
+                let kv: CudaSlice<u16> = g.scratch(2 * rows * row)?;
+                let (kb, vb) = (g.ptr(&kv), g.ptr(&kv).offset(rows * row));
+                g.launch(k::KV_TO_BF16, Grid::x((rows * row).div_ceil(1024), 256), (s.blocks, s.koff, kb, vb, rows as i32, row as i32))?;
                 g.launch(kernel, grid, (s.q, kb, vb, s.gate, s.out, s.count as i32, hq as i32, hkv as i32, s.pos))
             }
-            _ => g.launch(k::ATTENTION_TILED, grid, (s.q, s.kc, s.vc, s.gate, s.out, s.count as i32, hq as i32, hkv as i32, d as i32, s.pos)),
+            _ => g.launch(k::ATTENTION_TILED, grid, (s.q, s.blocks, s.koff, s.gate, s.out, s.count as i32, hq as i32, hkv as i32, d as i32, s.pos)),
         }
     }
 
@@ -473,8 +472,9 @@ struct AttentionRows {
     q: DevPtr<f32>,
     gate: DevPtr<f32>,
     out: DevPtr<f32>,
-    kc: DevPtr<f32>,
-    vc: DevPtr<f32>,
+    /// The sequence's K/V block table, and this layer's place in a block.
+    blocks: DevPtr<DevPtr<f32>>,
+    koff: i32,
     pos: DevPtr<u32>,
     count: usize,
     seen: usize,

@@ -20,7 +20,8 @@
 //!
 //! This file holds the model's weights on the GPU and the forward call; `layers.rs` the layers
 //! it enqueues, `gemv.rs` the decode GEMV, `graph.rs` the captured decode steps, `state.rs` a
-//! request's state on the GPU, `workspace.rs` the buffers of a call.
+//! request's state on the GPU, `kv_cache.rs` the paged K/V cache its attention layers keep,
+//! `workspace.rs` the buffers of a call.
 
 use anyhow::{bail, Context, Result};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -31,9 +32,12 @@ use std::sync::{Arc, Mutex};
 
 mod gemv;
 mod graph;
+pub mod kv_cache;
 mod layers;
 mod state;
 mod workspace;
+
+use self::kv_cache::{KvBlocks, KvPool, KV_BLOCK};
 
 use self::workspace::Workspace;
 use self::layers::NormOut;
@@ -90,7 +94,8 @@ const RMS_IN_GEMV_MAX_K: usize = 2048;
 /// The row length of the streaming GEMV (kernels/gemv.cu gemv_stream_*: 32 lanes x 8 x
 /// STREAM_PIECES).
 const GEMV_STREAM_K: usize = 1024;
-/// The fewest K/V rows a state's caches grow to (`grow_kv`).
+/// The fewest positions a captured decode step's attention is sized for (graph.rs: a step
+/// serves every position up to its span, a power of two, and is captured again past it).
 const KV_MIN_ROWS: usize = 256;
 /// Tokens per chunk of the chunked delta rule (kernels/deltanet.cu CHUNK, cpu kernels/deltanet.rs CHUNK).
 const DELTANET_CHUNK: usize = 64;
@@ -151,6 +156,8 @@ struct Attention {
     o_proj: GpuMatrix,
     q_norm: CudaSlice<f32>,
     k_norm: CudaSlice<f32>,
+    /// Where this layer's keys start in a K/V block (kernels/attention.cu `koff`), in values.
+    koff: usize,
 }
 
 enum GpuMixer {
@@ -185,17 +192,21 @@ pub struct GpuQwen35 {
     weight_bytes: usize,
     /// Page-locked buffers for states copied from the GPU to the host, shared with the states.
     staging: Arc<Mutex<Staging>>,
+    /// The blocks of the states' K/V caches.
+    kv: Arc<KvPool>,
     /// The batched decode steps captured so far (graph.rs).
     batch_steps: Mutex<graph::BatchSteps>,
 }
 
-/// A request's state in GPU memory: the same arrays as `State`, K/V with room to grow, and
-/// once it has decoded a token, its captured decode step.
+/// A request's state in GPU memory: the same arrays as `State` (the K/V rows in blocks of the
+/// engine's paged cache), and once it has decoded a token, its captured decode step.
 pub struct GpuState {
     pub position: usize,
     layers: Vec<GpuLayerState>,
-    /// K/V rows allocated in each full-attention layer.
-    capacity: usize,
+    /// The blocks of the K/V caches of every full-attention layer.
+    kv: KvBlocks,
+    /// The stream of the engine that made this state (a copy to the host runs there).
+    stream: Arc<cudarc::driver::CudaStream>,
     /// Logits of the last applied token (sampling reads them; `last_logits`).
     last: LastLogits,
     step: Option<StepGraph>,
@@ -216,14 +227,15 @@ enum LastLogits {
 
 enum GpuLayerState {
     Linear { conv: CudaSlice<f32>, recurrent: CudaSlice<f32> },
-    /// `[capacity, Hkv, D]` each; the first `position` rows are in use.
-    Full { k: CudaSlice<f32>, v: CudaSlice<f32> },
+    /// Its keys and values are in the state's K/V blocks (`GpuState::kv`).
+    Full,
 }
 
 /// One decode step of one state captured as a CUDA graph, with the buffers it runs in: each
 /// token writes its position and id to `ws.io` and replays the graph (one launch instead of
-/// ~15 per layer). The graph holds the addresses of the state's arrays, so it is captured
-/// again when the K/V caches move (they grow by doubling).
+/// ~15 per layer). The graph holds the addresses of the state's arrays and reads its block
+/// table from `blocks_host` (written before each replay); its attention is sized for `span`
+/// positions, so it is captured again when the state grows past them.
 struct StepGraph {
     graph: Graph,
     /// The stream of the engine that captured it: the graph runs that engine's kernels on its
@@ -231,9 +243,11 @@ struct StepGraph {
     stream: std::sync::Arc<cudarc::driver::CudaStream>,
     /// The buffers the graph runs in; its logits stay in `ws.logits` until the next replay.
     ws: Workspace,
-    capacity: usize,
-    /// The position and token id of the next step, and the argmax of the last one's logits.
+    span: usize,
+    /// The position and token id of the next step, the state's block table (`span /
+    /// KV_BLOCK` entries), and the argmax of the last one's logits.
     io_host: Pinned<u32>,
+    blocks_host: Pinned<u64>,
     argmax_host: Pinned<u32>,
 }
 
@@ -308,6 +322,9 @@ impl GpuQwen35 {
         let WeightData::Bf16(e) = &net.embed_tokens.data else { bail!("embed_tokens: the CUDA engine runs bf16 weights") };
         let embed = gpu.upload(e.as_slice())?;
         let mut layers = Vec::with_capacity(net.layers.len());
+        // The attention layers' places in a K/V block (kv_cache.rs): keys then values of each.
+        let mut koff = 0;
+        let kv_layer_values = 2 * KV_BLOCK * c.num_key_value_heads * c.head_dim;
         for (i, l) in net.layers.iter().enumerate() {
             let p = format!("layers.{i}");
             let mixer = match &l.mixer {
@@ -329,6 +346,10 @@ impl GpuQwen35 {
                     o_proj: mat(&a.o_proj, &format!("{p}.o_proj"))?,
                     q_norm: gpu.upload(&a.q_norm)?,
                     k_norm: gpu.upload(&a.k_norm)?,
+                    koff: {
+                        koff += kv_layer_values;
+                        koff - kv_layer_values
+                    },
                 }),
             };
             layers.push(Layer {
@@ -348,7 +369,8 @@ impl GpuQwen35 {
         let staging = Arc::new(Mutex::new(Staging::default()));
         gpu.synchronize()?;
         let decode_gemm_from = decode_gemm_from_for(&c);
-        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, decode_gemm_from, weight_bytes, staging, batch_steps: Mutex::default() })
+        let kv = Arc::new(KvPool::new(gpu.stream.context(), &c)?);
+        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, decode_gemm_from, weight_bytes, staging, kv, batch_steps: Mutex::default() })
     }
 
     /// Give the GPU back (to load another model on it).
@@ -373,6 +395,21 @@ impl GpuQwen35 {
     pub fn set_decode_gemm_from(&mut self, n: usize) {
         self.decode_gemm_from = n.max(2);
         *self.batch_steps.get_mut().unwrap_or_else(|e| e.into_inner()) = graph::BatchSteps::default();
+    }
+
+    /// The engine's K/V block pool.
+    pub fn kv_pool(&self) -> &Arc<KvPool> {
+        &self.kv
+    }
+
+    /// Take fresh states' K/V blocks from `pool` (another engine's on this GPU) instead of a
+    /// pool of this engine's own.
+    pub fn share_kv_pool(&mut self, pool: Arc<KvPool>) -> Result<()> {
+        if pool.ordinal() != self.gpu.ordinal || pool.block_values() != self.kv.block_values() {
+            bail!("cuda:{}: a K/V pool of cuda:{} with blocks of {} values cannot serve this engine (blocks of {})", self.gpu.ordinal, pool.ordinal(), pool.block_values(), self.kv.block_values());
+        }
+        self.kv = pool;
+        Ok(())
     }
 
     /// Bytes of weights one decode step reads (every matrix and the LM head).
@@ -412,12 +449,14 @@ impl GpuQwen35 {
         self.forward_launches(tokens, state, which)
     }
 
-    /// `forward` kernel by kernel (checked, caches grown): no graph.
+    /// `forward` kernel by kernel (checked, K/V blocks taken): no graph.
     fn forward_launches(&self, tokens: &[u32], state: &mut GpuState, which: Logits) -> Result<Vec<f32>> {
         let t = tokens.len();
         let logit_rows = if which == Logits::All { t } else { 1 };
         let mut ws = Workspace::new(self, t, 1, logit_rows)?;
         ws.write_io(&self.gpu, &[state.position], tokens)?;
+        let width = state.kv.table().len();
+        ws.write_blocks(&self.gpu, &[&mut *state], width)?;
         self.enqueue(&ws, &mut [&mut *state], &[Rows { first: 0, count: t }], LogitRows::From(t - logit_rows), None)?;
         let v = self.config.vocab_size;
         let out = self.gpu.download(&ws.logits, logit_rows * v)?;
@@ -456,6 +495,8 @@ impl GpuQwen35 {
         if n > 1 {
             ws.write_tables(&self.gpu, states)?;
         }
+        let width = states.iter().map(|s| s.kv.table().len()).max().unwrap_or(0);
+        ws.write_blocks(&self.gpu, states, width)?;
         let rows: Vec<Rows> = (0..n).map(|i| Rows { first: i, count: 1 }).collect();
         self.enqueue(&ws, states, &rows, LogitRows::From(0), None)?;
         // The greedy picks are found on the GPU and only they come back.

@@ -1,5 +1,5 @@
 //! A request's state on the GPU: made fresh, copied from the host, from another GPU (a peer
-//! copy) or back to the host (`bridge::device` chooses), and its K/V caches grown as it
+//! copy) or back to the host (`bridge::device` chooses), and its K/V blocks taken as it
 //! decodes.
 
 use super::*;
@@ -12,8 +12,8 @@ impl GpuQwen35 {
 
     /// The empty state of a fresh request, zeroed on the GPU from the config's shapes (copying
     /// a host state's zeros would cross the bus, 50 MB of recurrent state on the 9B model; and
-    /// building that host state first took 2.4 ms of a 9B prefill on an H200). Its K/V caches
-    /// get rows on the first forward call, which knows how many it needs.
+    /// building that host state first took 2.4 ms of a 9B prefill on an H200). Its K/V blocks
+    /// come on the first forward call, which knows how many it needs.
     pub fn new_state(&self) -> Result<GpuState> {
         let c = &self.config;
         let layers = c
@@ -25,71 +25,86 @@ impl GpuQwen35 {
                         conv: self.gpu.zeros(c.linear_conv_kernel_dim * c.linear_conv_dim())?,
                         recurrent: self.gpu.zeros(c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim)?,
                     },
-                    LayerType::FullAttention => GpuLayerState::Full { k: self.gpu.zeros(0)?, v: self.gpu.zeros(0)? },
+                    LayerType::FullAttention => GpuLayerState::Full,
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(GpuState { position: 0, layers, capacity: 0, last: LastLogits::Host(Vec::new()), step: None, staging: self.staging.clone() })
+        Ok(GpuState { position: 0, layers, kv: KvBlocks::new(self.kv.clone()), stream: self.gpu.stream.clone(), last: LastLogits::Host(Vec::new()), step: None, staging: self.staging.clone() })
     }
 
-    /// `s` copied to the GPU.
+    /// `s` copied to the GPU: its K/V rows laid out in blocks on the host, copied over in one
+    /// piece and from there into the state's blocks.
     pub(super) fn place_state(&self, s: &State) -> Result<GpuState> {
         s.check_shape(&self.config)?;
         let g = &self.gpu;
-        let row = self.config.num_key_value_heads * self.config.head_dim;
-        let capacity = (s.position + KV_MIN_ROWS).next_power_of_two();
+        let err = |e| anyhow::anyhow!("cuda:{}: copying a state to the GPU: {e:?}", g.ordinal);
         // Straight from pageable memory: staging through the page-locked buffers measured slower
         // this way (H100: 12.9 against 8.1 ms for 72 MB), as the CPU's copy into them is the
         // slow part and the driver pipelines its own staging better.
-        let copy = |host: &[f32], len: usize| -> Result<CudaSlice<f32>> {
-            let mut dev = g.scratch::<f32>(len)?;
+        let copy = |host: &[f32]| -> Result<CudaSlice<f32>> {
+            let mut dev = g.scratch::<f32>(host.len())?;
             if !host.is_empty() {
-                g.stream.memcpy_htod(host, &mut dev.slice_mut(..host.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying a state to the GPU: {e:?}", g.ordinal))?;
+                g.stream.memcpy_htod(host, &mut dev.slice_mut(..host.len())).map_err(err)?;
             }
             Ok(dev)
         };
+        let mut kv = KvBlocks::new(self.kv.clone());
+        kv.grow(s.position)?;
+        let image = kv_image(&self.config, s);
+        if !image.is_empty() {
+            let flat = copy(&image)?;
+            let bytes = self.kv.block_bytes();
+            for (i, &block) in kv.table().iter().enumerate() {
+                // SAFETY: both hold a block's bytes: `flat` holds one per table entry.
+                unsafe { cudarc::driver::result::memcpy_dtod_async(block, g.ptr(&flat).addr() + (i * bytes) as u64, bytes, g.stream.cu_stream()) }.map_err(err)?;
+            }
+            // (`flat` is freed in stream order, after the copies.)
+        }
         let layers = s
             .layers
             .iter()
             .map(|l| {
                 Ok(match l {
-                    LayerState::Linear { conv, recurrent } => GpuLayerState::Linear { conv: copy(conv, conv.len())?, recurrent: copy(recurrent, recurrent.len())? },
-                    // The rows past the position are never read before they are written.
-                    LayerState::Full { k, v } => GpuLayerState::Full { k: copy(k, capacity * row)?, v: copy(v, capacity * row)? },
+                    LayerState::Linear { conv, recurrent } => GpuLayerState::Linear { conv: copy(conv)?, recurrent: copy(recurrent)? },
+                    LayerState::Full { .. } => GpuLayerState::Full,
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(GpuState { position: s.position, layers, capacity, last: LastLogits::Host(s.last_logits.clone()), step: None, staging: self.staging.clone() })
+        Ok(GpuState { position: s.position, layers, kv, stream: g.stream.clone(), last: LastLogits::Host(s.last_logits.clone()), step: None, staging: self.staging.clone() })
     }
 
     /// A state of another GPU (or of another engine on this one) copied to this GPU: the
-    /// bridge's device-to-device copy (a peer copy between two GPUs). Only the K/V rows in use
-    /// are copied.
+    /// bridge's device-to-device copy (a peer copy between two GPUs). Only the K/V blocks in use
+    /// are copied, each in one piece.
     pub fn copy_state(&self, s: &GpuState) -> Result<GpuState> {
         let g = &self.gpu;
         let err = |e| anyhow::anyhow!("cuda:{}: copying a state from cuda:{}: {e:?}", g.ordinal, s.ordinal());
         // The source's stream must be done writing before this stream reads.
         s.stream().synchronize().map_err(err)?;
-        let row = self.config.num_key_value_heads * self.config.head_dim;
-        let copy = |src: &CudaSlice<f32>, len: usize, used: usize| -> Result<CudaSlice<f32>> {
-            let mut dst = g.zeros::<f32>(len)?;
-            if used > 0 {
-                g.stream.memcpy_dtod(&src.slice(..used), &mut dst.slice_mut(..used)).map_err(err)?;
-            }
+        let copy = |src: &CudaSlice<f32>| -> Result<CudaSlice<f32>> {
+            let mut dst = g.scratch::<f32>(src.len())?;
+            g.stream.memcpy_dtod(src, &mut dst).map_err(err)?;
             Ok(dst)
         };
+        let mut kv = KvBlocks::new(self.kv.clone());
+        kv.grow(s.position)?;
+        let bytes = self.kv.block_bytes();
+        for (&to, &from) in kv.table().iter().zip(s.kv.table()) {
+            // SAFETY: both are blocks of the same size (one model's pools).
+            unsafe { cudarc::driver::result::memcpy_dtod_async(to, from, bytes, g.stream.cu_stream()) }.map_err(err)?;
+        }
         let layers = s
             .layers
             .iter()
             .map(|l| {
                 Ok(match l {
-                    GpuLayerState::Linear { conv, recurrent } => GpuLayerState::Linear { conv: copy(conv, conv.len(), conv.len())?, recurrent: copy(recurrent, recurrent.len(), recurrent.len())? },
-                    GpuLayerState::Full { k, v } => GpuLayerState::Full { k: copy(k, k.len(), s.position * row)?, v: copy(v, v.len(), s.position * row)? },
+                    GpuLayerState::Linear { conv, recurrent } => GpuLayerState::Linear { conv: copy(conv)?, recurrent: copy(recurrent)? },
+                    GpuLayerState::Full => GpuLayerState::Full,
                 })
             })
             .collect::<Result<_>>()?;
         g.synchronize()?;
-        Ok(GpuState { position: s.position, layers, capacity: s.capacity, last: LastLogits::Host(s.host_logits()?), step: None, staging: self.staging.clone() })
+        Ok(GpuState { position: s.position, layers, kv, stream: g.stream.clone(), last: LastLogits::Host(s.host_logits()?), step: None, staging: self.staging.clone() })
     }
 
     /// GPU state to host state (the bridge's device-to-host copy).
@@ -97,30 +112,50 @@ impl GpuQwen35 {
         s.download()
     }
 
-    /// Make room for `end` K/V rows (doubling), keeping the rows in use.
+    /// Make room for `end` positions in the state's K/V blocks (all the blocks that takes, or
+    /// none and an error: `KvCacheFull` where the pool is at its limit).
     pub(super) fn grow_kv(&self, state: &mut GpuState, end: usize) -> Result<()> {
-        if end <= state.capacity {
-            return Ok(());
-        }
-        let row = self.config.num_key_value_heads * self.config.head_dim;
-        let used = state.position * row;
-        // At least KV_MIN_ROWS: every growth moves the caches, and the state's captured decode
-        // step with them, so that a short prompt would otherwise re-capture it every few steps.
-        let cap = end.next_power_of_two().max(KV_MIN_ROWS);
-        for l in &mut state.layers {
-            if let GpuLayerState::Full { k, v } = l {
-                for buf in [k, v] {
-                    let mut bigger = self.gpu.zeros::<f32>(cap * row)?;
-                    if used > 0 {
-                        self.gpu.stream.memcpy_dtod(&buf.slice(..used), &mut bigger.slice_mut(..used)).map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.gpu.ordinal))?;
-                    }
-                    *buf = bigger;
-                }
-            }
-        }
-        state.capacity = cap;
-        Ok(())
+        state.kv.grow(end)
     }
+}
+
+/// The K/V rows of host state `s` laid out as its blocks hold them on the GPU (kv_cache.rs):
+/// block after block, in each the attention layers' keys then values of `KV_BLOCK` positions
+/// (the rows past the position zero).
+fn kv_image(c: &Qwen35Config, s: &State) -> Vec<f32> {
+    let row = c.num_key_value_heads * c.head_dim;
+    let blocks = s.position.div_ceil(KV_BLOCK);
+    let full: Vec<(&[f32], &[f32])> = s.layers.iter().filter_map(|l| if let LayerState::Full { k, v } = l { Some((&k[..], &v[..])) } else { None }).collect();
+    let block_values = full.len() * 2 * KV_BLOCK * row;
+    let mut image = vec![0.0f32; blocks * block_values];
+    for p in 0..s.position {
+        let (b, r) = (p / KV_BLOCK, p % KV_BLOCK);
+        for (a, (k, v)) in full.iter().enumerate() {
+            let at = b * block_values + a * 2 * KV_BLOCK * row + r * row;
+            image[at..at + row].copy_from_slice(&k[p * row..(p + 1) * row]);
+            image[at + KV_BLOCK * row..at + (KV_BLOCK + 1) * row].copy_from_slice(&v[p * row..(p + 1) * row]);
+        }
+    }
+    image
+}
+
+/// The inverse of `kv_image`: the first `position` rows of each attention layer's keys and
+/// values, from the blocks' values.
+fn kv_rows(c: &Qwen35Config, image: &[f32], position: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
+    let row = c.num_key_value_heads * c.head_dim;
+    let attention_layers = c.num_full_attention_layers();
+    let block_values = attention_layers * 2 * KV_BLOCK * row;
+    (0..attention_layers)
+        .map(|a| {
+            let (mut k, mut v) = (Vec::with_capacity(position * row), Vec::with_capacity(position * row));
+            for p in 0..position {
+                let at = (p / KV_BLOCK) * block_values + a * 2 * KV_BLOCK * row + (p % KV_BLOCK) * row;
+                k.extend_from_slice(&image[at..at + row]);
+                v.extend_from_slice(&image[at + KV_BLOCK * row..at + (KV_BLOCK + 1) * row]);
+            }
+            (k, v)
+        })
+        .collect()
 }
 
 impl GpuState {
@@ -130,31 +165,40 @@ impl GpuState {
     }
 
     pub(super) fn stream(&self) -> &std::sync::Arc<cudarc::driver::CudaStream> {
-        match &self.layers[0] {
-            GpuLayerState::Linear { conv, .. } => conv.stream(),
-            GpuLayerState::Full { k, .. } => k.stream(),
-        }
+        &self.stream
     }
 
-    /// This state copied to host memory (the bridge's device-to-host copy).
+    /// This state copied to host memory (the bridge's device-to-host copy): the K/V blocks in use
+    /// gathered into one buffer on the GPU first, so that they come over in one piece.
     pub fn download(&self) -> Result<State> {
         let stream = self.stream();
-        let kv = self.layers.iter().find_map(|l| match l {
-            GpuLayerState::Full { k, .. } => Some(k.len() / self.capacity * self.position),
-            _ => None,
-        });
+        let err = |e| anyhow::anyhow!("cuda:{}: copying a state from the GPU: {e:?}", self.ordinal());
+        let pool = self.kv.pool();
+        let (used, bytes) = (self.position.div_ceil(KV_BLOCK), pool.block_bytes());
+        // SAFETY: every value is written by the block copies below before it is read.
+        let flat = unsafe { stream.alloc::<f32>((used * pool.block_values()).max(1)) }.map_err(err)?;
+        let (flat_at, _sync) = cudarc::driver::DevicePtr::device_ptr(&flat, stream);
+        for (i, &block) in self.kv.table()[..used].iter().enumerate() {
+            // SAFETY: `flat` holds `used` blocks; each table entry is a block.
+            unsafe { cudarc::driver::result::memcpy_dtod_async(flat_at + (i * bytes) as u64, block, bytes, stream.cu_stream()) }.map_err(err)?;
+        }
         let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         let mut down = |s: &CudaSlice<f32>, n: usize| -> Result<Vec<f32>> {
             let (src, _sync) = cudarc::driver::DevicePtr::device_ptr(s, stream);
             staging.download(stream, src, n)
         };
+        let config = pool.config();
+        let mut kv = kv_rows(config, &down(&flat, used * pool.block_values())?, self.position).into_iter();
         let layers = self
             .layers
             .iter()
             .map(|l| {
                 Ok(match l {
                     GpuLayerState::Linear { conv, recurrent } => LayerState::Linear { conv: down(conv, conv.len())?.into(), recurrent: down(recurrent, recurrent.len())?.into() },
-                    GpuLayerState::Full { k, v } => LayerState::Full { k: down(k, kv.unwrap_or(0))?, v: down(v, kv.unwrap_or(0))? },
+                    GpuLayerState::Full => {
+                        let (k, v) = kv.next().context("the state has more attention layers than its K/V blocks")?;
+                        LayerState::Full { k, v }
+                    }
                 })
             })
             .collect::<Result<_>>()?;
@@ -164,13 +208,15 @@ impl GpuState {
 
     /// Bytes of state data on the GPU that a transfer moves (K/V up to the position).
     pub fn bytes(&self) -> usize {
+        let pool = self.kv.pool();
         self.layers
             .iter()
             .map(|l| match l {
                 GpuLayerState::Linear { conv, recurrent } => 4 * (conv.len() + recurrent.len()),
-                GpuLayerState::Full { k, .. } => 2 * 4 * k.len() / self.capacity * self.position,
+                GpuLayerState::Full => 0,
             })
             .sum::<usize>()
+            + pool.block_bytes() / KV_BLOCK * self.position
             + 4 * match &self.last {
                 LastLogits::Host(l) => l.len(),
                 LastLogits::InStep { .. } => self.step.as_ref().map_or(0, |s| s.ws.logits.len()),
@@ -219,6 +265,51 @@ impl GpuState {
                 let v = *vocab;
                 let (src, _sync) = cudarc::driver::DevicePtr::device_ptr(&**logits, stream);
                 self.staging.lock().unwrap_or_else(|e| e.into_inner()).download(stream, src + (row * v * 4) as u64, v)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A host state laid out as K/V blocks and read back gives the same rows, for positions
+    /// that fill blocks exactly, end inside one, and none; each attention layer's rows where
+    /// the kernels look for them (kernels/attention.cu kv_row).
+    #[test]
+    fn kv_blocks_hold_a_host_states_rows() {
+        let c = Qwen35Config::preset("qwen3.5-0.8b").unwrap();
+        let row = c.num_key_value_heads * c.head_dim;
+        let attention_layers = c.num_full_attention_layers();
+        assert!(attention_layers >= 2, "the test wants two attention layers to tell their places apart");
+        for position in [0, 1, KV_BLOCK, 2 * KV_BLOCK + 5] {
+            let mut s = State::new(&c);
+            let mut next = 0.0f32;
+            for l in &mut s.layers {
+                if let LayerState::Full { k, v } = l {
+                    for buf in [k, v] {
+                        *buf = (0..position * row).map(|_| { next += 1.0; next }).collect();
+                    }
+                }
+            }
+            s.position = position;
+            let image = kv_image(&c, &s);
+            let block_values = attention_layers * 2 * KV_BLOCK * row;
+            assert_eq!(image.len(), position.div_ceil(KV_BLOCK) * block_values);
+            let full: Vec<_> = s.layers.iter().filter_map(|l| if let LayerState::Full { k, v } = l { Some((k, v)) } else { None }).collect();
+            for p in 0..position {
+                for (a, (k, v)) in full.iter().enumerate() {
+                    let key = (p / KV_BLOCK) * block_values + a * 2 * KV_BLOCK * row + (p % KV_BLOCK) * row;
+                    assert_eq!(&image[key..key + row], &k[p * row..(p + 1) * row], "layer {a} key of position {p}");
+                    assert_eq!(&image[key + KV_BLOCK * row..key + (KV_BLOCK + 1) * row], &v[p * row..(p + 1) * row], "layer {a} value of position {p}");
+                }
+            }
+            let back = kv_rows(&c, &image, position);
+            assert_eq!(back.len(), attention_layers);
+            for ((k, v), (k0, v0)) in back.iter().zip(&full) {
+                assert_eq!(k, *k0);
+                assert_eq!(v, *v0);
             }
         }
     }

@@ -55,9 +55,13 @@ pub(super) struct Workspace {
     /// The last row of each sequence of a packed prefill, gathered for the LM head
     /// (`LogitRows::LastOfEach`).
     pub(super) last_rows: CudaSlice<f32>,
-    /// A batched decode step's tables of per-sequence state addresses, two per layer (conv
-    /// window and recurrent state, or K and V cache), `sequences` each (`write_tables`).
+    /// A batched decode step's tables of per-sequence state addresses, two per DeltaNet layer
+    /// (conv window and recurrent state), `sequences` each (`write_tables`).
     pub(super) tables: CudaSlice<u64>,
+    /// The sequences' K/V block tables, `kv_width` entries each (`write_blocks`): room for
+    /// `MAX_CONTEXT` positions per sequence.
+    pub(super) blocks: CudaSlice<u64>,
+    pub(super) kv_width: usize,
     /// A batched decode step: every sequence brings one row and the mixers run once for all
     /// of them (`tables` written).
     pub(super) batched: bool,
@@ -144,6 +148,8 @@ impl Workspace {
             logits: Arc::new(g.scratch(logit_rows * c.vocab_size)?),
             last_rows: g.scratch(if rows > sequences { sequences * h } else { 1 })?,
             tables: g.scratch(if sequences > 1 { 2 * c.layer_types.len() * sequences } else { 1 })?,
+            blocks: g.scratch(sequences * MAX_CONTEXT / KV_BLOCK)?,
+            kv_width: 0,
             batched: false,
             packed: false,
             seqs: g.scratch(if sequences > 1 { 3 * sequences } else { 1 })?,
@@ -165,6 +171,21 @@ impl Workspace {
         g.stream.memcpy_htod(&io[..], &mut self.io.slice_mut(..io.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying token ids: {e:?}", g.ordinal))
     }
 
+    /// Write the block tables of `states` (see `fill_blocks`), `width` entries each (at least
+    /// the most blocks a state holds), before a call launched kernel by kernel.
+    pub(super) fn write_blocks(&mut self, g: &Gpu, states: &[&mut GpuState], width: usize) -> Result<()> {
+        let mut table = vec![0u64; width * states.len()];
+        fill_blocks(states, None, width, &mut table);
+        g.stream.memcpy_htod(&table[..], &mut self.blocks.slice_mut(..table.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying block tables: {e:?}", g.ordinal))?;
+        self.kv_width = width;
+        Ok(())
+    }
+
+    /// Sequence `i`'s block table.
+    pub(super) fn blocks_of(&self, g: &Gpu, i: usize) -> DevPtr<DevPtr<f32>> {
+        g.ptr(&self.blocks).offset(i * self.kv_width).reinterpret()
+    }
+
     /// Write the tables of `states` (see `fill_tables`), for a batched decode step (launched
     /// kernel by kernel) or a packed prefill.
     pub(super) fn write_tables(&mut self, g: &Gpu, states: &[&mut GpuState]) -> Result<()> {
@@ -178,6 +199,8 @@ impl Workspace {
     pub(super) fn write_packed(&mut self, g: &Gpu, states: &[&mut GpuState], rows: &[Rows]) -> Result<()> {
         debug_assert!(rows.iter().all(|r| r.count > GEMV_MAX_T));
         self.write_tables(g, states)?;
+        let width = states.iter().map(|s| s.kv.table().len()).max().unwrap_or(0);
+        self.write_blocks(g, states, width)?;
         let mut seqs = Vec::with_capacity(3 * rows.len());
         let mut chunk = 0;
         for r in rows {
@@ -209,11 +232,27 @@ pub(super) fn fill_tables(g: &Gpu, states: &[&mut GpuState], pad: Option<&GpuSta
         };
         for (li, l) in s.layers.iter().enumerate() {
             let (a, b) = match l {
-                GpuLayerState::Linear { conv, recurrent } => (g.ptr(conv), g.ptr(recurrent)),
-                GpuLayerState::Full { k, v } => (g.ptr(k), g.ptr(v)),
+                GpuLayerState::Linear { conv, recurrent } => (g.ptr(conv).addr(), g.ptr(recurrent).addr()),
+                GpuLayerState::Full => (0, 0),
             };
-            table[2 * li * n + i] = a.addr();
-            table[(2 * li + 1) * n + i] = b.addr();
+            table[2 * li * n + i] = a;
+            table[(2 * li + 1) * n + i] = b;
         }
+    }
+}
+
+/// The K/V block tables of `table.len() / width` rows, `width` entries each: row i's blocks
+/// are `states[i]`'s, the rows past them `pad`'s, and the entries past a state's blocks zero.
+pub(super) fn fill_blocks(states: &[&mut GpuState], pad: Option<&GpuState>, width: usize, table: &mut [u64]) {
+    for (i, row) in table.chunks_mut(width.max(1)).enumerate() {
+        let s: &GpuState = match states.get(i) {
+            Some(s) => s,
+            None => pad.expect("a state or the padding state for every row"),
+        };
+        let blocks = s.kv.table();
+        debug_assert!(blocks.len() <= row.len(), "a block table wider than its row");
+        let n = blocks.len().min(row.len());
+        row[..n].copy_from_slice(&blocks[..n]);
+        row[n..].fill(0);
     }
 }
