@@ -11,6 +11,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
+use std::sync::Arc;
+
+use crate::backend::cuda::qwen35::kv_cache::KvPool;
 use crate::backend::cuda::qwen35::{GpuQwen35, GpuState, Precision};
 use crate::model::{Logits, Qwen35};
 use crate::backend::cpu::pool::Pool;
@@ -295,6 +298,37 @@ impl<'m> Engine<'m> {
         match &self.backend {
             Backend::Cpu(_) => None,
             Backend::Cuda(g) => Some(g),
+        }
+    }
+
+    /// The GPU engine's K/V block pool (None for a CPU engine).
+    pub fn kv_pool(&self) -> Option<&Arc<KvPool>> {
+        self.gpu().map(|g| g.kv_pool())
+    }
+
+    /// Take the K/V blocks of this GPU engine's states from `pool` (another engine's on the
+    /// same GPU), so that one budget covers both and states move between them as they are.
+    pub fn share_kv_pool(&mut self, pool: Arc<KvPool>) -> Result<()> {
+        match &mut self.backend {
+            Backend::Cuda(g) => g.share_kv_pool(pool),
+            Backend::Cpu(_) => bail!("a CPU engine keeps no K/V block pool"),
+        }
+    }
+
+    /// Blocks of `KV_BLOCK` positions this engine's K/V cache could still give out under its
+    /// limit: None where nothing limits it (a CPU engine, or a pool without a limit).
+    pub fn kv_room(&self) -> Option<usize> {
+        self.kv_pool().and_then(|p| p.available())
+    }
+
+    /// Bring `state` to this engine and let it hold `end` positions: a GPU state takes the K/V
+    /// blocks it lacks now (all or none: a `KvCacheFull` error where the pool's limit is
+    /// reached). A CPU engine's states grow as they go.
+    pub fn reserve_kv(&self, state: &mut DeviceState, end: usize) -> Result<()> {
+        device::move_in_place(self.gpu(), state)?;
+        match (&self.backend, state) {
+            (Backend::Cuda(g), DeviceState::Gpu(s)) => g.reserve_kv(s, end),
+            _ => Ok(()),
         }
     }
 

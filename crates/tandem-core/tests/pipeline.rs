@@ -14,7 +14,7 @@ use tandem_core::model::{Logits, Qwen35};
 use tandem_core::backend::cpu::pool::Pool;
 use tandem_core::sampling::{argmax, SamplingParams};
 use tandem_core::bridge::Transfer;
-use tandem_core::pipeline::{self, Event, Finish, Mode, PipelineConfig, Request};
+use tandem_core::pipeline::{self, Event, Finish, KvBudget, Mode, PipelineConfig, Request};
 use tandem_core::bridge;
 use tandem_core::state::State;
 
@@ -69,7 +69,7 @@ fn run_pipeline(net: &Qwen35, config: &PipelineConfig, prompts: &[Vec<u32>], max
 }
 
 fn config(mode: Mode, prefill: &str, decode: &str, transfer: Transfer, max_batch: usize) -> PipelineConfig {
-    PipelineConfig { mode, prefill: EngineSpec::parse(prefill).unwrap(), decode: EngineSpec::parse(decode).unwrap(), transfer, max_batch, max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS }
+    PipelineConfig { mode, prefill: EngineSpec::parse(prefill).unwrap(), decode: EngineSpec::parse(decode).unwrap(), transfer, max_batch, max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS, kv_cache: KvBudget::Unlimited }
 }
 
 #[test]
@@ -361,5 +361,57 @@ fn a_request_cancelled_in_the_queue_is_never_prefilled() {
             Ok(())
         })
         .unwrap();
+    }
+}
+
+/// A K/V cache too small for every request at once (24 blocks of 16 positions: the longest
+/// prompt and its reply alone fit): requests wait for room, sequences are swapped out to host
+/// memory and back, and every request's greedy tokens are those it gets alone; once all are
+/// answered the blocks are back in the pool. One engine, and two engines sharing the GPU's
+/// pool. Ignored by default (it needs an NVIDIA GPU).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn a_small_kv_cache_swaps_sequences_and_keeps_their_tokens() {
+    use tandem_core::backend::cuda::qwen35::kv_cache::KV_BLOCK;
+    gpus_at_least(1);
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let prompts: Vec<Vec<u32>> = reference_prompts().into_iter().chain(reference_prompts()).map(|c| c.0).collect();
+    let gpu = "cuda:0,precision=exact";
+    let (max_tokens, blocks) = (64, 24);
+    assert!(prompts.iter().all(|p| (p.len() + max_tokens).div_ceil(KV_BLOCK) <= blocks), "a request that cannot fit alone");
+    let alone: Vec<Vec<u32>> = prompts.iter().map(|p| run_pipeline(&m.net, &config(Mode::AllOnDecodeEngine, gpu, gpu, Transfer::Move, 1), std::slice::from_ref(p), max_tokens).remove(0)).collect();
+    let budget = KvBudget::Bytes(blocks * KV_BLOCK * m.net.config.kv_bytes_per_token());
+    for c in [config(Mode::AllOnDecodeEngine, gpu, gpu, Transfer::Move, 8), config(Mode::Hybrid, gpu, gpu, Transfer::Move, 8)] {
+        let c = PipelineConfig { kv_cache: budget, ..c };
+        let (got, swaps, level) = pipeline::run(&m.net, &c, |p| {
+            assert_eq!(p.kv_capacity().map(|k| k.blocks), Some(blocks));
+            let (tx, rx) = channel();
+            for (i, prompt) in prompts.iter().enumerate() {
+                p.submit(request(i as u64, prompt.clone(), max_tokens, tx.clone()))?;
+            }
+            drop(tx);
+            let mut out = vec![Vec::new(); prompts.len()];
+            for e in rx {
+                match e {
+                    Event::Token { id, token } => out[id as usize].push(token),
+                    Event::Done { finish, .. } => assert_eq!(finish, Finish::Length),
+                    Event::Failed { id, error } => panic!("{:?}: request {id} failed: {error}", c.mode),
+                }
+            }
+            // A finished sequence's blocks come back just after its last event: wait for them.
+            let waited = std::time::Instant::now();
+            while p.kv_level().unwrap().used > 1 && waited.elapsed() < std::time::Duration::from_secs(10) {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            Ok((out, p.swaps(), p.kv_level().unwrap()))
+        })
+        .unwrap();
+        for (i, (g, want)) in got.iter().zip(&alone).enumerate() {
+            assert_eq!(g, want, "{:?}: request {i} differs from its run alone", c.mode);
+        }
+        eprintln!("{:?}: {} sequences swapped out, {} back; {} blocks in use at the end", c.mode, swaps.0, swaps.1, level.used);
+        assert!(swaps.0 > 0 && swaps.0 == swaps.1, "{:?}: {swaps:?} swaps out and in", c.mode);
+        // What is left: the block of the batched step's padding rows.
+        assert!(level.used <= 1, "{:?}: {} blocks still in use", c.mode, level.used);
     }
 }

@@ -16,7 +16,7 @@ use tandem_core::model::Logits;
 use tandem_core::backend::cpu::pool::Pool;
 use tandem_core::sampling::{argmax, SamplingParams};
 use tandem_core::bridge::Transfer;
-use tandem_core::pipeline::{self, Finish, Mode, Pipeline, PipelineConfig, RequestParams};
+use tandem_core::pipeline::{self, Finish, KvBudget, Mode, Pipeline, PipelineConfig, RequestParams};
 use tandem_core::session::{Scaffold, Session, Turn};
 use tandem_core::state::{LayerState, State};
 use tandem_core::tokenizer::Tokenizer;
@@ -124,6 +124,7 @@ fn typed_ahead_equals_sent_at_once_equals_the_whole_history() {
         transfer: Transfer::Move,
         max_batch: 4,
         max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS,
+        kv_cache: KvBudget::Unlimited,
     };
     // Replies end at max_tokens (the last token carried into the next turn) and, with a stop
     // id the tiny model does sample, at a stop token.
@@ -159,6 +160,7 @@ fn an_abandoned_turn_leaves_the_conversation_as_it_was() {
         transfer: Transfer::Move,
         max_batch: 1,
         max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS,
+        kv_cache: KvBudget::Unlimited,
     };
     pipeline::run(&m.net, &config, |p| {
         let scaffold = Scaffold::from_template(&ChatTemplate::qwen35(), None, false).unwrap();

@@ -8,7 +8,7 @@ use std::str::FromStr;
 use anyhow::{bail, Context, Result};
 use tandem_core::bridge::Transfer;
 use tandem_core::engine::{Dispatch, EngineSpec};
-use tandem_core::pipeline::{Mode, PipelineConfig};
+use tandem_core::pipeline::{KvBudget, Mode, PipelineConfig};
 use tandem_core::sampling::SamplingParams;
 
 pub struct Args {
@@ -84,7 +84,7 @@ impl Args {
 }
 
 /// Options of every command that runs the pipeline (generate, chat).
-pub const ENGINE_OPTIONS: [&str; 10] = ["threads", "cores", "quant", "isa", "prefill", "decode", "mode", "transfer", "max-batch", "max-prefill-tokens"];
+pub const ENGINE_OPTIONS: [&str; 12] = ["threads", "cores", "quant", "isa", "prefill", "decode", "mode", "transfer", "max-batch", "max-prefill-tokens", "gpu-memory-utilization", "kv-cache-memory"];
 
 /// The pipeline asked for on the command line. Without `--prefill`/`--decode` one engine does
 /// everything (on `--threads`/`--cores`, default all cores); with them, the default mode is
@@ -114,6 +114,7 @@ pub fn pipeline_config(args: &Args) -> Result<PipelineConfig> {
         transfer: Transfer::parse(args.str("transfer").unwrap_or("move"))?,
         max_batch: args.get("max-batch", 8)?,
         max_prefill_tokens: args.get("max-prefill-tokens", PipelineConfig::MAX_PREFILL_TOKENS)?,
+        kv_cache: kv_budget(args, KvBudget::Unlimited)?,
     };
     if config.max_batch == 0 {
         bail!("--max-batch must be at least 1");
@@ -125,6 +126,39 @@ pub fn pipeline_config(args: &Args) -> Result<PipelineConfig> {
         bail!("--transfer applies to the hybrid mode only (mode {})", mode.name());
     }
     Ok(config)
+}
+
+/// `512MiB`, `2GiB`, `1.5G`, `100000` (bytes), `0`.
+pub fn parse_size(option: &str, s: &str) -> Result<usize> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.trim().parse().map_err(|_| anyhow::anyhow!("--{option} {s:?}: expected a size such as 512MiB or 4GiB"))?;
+    let scale = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" | "kib" => 1024.0,
+        "m" | "mb" | "mib" => 1024.0 * 1024.0,
+        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        _ => bail!("--{option} {s:?}: unknown unit {unit:?} (use B, KiB, MiB or GiB)"),
+    };
+    if !(n >= 0.0 && n.is_finite()) {
+        bail!("--{option} {s:?} must be a size of 0 or more");
+    }
+    Ok((n * scale) as usize)
+}
+
+/// The K/V budget of `--gpu-memory-utilization F` or `--kv-cache-memory SIZE` (not both), else
+/// `default`.
+pub fn kv_budget(args: &Args, default: KvBudget) -> Result<KvBudget> {
+    match (args.str("gpu-memory-utilization"), args.str("kv-cache-memory")) {
+        (Some(_), Some(_)) => bail!("give --gpu-memory-utilization or --kv-cache-memory, not both"),
+        (Some(f), None) => match f.trim().parse::<f64>() {
+            Ok(f) if f > 0.0 && f <= 1.0 => Ok(KvBudget::GpuFraction(f)),
+            _ => bail!("--gpu-memory-utilization {f:?}: give a fraction of the GPU's memory above 0 and at most 1, such as 0.9"),
+        },
+        (None, Some(b)) => Ok(KvBudget::Bytes(parse_size("kv-cache-memory", b)?)),
+        (None, None) => Ok(default),
+    }
 }
 
 /// The one engine of `--threads N` / `--cores LIST` (default: all cores).

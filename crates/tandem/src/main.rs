@@ -50,6 +50,10 @@ ENGINES (generate, chat):
   --max-batch N          sequences decoded together in one step (default 8)
   --max-prefill-tokens N most prompt tokens prefilled in one forward: a CUDA engine packs the
                          prompts that wait into one, up to this many (default 8192)
+  --gpu-memory-utilization F | --kv-cache-memory SIZE
+                         a GPU decode engine's paged K/V cache: what is left of this fraction of
+                         the GPU's memory once the model is loaded, or this size (default: it
+                         grows as the GPU allows; tandem serve: 0.9)
   --threads N | --cores 0,1
                          without --prefill/--decode: one engine on N threads or these cores
                          (default: one engine on all cores)

@@ -2,12 +2,18 @@
 //! active sequence: sample its next token from the logits its state carries, answer the
 //! finished ones, and apply the sampled tokens in one batched decode step. `single_engine_loop`
 //! is the same step for one engine that also prefills (the study's pure modes).
+//!
+//! Where the engine's K/V cache has a limit, a step that would need more blocks than are free
+//! first swaps the sequences admitted last out to host memory (`fit_kv_cache`), and they come
+//! back, oldest first, before anything new is admitted: a swapped state comes back bit for bit,
+//! so a request's tokens are those it would have had without the swap.
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::TryRecvError;
 use std::time::Instant;
 
-use super::prefill::{finish_prefill_only, prefill_requests, Queue};
+use super::prefill::{finish_prefill_only, prefill_requests, KvRoom, Prefilled, Queue};
+use crate::backend::cuda::qwen35::kv_cache::KvCacheFull;
 use super::request::{Event, Finish, Request, Timings};
 use super::EngineTime;
 use crate::bridge::handoff;
@@ -40,13 +46,33 @@ impl Active {
     }
 }
 
+/// The sequences of a decode engine: those in the batch, in the order they were admitted, and
+/// those swapped out to host memory to make room in the K/V cache, in the same order.
+#[derive(Default)]
+struct Batch {
+    active: Vec<Active>,
+    swapped: Vec<Active>,
+}
+
+impl Batch {
+    /// Whether new sequences may join: room in the batch, and none waiting to come back (or
+    /// nothing running that could free blocks for them).
+    fn admits(&self, max_batch: usize) -> bool {
+        self.active.len() < max_batch && (self.swapped.is_empty() || self.active.is_empty())
+    }
+
+    fn is_empty(&self) -> bool {
+        self.active.is_empty() && self.swapped.is_empty()
+    }
+}
+
 pub(super) fn decode_loop(engine: &Engine, mut bridge: handoff::Receiver<Handoff>, max_batch: usize, time: &EngineTime) {
-    let mut active: Vec<Active> = Vec::new();
+    let mut batch = Batch::default();
     let mut open = true;
-    while open || !active.is_empty() {
+    while open || !batch.is_empty() {
         // Admit handed-over states: block when idle, else take what is waiting (up to the batch).
-        while active.len() < max_batch && open {
-            let (h, received) = match bridge.receive(active.is_empty(), engine.gpu()) {
+        while batch.admits(max_batch) && open {
+            let (h, received) = match bridge.receive(batch.is_empty(), engine.gpu()) {
                 Ok(next) => next,
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
@@ -59,39 +85,130 @@ pub(super) fn decode_loop(engine: &Engine, mut bridge: handoff::Receiver<Handoff
             match received {
                 Ok((state, transfer)) => {
                     timings.transfer = transfer;
-                    active.push(Active::new(request, state, timings, submitted));
+                    batch.active.push(Active::new(request, state, timings, submitted));
                 }
                 Err(e) => {
                     let _ = request.events.send(Event::Failed { id: request.id, error: format!("receiving the state: {e:#}") });
                 }
             }
         }
-        for state in step(engine, &mut active, time) {
+        fit_kv_cache(engine, &mut batch, time);
+        for state in step(engine, &mut batch.active, time) {
             bridge.recycle(state);
         }
     }
 }
 
 pub(super) fn single_engine_loop(engine: &Engine, mut queue: Queue, max_batch: usize, max_prefill_tokens: usize, time: &EngineTime) {
-    let mut active: Vec<Active> = Vec::new();
+    let mut batch = Batch::default();
     loop {
-        // Admit new requests between decode steps (waiting for one when idle), up to the batch:
-        // prefilled in one forward where the engine packs prompts.
-        let room = max_batch - active.len();
-        if room > 0 {
-            let per_call = if engine.packs_prompts() { room } else { 1 };
-            let Some(mut batch) = queue.take(active.is_empty(), max_prefill_tokens, per_call) else { break };
-            let prefilled = prefill_requests(engine, &mut batch, time);
-            for ((request, submitted), done) in batch.into_iter().zip(prefilled) {
-                let Some((state, timings)) = done else { continue };
+        // Admit new requests between decode steps (waiting for one when idle), up to the batch
+        // and the room in the K/V cache (keeping a block back for each running sequence's
+        // next): prefilled in one forward where the engine packs prompts.
+        if batch.admits(max_batch) {
+            let free = max_batch - batch.active.len();
+            let per_call = if engine.packs_prompts() { free } else { 1 };
+            let idle = batch.is_empty();
+            let (room, per_call) = match KvRoom::of(engine, batch.active.len()) {
+                // Nothing running will free blocks: the waiting request goes alone now (its
+                // prefill says so if it cannot fit).
+                Some(_) if idle && queue.holds_one() => (None, 1),
+                room => (room, per_call),
+            };
+            let Some(mut taken) = queue.take(idle, max_prefill_tokens, per_call, room) else { break };
+            let prefilled = prefill_requests(engine, &mut taken, time);
+            let mut retry = Vec::new();
+            for ((request, submitted), done) in taken.into_iter().zip(prefilled) {
+                let (state, timings) = match done {
+                    Prefilled::Done(state, timings) => (state, timings),
+                    Prefilled::Answered => continue,
+                    Prefilled::NoRoom(why) if idle => {
+                        let error = format!("{why}: the K/V cache cannot hold this request's {} prompt tokens (raise --gpu-memory-utilization or --kv-cache-memory)", request.tokens.len());
+                        let _ = request.events.send(Event::Failed { id: request.id, error });
+                        continue;
+                    }
+                    Prefilled::NoRoom(_) => {
+                        retry.push((request, submitted));
+                        continue;
+                    }
+                };
                 if request.max_tokens == 0 {
                     finish_prefill_only(request, state, timings);
                 } else {
-                    active.push(Active::new(request, state, timings, submitted));
+                    batch.active.push(Active::new(request, state, timings, submitted));
                 }
             }
+            queue.put_back(retry);
         }
-        step(engine, &mut active, time);
+        fit_kv_cache(engine, &mut batch, time);
+        step(engine, &mut batch.active, time);
+    }
+}
+
+/// Keep the next step within the engine's K/V cache, where it has a limit. The swapped-out
+/// sequences come back first, oldest first, while their blocks fit beside the running
+/// sequences' next ones; then each running sequence takes the block its next token needs now
+/// (so that the step itself never runs short), and while one cannot, the sequence admitted
+/// last is swapped out: its state copied to host memory and its blocks freed. The last running
+/// sequence is never swapped: if even it does not fit, its step fails saying so.
+fn fit_kv_cache(engine: &Engine, batch: &mut Batch, time: &EngineTime) {
+    let Some(pool) = engine.kv_pool() else { return };
+    if pool.level().limit.is_none() {
+        return;
+    }
+    // A request cancelled while swapped out is answered now (it would wait for room first).
+    batch.swapped.retain(|a| {
+        let cancelled = a.request.cancel.load(Ordering::Relaxed);
+        if cancelled {
+            let _ = a.request.events.send(Event::Done { id: a.request.id, finish: Finish::Cancelled, timings: a.timings, state: None });
+        }
+        !cancelled
+    });
+    let next = |a: &Active| a.state.position() + 1;
+    while let Some(first) = batch.swapped.first() {
+        let running: usize = batch.active.iter().map(|a| a.state.kv_blocks_short(next(a))).sum();
+        if running + first.state.kv_blocks_short(next(first)) > pool.available().unwrap_or(0) {
+            break;
+        }
+        let mut a = batch.swapped.remove(0);
+        let end = next(&a);
+        match engine.reserve_kv(&mut a.state, end) {
+            Ok(()) => {
+                batch.active.push(a);
+                time.swapped_in.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) if e.downcast_ref::<KvCacheFull>().is_some() => {
+                batch.swapped.insert(0, a);
+                break;
+            }
+            Err(e) => {
+                let _ = a.request.events.send(Event::Failed { id: a.request.id, error: format!("bringing a swapped state back: {e:#}") });
+            }
+        }
+    }
+    let mut i = 0;
+    while i < batch.active.len() {
+        let end = next(&batch.active[i]);
+        match engine.reserve_kv(&mut batch.active[i].state, end) {
+            Err(e) if e.downcast_ref::<KvCacheFull>().is_some() && batch.active.len() > 1 => {
+                // Swap out the last admitted (perhaps this one) and try again.
+                let mut a = batch.active.pop().expect("more than one running");
+                let placeholder = DeviceState::Host(crate::state::State { position: 0, layers: Vec::new(), last_logits: Vec::new() });
+                match std::mem::replace(&mut a.state, placeholder).into_host() {
+                    Ok(host) => {
+                        a.state = DeviceState::Host(host);
+                        // At the front: the sequences swapped out in one go come back oldest first.
+                        batch.swapped.insert(0, a);
+                        time.swapped_out.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        let _ = a.request.events.send(Event::Failed { id: a.request.id, error: format!("swapping the state out of the K/V cache: {e:#}") });
+                    }
+                }
+            }
+            // Taken; or an error the step will meet and report.
+            _ => i += 1,
+        }
     }
 }
 

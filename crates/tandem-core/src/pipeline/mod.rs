@@ -15,7 +15,7 @@ mod prefill;
 pub mod request;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Sender};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -23,8 +23,10 @@ use anyhow::{bail, Context, Result};
 
 pub use request::{Event, Finish, Generated, Request, RequestParams, Timings};
 
+use crate::backend::cuda::qwen35::kv_cache::{KvLevel, KvPool, KV_BLOCK};
 use crate::bridge::{handoff, Transfer};
-use crate::engine::{Engine, EngineSpec};
+use crate::engine::{Device, Engine, EngineSpec};
+use crate::model::config::Qwen35Config;
 use crate::model::Qwen35;
 use crate::sampling::SamplingParams;
 use crate::state::State;
@@ -70,6 +72,57 @@ pub struct PipelineConfig {
     /// Most prompt tokens prefilled in one forward, where the engine packs the prompts that
     /// wait into one (a CUDA engine); a longer prompt goes alone.
     pub max_prefill_tokens: usize,
+    /// The memory the decode engine's K/V cache may take.
+    pub kv_cache: KvBudget,
+}
+
+/// How much memory a GPU decode engine's K/V cache may take (kv_cache.rs: a pool of blocks that
+/// engines on one GPU share). The pool's limit is set once the engines are loaded; admission,
+/// and swapping sequences out when it runs short, keep the work within it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KvBudget {
+    /// As much as the GPU gives, taken as it is needed.
+    Unlimited,
+    /// What is left of this fraction of the GPU's memory once the engines are loaded, less an
+    /// estimate of what the running sequences' states and the workspaces take
+    /// (`--gpu-memory-utilization`).
+    GpuFraction(f64),
+    /// This many bytes (`--kv-cache-memory`).
+    Bytes(usize),
+}
+
+/// What a K/V budget came to at start-up (`Pipeline::kv_capacity`).
+#[derive(Clone, Copy, Debug)]
+pub struct KvCapacity {
+    pub ordinal: usize,
+    pub blocks: usize,
+    pub block_bytes: usize,
+    /// Bytes kept back for the states and workspaces of `max_batch` sequences.
+    pub reserved_bytes: usize,
+    /// Bytes of one sequence's fixed-size state (recurrent and conv).
+    pub state_bytes: usize,
+}
+
+impl KvCapacity {
+    /// Positions the cache holds.
+    pub fn positions(&self) -> usize {
+        self.blocks * KV_BLOCK
+    }
+
+    /// A line for the start-up log.
+    pub fn describe(&self, max_batch: usize) -> String {
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        format!(
+            "cuda:{}: K/V cache {:.2} GiB: {} blocks of {KV_BLOCK} positions ({} positions in all, {} per sequence at {max_batch} sequences); {:.2} GiB kept for states ({:.1} MiB each) and workspaces",
+            self.ordinal,
+            gib(self.blocks * self.block_bytes),
+            self.blocks,
+            self.positions(),
+            self.positions() / max_batch.max(1),
+            gib(self.reserved_bytes),
+            self.state_bytes as f64 / (1 << 20) as f64
+        )
+    }
 }
 
 impl PipelineConfig {
@@ -83,6 +136,9 @@ impl PipelineConfig {
 struct EngineTime {
     prefill_ns: AtomicU64,
     decode_ns: AtomicU64,
+    /// Sequences swapped out of the K/V cache to host memory, and back (decode.rs).
+    swapped_out: AtomicU64,
+    swapped_in: AtomicU64,
 }
 
 impl EngineTime {
@@ -97,6 +153,8 @@ impl EngineTime {
 pub struct Pipeline {
     requests: Sender<(Request, Instant)>,
     engine_time: Arc<EngineTime>,
+    /// The decode engine's K/V pool (a GPU engine's) and what its budget came to.
+    kv: Option<(Arc<KvPool>, Option<KvCapacity>)>,
 }
 
 impl Pipeline {
@@ -104,6 +162,21 @@ impl Pipeline {
     pub fn busy(&self) -> (Duration, Duration) {
         let get = |c: &AtomicU64| Duration::from_nanos(c.load(Ordering::Relaxed));
         (get(&self.engine_time.prefill_ns), get(&self.engine_time.decode_ns))
+    }
+
+    /// How full the decode engine's K/V cache is (a GPU engine's).
+    pub fn kv_level(&self) -> Option<KvLevel> {
+        self.kv.as_ref().map(|(p, _)| p.level())
+    }
+
+    /// What the K/V budget came to at start-up (None without a limit or a GPU decode engine).
+    pub fn kv_capacity(&self) -> Option<KvCapacity> {
+        self.kv.as_ref().and_then(|(_, c)| *c)
+    }
+
+    /// Sequences swapped out of the decode engine's K/V cache to make room, and back, so far.
+    pub fn swaps(&self) -> (u64, u64) {
+        (self.engine_time.swapped_out.load(Ordering::Relaxed), self.engine_time.swapped_in.load(Ordering::Relaxed))
     }
 
     /// Queue a request; its events arrive on `request.events`.
@@ -151,11 +224,13 @@ impl Pipeline {
 }
 
 /// Make an engine on the calling thread (the thread it will run on) and report to `ready`
-/// whether that worked; None after a failure was reported.
-fn start_engine<'m>(spec: &EngineSpec, net: &'m Qwen35, ready: &Sender<Result<()>>, what: &str) -> Option<Engine<'m>> {
+/// whether that worked, with its K/V pool where it has one; then wait for `go` (the K/V
+/// budget set). None after a failure was reported, or when no go comes.
+fn start_engine<'m>(spec: &EngineSpec, net: &'m Qwen35, ready: &Sender<Result<Started>>, go: Receiver<()>, what: &'static str) -> Option<Engine<'m>> {
     match Engine::new(spec, net) {
         Ok(e) => {
-            let _ = ready.send(Ok(()));
+            let _ = ready.send(Ok(Started { what, kv: e.kv_pool().cloned() }));
+            go.recv().ok()?;
             Some(e)
         }
         Err(e) => {
@@ -165,9 +240,17 @@ fn start_engine<'m>(spec: &EngineSpec, net: &'m Qwen35, ready: &Sender<Result<()
     }
 }
 
+/// An engine that started, and its K/V pool (a GPU engine's).
+struct Started {
+    what: &'static str,
+    kv: Option<Arc<KvPool>>,
+}
+
 /// Run a pipeline for the duration of `body`: the engines start on their own threads (made
 /// there, so that pinned pools pin those threads), `body` submits requests, and when it
-/// returns the pipeline drains and stops. Engine start-up errors are returned.
+/// returns the pipeline drains and stops. Engine start-up errors are returned. Two GPU engines
+/// on one GPU share one K/V pool; the decode engine's pool gets its limit from
+/// `config.kv_cache` once every engine is loaded.
 pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline) -> Result<T>) -> Result<T> {
     if config.max_batch == 0 {
         bail!("max batch must be at least 1");
@@ -177,43 +260,89 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
     }
     let (req_tx, req_rx) = channel::<(Request, Instant)>();
     let engine_time = Arc::new(EngineTime::default());
-    let pipeline = Pipeline { requests: req_tx, engine_time: Arc::clone(&engine_time) };
+    let mut pipeline = Pipeline { requests: req_tx, engine_time: Arc::clone(&engine_time), kv: None };
     std::thread::scope(|s| {
-        let (ready_tx, ready_rx) = channel::<Result<()>>();
+        let (ready_tx, ready_rx) = channel::<Result<Started>>();
+        // Each engine starts work once the K/V budget is set (dropped senders: it stops).
+        let mut go = Vec::new();
+        let mut go_for = || {
+            let (tx, rx) = channel::<()>();
+            go.push(tx);
+            rx
+        };
         let mut threads = Vec::new();
         let time = &engine_time;
         let (max_batch, max_prefill_tokens) = (config.max_batch, config.max_prefill_tokens);
-        match config.mode {
+        let decode_engine = match config.mode {
             Mode::AllOnPrefillEngine | Mode::AllOnDecodeEngine => {
                 let spec = if config.mode == Mode::AllOnPrefillEngine { &config.prefill } else { &config.decode };
-                let ready = ready_tx.clone();
+                let (ready, go) = (ready_tx.clone(), go_for());
                 threads.push(s.spawn(move || {
-                    if let Some(engine) = start_engine(spec, net, &ready, "engine") {
+                    if let Some(engine) = start_engine(spec, net, &ready, go, "engine") {
                         decode::single_engine_loop(&engine, prefill::Queue::new(req_rx), max_batch, max_prefill_tokens, time);
                     }
                 }));
+                "engine"
             }
             Mode::Hybrid => {
                 let (to_decode, from_prefill) = handoff::channel(&config.transfer, net.fingerprint(), &net.config)?;
                 let (ready_p, ready_d) = (ready_tx.clone(), ready_tx.clone());
+                // Engines on one GPU: the prefill engine takes the decode engine's pool.
+                let one_gpu = matches!((config.prefill.device, config.decode.device), (Device::Cuda(a), Device::Cuda(b)) if a == b);
+                let (pool_tx, pool_rx) = channel::<Arc<KvPool>>();
+                let (go_p, go_d) = (go_for(), go_for());
                 threads.push(s.spawn(move || {
-                    if let Some(engine) = start_engine(&config.prefill, net, &ready_p, "prefill engine") {
+                    if let Some(mut engine) = start_engine(&config.prefill, net, &ready_p, go_p, "prefill engine") {
+                        if one_gpu {
+                            // (No pool comes if the decode engine failed to start; then nothing runs.)
+                            if let Ok(pool) = pool_rx.recv() {
+                                if let Err(e) = engine.share_kv_pool(pool) {
+                                    eprintln!("the prefill engine keeps a K/V pool of its own: {e:#}");
+                                }
+                            }
+                        }
                         prefill::prefill_loop(&engine, prefill::Queue::new(req_rx), to_decode, max_prefill_tokens, time);
                     }
                 }));
                 threads.push(s.spawn(move || {
-                    if let Some(engine) = start_engine(&config.decode, net, &ready_d, "decode engine") {
+                    if let Some(engine) = start_engine(&config.decode, net, &ready_d, go_d, "decode engine") {
+                        if let (true, Some(pool)) = (one_gpu, engine.kv_pool()) {
+                            let _ = pool_tx.send(pool.clone());
+                        }
+                        drop(pool_tx);
                         decode::decode_loop(&engine, from_prefill, max_batch, time);
                     }
                 }));
+                "decode engine"
+            }
+        };
+        drop(ready_tx);
+        let mut failed = None;
+        for _ in 0..threads.len() {
+            match ready_rx.recv() {
+                Ok(Ok(started)) if started.what == decode_engine => pipeline.kv = started.kv.map(|p| (p, None)),
+                Ok(Err(e)) => failed = Some(e),
+                _ => {}
             }
         }
-        drop(ready_tx);
-        for _ in 0..threads.len() {
-            if let Ok(Err(e)) = ready_rx.recv() {
-                drop(pipeline);
-                return Err(e);
+        if failed.is_none() && pipeline.kv.is_none() && config.kv_cache != KvBudget::Unlimited {
+            failed = Some(anyhow::anyhow!("--gpu-memory-utilization and --kv-cache-memory size a GPU decode engine's K/V cache; this decode engine runs on the CPU, whose states grow in host memory"));
+        }
+        if failed.is_none() {
+            if let Some((pool, capacity)) = &mut pipeline.kv {
+                match budget_kv_cache(pool, config, &net.config) {
+                    Ok(c) => *capacity = c,
+                    Err(e) => failed = Some(e),
+                }
             }
+        }
+        if let Some(e) = failed {
+            drop(pipeline);
+            drop(go);
+            return Err(e);
+        }
+        for g in go {
+            let _ = g.send(());
         }
         let out = body(&pipeline);
         // Dropping the request sender lets the threads drain their work and stop.
@@ -226,3 +355,54 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
         out
     })
 }
+
+/// Set the decode engine's K/V pool's limit from `config.kv_cache` (None: no limit), with the
+/// engines loaded. A fraction of the GPU's memory leaves, of what is left of it, room for
+/// `max_batch` sequences' states and logits and for the workspaces of a prefill of
+/// `max_prefill_tokens` rows and a decode step of `max_batch` (an estimate from the model's
+/// shapes, plus 1 GiB for cuBLAS, graphs and the kernels).
+fn budget_kv_cache(pool: &KvPool, config: &PipelineConfig, c: &Qwen35Config) -> Result<Option<KvCapacity>> {
+    let block_bytes = pool.block_bytes();
+    let state_bytes = c.recurrent_state_bytes();
+    let reserved = config.max_batch * (state_bytes + 4 * c.vocab_size) + (config.max_prefill_tokens + config.max_batch) * workspace_bytes_per_row(c) + (1 << 30);
+    let kv_bytes = match config.kv_cache {
+        KvBudget::Unlimited => return Ok(None),
+        KvBudget::Bytes(b) => b,
+        KvBudget::GpuFraction(f) => {
+            if !(f > 0.0 && f <= 1.0) {
+                bail!("--gpu-memory-utilization {f}: give a fraction of the GPU's memory above 0 and at most 1");
+            }
+            let (free, total) = pool.memory()?;
+            let in_use = total - free;
+            let allowed = (f * total as f64) as usize;
+            match allowed.checked_sub(in_use + reserved) {
+                Some(b) if b >= block_bytes => b,
+                _ => bail!(
+                    "cuda:{}: --gpu-memory-utilization {f} allows {:.1} GiB of the GPU's {:.1}; {:.1} GiB are in use (the weights among them) and {:.1} GiB are kept for {} sequences' states and the workspaces, which leaves nothing for the K/V cache: raise the fraction or lower --max-batch / --max-prefill-tokens",
+                    pool.ordinal(),
+                    allowed as f64 / (1u64 << 30) as f64,
+                    total as f64 / (1u64 << 30) as f64,
+                    in_use as f64 / (1u64 << 30) as f64,
+                    reserved as f64 / (1u64 << 30) as f64,
+                    config.max_batch
+                ),
+            }
+        }
+    };
+    let blocks = kv_bytes / block_bytes;
+    if blocks == 0 {
+        bail!("--kv-cache-memory {kv_bytes}: less than one K/V block ({block_bytes} bytes, {KV_BLOCK} positions)");
+    }
+    pool.set_limit(Some(blocks));
+    Ok(Some(KvCapacity { ordinal: pool.ordinal(), blocks, block_bytes, reserved_bytes: reserved, state_bytes }))
+}
+
+/// Bytes of activations a forward call's workspace takes per token row (backend/cuda/qwen35/
+/// workspace.rs: the rows' buffers), rounded up.
+fn workspace_bytes_per_row(c: &Qwen35Config) -> usize {
+    let (h, cd, vd, hv, f) = (c.hidden_size, c.linear_conv_dim(), c.linear_value_dim(), c.linear_num_value_heads, c.intermediate_size);
+    let (qd, kvd, dk, dv) = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.linear_key_head_dim, c.linear_value_head_dim);
+    let floats = h + 2 * cd + 2 * vd + 2 * hv + hv * (1 + dk + dv + 64) + 2 * qd + 2 * kvd + 3 * qd + 2 * f;
+    4 * floats + 2 * h.max(vd).max(qd).max(f)
+}
+

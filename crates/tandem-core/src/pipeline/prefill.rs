@@ -10,28 +10,55 @@ use super::decode::Handoff;
 use super::request::{Event, Finish, Request, Timings};
 use super::EngineTime;
 use crate::bridge::handoff::{self, SendError};
+use crate::backend::cuda::qwen35::kv_cache::{KvCacheFull, KV_BLOCK, KV_CACHE_FULL};
 use crate::engine::{Engine, PrefillStats};
 use crate::state::DeviceState;
+
+/// Room in an engine's K/V cache for new requests, in blocks of `KV_BLOCK` positions: what
+/// it could give out now, and the most it ever holds.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct KvRoom {
+    pub available: usize,
+    pub limit: usize,
+}
+
+impl KvRoom {
+    /// The room of `engine`'s pool after keeping `reserve` blocks back (for the running
+    /// sequences' next blocks); None where nothing limits the pool.
+    pub(super) fn of(engine: &Engine, reserve: usize) -> Option<KvRoom> {
+        let pool = engine.kv_pool()?;
+        let (available, limit) = (pool.available()?, pool.level().limit?);
+        Some(KvRoom { available: available.saturating_sub(reserve), limit })
+    }
+}
+
+/// K/V blocks a request takes to prefill its prompt and decode its first token.
+fn kv_blocks(r: &Request) -> usize {
+    (r.start.as_ref().map_or(0, |s| s.position) + r.tokens.len() + 1).div_ceil(KV_BLOCK)
+}
 
 /// The requests waiting for a prefill, taken in batches.
 pub(super) struct Queue {
     requests: Receiver<(Request, Instant)>,
-    /// A request taken from the channel that did not fit the last batch (it leads the next).
-    held: Option<(Request, Instant)>,
+    /// Requests taken from the channel that did not fit the last batch, or whose prefill found
+    /// the K/V cache full (they lead the next batches, in order).
+    held: std::collections::VecDeque<(Request, Instant)>,
 }
 
 impl Queue {
     pub(super) fn new(requests: Receiver<(Request, Instant)>) -> Queue {
-        Queue { requests, held: None }
+        Queue { requests, held: Default::default() }
     }
 
     /// The next requests to prefill, in arrival order: the first (waiting for it when `block`),
     /// then whatever else is waiting while their prompts together stay within `max_tokens` and
-    /// they number at most `max_requests` (a first prompt longer than the budget goes alone).
-    /// Empty when nothing waits and `block` is off; None once every sender is gone and nothing
-    /// is left.
-    pub(super) fn take(&mut self, block: bool, max_tokens: usize, max_requests: usize) -> Option<Vec<(Request, Instant)>> {
-        let first = match self.held.take() {
+    /// they number at most `max_requests` (a first prompt longer than the budget goes alone)
+    /// and their K/V blocks fit `room` (where the cache has a limit: a first request that does
+    /// not fit waits, unless it could never fit, which its prefill then reports). Empty when
+    /// nothing waits and `block` is off, or the first waits for room; None once every sender
+    /// is gone and nothing is left.
+    pub(super) fn take(&mut self, block: bool, max_tokens: usize, max_requests: usize, room: Option<KvRoom>) -> Option<Vec<(Request, Instant)>> {
+        let first = match self.held.pop_front() {
             Some(r) => r,
             None if block => self.requests.recv().ok()?,
             None => match self.requests.try_recv() {
@@ -39,27 +66,62 @@ impl Queue {
                 Err(_) => return Some(Vec::new()),
             },
         };
+        let mut free = room.map(|r| r.available);
+        if let Some(r) = room {
+            let need = kv_blocks(&first.0);
+            if need > r.available && need <= r.limit {
+                self.held.push_front(first);
+                return Some(Vec::new());
+            }
+            free = Some(r.available.saturating_sub(need));
+        }
         let mut tokens = first.0.tokens.len();
         let mut batch = vec![first];
         while batch.len() < max_requests && tokens < max_tokens {
-            let next = match self.requests.try_recv() {
-                Ok(r) => r,
-                Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
+            let next = match self.held.pop_front() {
+                Some(r) => r,
+                None => match self.requests.try_recv() {
+                    Ok(r) => r,
+                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
+                },
             };
-            if tokens + next.0.tokens.len() > max_tokens {
-                self.held = Some(next);
+            let need = kv_blocks(&next.0);
+            if tokens + next.0.tokens.len() > max_tokens || free.is_some_and(|f| need > f) {
+                self.held.push_front(next);
                 break;
             }
+            free = free.map(|f| f - need);
             tokens += next.0.tokens.len();
             batch.push(next);
         }
         Some(batch)
     }
+
+    /// Whether a request taken from the channel waits for the next batch.
+    pub(super) fn holds_one(&self) -> bool {
+        !self.held.is_empty()
+    }
+
+    /// Put requests back at the head of the queue, in this order (their prefill found the K/V
+    /// cache full).
+    pub(super) fn put_back(&mut self, requests: Vec<(Request, Instant)>) {
+        for r in requests.into_iter().rev() {
+            self.held.push_front(r);
+        }
+    }
 }
 
 pub(super) fn prefill_loop(engine: &Engine, mut queue: Queue, mut bridge: handoff::Sender<Handoff>, max_tokens: usize, time: &EngineTime) {
     let max_requests = if engine.packs_prompts() { usize::MAX } else { 1 };
-    while let Some(mut batch) = queue.take(true, max_tokens, max_requests) {
+    // Blocks kept back for the decode engine's running sequences (where the two share a pool):
+    // one in a hundred, as they take one more every KV_BLOCK tokens.
+    let reserve = engine.kv_pool().and_then(|p| p.level().limit).map_or(0, |l| l.div_ceil(100));
+    while let Some(mut batch) = queue.take(true, max_tokens, max_requests, KvRoom::of(engine, reserve)) {
+        if batch.is_empty() {
+            // The next request waits for the decode engine to free blocks.
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            continue;
+        }
         // With the file transfer, a fresh request that will decode is prefilled by a CPU engine
         // straight into a state file (its recurrent states live there from the start). A
         // request that continues a checkpoint starts from that state.
@@ -78,8 +140,16 @@ pub(super) fn prefill_loop(engine: &Engine, mut queue: Queue, mut bridge: handof
         let mut kept = failed.iter();
         batch.retain(|_| !kept.next().copied().unwrap_or(false));
         let prefilled = prefill_requests(engine, &mut batch, time);
+        let mut retry = Vec::new();
         for ((request, submitted), done) in batch.into_iter().zip(prefilled) {
-            let Some((state, timings)) = done else { continue };
+            let (state, timings) = match done {
+                Prefilled::Done(state, timings) => (state, timings),
+                Prefilled::Answered => continue,
+                Prefilled::NoRoom(_) => {
+                    retry.push((request, submitted));
+                    continue;
+                }
+            };
             if request.max_tokens == 0 {
                 finish_prefill_only(request, state, timings);
                 continue;
@@ -92,13 +162,28 @@ pub(super) fn prefill_loop(engine: &Engine, mut queue: Queue, mut bridge: handof
                 Err(SendError::Closed) => return,
             }
         }
+        if !retry.is_empty() {
+            // The decode engine took the blocks meanwhile: wait for it to free some.
+            queue.put_back(retry);
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
     }
 }
 
+/// What became of one request of a prefill batch.
+pub(super) enum Prefilled {
+    /// Prefilled: its state and timings.
+    Done(DeviceState, Timings),
+    /// Failed or cancelled while it queued, and answered.
+    Answered,
+    /// The K/V cache had no room for it (nothing was applied; the error says how full it
+    /// was): it goes back to the queue.
+    NoRoom(String),
+}
+
 /// Prefill `batch` on `engine`: in one forward where the engine packs prompts, else one after
-/// another. Entry i is request i's state and timings, or None where the request failed or was
-/// cancelled while it queued (it was answered).
-pub(super) fn prefill_requests(engine: &Engine, batch: &mut [(Request, Instant)], time: &EngineTime) -> Vec<Option<(DeviceState, Timings)>> {
+/// another. Entry i is what became of request i.
+pub(super) fn prefill_requests(engine: &Engine, batch: &mut [(Request, Instant)], time: &EngineTime) -> Vec<Prefilled> {
     // Each request's starting state (fresh, or the checkpoint it continues).
     let mut out: Vec<Option<(DeviceState, Timings)>> = Vec::with_capacity(batch.len());
     for (request, submitted) in batch.iter_mut() {
@@ -152,12 +237,17 @@ pub(super) fn prefill_requests(engine: &Engine, batch: &mut [(Request, Instant)]
         todo.iter().map(|&i| engine.prefill(&batch[i].0.tokens, &mut out[i].as_mut().expect("a state for every prompt to apply").0)).collect()
     };
     EngineTime::add(&time.prefill_ns, started);
+    let mut no_room = vec![None; batch.len()];
     for (&i, result) in todo.iter().zip(results) {
         match result {
             Ok(stats) => {
                 if let Some((_, timings)) = &mut out[i] {
                     timings.prefill = stats;
                 }
+            }
+            Err(e) if e.downcast_ref::<KvCacheFull>().is_some() || e.chain().any(|c| c.to_string().contains(KV_CACHE_FULL)) => {
+                no_room[i] = Some(format!("{e:#}"));
+                out[i] = None;
             }
             Err(e) => {
                 let request = &batch[i].0;
@@ -166,7 +256,14 @@ pub(super) fn prefill_requests(engine: &Engine, batch: &mut [(Request, Instant)]
             }
         }
     }
-    out
+    out.into_iter()
+        .zip(no_room)
+        .map(|(o, no_room)| match (o, no_room) {
+            (Some((state, timings)), _) => Prefilled::Done(state, timings),
+            (None, Some(why)) => Prefilled::NoRoom(why),
+            (None, None) => Prefilled::Answered,
+        })
+        .collect()
 }
 
 /// Answer a prefill-only request.
@@ -205,16 +302,36 @@ mod tests {
             send(&tx, id, prompt);
         }
         // 100 + 200 fit 512; 300 more would not, and leads the next batch.
-        assert_eq!(ids(queue.take(true, 512, usize::MAX)), Some(vec![0, 1]));
-        assert_eq!(ids(queue.take(true, 512, usize::MAX)), Some(vec![2]));
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, None)), Some(vec![0, 1]));
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, None)), Some(vec![2]));
         // A prompt longer than the budget goes alone.
-        assert_eq!(ids(queue.take(true, 512, usize::MAX)), Some(vec![3]));
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, None)), Some(vec![3]));
         // At most two requests a batch.
-        assert_eq!(ids(queue.take(true, 512, 2)), Some(vec![4, 5]));
-        assert_eq!(ids(queue.take(false, 512, 2)), Some(vec![6]));
+        assert_eq!(ids(queue.take(true, 512, 2, None)), Some(vec![4, 5]));
+        assert_eq!(ids(queue.take(false, 512, 2, None)), Some(vec![6]));
         // Nothing waiting: empty without blocking; once the senders are gone, None.
-        assert_eq!(ids(queue.take(false, 512, 2)), Some(vec![]));
+        assert_eq!(ids(queue.take(false, 512, 2, None)), Some(vec![]));
         drop(tx);
-        assert_eq!(ids(queue.take(true, 512, 2)), None);
+        assert_eq!(ids(queue.take(true, 512, 2, None)), None);
+    }
+
+    #[test]
+    fn batches_fit_the_room_in_the_kv_cache() {
+        let (tx, rx) = channel();
+        let mut queue = Queue::new(rx);
+        // Blocks of 16 positions, for the prompt and the first token: 2, 3, 1, 7.
+        for (id, prompt) in [(0, 20), (1, 40), (2, 3), (3, 100)] {
+            send(&tx, id, prompt);
+        }
+        let room = |available| Some(KvRoom { available, limit: 8 });
+        // The first waits while it does not fit; then as many as fit.
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, room(1))), Some(vec![]));
+        assert!(queue.holds_one());
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, room(6))), Some(vec![0, 1, 2]));
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, room(6))), Some(vec![]));
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, room(7))), Some(vec![3]));
+        // One that could never fit is taken (its prefill says why it fails).
+        send(&tx, 4, 200);
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, room(2))), Some(vec![4]));
     }
 }

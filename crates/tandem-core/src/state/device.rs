@@ -5,6 +5,7 @@
 use anyhow::Result;
 
 use super::State;
+use crate::backend::cuda::qwen35::kv_cache::KV_BLOCK;
 use crate::backend::cuda::qwen35::GpuState;
 use crate::sampling::Sampler;
 
@@ -47,6 +48,15 @@ impl DeviceState {
             }
         }
         Ok(sampler.sample(self.last_logits()?))
+    }
+
+    /// K/V blocks (of `KV_BLOCK` positions) the state must take to hold `end` positions on a
+    /// GPU: what it lacks there, or all of them for a state in host memory.
+    pub fn kv_blocks_short(&self, end: usize) -> usize {
+        match self {
+            DeviceState::Host(_) => end.div_ceil(KV_BLOCK),
+            DeviceState::Gpu(s) => s.kv_blocks_short(end),
+        }
     }
 
     /// Whether some of the state lives in a state file (see `State::in_file`).

@@ -134,7 +134,8 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         &[
             "model", "threads", "cores", "quant", "prompts", "decode-tokens", "reps", "out", "isa", "sections", "prefill", "decode", "device", "mode", "transfer",
             // The serve section's.
-            "input-len", "output-len", "concurrency", "rates", "requests", "max-concurrent", "max-prefill-tokens", "temperature", "slo-ttft-ms", "slo-tpot-ms",
+            "input-len", "output-len", "concurrency", "rates", "requests", "max-concurrent", "max-prefill-tokens", "temperature", "slo-ttft-ms", "slo-tpot-ms", "gpu-memory-utilization",
+            "kv-cache-memory",
         ],
         &["quick"],
     )?;
@@ -503,7 +504,7 @@ fn kernels(
 fn pipeline_config(args: &Args) -> Result<tandem_core::pipeline::PipelineConfig> {
     use tandem_core::engine::EngineSpec;
     use tandem_core::bridge::Transfer;
-    use tandem_core::pipeline::{Mode, PipelineConfig};
+    use tandem_core::pipeline::{KvBudget, Mode, PipelineConfig};
     let two = std::thread::available_parallelism().map(|n| n.get() >= 2).unwrap_or(false);
     let (p, d) = if two { ("cpu:cores=0", "cpu:cores=1") } else { ("cpu:threads=1", "cpu:threads=1") };
     Ok(PipelineConfig {
@@ -513,6 +514,7 @@ fn pipeline_config(args: &Args) -> Result<tandem_core::pipeline::PipelineConfig>
         transfer: Transfer::Move,
         max_batch: 8,
         max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS,
+        kv_cache: KvBudget::Unlimited,
     })
 }
 

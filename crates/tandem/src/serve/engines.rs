@@ -140,6 +140,16 @@ impl Engines {
         self.max_concurrent - self.slots.available_permits()
     }
 
+    /// How full the decode engine's K/V cache is (a GPU engine's).
+    pub fn kv_level(&self) -> Option<tandem_core::backend::cuda::qwen35::kv_cache::KvLevel> {
+        self.pipeline.kv_level()
+    }
+
+    /// Sequences swapped out of the K/V cache and back so far.
+    pub fn swaps(&self) -> (u64, u64) {
+        self.pipeline.swaps()
+    }
+
     /// Engine time spent on (prefill, decode) work.
     pub fn busy(&self) -> (Duration, Duration) {
         self.pipeline.busy()

@@ -82,6 +82,10 @@ pub struct Metrics {
 
 /// Readings taken when `/metrics` is asked for.
 pub struct Gauges {
+    /// The decode engine's K/V cache (a GPU engine's): blocks in use and its limit.
+    pub kv: Option<tandem_core::backend::cuda::qwen35::kv_cache::KvLevel>,
+    /// Sequences swapped out of it to host memory, and back, so far.
+    pub swaps: (u64, u64),
     pub queued: usize,
     pub active: usize,
     pub session_bytes: usize,
@@ -135,6 +139,16 @@ impl Metrics {
         counter(&mut out, "tandem_session_misses_total", "Requests that found no cached state to continue.", &c.session_misses);
         counter(&mut out, "tandem_session_reused_tokens_total", "Prompt tokens covered by cached states.", &c.reused_tokens);
         counter(&mut out, "tandem_typing_requests_total", "Typing-ahead requests served.", &c.typing_requests);
+        if let Some(kv) = &g.kv {
+            gauge(&mut out, "tandem_kv_cache_blocks_used", "K/V cache blocks held by sequences (a GPU decode engine's).", kv.used as f64);
+            gauge(&mut out, "tandem_kv_cache_blocks_allocated", "K/V cache blocks allocated on the GPU (held or free).", kv.allocated as f64);
+            if let Some(limit) = kv.limit {
+                gauge(&mut out, "tandem_kv_cache_blocks_limit", "The most K/V cache blocks the budget allows.", limit as f64);
+            }
+            gauge(&mut out, "tandem_kv_cache_block_bytes", "Bytes of one K/V cache block.", kv.block_bytes as f64);
+        }
+        let _ = writeln!(out, "# HELP tandem_kv_cache_swaps_total Sequences swapped out of the K/V cache to host memory to make room, and back.\n# TYPE tandem_kv_cache_swaps_total counter");
+        let _ = writeln!(out, "tandem_kv_cache_swaps_total{{direction=\"out\"}} {}\ntandem_kv_cache_swaps_total{{direction=\"in\"}} {}", g.swaps.0, g.swaps.1);
         gauge(&mut out, "tandem_session_memory_bytes", "Bytes of cached conversation states.", g.session_bytes as f64);
         gauge(&mut out, "tandem_session_entries", "Cached conversation states.", g.session_entries as f64);
         let _ = writeln!(out, "# HELP tandem_engine_busy_seconds_total Time the engines spent computing, by kind of work.\n# TYPE tandem_engine_busy_seconds_total counter");
@@ -162,7 +176,7 @@ mod tests {
         m.ttft(Duration::from_secs(100));
         m.outcome("chat", "stop");
         add(&m.counters.session_hits, 2);
-        let g = Gauges { queued: 1, active: 2, session_bytes: 10, session_entries: 1, prefill_busy: Duration::from_millis(1500), decode_busy: Duration::ZERO };
+        let g = Gauges { kv: None, swaps: (0, 0), queued: 1, active: 2, session_bytes: 10, session_entries: 1, prefill_busy: Duration::from_millis(1500), decode_busy: Duration::ZERO };
         let text = m.render(&g);
         for line in [
             "tandem_time_to_first_token_seconds_bucket{le=\"0.0025\"} 0",

@@ -22,12 +22,12 @@ use anyhow::{bail, Context, Result};
 use axum::routing::{get, post};
 use axum::Router;
 use tandem_core::chat::{ChatTemplate, Message};
-use tandem_core::pipeline;
+use tandem_core::engine::Device;
+use tandem_core::pipeline::{self, KvBudget, Mode};
 use tandem_core::session::HOLD_BACK;
 use tandem_core::tokenizer::Tokenizer;
 
-use crate::args::Args;
-use crate::args::{pipeline_config, ENGINE_OPTIONS};
+use crate::args::{kv_budget, parse_size, pipeline_config, Args, ENGINE_OPTIONS};
 use api::ApiError;
 use cache::StateCache;
 use engines::Engines;
@@ -59,6 +59,12 @@ OPTIONS:
   --max-queue N            requests waiting for a sequence past that; more are refused with 429
                            and Retry-After (default 64)
   --max-context N          most tokens of prompt plus reply (default: the model's context)
+  --gpu-memory-utilization F
+                           a GPU decode engine's K/V cache takes what is left of this fraction
+                           of the GPU's memory once the model is loaded, less room for the
+                           running sequences' states and workspaces (default 0.9); sequences
+                           that do not fit wait, or are swapped out to host memory and back
+  --kv-cache-memory SIZE   or a K/V cache of this size, e.g. 20GiB
   --session-memory SIZE    memory for cached conversation states, e.g. 512MiB, 4GiB; 0 turns
                            conversation reuse off (default 2GiB)
   --served-model-name NAME the model's name in the API (default: --model as given)
@@ -89,6 +95,9 @@ pub struct App {
 }
 
 /// Stands for the message being typed while the conversation is rendered.
+/// `--gpu-memory-utilization` unless given (as the large serving engines default to).
+const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
+
 const TYPING_MARK: &str = "\u{E000}tandem-typing\u{E000}";
 
 impl App {
@@ -123,25 +132,6 @@ impl App {
     }
 }
 
-/// `512MiB`, `2GiB`, `1.5G`, `100000` (bytes), `0`.
-fn parse_size(s: &str) -> Result<usize> {
-    let t = s.trim();
-    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num.trim().parse().map_err(|_| anyhow::anyhow!("--session-memory {s:?}: expected a size such as 512MiB or 4GiB"))?;
-    let scale = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kb" | "kib" => 1024.0,
-        "m" | "mb" | "mib" => 1024.0 * 1024.0,
-        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
-        _ => bail!("--session-memory {s:?}: unknown unit {unit:?} (use B, KiB, MiB or GiB)"),
-    };
-    if !(n >= 0.0 && n.is_finite()) {
-        bail!("--session-memory {s:?} must be a size of 0 or more");
-    }
-    Ok((n * scale) as usize)
-}
-
 pub fn run(argv: &[String]) -> Result<ExitCode> {
     let mut with_value = vec!["model", "host", "port", "max-concurrent", "max-queue", "max-context", "session-memory", "served-model-name"];
     with_value.extend(ENGINE_OPTIONS.iter().filter(|o| **o != "max-batch"));
@@ -151,9 +141,14 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         bail!("--max-concurrent must be at least 1");
     }
     let max_queue: usize = args.get("max-queue", 64)?;
-    let session_memory = parse_size(args.str("session-memory").unwrap_or("2GiB"))?;
+    let session_memory = parse_size("session-memory", args.str("session-memory").unwrap_or("2GiB"))?;
     let mut config = pipeline_config(&args)?;
     config.max_batch = max_concurrent;
+    // A GPU decode engine sizes its K/V cache from 90% of the GPU's memory unless told.
+    let decoder = if config.mode == Mode::AllOnPrefillEngine { &config.prefill } else { &config.decode };
+    if matches!(decoder.device, Device::Cuda(_)) {
+        config.kv_cache = kv_budget(&args, KvBudget::GpuFraction(DEFAULT_GPU_MEMORY_UTILIZATION))?;
+    }
     let host = args.str("host").unwrap_or("127.0.0.1");
     let port: u16 = args.get("port", 8000)?;
     let addr: SocketAddr = format!("{host}:{port}").parse().or_else(|_| format!("[{host}]:{port}").parse()).with_context(|| format!("--host {host:?} is not an IP address"))?;
@@ -216,6 +211,9 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             config.decode,
             session_memory >> 20
         );
+        if let Some(capacity) = pipeline.kv_capacity() {
+            eprintln!("tandem serve: {}", capacity.describe(max_concurrent));
+        }
         eprintln!("listening on http://{bound}");
         let served = runtime.block_on(async {
             let listener = tokio::net::TcpListener::from_std(listener)?;
@@ -269,11 +267,11 @@ mod tests {
 
     #[test]
     fn sizes_parse_with_binary_units() {
-        assert_eq!(parse_size("0").unwrap(), 0);
-        assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
-        assert_eq!(parse_size("2GiB").unwrap(), 2 << 30);
-        assert_eq!(parse_size("1.5g").unwrap(), 3 << 29);
-        assert!(format!("{:#}", parse_size("2 parsecs").unwrap_err()).contains("unknown unit"));
-        assert!(parse_size("-1G").is_err());
+        assert_eq!(parse_size("session-memory", "0").unwrap(), 0);
+        assert_eq!(parse_size("session-memory", "512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_size("session-memory", "2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_size("session-memory", "1.5g").unwrap(), 3 << 29);
+        assert!(format!("{:#}", parse_size("session-memory", "2 parsecs").unwrap_err()).contains("unknown unit"));
+        assert!(parse_size("session-memory", "-1G").is_err());
     }
 }

@@ -66,10 +66,13 @@ pub struct KvCacheFull {
     pub ordinal: usize,
 }
 
+/// What a `KvCacheFull` error says (a packed prefill's error reaches each prompt as text).
+pub const KV_CACHE_FULL: &str = "the K/V cache is full";
+
 impl std::fmt::Display for KvCacheFull {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let l = &self.level;
-        write!(f, "cuda:{}: the K/V cache is full: {} more blocks of {KV_BLOCK} positions wanted, {} of {} in use", self.ordinal, self.wanted, l.used, l.limit.unwrap_or(l.allocated))
+        write!(f, "cuda:{}: {KV_CACHE_FULL}: {} more blocks of {KV_BLOCK} positions wanted, {} of {} in use", self.ordinal, self.wanted, l.used, l.limit.unwrap_or(l.allocated))
     }
 }
 
@@ -87,6 +90,13 @@ impl KvPool {
     /// The GPU the pool's blocks are on.
     pub fn ordinal(&self) -> usize {
         self.ordinal
+    }
+
+    /// The GPU's free and total memory, in bytes, as the driver reports them now.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        let err = |e| anyhow::anyhow!("cuda:{}: reading the GPU's free memory: {e:?}", self.ordinal);
+        self.stream.context().bind_to_thread().map_err(err)?;
+        cudarc::driver::result::mem_get_info().map_err(err)
     }
 
     pub fn config(&self) -> &Qwen35Config {

@@ -114,8 +114,12 @@ impl GpuQwen35 {
 
     /// Make room for `end` positions in the state's K/V blocks (all the blocks that takes, or
     /// none and an error: `KvCacheFull` where the pool is at its limit).
-    pub(super) fn grow_kv(&self, state: &mut GpuState, end: usize) -> Result<()> {
+    pub fn reserve_kv(&self, state: &mut GpuState, end: usize) -> Result<()> {
         state.kv.grow(end)
+    }
+
+    pub(super) fn grow_kv(&self, state: &mut GpuState, end: usize) -> Result<()> {
+        self.reserve_kv(state, end)
     }
 }
 
@@ -204,6 +208,11 @@ impl GpuState {
             .collect::<Result<_>>()?;
         drop(staging);
         Ok(State { position: self.position, layers, last_logits: self.host_logits()? })
+    }
+
+    /// K/V blocks this state must take to hold `end` positions.
+    pub fn kv_blocks_short(&self, end: usize) -> usize {
+        end.div_ceil(KV_BLOCK).saturating_sub(self.kv.table().len())
     }
 
     /// Bytes of state data on the GPU that a transfer moves (K/V up to the position).
