@@ -6,7 +6,7 @@
 use anyhow::Result;
 
 use crate::backend::cuda::qwen35::GpuQwen35;
-use crate::state::{DeviceState, State};
+use crate::state::DeviceState;
 
 /// Bring `state` to the device of an engine that computes on `gpu` (None: the host). A state
 /// already there is returned as is.
@@ -19,9 +19,15 @@ pub fn move_to(gpu: Option<&GpuQwen35>, state: DeviceState) -> Result<DeviceStat
     })
 }
 
-/// `move_to`, in place (a state already there is moved out and back, nothing copied).
+/// `move_to`, in place: a state already there stays as it is, and so does one whose copy
+/// fails (a GPU out of K/V blocks: the caller may try again later).
 pub fn move_in_place(gpu: Option<&GpuQwen35>, state: &mut DeviceState) -> Result<()> {
-    let moved = std::mem::replace(state, DeviceState::Host(State { position: 0, layers: Vec::new(), last_logits: Vec::new() }));
-    *state = move_to(gpu, moved)?;
+    let moved = match (gpu, &*state) {
+        (None, DeviceState::Gpu(s)) => DeviceState::Host(s.download()?),
+        (Some(g), DeviceState::Host(s)) => DeviceState::Gpu(Box::new(g.upload_state(s)?)),
+        (Some(g), DeviceState::Gpu(s)) if s.ordinal() != g.gpu.ordinal => DeviceState::Gpu(Box::new(g.copy_state(s)?)),
+        _ => return Ok(()),
+    };
+    *state = moved;
     Ok(())
 }

@@ -193,10 +193,9 @@ fn fit_kv_cache(engine: &Engine, batch: &mut Batch, time: &EngineTime) {
             Err(e) if e.downcast_ref::<KvCacheFull>().is_some() && batch.active.len() > 1 => {
                 // Swap out the last admitted (perhaps this one) and try again.
                 let mut a = batch.active.pop().expect("more than one running");
-                let placeholder = DeviceState::Host(crate::state::State { position: 0, layers: Vec::new(), last_logits: Vec::new() });
-                match std::mem::replace(&mut a.state, placeholder).into_host() {
-                    Ok(host) => {
-                        a.state = DeviceState::Host(host);
+                // To host memory; its GPU state, and with it its blocks, dropped.
+                match crate::bridge::device::move_in_place(None, &mut a.state) {
+                    Ok(()) => {
                         // At the front: the sequences swapped out in one go come back oldest first.
                         batch.swapped.insert(0, a);
                         time.swapped_out.fetch_add(1, Ordering::Relaxed);
