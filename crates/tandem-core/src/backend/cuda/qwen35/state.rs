@@ -89,9 +89,18 @@ impl GpuQwen35 {
         let mut kv = KvBlocks::new(self.kv.clone());
         kv.grow(s.position)?;
         let bytes = self.kv.block_bytes();
+        let (here, there) = (g.stream.context(), s.stream().context());
         for (&to, &from) in kv.table().iter().zip(s.kv.table()) {
-            // SAFETY: both are blocks of the same size (one model's pools).
-            unsafe { cudarc::driver::result::memcpy_dtod_async(to, from, bytes, g.stream.cu_stream()) }.map_err(err)?;
+            // SAFETY: both are blocks of the same size (one model's pools). Between two GPUs
+            // a peer copy (a plain device copy of another context's address is refused).
+            unsafe {
+                if here == there {
+                    cudarc::driver::result::memcpy_dtod_async(to, from, bytes, g.stream.cu_stream())
+                } else {
+                    cudarc::driver::result::memcpy_peer_async(here.cu_ctx(), to, there.cu_ctx(), from, bytes, g.stream.cu_stream())
+                }
+            }
+            .map_err(err)?;
         }
         let layers = s
             .layers
