@@ -136,7 +136,7 @@ impl GpuQwen35 {
         let BatchSteps { buckets, pad } = &mut *guard;
         if pad.is_none() {
             let mut p = self.new_state()?;
-            self.grow_kv(&mut p, 1)?;
+            self.reserve_kv(&mut p, 1)?;
             *pad = Some(p);
         }
         let b = match buckets.entry(bucket) {

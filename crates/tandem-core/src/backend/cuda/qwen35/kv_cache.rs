@@ -46,6 +46,12 @@ struct Blocks {
     limit: Option<usize>,
 }
 
+impl Blocks {
+    fn level(&self, block_bytes: usize) -> KvLevel {
+        KvLevel { used: self.allocated - self.free.len(), allocated: self.allocated, limit: self.limit, block_bytes }
+    }
+}
+
 /// How full a pool is, in blocks of `KV_BLOCK` positions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvLevel {
@@ -119,14 +125,13 @@ impl KvPool {
     }
 
     pub fn level(&self) -> KvLevel {
-        let b = self.lock();
-        KvLevel { used: b.allocated - b.free.len(), allocated: b.allocated, limit: b.limit, block_bytes: self.block_bytes() }
+        self.lock().level(self.block_bytes())
     }
 
     /// Blocks states could still take under the limit (None: no limit set).
     pub fn available(&self) -> Option<usize> {
-        let b = self.lock();
-        b.limit.map(|l| l.saturating_sub(b.allocated - b.free.len()))
+        let level = self.level();
+        level.limit.map(|l| l.saturating_sub(level.used))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Blocks> {
@@ -136,9 +141,8 @@ impl KvPool {
     /// `n` blocks, all or none.
     fn take(&self, n: usize) -> Result<Vec<u64>> {
         let mut b = self.lock();
-        let used = b.allocated - b.free.len();
-        if b.limit.is_some_and(|l| used + n > l) {
-            let level = KvLevel { used, allocated: b.allocated, limit: b.limit, block_bytes: self.block_bytes() };
+        let level = b.level(self.block_bytes());
+        if level.limit.is_some_and(|l| level.used + n > l) {
             return Err(KvCacheFull { wanted: n, level, ordinal: self.ordinal }.into());
         }
         if b.free.len() < n {
@@ -193,9 +197,14 @@ impl KvBlocks {
         &self.pool
     }
 
+    /// Blocks these lack to hold `end` positions.
+    pub fn short(&self, end: usize) -> usize {
+        end.div_ceil(KV_BLOCK).saturating_sub(self.table.len())
+    }
+
     /// Make room for `end` positions: the blocks that takes, all or none.
     pub fn grow(&mut self, end: usize) -> Result<()> {
-        let want = end.div_ceil(KV_BLOCK).saturating_sub(self.table.len());
+        let want = self.short(end);
         if want > 0 {
             let more = self.pool.take(want)?;
             self.table.extend(more);

@@ -431,7 +431,7 @@ impl GpuQwen35 {
     pub fn apply(&self, tokens: &[u32], state: &mut GpuState) -> Result<()> {
         if tokens.len() == 1 && self.graphs {
             self.check(tokens, state.position)?;
-            self.grow_kv(state, state.position + 1)?;
+            self.reserve_kv(state, state.position + 1)?;
             return self.replay_step(tokens[0], state);
         }
         self.forward(tokens, state, Logits::Last).map(drop)
@@ -441,7 +441,7 @@ impl GpuQwen35 {
     /// (a decode step) replays the state's captured step when `graphs` is on.
     pub fn forward(&self, tokens: &[u32], state: &mut GpuState, which: Logits) -> Result<Vec<f32>> {
         self.check(tokens, state.position)?;
-        self.grow_kv(state, state.position + tokens.len())?;
+        self.reserve_kv(state, state.position + tokens.len())?;
         if tokens.len() == 1 && self.graphs {
             self.replay_step(tokens[0], state)?;
             return state.host_logits();
@@ -480,7 +480,7 @@ impl GpuQwen35 {
         }
         for s in states.iter_mut() {
             let end = s.position + 1;
-            self.grow_kv(s, end)?;
+            self.reserve_kv(s, end)?;
         }
         let n = tokens.len();
         if self.graphs {
@@ -549,7 +549,7 @@ impl GpuQwen35 {
     fn prefill_packed(&self, prompts: &[&[u32]], states: &mut [&mut GpuState]) -> Result<()> {
         for (p, s) in prompts.iter().zip(states.iter_mut()) {
             let end = s.position + p.len();
-            self.grow_kv(s, end)?;
+            self.reserve_kv(s, end)?;
         }
         let n = prompts.len();
         let mut rows = Vec::with_capacity(n);

@@ -126,10 +126,6 @@ impl GpuQwen35 {
     pub fn reserve_kv(&self, state: &mut GpuState, end: usize) -> Result<()> {
         state.kv.grow(end)
     }
-
-    pub(super) fn grow_kv(&self, state: &mut GpuState, end: usize) -> Result<()> {
-        self.reserve_kv(state, end)
-    }
 }
 
 /// The K/V rows of host state `s` laid out as its blocks hold them on the GPU (kv_cache.rs):
@@ -137,14 +133,11 @@ impl GpuQwen35 {
 /// (the rows past the position zero).
 fn kv_image(c: &Qwen35Config, s: &State) -> Vec<f32> {
     let row = c.num_key_value_heads * c.head_dim;
-    let blocks = s.position.div_ceil(KV_BLOCK);
     let full: Vec<(&[f32], &[f32])> = s.layers.iter().filter_map(|l| if let LayerState::Full { k, v } = l { Some((&k[..], &v[..])) } else { None }).collect();
-    let block_values = full.len() * 2 * KV_BLOCK * row;
-    let mut image = vec![0.0f32; blocks * block_values];
+    let mut image = vec![0.0f32; s.position.div_ceil(KV_BLOCK) * c.kv_bytes_per_token() / 4 * KV_BLOCK];
     for p in 0..s.position {
-        let (b, r) = (p / KV_BLOCK, p % KV_BLOCK);
         for (a, (k, v)) in full.iter().enumerate() {
-            let at = b * block_values + a * 2 * KV_BLOCK * row + r * row;
+            let at = key_row_at(c, a, p);
             image[at..at + row].copy_from_slice(&k[p * row..(p + 1) * row]);
             image[at + KV_BLOCK * row..at + (KV_BLOCK + 1) * row].copy_from_slice(&v[p * row..(p + 1) * row]);
         }
@@ -152,17 +145,23 @@ fn kv_image(c: &Qwen35Config, s: &State) -> Vec<f32> {
     image
 }
 
+/// Where attention layer `a`'s key row of position `p` starts among the values of a state's
+/// blocks laid end to end (its value row is `KV_BLOCK` rows further): kernels/attention.cu
+/// `kv_row`, with the blocks in position order.
+fn key_row_at(c: &Qwen35Config, a: usize, p: usize) -> usize {
+    let row = c.num_key_value_heads * c.head_dim;
+    (p / KV_BLOCK) * (c.kv_bytes_per_token() / 4 * KV_BLOCK) + a * 2 * KV_BLOCK * row + (p % KV_BLOCK) * row
+}
+
 /// The inverse of `kv_image`: the first `position` rows of each attention layer's keys and
 /// values, from the blocks' values.
 fn kv_rows(c: &Qwen35Config, image: &[f32], position: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
     let row = c.num_key_value_heads * c.head_dim;
-    let attention_layers = c.num_full_attention_layers();
-    let block_values = attention_layers * 2 * KV_BLOCK * row;
-    (0..attention_layers)
+    (0..c.num_full_attention_layers())
         .map(|a| {
             let (mut k, mut v) = (Vec::with_capacity(position * row), Vec::with_capacity(position * row));
             for p in 0..position {
-                let at = (p / KV_BLOCK) * block_values + a * 2 * KV_BLOCK * row + (p % KV_BLOCK) * row;
+                let at = key_row_at(c, a, p);
                 k.extend_from_slice(&image[at..at + row]);
                 v.extend_from_slice(&image[at + KV_BLOCK * row..at + (KV_BLOCK + 1) * row]);
             }
@@ -221,7 +220,7 @@ impl GpuState {
 
     /// K/V blocks this state must take to hold `end` positions.
     pub fn kv_blocks_short(&self, end: usize) -> usize {
-        end.div_ceil(KV_BLOCK).saturating_sub(self.kv.table().len())
+        self.kv.short(end)
     }
 
     /// Bytes of state data on the GPU that a transfer moves (K/V up to the position).
