@@ -84,7 +84,10 @@ fn every_mode_dispatch_and_transfer_gives_the_reference_greedy_tokens() {
         config(Mode::Hybrid, "cpu:threads=1,dispatch=batched:32", "cpu:threads=1", Transfer::Move, 8),
         config(Mode::Hybrid, "cpu:threads=1,dispatch=buckets:16,64,128", "cpu:threads=1", Transfer::File(dir.clone()), 3),
         config(Mode::Hybrid, "cpu:threads=1,dispatch=dynamic", "cpu:threads=1", Transfer::Socket, 1),
+        // Chunked prefill: the prompts applied 5 tokens a step, between decode steps.
+        PipelineConfig { max_prefill_tokens: 5, ..config(Mode::AllOnDecodeEngine, "cpu:threads=2", "cpu:threads=2", Transfer::Move, 3) },
     ];
+    assert_eq!(prompts.iter().filter(|p| p.len() > 5).count(), 4, "four of the fixture's prompts (of 1 to 300 tokens) are split by the chunked prefill");
     for c in &configs {
         let got = run_pipeline(&m.net, c, &prompts, 16);
         for (i, (g, (_, want))) in got.iter().zip(&cases).enumerate() {
@@ -122,6 +125,9 @@ fn cuda_placements_give_the_reference_greedy_tokens() {
         // Prompts packed into forwards of at most 64 tokens (a longer one alone).
         PipelineConfig { max_prefill_tokens: 64, ..config(Mode::Hybrid, gpu, gpu, Transfer::Move, 8) },
         PipelineConfig { max_prefill_tokens: 64, ..config(Mode::AllOnDecodeEngine, gpu, gpu, Transfer::Move, 3) },
+        // Chunked prefill: 5 prompt tokens a step (of one prompt or two, packed), between
+        // decode steps of the sequences already running.
+        PipelineConfig { max_prefill_tokens: 5, ..config(Mode::AllOnDecodeEngine, gpu, gpu, Transfer::Move, 3) },
     ];
     assert_placements_give_the_reference_tokens(&m, &configs);
 }
@@ -367,7 +373,7 @@ fn a_request_cancelled_in_the_queue_is_never_prefilled() {
 /// A K/V cache too small for every request at once (24 blocks of 16 positions: the longest
 /// prompt and its reply alone fit): requests wait for room, sequences are swapped out to host
 /// memory and back, and every request's greedy tokens are those it gets alone; once all are
-/// answered the blocks are back in the pool. One engine, and two engines sharing the GPU's
+/// answered the blocks are back in the pool. One engine (whole prompts, and 20 prompt tokens a step), and two engines sharing the GPU's
 /// pool. Ignored by default (it needs an NVIDIA GPU).
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
@@ -381,7 +387,8 @@ fn a_small_kv_cache_swaps_sequences_and_keeps_their_tokens() {
     assert!(prompts.iter().all(|p| (p.len() + max_tokens).div_ceil(KV_BLOCK) <= blocks), "a request that cannot fit alone");
     let alone: Vec<Vec<u32>> = prompts.iter().map(|p| run_pipeline(&m.net, &config(Mode::AllOnDecodeEngine, gpu, gpu, Transfer::Move, 1), std::slice::from_ref(p), max_tokens).remove(0)).collect();
     let budget = KvBudget::Bytes(blocks * KV_BLOCK * m.net.config.kv_bytes_per_token());
-    for c in [config(Mode::AllOnDecodeEngine, gpu, gpu, Transfer::Move, 8), config(Mode::Hybrid, gpu, gpu, Transfer::Move, 8)] {
+    let chunked = PipelineConfig { max_prefill_tokens: 20, ..config(Mode::AllOnDecodeEngine, gpu, gpu, Transfer::Move, 8) };
+    for c in [config(Mode::AllOnDecodeEngine, gpu, gpu, Transfer::Move, 8), config(Mode::Hybrid, gpu, gpu, Transfer::Move, 8), chunked] {
         let c = PipelineConfig { kv_cache: budget, ..c };
         let (got, swaps, level) = pipeline::run(&m.net, &c, |p| {
             assert_eq!(p.kv_capacity().map(|k| k.blocks), Some(blocks));

@@ -49,7 +49,10 @@ ENGINES (generate, chat):
                          how a hybrid state crosses (default move: no copy)
   --max-batch N          sequences decoded together in one step (default 8)
   --max-prefill-tokens N most prompt tokens prefilled in one forward: a CUDA engine packs the
-                         prompts that wait into one, up to this many (default 8192)
+                         prompts that wait into one, up to this many (default 8192); one
+                         engine doing both (prefill-engine / decode-engine mode) applies this
+                         many per step between decode steps, a longer prompt in chunks
+                         (chunked prefill)
   --gpu-memory-utilization F | --kv-cache-memory SIZE
                          a GPU decode engine's paged K/V cache: what is left of this fraction of
                          the GPU's memory once the model is loaded, or this size (default: it

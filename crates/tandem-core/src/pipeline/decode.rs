@@ -1,7 +1,8 @@
 //! The decode engine's loop: admit handed-over states (up to the batch), then step every
 //! active sequence: sample its next token from the logits its state carries, answer the
 //! finished ones, and apply the sampled tokens in one batched decode step. `single_engine_loop`
-//! is the same step for one engine that also prefills (the study's pure modes).
+//! is the same step for one engine that also prefills (the study's pure modes), a budget of
+//! prompt tokens per step (chunked prefill).
 //!
 //! Where the engine's K/V cache has a limit, a step that would need more blocks than are free
 //! first swaps the sequences admitted last out to host memory (`fit_kv_cache`), and they come
@@ -12,8 +13,8 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::TryRecvError;
 use std::time::Instant;
 
-use super::prefill::{finish_prefill_only, prefill_requests, KvRoom, Prefilled, Queue};
-use crate::backend::cuda::qwen35::kv_cache::KvCacheFull;
+use super::prefill::{apply_chunks, finish_prefill_only, kv_blocks, Chunk, KvRoom, Prefill, Queue};
+use crate::backend::cuda::qwen35::kv_cache::{KvCacheFull, KV_BLOCK};
 use super::request::{Event, Finish, Request, Timings};
 use super::EngineTime;
 use crate::bridge::handoff;
@@ -99,49 +100,95 @@ pub(super) fn decode_loop(engine: &Engine, mut bridge: handoff::Receiver<Handoff
     }
 }
 
+/// One engine that prefills and decodes (the study's pure modes), with chunked prefill: each
+/// step first applies at most `max_prefill_tokens` prompt tokens of the requests being
+/// admitted (in one forward where the engine packs prompts; a prompt longer than what the
+/// budget leaves is applied a chunk per step), then decodes every running sequence. The budget
+/// bounds how long a prefill holds up the running sequences' next tokens.
 pub(super) fn single_engine_loop(engine: &Engine, mut queue: Queue, max_batch: usize, max_prefill_tokens: usize, time: &EngineTime) {
     let mut batch = Batch::default();
+    let mut prefilling: Vec<Prefill> = Vec::new();
+    let kv_limit = engine.kv_pool().and_then(|p| p.level().limit);
     loop {
-        // Admit new requests between decode steps (waiting for one when idle), up to the batch
-        // and the room in the K/V cache (keeping a block back for each running sequence's
-        // next): prefilled in one forward where the engine packs prompts.
-        if batch.admits(max_batch) {
-            let free = max_batch - batch.active.len();
-            let per_call = if engine.packs_prompts() { free } else { 1 };
-            let idle = batch.is_empty();
-            let (room, per_call) = match KvRoom::of(engine, batch.active.len()) {
+        // Admit new requests (waiting for one when idle) while the batch, this step's token
+        // budget and the room in the K/V cache allow: room after a block for each running
+        // sequence's next token and the blocks the prompts being applied still need.
+        let starting = batch.active.len() + prefilling.len();
+        let budget = max_prefill_tokens.saturating_sub(prefilling.iter().map(Prefill::remaining).sum());
+        if starting < max_batch && (batch.swapped.is_empty() || batch.active.is_empty()) && budget > 0 {
+            let idle = batch.is_empty() && prefilling.is_empty();
+            let per_call = if engine.packs_prompts() { max_batch - starting } else { 1 };
+            let reserve = batch.active.len() + prefilling.iter().map(Prefill::kv_blocks_short).sum::<usize>();
+            let (room, per_call) = match KvRoom::of(engine, reserve) {
                 // Nothing running will free blocks: the waiting request goes alone now (its
                 // prefill says so if it cannot fit).
                 Some(_) if idle && queue.holds_one() => (None, 1),
                 room => (room, per_call),
             };
-            let Some(mut taken) = queue.take(idle, max_prefill_tokens, per_call, room) else { break };
-            let prefilled = prefill_requests(engine, &mut taken, time);
-            let mut retry = Vec::new();
-            for ((request, submitted), done) in taken.into_iter().zip(prefilled) {
-                let (state, timings) = match done {
-                    Prefilled::Done(state, timings) => (state, timings),
-                    Prefilled::Answered => continue,
-                    Prefilled::NoRoom(why) if idle => {
-                        let error = format!("{why}: the K/V cache cannot hold this request's {} prompt tokens (raise --gpu-memory-utilization or --kv-cache-memory)", request.tokens.len());
-                        let _ = request.events.send(Event::Failed { id: request.id, error });
-                        continue;
-                    }
-                    Prefilled::NoRoom(_) => {
-                        retry.push((request, submitted));
-                        continue;
-                    }
-                };
+            let Some(taken) = queue.take(idle, budget, per_call, room, true) else { break };
+            for (request, submitted) in taken {
+                if kv_limit.is_some_and(|limit| kv_blocks(&request) > limit) {
+                    let error = format!("the K/V cache cannot hold this request: its {} prompt tokens and first token need {} blocks of {KV_BLOCK} positions, the cache has {} (raise --gpu-memory-utilization or --kv-cache-memory)", request.tokens.len(), kv_blocks(&request), kv_limit.unwrap_or(0));
+                    let _ = request.events.send(Event::Failed { id: request.id, error });
+                    continue;
+                }
+                prefilling.extend(Prefill::start(engine, request, submitted));
+            }
+        }
+        prefill_chunks(engine, &mut prefilling, &mut batch, max_prefill_tokens, time);
+        fit_kv_cache(engine, &mut batch, time);
+        step(engine, &mut batch.active, time);
+    }
+}
+
+/// Apply the next chunks of the prompts being prefilled, in order, up to `max_tokens` tokens
+/// in all; a request whose whole prompt is applied joins the batch (a prefill-only one is
+/// answered). A chunk that finds the K/V cache full waits for the next step, unless nothing
+/// runs that could free blocks: then the request fails, saying so.
+fn prefill_chunks(engine: &Engine, prefilling: &mut Vec<Prefill>, batch: &mut Batch, max_tokens: usize, time: &EngineTime) {
+    prefilling.retain(|p| {
+        let cancelled = p.request.cancel.load(Ordering::Relaxed);
+        if cancelled {
+            let _ = p.request.events.send(Event::Done { id: p.request.id, finish: Finish::Cancelled, timings: p.timings, state: None });
+        }
+        !cancelled
+    });
+    let mut outcomes: Vec<Option<Chunk>> = prefilling.iter().map(|_| None).collect();
+    let mut budget = max_tokens;
+    let (at, mut chunks): (Vec<usize>, Vec<(&mut Prefill, usize)>) = prefilling
+        .iter_mut()
+        .enumerate()
+        .filter(|(_, p)| p.remaining() > 0)
+        .map_while(|(i, p)| {
+            let len = p.remaining().min(budget);
+            budget -= len;
+            (len > 0).then_some((i, (p, len)))
+        })
+        .unzip();
+    for (i, outcome) in at.into_iter().zip(apply_chunks(engine, &mut chunks, time)) {
+        outcomes[i] = Some(outcome);
+    }
+    let stuck = batch.active.is_empty() && !outcomes.iter().any(|o| matches!(o, Some(Chunk::Applied)));
+    let mut failed_one = false;
+    for (p, outcome) in std::mem::take(prefilling).into_iter().zip(outcomes) {
+        match outcome {
+            Some(Chunk::Failed(error)) => p.fail(error),
+            Some(Chunk::NoRoom(why)) if stuck && !failed_one => {
+                failed_one = true;
+                let error = format!("{why}: the K/V cache cannot hold this request's {} prompt tokens (raise --gpu-memory-utilization or --kv-cache-memory)", p.request.tokens.len());
+                p.fail(error);
+            }
+            // More chunks to come (or room to wait for).
+            _ if p.remaining() > 0 => prefilling.push(p),
+            _ => {
+                let Prefill { request, submitted, state, timings, .. } = p;
                 if request.max_tokens == 0 {
                     finish_prefill_only(request, state, timings);
                 } else {
                     batch.active.push(Active::new(request, state, timings, submitted));
                 }
             }
-            queue.put_back(retry);
         }
-        fit_kv_cache(engine, &mut batch, time);
-        step(engine, &mut batch.active, time);
     }
 }
 

@@ -4,7 +4,8 @@
 //! (`decode.rs`), which decodes every active sequence in one batched step per token. With two
 //! engines (hybrid) the two run at once on their own threads (and cores): while the decode
 //! engine decodes request k, the prefill engine prefills k+1. With one engine (the study's
-//! pure modes) a single thread does both, prefilling new requests between decode steps.
+//! pure modes) a single thread does both: each step applies a budget of prompt tokens (a long
+//! prompt in chunks over several steps: chunked prefill), then decodes every running sequence.
 //!
 //! The handoff position is exact: a prefilled state covers the prompt `[0, N)` and carries the
 //! logits of token N-1; the decode side samples its first token from those logits and applies
@@ -70,7 +71,9 @@ pub struct PipelineConfig {
     /// Most sequences decoded in one step.
     pub max_batch: usize,
     /// Most prompt tokens prefilled in one forward, where the engine packs the prompts that
-    /// wait into one (a CUDA engine); a longer prompt goes alone.
+    /// wait into one (a CUDA engine); a longer prompt goes alone. With one engine doing both,
+    /// the prompt tokens it applies per step between decode steps, a longer prompt in chunks
+    /// over several steps (chunked prefill).
     pub max_prefill_tokens: usize,
     /// The memory the decode engine's K/V cache may take.
     pub kv_cache: KvBudget,

@@ -33,7 +33,7 @@ impl KvRoom {
 }
 
 /// K/V blocks a request takes to prefill its prompt and decode its first token.
-fn kv_blocks(r: &Request) -> usize {
+pub(super) fn kv_blocks(r: &Request) -> usize {
     (r.start.as_ref().map_or(0, |s| s.position) + r.tokens.len() + 1).div_ceil(KV_BLOCK)
 }
 
@@ -52,12 +52,13 @@ impl Queue {
 
     /// The next requests to prefill, in arrival order: the first (waiting for it when `block`),
     /// then whatever else is waiting while their prompts together stay within `max_tokens` and
-    /// they number at most `max_requests` (a first prompt longer than the budget goes alone)
-    /// and their K/V blocks fit `room` (where the cache has a limit: a first request that does
-    /// not fit waits, unless it could never fit, which its prefill then reports). Empty when
+    /// they number at most `max_requests` (a first prompt longer than the budget goes alone;
+    /// with `split`, the last one taken may run past the budget, to be applied in chunks) and
+    /// their K/V blocks fit `room` (where the cache has a limit: a first request that does not
+    /// fit waits, unless it could never fit, which its prefill then reports). Empty when
     /// nothing waits and `block` is off, or the first waits for room; None once every sender
     /// is gone and nothing is left.
-    pub(super) fn take(&mut self, block: bool, max_tokens: usize, max_requests: usize, room: Option<KvRoom>) -> Option<Vec<(Request, Instant)>> {
+    pub(super) fn take(&mut self, block: bool, max_tokens: usize, max_requests: usize, room: Option<KvRoom>, split: bool) -> Option<Vec<(Request, Instant)>> {
         let first = match self.held.pop_front() {
             Some(r) => r,
             None if block => self.requests.recv().ok()?,
@@ -86,7 +87,7 @@ impl Queue {
                 },
             };
             let need = kv_blocks(&next.0);
-            if tokens + next.0.tokens.len() > max_tokens || free.is_some_and(|f| need > f) {
+            if (!split && tokens + next.0.tokens.len() > max_tokens) || free.is_some_and(|f| need > f) {
                 self.held.push_front(next);
                 break;
             }
@@ -116,7 +117,7 @@ pub(super) fn prefill_loop(engine: &Engine, mut queue: Queue, mut bridge: handof
     // Blocks kept back for the decode engine's running sequences (where the two share a pool):
     // one in a hundred, as they take one more every KV_BLOCK tokens.
     let reserve = engine.kv_pool().and_then(|p| p.level().limit).map_or(0, |l| l.div_ceil(100));
-    while let Some(mut batch) = queue.take(true, max_tokens, max_requests, KvRoom::of(engine, reserve)) {
+    while let Some(mut batch) = queue.take(true, max_tokens, max_requests, KvRoom::of(engine, reserve), false) {
         if batch.is_empty() {
             // The next request waits for the decode engine to free blocks.
             std::thread::sleep(std::time::Duration::from_millis(1));
@@ -139,17 +140,17 @@ pub(super) fn prefill_loop(engine: &Engine, mut queue: Queue, mut bridge: handof
         }
         let mut kept = failed.iter();
         batch.retain(|_| !kept.next().copied().unwrap_or(false));
-        let prefilled = prefill_requests(engine, &mut batch, time);
         let mut retry = Vec::new();
-        for ((request, submitted), done) in batch.into_iter().zip(prefilled) {
-            let (state, timings) = match done {
-                Prefilled::Done(state, timings) => (state, timings),
+        for done in prefill_requests(engine, batch, time) {
+            let p = match done {
+                Prefilled::Done(p) => p,
                 Prefilled::Answered => continue,
-                Prefilled::NoRoom(_) => {
-                    retry.push((request, submitted));
+                Prefilled::NoRoom(request) => {
+                    retry.push(request);
                     continue;
                 }
             };
+            let Prefill { request, submitted, state, timings, .. } = p;
             if request.max_tokens == 0 {
                 finish_prefill_only(request, state, timings);
                 continue;
@@ -172,96 +173,173 @@ pub(super) fn prefill_loop(engine: &Engine, mut queue: Queue, mut bridge: handof
 
 /// What became of one request of a prefill batch.
 pub(super) enum Prefilled {
-    /// Prefilled: its state and timings.
-    Done(DeviceState, Timings),
+    /// Prefilled.
+    Done(Prefill),
     /// Failed or cancelled while it queued, and answered.
     Answered,
-    /// The K/V cache had no room for it (nothing was applied; the error says how full it
-    /// was): it goes back to the queue.
-    NoRoom(String),
+    /// The K/V cache had no room for it (nothing was applied): the request as it came, to go
+    /// back to the queue.
+    NoRoom((Request, Instant)),
 }
 
-/// Prefill `batch` on `engine`: in one forward where the engine packs prompts, else one after
-/// another. Entry i is what became of request i.
-pub(super) fn prefill_requests(engine: &Engine, batch: &mut [(Request, Instant)], time: &EngineTime) -> Vec<Prefilled> {
-    // Each request's starting state (fresh, or the checkpoint it continues).
-    let mut out: Vec<Option<(DeviceState, Timings)>> = Vec::with_capacity(batch.len());
-    for (request, submitted) in batch.iter_mut() {
+/// Prefill `batch` on `engine`, each prompt whole: in one forward where the engine packs
+/// prompts, else one after another. Entry i is what became of request i.
+pub(super) fn prefill_requests(engine: &Engine, batch: Vec<(Request, Instant)>, time: &EngineTime) -> Vec<Prefilled> {
+    let mut started: Vec<Option<Prefill>> = batch.into_iter().map(|(request, submitted)| Prefill::start(engine, request, submitted)).collect();
+    let mut outcomes: Vec<Option<Chunk>> = started.iter().map(|_| None).collect();
+    let (at, mut chunks): (Vec<usize>, Vec<(&mut Prefill, usize)>) = started
+        .iter_mut()
+        .enumerate()
+        .filter_map(|(i, p)| p.as_mut().filter(|p| p.remaining() > 0).map(|p| (i, p)))
+        .map(|(i, p)| {
+            let all = p.remaining();
+            (i, (p, all))
+        })
+        .unzip();
+    for (i, outcome) in at.into_iter().zip(apply_chunks(engine, &mut chunks, time)) {
+        outcomes[i] = Some(outcome);
+    }
+    started
+        .into_iter()
+        .zip(outcomes)
+        .map(|(p, outcome)| match (p, outcome) {
+            (None, _) => Prefilled::Answered,
+            // Applied, or nothing to apply (a checkpoint continued as it is).
+            (Some(p), None | Some(Chunk::Applied)) => Prefilled::Done(p),
+            (Some(p), Some(Chunk::NoRoom(why))) => match p.unstart() {
+                Ok(request) => Prefilled::NoRoom(request),
+                Err((request, e)) => {
+                    let _ = request.events.send(Event::Failed { id: request.id, error: format!("{why}; then bringing its starting state back: {e:#}") });
+                    Prefilled::Answered
+                }
+            },
+            (Some(p), Some(Chunk::Failed(error))) => {
+                p.fail(error);
+                Prefilled::Answered
+            }
+        })
+        .collect()
+}
+
+/// A request whose prompt is being applied to its state, perhaps in several forwards (the
+/// one-engine schedule applies a long prompt a chunk per step, between decode steps).
+pub(super) struct Prefill {
+    pub request: Request,
+    pub submitted: Instant,
+    pub state: DeviceState,
+    pub timings: Timings,
+    /// Prompt tokens applied so far.
+    pub applied: usize,
+}
+
+/// What became of one chunk of a prompt.
+pub(super) enum Chunk {
+    /// Applied; the state's logits are those of the chunk's last token.
+    Applied,
+    /// The K/V cache had no room for it; nothing was applied.
+    NoRoom(String),
+    /// The engine failed it; the state must not be used.
+    Failed(String),
+}
+
+impl Prefill {
+    /// A request's starting state (fresh, or the checkpoint it continues), its prompt checked
+    /// against the engine's context. A request cancelled while it queued, or that cannot start,
+    /// is answered here and gives None.
+    pub(super) fn start(engine: &Engine, mut request: Request, submitted: Instant) -> Option<Prefill> {
         let timings = Timings { queued: submitted.elapsed(), ..Default::default() };
         if request.cancel.load(Ordering::Relaxed) {
             let _ = request.events.send(Event::Done { id: request.id, finish: Finish::Cancelled, timings, state: None });
-            out.push(None);
-            continue;
+            return None;
         }
         let state = match request.start.take() {
             Some(state) => Ok(DeviceState::Host(state)),
             None => engine.new_state(),
         };
-        match state {
-            // Nothing new (a checkpoint continued as is): its logits must already be there.
-            Ok(state) if request.tokens.is_empty() && !state.has_logits() => {
-                let _ = request.events.send(Event::Failed { id: request.id, error: "nothing to prefill and no logits in the state to sample from".into() });
-                out.push(None);
+        let checked = state.and_then(|state| {
+            if request.tokens.is_empty() && !state.has_logits() {
+                anyhow::bail!("nothing to prefill and no logits in the state to sample from");
             }
-            Ok(state) => out.push(Some((state, timings))),
+            if !request.tokens.is_empty() {
+                engine.check_prompt(&request.tokens, state.position())?;
+            }
+            Ok(state)
+        });
+        match checked {
+            Ok(state) => Some(Prefill { request, submitted, state, timings, applied: 0 }),
             Err(e) => {
                 let _ = request.events.send(Event::Failed { id: request.id, error: format!("{e:#}") });
-                out.push(None);
+                None
             }
         }
     }
-    // The prompts to apply: one call for all of them, or one each.
-    let started = Instant::now();
-    let mut todo: Vec<usize> = (0..batch.len()).filter(|&i| out[i].is_some() && !batch[i].0.tokens.is_empty()).collect();
-    let results: Vec<anyhow::Result<PrefillStats>> = if todo.len() > 1 && engine.packs_prompts() {
-        // A prompt the engine refuses (too long for the context) fails alone, not its batch.
-        todo.retain(|&i| {
-            let (request, state) = (&batch[i].0, &out[i].as_ref().expect("a state for every prompt to apply").0);
-            match engine.check_prompt(&request.tokens, state.position()) {
-                Ok(()) => true,
-                Err(e) => {
-                    let _ = request.events.send(Event::Failed { id: request.id, error: format!("{e:#}") });
-                    out[i] = None;
-                    false
-                }
+
+    /// Prompt tokens still to apply.
+    pub(super) fn remaining(&self) -> usize {
+        self.request.tokens.len() - self.applied
+    }
+
+    /// K/V blocks the request still has to take to hold its whole prompt and first token.
+    pub(super) fn kv_blocks_short(&self) -> usize {
+        self.state.kv_blocks_short(self.state.position() + self.remaining() + 1)
+    }
+
+    /// The request as it was queued, nothing of its prompt applied: its starting checkpoint
+    /// (a state with positions) back in `start`, in host memory. On failure, the request and
+    /// why.
+    pub(super) fn unstart(self) -> std::result::Result<(Request, Instant), (Request, anyhow::Error)> {
+        debug_assert_eq!(self.applied, 0, "a prefill with tokens applied cannot go back to the queue");
+        let Prefill { mut request, submitted, state, .. } = self;
+        if state.position() > 0 {
+            match state.into_host() {
+                Ok(s) => request.start = Some(s),
+                Err(e) => return Err((request, e)),
             }
-        });
-        let prompts: Vec<&[u32]> = todo.iter().map(|&i| &batch[i].0.tokens[..]).collect();
-        let mut states: Vec<&mut DeviceState> = out.iter_mut().enumerate().filter(|(i, _)| todo.binary_search(i).is_ok()).map(|(_, o)| &mut o.as_mut().expect("a state for every prompt to apply").0).collect();
+        }
+        Ok((request, submitted))
+    }
+
+    /// Answer the request with an error.
+    pub(super) fn fail(self, error: String) {
+        let _ = self.request.events.send(Event::Failed { id: self.request.id, error });
+    }
+}
+
+/// Apply to each of `chunks` the next `len` tokens of its prompt: in one forward where the
+/// engine packs prompts, else one after another. Entry i is what became of chunk i.
+pub(super) fn apply_chunks(engine: &Engine, chunks: &mut [(&mut Prefill, usize)], time: &EngineTime) -> Vec<Chunk> {
+    let started = Instant::now();
+    let results: Vec<anyhow::Result<PrefillStats>> = if chunks.len() > 1 && engine.packs_prompts() {
+        let (mut prompts, mut states) = (Vec::with_capacity(chunks.len()), Vec::with_capacity(chunks.len()));
+        for (p, len) in chunks.iter_mut() {
+            let Prefill { request, state, applied, .. } = &mut **p;
+            prompts.push(&request.tokens[*applied..*applied + *len]);
+            states.push(state);
+        }
         match engine.prefill_batch(&prompts, &mut states) {
             Ok(stats) => stats.into_iter().map(Ok).collect(),
-            // What fails now is the device (the prompts were checked): it fails every one.
-            Err(e) => todo.iter().map(|_| Err(anyhow::anyhow!("{e:#}"))).collect(),
+            // What fails now is the device or the cache (the prompts were checked): every one.
+            Err(e) => prompts.iter().map(|_| Err(anyhow::anyhow!("{e:#}"))).collect(),
         }
     } else {
-        todo.iter().map(|&i| engine.prefill(&batch[i].0.tokens, &mut out[i].as_mut().expect("a state for every prompt to apply").0)).collect()
+        chunks.iter_mut().map(|(p, len)| engine.prefill(&p.request.tokens[p.applied..p.applied + *len], &mut p.state)).collect()
     };
     EngineTime::add(&time.prefill_ns, started);
-    let mut no_room = vec![None; batch.len()];
-    for (&i, result) in todo.iter().zip(results) {
-        match result {
+    chunks
+        .iter_mut()
+        .zip(results)
+        .map(|((p, len), result)| match result {
             Ok(stats) => {
-                if let Some((_, timings)) = &mut out[i] {
-                    timings.prefill = stats;
-                }
+                p.applied += *len;
+                let t = &mut p.timings.prefill;
+                t.tokens += stats.tokens;
+                t.dispatches += stats.dispatches;
+                t.padded_rows += stats.padded_rows;
+                t.time += stats.time;
+                Chunk::Applied
             }
-            Err(e) if e.downcast_ref::<KvCacheFull>().is_some() || e.chain().any(|c| c.to_string().contains(KV_CACHE_FULL)) => {
-                no_room[i] = Some(format!("{e:#}"));
-                out[i] = None;
-            }
-            Err(e) => {
-                let request = &batch[i].0;
-                let _ = request.events.send(Event::Failed { id: request.id, error: format!("{e:#}") });
-                out[i] = None;
-            }
-        }
-    }
-    out.into_iter()
-        .zip(no_room)
-        .map(|(o, no_room)| match (o, no_room) {
-            (Some((state, timings)), _) => Prefilled::Done(state, timings),
-            (None, Some(why)) => Prefilled::NoRoom(why),
-            (None, None) => Prefilled::Answered,
+            Err(e) if e.downcast_ref::<KvCacheFull>().is_some() || e.chain().any(|c| c.to_string().contains(KV_CACHE_FULL)) => Chunk::NoRoom(format!("{e:#}")),
+            Err(e) => Chunk::Failed(format!("{e:#}")),
         })
         .collect()
 }
@@ -302,17 +380,31 @@ mod tests {
             send(&tx, id, prompt);
         }
         // 100 + 200 fit 512; 300 more would not, and leads the next batch.
-        assert_eq!(ids(queue.take(true, 512, usize::MAX, None)), Some(vec![0, 1]));
-        assert_eq!(ids(queue.take(true, 512, usize::MAX, None)), Some(vec![2]));
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, None, false)), Some(vec![0, 1]));
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, None, false)), Some(vec![2]));
         // A prompt longer than the budget goes alone.
-        assert_eq!(ids(queue.take(true, 512, usize::MAX, None)), Some(vec![3]));
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, None, false)), Some(vec![3]));
         // At most two requests a batch.
-        assert_eq!(ids(queue.take(true, 512, 2, None)), Some(vec![4, 5]));
-        assert_eq!(ids(queue.take(false, 512, 2, None)), Some(vec![6]));
+        assert_eq!(ids(queue.take(true, 512, 2, None, false)), Some(vec![4, 5]));
+        assert_eq!(ids(queue.take(false, 512, 2, None, false)), Some(vec![6]));
         // Nothing waiting: empty without blocking; once the senders are gone, None.
-        assert_eq!(ids(queue.take(false, 512, 2, None)), Some(vec![]));
+        assert_eq!(ids(queue.take(false, 512, 2, None, false)), Some(vec![]));
         drop(tx);
-        assert_eq!(ids(queue.take(true, 512, 2, None)), None);
+        assert_eq!(ids(queue.take(true, 512, 2, None, false)), None);
+    }
+
+    #[test]
+    fn a_split_batch_covers_the_token_budget() {
+        let (tx, rx) = channel();
+        let mut queue = Queue::new(rx);
+        for (id, prompt) in [(0, 100), (1, 300), (2, 300), (3, 10)] {
+            send(&tx, id, prompt);
+        }
+        // The second prompt runs past 256 tokens: it is taken (to be applied in chunks), and
+        // nothing after it.
+        assert_eq!(ids(queue.take(true, 256, usize::MAX, None, true)), Some(vec![0, 1]));
+        assert_eq!(ids(queue.take(true, 256, usize::MAX, None, true)), Some(vec![2]));
+        assert_eq!(ids(queue.take(true, 256, usize::MAX, None, true)), Some(vec![3]));
     }
 
     #[test]
@@ -325,13 +417,13 @@ mod tests {
         }
         let room = |available| Some(KvRoom { available, limit: 8 });
         // The first waits while it does not fit; then as many as fit.
-        assert_eq!(ids(queue.take(true, 512, usize::MAX, room(1))), Some(vec![]));
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, room(1), false)), Some(vec![]));
         assert!(queue.holds_one());
-        assert_eq!(ids(queue.take(true, 512, usize::MAX, room(6))), Some(vec![0, 1, 2]));
-        assert_eq!(ids(queue.take(true, 512, usize::MAX, room(6))), Some(vec![]));
-        assert_eq!(ids(queue.take(true, 512, usize::MAX, room(7))), Some(vec![3]));
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, room(6), false)), Some(vec![0, 1, 2]));
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, room(6), false)), Some(vec![]));
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, room(7), false)), Some(vec![3]));
         // One that could never fit is taken (its prefill says why it fails).
         send(&tx, 4, 200);
-        assert_eq!(ids(queue.take(true, 512, usize::MAX, room(2))), Some(vec![4]));
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, room(2), false)), Some(vec![4]));
     }
 }

@@ -80,6 +80,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
     let mut gemvs = String::new();
     let mut steps_alone = String::new();
     let mut batches = String::new();
+    let mut batch_profile = String::new();
     let mut packs = String::new();
     let mut pack_profile = String::new();
     let mut bridges = String::new();
@@ -213,7 +214,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
         progress(&format!("{spec}: batched decode"));
         let default_from = g.decode_gemm_from();
         let mut one = 0.0;
-        for n in [1usize, 2, 3, 4, 6, 8, 16, 32, 64] {
+        for n in [1usize, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256] {
             let mut states = (0..n)
                 .map(|i| {
                     let mut st = g.new_state()?;
@@ -258,6 +259,25 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
                 }
                 let chosen = if paths.len() == 1 || (n.next_power_of_two() >= default_from) == (from == 2) { " (default)" } else { "" };
                 writeln!(batches, "| {spec} | {n} | {label}{chosen} | {rate:.0} ({lo:.0} - {hi:.0}) | {:.2}x |", rate / one)?;
+            }
+            if n == 256 {
+                // Where the largest batched step goes, kernel by kernel.
+                g.graphs = false;
+                let mut refs: Vec<_> = states.iter_mut().collect();
+                g.decode_batch(&ids, &mut refs)?;
+                let profiled = 4;
+                g.gpu.start_profile();
+                for _ in 0..profiled {
+                    g.decode_batch(&ids, &mut refs)?;
+                }
+                let profile = g.gpu.finish_profile()?;
+                g.graphs = true;
+                let total: f64 = profile.iter().map(|p| p.1).sum();
+                writeln!(batch_profile, "\n{spec}, a step of {n} sequences: {:.2} ms of kernels ({} launches):\n", total / profiled as f64, profile.iter().map(|p| p.2).sum::<usize>() / profiled)?;
+                writeln!(batch_profile, "| kernel | ms per step | launches per step | share |\n|---|---|---|---|")?;
+                for (name, ms, count) in profile.iter().take(12) {
+                    writeln!(batch_profile, "| {name} | {:.3} | {} | {:.0}% |", ms / profiled as f64, count / profiled, 100.0 * ms / total)?;
+                }
             }
         }
 
@@ -365,7 +385,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
         "\n### A decode step on the GPU alone (its graph replayed {decode_steps} times back to back, one wait at the end; median of {reps}) against a step as `apply` runs it with its greedy pick (a wait, and the argmax, found on the GPU, copied to the host each token)\n\n| model | µs per step, GPU alone | µs per step, apply + pick | tok/s, GPU alone |\n|---|---|---|---|\n{steps_alone}"
     )?;
     writeln!(report, "\n### The decode GEMVs alone (one token; each kind through every layer's matrices, a CUDA graph of 40 launches or more, median of 5 replays)\n\n| model | GEMV | weights | MB | µs per launch | GB/s | of bandwidth |\n|---|---|---|---|---|---|---|\n{gemvs}")?;
-    writeln!(report, "\n### Batched decode (one step for every sequence, replayed from its batch-size bucket's graph; one sequence: its own graph). From 2 to 8 sequences the products by the GEMV and by the tensor-core GEMM, interleaved; (default): the path the engine takes\n\n| model | sequences | products | aggregate tok/s | vs one |\n|---|---|---|---|---|\n{batches}")?;
+    writeln!(report, "\n### Batched decode (one step for every sequence, replayed from its batch-size bucket's graph; one sequence: its own graph). From 2 to 8 sequences the products by the GEMV and by the tensor-core GEMM, interleaved; (default): the path the engine takes\n\n| model | sequences | products | aggregate tok/s | vs one |\n|---|---|---|---|---|\n{batches}{batch_profile}")?;
     writeln!(report, "\n### Packed prefill (prompts of {prompt} tokens prefilled in one forward, their rows packed; against the same prompts one after another, measured at 1 and 16; median of {reps})\n\n| model | prompts | tokens | tok/s | TFLOP/s | of bf16 peak | one after another tok/s |\n|---|---|---|---|---|---|---|\n{packs}{pack_profile}")?;
     writeln!(
         report,

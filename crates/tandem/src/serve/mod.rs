@@ -54,7 +54,9 @@ OPTIONS:
   --prefill PLACEMENT, --decode PLACEMENT, --mode, --transfer, --threads, --cores, --quant, --isa
                            the engines, as for tandem generate (tandem --help)
   --max-prefill-tokens N   most prompt tokens prefilled in one forward: a CUDA engine packs the
-                           prompts that wait into one, up to this many (default 8192)
+                           prompts that wait into one, up to this many (default 8192); one
+                           engine doing both (--mode decode-engine) applies this many per step
+                           between decode steps, a longer prompt in chunks (chunked prefill)
   --max-concurrent N       sequences running at once: the decode batch (default 8)
   --max-queue N            requests waiting for a sequence past that; more are refused with 429
                            and Retry-After (default 64)
