@@ -8,7 +8,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::mpsc::channel;
 use std::sync::Arc;
 
-use tandem_core::engine::{Dispatch, EngineSpec};
+use tandem_core::engine::{Device, Dispatch, EngineSpec};
 use tandem_core::model::load::LoadedModel;
 use tandem_core::model::{Logits, Qwen35};
 use tandem_core::backend::cpu::pool::Pool;
@@ -373,8 +373,9 @@ fn a_request_cancelled_in_the_queue_is_never_prefilled() {
 /// A K/V cache too small for every request at once (24 blocks of 16 positions: the longest
 /// prompt and its reply alone fit): requests wait for room, sequences are swapped out to host
 /// memory and back, and every request's greedy tokens are those it gets alone; once all are
-/// answered the blocks are back in the pool. One engine (whole prompts, and 20 prompt tokens a step), and two engines sharing the GPU's
-/// pool. Ignored by default (it needs an NVIDIA GPU).
+/// answered the blocks are back in the pool. One engine (whole prompts, and 20 prompt tokens a
+/// step), two engines sharing the GPU's pool, and a CPU prefill engine whose states wait in
+/// host memory for room. Ignored by default (it needs an NVIDIA GPU).
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn a_small_kv_cache_swaps_sequences_and_keeps_their_tokens() {
@@ -385,11 +386,16 @@ fn a_small_kv_cache_swaps_sequences_and_keeps_their_tokens() {
     let gpu = "cuda:0,precision=exact";
     let (max_tokens, blocks) = (64, 24);
     assert!(prompts.iter().all(|p| (p.len() + max_tokens).div_ceil(KV_BLOCK) <= blocks), "a request that cannot fit alone");
-    let alone: Vec<Vec<u32>> = prompts.iter().map(|p| run_pipeline(&m.net, &config(Mode::AllOnDecodeEngine, gpu, gpu, Transfer::Move, 1), std::slice::from_ref(p), max_tokens).remove(0)).collect();
+    // Each request alone, prefilled on the GPU and on the CPU.
+    let solo = |prefill: &str| -> Vec<Vec<u32>> { prompts.iter().map(|p| run_pipeline(&m.net, &config(Mode::Hybrid, prefill, gpu, Transfer::Move, 1), std::slice::from_ref(p), max_tokens).remove(0)).collect() };
+    let (alone_gpu, alone_cpu) = (solo(gpu), solo("cpu:threads=2"));
     let budget = KvBudget::Bytes(blocks * KV_BLOCK * m.net.config.kv_bytes_per_token());
     let chunked = PipelineConfig { max_prefill_tokens: 20, ..config(Mode::AllOnDecodeEngine, gpu, gpu, Transfer::Move, 8) };
-    for c in [config(Mode::AllOnDecodeEngine, gpu, gpu, Transfer::Move, 8), config(Mode::Hybrid, gpu, gpu, Transfer::Move, 8), chunked] {
+    // The CPU prefills faster than the GPU decodes: its states wait on the host for room.
+    let from_cpu = config(Mode::Hybrid, "cpu:threads=2", gpu, Transfer::Move, 8);
+    for c in [config(Mode::AllOnDecodeEngine, gpu, gpu, Transfer::Move, 8), config(Mode::Hybrid, gpu, gpu, Transfer::Move, 8), chunked, from_cpu] {
         let c = PipelineConfig { kv_cache: budget, ..c };
+        let alone = if c.prefill.device == Device::Cpu { &alone_cpu } else { &alone_gpu };
         let (got, swaps, level) = pipeline::run(&m.net, &c, |p| {
             assert_eq!(p.kv_capacity().map(|k| k.blocks), Some(blocks));
             let (tx, rx) = channel();
@@ -413,11 +419,11 @@ fn a_small_kv_cache_swaps_sequences_and_keeps_their_tokens() {
             Ok((out, p.swaps(), p.kv_level().unwrap()))
         })
         .unwrap();
-        for (i, (g, want)) in got.iter().zip(&alone).enumerate() {
-            assert_eq!(g, want, "{:?}: request {i} differs from its run alone", c.mode);
+        for (i, (g, want)) in got.iter().zip(alone).enumerate() {
+            assert_eq!(g, want, "{:?} {}: request {i} differs from its run alone", c.mode, c.prefill);
         }
-        eprintln!("{:?}: {} sequences swapped out, {} back; {} blocks in use at the end", c.mode, swaps.0, swaps.1, level.used);
-        assert!(swaps.0 > 0 && swaps.0 == swaps.1, "{:?}: {swaps:?} swaps out and in", c.mode);
+        eprintln!("{:?} {}: {} sequences swapped out, {} back; {} blocks in use at the end", c.mode, c.prefill, swaps.0, swaps.1, level.used);
+        assert!(swaps.0 == swaps.1 && (swaps.0 > 0 || c.prefill.device == Device::Cpu), "{:?} {}: {swaps:?} swaps out and in", c.mode, c.prefill);
         // What is left: the block of the batched step's padding rows.
         assert!(level.used <= 1, "{:?}: {} blocks still in use", c.mode, level.used);
     }

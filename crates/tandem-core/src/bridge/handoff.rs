@@ -17,6 +17,7 @@ use anyhow::{Context, Result};
 
 use super::file::{self, StateFile};
 use super::{device, socket, Fingerprint, Transfer, TransferTimes};
+use crate::backend::cuda::qwen35::kv_cache::KvCacheFull;
 use crate::backend::cuda::qwen35::GpuQwen35;
 use crate::model::config::Qwen35Config;
 use crate::state::{DeviceState, State};
@@ -130,7 +131,8 @@ impl<T> Drop for Sender<T> {
 
 impl<T> Receiver<T> {
     /// The next handed-over state, on the device of an engine that computes on `gpu` (None:
-    /// the host), with its item; with `wait`, blocks until one comes. An error in the result
+    /// the host; a state for which that GPU's K/V cache has no room now stays where it was),
+    /// with its item; with `wait`, blocks until one comes. An error in the result
     /// is this state's (the item is to be answered); `Err` means none is waiting
     /// (`TryRecvError::Empty`) or none will come (`Disconnected`).
     #[allow(clippy::type_complexity)]
@@ -138,17 +140,11 @@ impl<T> Receiver<T> {
         let (item, parcel, serialize) = if wait { self.channel.recv().map_err(|_| TryRecvError::Disconnected)? } else { self.channel.try_recv()? };
         let mut times = TransferTimes { serialize, ..Default::default() };
         let received = match parcel {
-            // Between devices the copy is the whole transfer: it counts as the read.
-            Parcel::State(state) => {
-                let t = Instant::now();
-                let moved = device::move_to(gpu, state);
-                times.read = t.elapsed();
-                moved
-            }
+            Parcel::State(state) => Ok((state, false)),
             Parcel::File(file) => file::read_file(&file, self.fingerprint, &self.cfg, self.spare.pop(), true).map(|(state, read, rebuild)| {
                 times.read = read;
                 times.rebuild = rebuild;
-                DeviceState::Host(state)
+                (DeviceState::Host(state), true)
             }),
             Parcel::OnSocket => {
                 let (stream, sent) = self.socket.as_mut().expect("a socket transfer has a socket");
@@ -156,19 +152,22 @@ impl<T> Receiver<T> {
                     times.serialize = sent.recv().unwrap_or_default();
                     times.read = read;
                     times.rebuild = rebuild;
-                    DeviceState::Host(state)
+                    (DeviceState::Host(state), true)
                 })
             }
         };
-        // A GPU engine rebuilds a host state (from a file or the socket) on its GPU: part of
-        // the rebuild.
-        let received = received.and_then(|state| {
-            if matches!(state, DeviceState::Host(_)) && gpu.is_some() {
-                let t = Instant::now();
-                let moved = device::move_to(gpu, state);
-                times.rebuild += t.elapsed();
-                return moved;
+        // Onto the engine's device: between devices the copy is the whole transfer (it counts
+        // as the read); a state read from a file or the socket is rebuilt on a GPU engine's
+        // GPU (part of the rebuild). Where that GPU's K/V cache has no room now, the state
+        // stays where it is, whole: the decode engine brings it in once blocks are free.
+        let received = received.and_then(|(mut state, rebuilt)| {
+            let t = Instant::now();
+            match device::move_in_place(gpu, &mut state) {
+                Ok(()) => {}
+                Err(e) if KvCacheFull::is(&e) => {}
+                Err(e) => return Err(e),
             }
+            if rebuilt { times.rebuild += t.elapsed() } else { times.read = t.elapsed() }
             Ok(state)
         });
         Ok((item, received.map(|state| (state, times))))

@@ -38,12 +38,14 @@ struct Active {
     timings: Timings,
     submitted: Instant,
     first_token: Option<Instant>,
+    /// Swapped out of the K/V cache (rather than waiting for room since it arrived).
+    swapped_out: bool,
 }
 
 impl Active {
     fn new(request: Request, state: DeviceState, timings: Timings, submitted: Instant) -> Active {
         let sampler = Sampler::new(request.sampling.clone(), request.vocab);
-        Active { request, state, sampler, timings, submitted, first_token: None }
+        Active { request, state, sampler, timings, submitted, first_token: None, swapped_out: false }
     }
 }
 
@@ -86,7 +88,14 @@ pub(super) fn decode_loop(engine: &Engine, mut bridge: handoff::Receiver<Handoff
             match received {
                 Ok((state, transfer)) => {
                     timings.transfer = transfer;
-                    batch.active.push(Active::new(request, state, timings, submitted));
+                    let a = Active::new(request, state, timings, submitted);
+                    if engine.gpu().is_some_and(|g| !a.state.is_on(g)) {
+                        // No room for it in the K/V cache yet: it waits with the swapped-out
+                        // sequences, and comes in as they do.
+                        batch.swapped.push(a);
+                    } else {
+                        batch.active.push(a);
+                    }
                 }
                 Err(e) => {
                     let _ = request.events.send(Event::Failed { id: request.id, error: format!("receiving the state: {e:#}") });
@@ -94,6 +103,10 @@ pub(super) fn decode_loop(engine: &Engine, mut bridge: handoff::Receiver<Handoff
             }
         }
         fit_kv_cache(engine, &mut batch, time);
+        if batch.active.is_empty() && !batch.swapped.is_empty() {
+            // Waiting for blocks that others hold (a prefill engine sharing the pool).
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         for state in step(engine, &mut batch.active, time) {
             bridge.recycle(state);
         }
@@ -212,7 +225,14 @@ fn fit_kv_cache(engine: &Engine, batch: &mut Batch, time: &EngineTime) {
         !cancelled
     });
     let next = |a: &Active| a.state.position() + 1;
+    let limit = pool.level().limit.unwrap_or(0);
     while let Some(first) = batch.swapped.first() {
+        if first.state.kv_blocks_short(next(first)) > limit {
+            let a = batch.swapped.remove(0);
+            let error = format!("the K/V cache cannot hold this request: its {} positions need {} blocks of {KV_BLOCK}, the cache has {limit} (raise --gpu-memory-utilization or --kv-cache-memory)", next(&a), a.state.kv_blocks_short(next(&a)));
+            let _ = a.request.events.send(Event::Failed { id: a.request.id, error });
+            continue;
+        }
         let running: usize = batch.active.iter().map(|a| a.state.kv_blocks_short(next(a))).sum();
         if running + first.state.kv_blocks_short(next(first)) > pool.available().unwrap_or(0) {
             break;
@@ -221,10 +241,12 @@ fn fit_kv_cache(engine: &Engine, batch: &mut Batch, time: &EngineTime) {
         let end = next(&a);
         match engine.reserve_kv(&mut a.state, end) {
             Ok(()) => {
+                if std::mem::take(&mut a.swapped_out) {
+                    time.swapped_in.fetch_add(1, Ordering::Relaxed);
+                }
                 batch.active.push(a);
-                time.swapped_in.fetch_add(1, Ordering::Relaxed);
             }
-            Err(e) if e.downcast_ref::<KvCacheFull>().is_some() => {
+            Err(e) if KvCacheFull::is(&e) => {
                 batch.swapped.insert(0, a);
                 break;
             }
@@ -237,12 +259,13 @@ fn fit_kv_cache(engine: &Engine, batch: &mut Batch, time: &EngineTime) {
     while i < batch.active.len() {
         let end = next(&batch.active[i]);
         match engine.reserve_kv(&mut batch.active[i].state, end) {
-            Err(e) if e.downcast_ref::<KvCacheFull>().is_some() && batch.active.len() > 1 => {
+            Err(e) if KvCacheFull::is(&e) && batch.active.len() > 1 => {
                 // Swap out the last admitted (perhaps this one) and try again.
                 let mut a = batch.active.pop().expect("more than one running");
                 // To host memory; its GPU state, and with it its blocks, dropped.
                 match crate::bridge::device::move_in_place(None, &mut a.state) {
                     Ok(()) => {
+                        a.swapped_out = true;
                         // At the front: the sequences swapped out in one go come back oldest first.
                         batch.swapped.insert(0, a);
                         time.swapped_out.fetch_add(1, Ordering::Relaxed);

@@ -10,7 +10,7 @@ use super::decode::Handoff;
 use super::request::{Event, Finish, Request, Timings};
 use super::EngineTime;
 use crate::bridge::handoff::{self, SendError};
-use crate::backend::cuda::qwen35::kv_cache::{KvCacheFull, KV_BLOCK, KV_CACHE_FULL};
+use crate::backend::cuda::qwen35::kv_cache::{KvCacheFull, KV_BLOCK};
 use crate::engine::{Engine, PrefillStats};
 use crate::state::DeviceState;
 
@@ -338,7 +338,7 @@ pub(super) fn apply_chunks(engine: &Engine, chunks: &mut [(&mut Prefill, usize)]
                 t.time += stats.time;
                 Chunk::Applied
             }
-            Err(e) if e.downcast_ref::<KvCacheFull>().is_some() || e.chain().any(|c| c.to_string().contains(KV_CACHE_FULL)) => Chunk::NoRoom(format!("{e:#}")),
+            Err(e) if KvCacheFull::is(&e) => Chunk::NoRoom(format!("{e:#}")),
             Err(e) => Chunk::Failed(format!("{e:#}")),
         })
         .collect()

@@ -6,7 +6,7 @@ use anyhow::Result;
 
 use super::State;
 use crate::backend::cuda::qwen35::kv_cache::KV_BLOCK;
-use crate::backend::cuda::qwen35::GpuState;
+use crate::backend::cuda::qwen35::{GpuQwen35, GpuState};
 use crate::sampling::Sampler;
 
 pub enum DeviceState {
@@ -70,6 +70,11 @@ impl DeviceState {
             DeviceState::Host(s) => Ok(s.into_owned()),
             DeviceState::Gpu(s) => s.download(),
         }
+    }
+
+    /// Whether the state lives on `gpu`'s device.
+    pub fn is_on(&self, gpu: &GpuQwen35) -> bool {
+        matches!(self, DeviceState::Gpu(s) if s.ordinal() == gpu.gpu.ordinal)
     }
 
     /// Where the state lives, for messages: `host`, `cuda:N`.

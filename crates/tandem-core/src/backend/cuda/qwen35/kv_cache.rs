@@ -84,6 +84,13 @@ impl std::fmt::Display for KvCacheFull {
 
 impl std::error::Error for KvCacheFull {}
 
+impl KvCacheFull {
+    /// Whether `e` is (or was, passed on as text) a `KvCacheFull`: the work may wait for room.
+    pub fn is(e: &anyhow::Error) -> bool {
+        e.downcast_ref::<KvCacheFull>().is_some() || e.chain().any(|c| c.to_string().contains(KV_CACHE_FULL))
+    }
+}
+
 impl KvPool {
     /// An empty pool on the GPU of `ctx`, for a model of `config`'s shapes.
     pub fn new(ctx: &Arc<CudaContext>, config: &Qwen35Config) -> Result<KvPool> {
