@@ -242,8 +242,13 @@ DELTANET_STEP(deltanet_step_128, 128)
 // block x of deltanet_step does for it alone (the same arithmetic), on its conv window
 // convs[b] and state states[b]; each sequence has its own hand-over buffers. Grid:
 // (hv * dv / 32, sequences); pss: sequences * hv * (dv / 32) * 8 floats; done: sequences * hk.
+// A block's work is a chain of waits (its state tile's loads, the conv, five barriers, the
+// stores): the SM hides one block's chain behind another's loads, so more blocks per SM move
+// the states faster. At 64 registers two fit; capped at 40 (a few bytes spilled) three do: at
+// the 0.8B's shapes, 256 sequences, 0.400 -> 0.327 ms a layer on an H100
+// (scripts/bench-deltanet-step.sh).
 #define DELTANET_STEP_BATCH(NAME, DK)                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(512) NAME(float* const* convs, float* const* states, const float* qkv, const float* z, const float* b,    \
+    extern "C" __global__ void __launch_bounds__(512, 3) NAME(float* const* convs, float* const* states, const float* qkv, const float* z, const float* b,    \
                                     const float* a, const float* taps, const float* na, const float* dt, const float* nw, float* core, float* pss,          \
                                     unsigned* done, int hk, int hv, int dv, int cd, int kk, float eps) {                                                   \
         size_t s = blockIdx.y, vd = (size_t)hv * dv;                                                                                                      \
