@@ -17,6 +17,7 @@ use crate::backend::cuda::qwen35::kv_cache::KvPool;
 use crate::backend::cuda::qwen35::{GpuQwen35, GpuState, Precision};
 use crate::model::{Logits, Qwen35};
 use crate::backend::cpu::pool::Pool;
+use crate::sampling::Sampler;
 use crate::state::{DeviceState, State};
 use crate::bridge::device;
 
@@ -413,6 +414,24 @@ impl<'m> Engine<'m> {
         g.prefill_batch(prompts, &mut on_gpu)?;
         let time = start.elapsed();
         Ok(prompts.iter().map(|p| PrefillStats { tokens: p.len(), dispatches: 1, padded_rows: 0, time }).collect())
+    }
+
+    /// The next token of `state` by `sampler`, from its last logits: a GPU engine picks a greedy
+    /// token or draws at a temperature on the GPU where the logits are still there (only an
+    /// index crosses), else the host samples the row.
+    pub fn sample(&self, state: &mut DeviceState, sampler: &mut Sampler) -> Result<u32> {
+        if let (Backend::Cuda(g), DeviceState::Gpu(s)) = (&self.backend, &mut *state) {
+            if let Some(token) = s.last_argmax().and_then(|a| sampler.greedy_pick(a)) {
+                return Ok(token);
+            }
+            if let Some((n, inv_t, u)) = sampler.gpu_draw() {
+                return match g.sample_row(s, n, inv_t, u)? {
+                    Some(token) => Ok(token),
+                    None => Ok(sampler.sample_drawn(s.last_logits()?, u)),
+                };
+            }
+        }
+        state.sample(sampler)
     }
 
     /// One decode step: `tokens[i]` applied to `states[i]`, all in one pass over the weights.

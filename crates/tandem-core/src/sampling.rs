@@ -1,6 +1,8 @@
 //! Choosing the next token from logits: greedy, or temperature / top-k / top-p with a seeded
 //! generator. Logit rows past the tokenizer's vocabulary (Qwen3.5 pads 248077 real ids to
-//! 248320 rows) are never chosen.
+//! 248320 rows) are never chosen. Weights are integers (exact sums in any order) and a draw walks
+//! the kept tokens in id order, so that a temperature without cuts sorts nothing and a GPU can
+//! draw the same token from a row it holds (kernels/sample.cu sample_row).
 
 use anyhow::{bail, Result};
 
@@ -40,12 +42,29 @@ pub struct Sampler {
     rng: Rng,
     /// Only ids below this are candidates.
     allowed: usize,
-    candidates: Vec<(u32, f32)>,
+    candidates: Vec<Candidate>,
+}
+
+/// A token that may be sampled: its id, its logit less the largest over the temperature, and
+/// its weight exp(score) in units of 2^-40 (the largest logit's weight is exactly 2^40).
+/// Integer weights make every sum exact, so a pick does not depend on the order the weights
+/// are added in.
+#[derive(Clone, Copy, Debug)]
+struct Candidate {
+    id: u32,
+    score: f32,
+    weight: u64,
 }
 
 /// Candidates whose logit is this far below the maximum (after temperature) have probability
-/// below e^-30 ≈ 1e-13 each; dropping them before sorting changes no f32 probability sum.
+/// below e^-30 ≈ 1e-13 each; they are left out (each would still weigh 2^40 e^-30 ≈ 103).
 const NEGLIGIBLE_LOGIT_GAP: f32 = 30.0;
+const WEIGHT_ONE: f64 = (1u64 << 40) as f64;
+
+/// Higher score first, then lower id: the order top-k and top-p cut in.
+fn by_score_desc(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
+    b.score.total_cmp(&a.score).then(a.id.cmp(&b.id))
+}
 
 impl Sampler {
     pub fn new(params: SamplingParams, allowed_vocab: usize) -> Self {
@@ -60,53 +79,100 @@ impl Sampler {
         (self.params.temperature == 0.0 && (argmax as usize) < self.allowed).then_some(argmax)
     }
 
+    /// The next token: greedy at temperature 0; else the candidates' softmax at the
+    /// temperature, cut to the `top_k` highest and then to the shortest run of highest whose
+    /// mass reaches `top_p`, and one drawn from what is kept (walking it in id order, so that
+    /// no sort is needed without a cut).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let logits = &logits[..self.allowed.min(logits.len())];
         if self.params.temperature == 0.0 {
-            return argmax(logits);
+            return argmax(&logits[..self.allowed.min(logits.len())]);
         }
+        let u = self.rng.next_f64();
+        self.sample_drawn(logits, u)
+    }
+
+    /// Where a GPU can draw this sampler's next token from a row of logits it holds
+    /// (kernels/sample.cu sample_row: a temperature, no top-k or top-p cut): the ids it may
+    /// pick (below this many), 1 / temperature and the uniform draw, taken from the generator
+    /// now. The host draws with `sample_drawn` and the same uniform where the GPU cannot.
+    pub fn gpu_draw(&mut self) -> Option<(usize, f32, f64)> {
+        let p = &self.params;
+        (p.temperature > 0.0 && p.top_k == 0 && p.top_p >= 1.0).then(|| (self.allowed, 1.0 / p.temperature, self.rng.next_f64()))
+    }
+
+    /// `sample` with its uniform draw `u` (in [0, 1)) already taken; at a temperature above 0.
+    pub fn sample_drawn(&mut self, logits: &[f32], u: f64) -> u32 {
+        let logits = &logits[..self.allowed.min(logits.len())];
         let inv_t = 1.0 / self.params.temperature;
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         self.candidates.clear();
         for (i, &l) in logits.iter().enumerate() {
-            let s = (l - max) * inv_t;
-            if s > -NEGLIGIBLE_LOGIT_GAP {
-                self.candidates.push((i as u32, s));
+            let score = (l - max) * inv_t;
+            if score > -NEGLIGIBLE_LOGIT_GAP {
+                let weight = (score.exp() as f64 * WEIGHT_ONE).round() as u64;
+                self.candidates.push(Candidate { id: i as u32, score, weight });
             }
         }
-        let c = &mut self.candidates;
-        let by_score_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if self.params.top_k > 0 && self.params.top_k < c.len() {
-            c.select_nth_unstable_by(self.params.top_k - 1, by_score_desc);
-            c.truncate(self.params.top_k);
+        if self.candidates.is_empty() {
+            // Every logit NaN (or the row empty): as greedy does.
+            return argmax(logits);
         }
-        c.sort_unstable_by(by_score_desc);
-        // Softmax over the candidates, then the smallest prefix whose mass reaches top_p.
-        let mut total = 0f64;
-        for e in c.iter_mut() {
-            e.1 = e.1.exp();
-            total += e.1 as f64;
-        }
+        let c = &mut self.candidates[..];
         let mut keep = c.len();
-        if self.params.top_p < 1.0 {
-            let mut cum = 0f64;
-            for (i, e) in c.iter().enumerate() {
-                cum += e.1 as f64 / total;
-                if cum >= self.params.top_p as f64 {
-                    keep = i + 1;
-                    break;
+        let top_k = self.params.top_k > 0 && self.params.top_k < keep;
+        if top_k {
+            c.select_nth_unstable_by(self.params.top_k - 1, by_score_desc);
+            keep = self.params.top_k;
+        }
+        let top_p = self.params.top_p < 1.0;
+        if top_p {
+            keep = nucleus(&mut c[..keep], self.params.top_p);
+        }
+        let kept = &mut c[..keep];
+        if top_k || top_p {
+            // Back in id order (the cuts moved them).
+            kept.sort_unstable_by_key(|e| e.id);
+        }
+        let total: u64 = kept.iter().map(|e| e.weight).sum();
+        let r = ((u * total as f64) as u64).min(total - 1);
+        let mut cum = 0u64;
+        for e in kept.iter() {
+            cum += e.weight;
+            if r < cum {
+                return e.id;
+            }
+        }
+        unreachable!("r < total")
+    }
+}
+
+/// How many of `c`'s highest (`by_score_desc`) hold at least `top_p` of its weight, the fewest
+/// that do; they end up first in `c`. Only as many as needed are sorted: the highest 64, 256,
+/// ... are selected until they hold enough.
+fn nucleus(c: &mut [Candidate], top_p: f32) -> usize {
+    let total: u64 = c.iter().map(|e| e.weight).sum();
+    let target = ((top_p as f64 * total as f64).ceil() as u64).clamp(1, total);
+    let mut n = 64;
+    loop {
+        if n >= c.len() {
+            n = c.len();
+        } else {
+            c.select_nth_unstable_by(n - 1, by_score_desc);
+        }
+        let all = c.len();
+        let head = &mut c[..n];
+        if n == all || head.iter().map(|e| e.weight).sum::<u64>() >= target {
+            head.sort_unstable_by(by_score_desc);
+            let mut cum = 0u64;
+            for (i, e) in head.iter().enumerate() {
+                cum += e.weight;
+                if cum >= target {
+                    return i + 1;
                 }
             }
+            return n;
         }
-        let kept_total: f64 = c[..keep].iter().map(|e| e.1 as f64).sum();
-        let mut r = self.rng.next_f64() * kept_total;
-        for e in &c[..keep] {
-            r -= e.1 as f64;
-            if r < 0.0 {
-                return e.0;
-            }
-        }
-        c[keep - 1].0
+        n *= 4;
     }
 }
 
@@ -218,6 +284,71 @@ mod tests {
         let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.85, seed: 1 }, 3);
         let picks: Vec<u32> = (0..200).map(|_| s.sample(&logits)).collect();
         assert!(picks.contains(&1) && !picks.contains(&2));
+    }
+
+    /// `Sampler::sample` the plain way: every candidate sorted, the cuts taken on the sorted
+    /// list, the kept ones walked in id order; the same integer weights.
+    fn sample_ref(params: &SamplingParams, rng: &mut Rng, logits: &[f32]) -> u32 {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut c: Vec<Candidate> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i, (l - max) * (1.0 / params.temperature)))
+            .filter(|&(_, score)| score > -NEGLIGIBLE_LOGIT_GAP)
+            .map(|(i, score)| Candidate { id: i as u32, score, weight: (score.exp() as f64 * WEIGHT_ONE).round() as u64 })
+            .collect();
+        c.sort_by(by_score_desc);
+        if params.top_k > 0 {
+            c.truncate(params.top_k);
+        }
+        let total: u64 = c.iter().map(|e| e.weight).sum();
+        let target = ((params.top_p as f64 * total as f64).ceil() as u64).clamp(1, total);
+        let mut cum = 0;
+        let keep = c.iter().position(|e| {
+            cum += e.weight;
+            cum >= target
+        });
+        c.truncate(keep.map_or(c.len(), |k| k + 1));
+        c.sort_by_key(|e| e.id);
+        let total: u64 = c.iter().map(|e| e.weight).sum();
+        let r = ((rng.next_f64() * total as f64) as u64).min(total - 1);
+        let mut cum = 0;
+        c.iter().find(|e| {
+            cum += e.weight;
+            r < cum
+        }).unwrap().id
+    }
+
+    #[test]
+    fn sampling_agrees_with_the_plain_way() {
+        let mut gen = Rng::new(11);
+        for (case, n) in [1usize, 3, 50, 64, 65, 300, 1000, 5000].into_iter().enumerate() {
+            // Peaked and flat rows, with ties.
+            let spread = if case % 2 == 0 { 20.0 } else { 2.0 };
+            let logits: Vec<f32> = (0..n).map(|_| (gen.next_signed_f32() * spread * 8.0).round() / 8.0).collect();
+            for (top_k, top_p, temperature) in [(0, 1.0, 1.0), (0, 0.9, 0.7), (40, 1.0, 1.3), (40, 0.5, 1.0), (1, 1.0, 1.0), (0, 0.999, 2.0)] {
+                let params = SamplingParams { temperature, top_k, top_p, seed: n as u64 };
+                let mut s = Sampler::new(params.clone(), n);
+                let mut rng = Rng::new(params.seed);
+                for draw in 0..30 {
+                    assert_eq!(s.sample(&logits), sample_ref(&params, &mut rng, &logits), "{n} logits, {params:?}, draw {draw}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn draws_follow_the_softmax() {
+        // Probabilities 0.6, 0.3, 0.1: 20,000 seeded draws land within 1% of each.
+        let logits = [0.6f32.ln(), 0.3f32.ln(), 0.1f32.ln()];
+        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 7 }, 3);
+        let mut counts = [0usize; 3];
+        for _ in 0..20_000 {
+            counts[s.sample(&logits) as usize] += 1;
+        }
+        for (count, p) in counts.iter().zip([0.6, 0.3, 0.1]) {
+            assert!((*count as f64 / 20_000.0 - p).abs() < 0.01, "{counts:?}");
+        }
     }
 
     #[test]

@@ -300,6 +300,43 @@ fn logits_overwritten_by_a_later_batched_step_are_refused() {
     assert_eq!(second[1].last_logits().unwrap().len(), m.net.config.vocab_size);
 }
 
+/// A draw at a temperature on the GPU (kernels/sample.cu sample_row) picks what the host's
+/// sampler picks from the same row with the same uniform, after a batched step and after one
+/// sequence's step; once the row is on the host the GPU declines.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn temperature_draws_on_the_gpu_are_the_hosts() {
+    use tandem_core::sampling::{Sampler, SamplingParams};
+    let (gpu0, _turn) = gpu_for("a draw at a temperature");
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let tokens = prompt("p4");
+    let gpu = GpuQwen35::upload(gpu0, &m.net, Precision::TensorCores).unwrap();
+    let mut states: Vec<_> = (0..3)
+        .map(|i| {
+            let mut s = gpu.new_state().unwrap();
+            gpu.forward(&tokens[..5 + i], &mut s, Logits::Last).unwrap();
+            s
+        })
+        .collect();
+    gpu.decode_batch(&[1, 2], &mut states[..2].iter_mut().collect::<Vec<_>>()).unwrap();
+    gpu.forward(&[3], &mut states[2], Logits::Last).unwrap();
+    let allowed = m.net.config.vocab_size - 7;
+    let draws: Vec<f64> = (0..40).map(|i| (i as f64 * 0.618_034).fract()).chain([0.0, 0.999_999_9]).collect();
+    for (i, s) in states.iter_mut().enumerate() {
+        for temperature in [1.0f32, 0.7, 3.0] {
+            let picks: Vec<Option<u32>> = draws.iter().map(|&u| gpu.sample_row(s, allowed, 1.0 / temperature, u).unwrap()).collect();
+            let row = s.host_logits().unwrap();
+            let mut host = Sampler::new(SamplingParams { temperature, ..Default::default() }, allowed);
+            for (&u, pick) in draws.iter().zip(&picks) {
+                assert_eq!(*pick, Some(host.sample_drawn(&row, u)), "state {i}, temperature {temperature}, u {u}");
+            }
+            assert!(picks.iter().collect::<std::collections::HashSet<_>>().len() > 1, "draws at temperature {temperature} vary");
+        }
+        s.last_logits().unwrap();
+        assert_eq!(gpu.sample_row(s, allowed, 1.0, 0.5).unwrap(), None, "the row is on the host now");
+    }
+}
+
 /// A decode step far into the context: the decode attention splits its 5,000 visible
 /// positions into chunks scored by separate blocks and merged by the last one (a prompt of
 /// pseudo-random ids; the CPU engine is the reference).

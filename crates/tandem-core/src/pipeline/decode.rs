@@ -294,7 +294,7 @@ fn step(engine: &Engine, active: &mut Vec<Active>, time: &EngineTime) -> Vec<Dev
         let finish = if a.request.cancel.load(Ordering::Relaxed) {
             Some(Finish::Cancelled)
         } else {
-            let token = match a.state.sample(&mut a.sampler) {
+            let token = match engine.sample(&mut a.state, &mut a.sampler) {
                 Ok(token) => token,
                 Err(e) => {
                     let a = active.remove(i);

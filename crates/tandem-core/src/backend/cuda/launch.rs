@@ -100,6 +100,13 @@ impl Param for f32 {
     }
 }
 
+impl Param for f64 {
+    const C_TYPE: &'static str = "double";
+    fn slot(self) -> u64 {
+        self.to_bits()
+    }
+}
+
 /// A kernel's whole parameter list: a tuple of `Param`s.
 pub trait Params {
     const C_TYPES: &'static [&'static str];

@@ -1,4 +1,4 @@
-// Sampling on the GPU: the greedy pick of each row of logits.
+// Sampling on the GPU: the greedy pick of each row of logits, and a draw at a temperature.
 
 // The greedy pick of each row of logits: the index of its largest value, the first of equal
 // ones, NaN never chosen (sampling::argmax, its reference); 0 where no value qualifies. Block
@@ -53,5 +53,57 @@ extern "C" __global__ void __launch_bounds__(256) argmax_rows(const float* logit
     if (threadIdx.x == 0) {
         out[row] = bi == 0xffffffffu ? 0u : bi;
         done[row] = 0;
+    }
+}
+
+// Sampling at a temperature with no top-k or top-p cut (sampling.rs Sampler::sample, the
+// host's form, and sample_reference.cpp): scores (logit - max) * inv_t; those above -30 weigh
+// round(exp(score) * 2^40) as integers, so that the sums are exact whatever their order; r =
+// u * total (u uniform in [0, 1), drawn by the host's generator) picks the first id whose
+// running weight passes r. The row stays on the GPU; one index comes back. One block of 256
+// threads per row, each owning a run of ids; out[0] = the id, or 0xffffffff where no logit
+// qualifies (all NaN or -inf: the host decides). The weights may differ from the host's in
+// their last bits (expf), so a draw that lands on a boundary may pick the neighbour.
+__device__ __forceinline__ unsigned long long sample_weight(float logit, float max, float inv_t) {
+    float s = (logit - max) * inv_t;
+    return s > -30.0f ? (unsigned long long)llround((double)expf(s) * 1099511627776.0) : 0ull;
+}
+extern "C" __global__ void __launch_bounds__(256) sample_row(const float* logits, int n, float inv_t, double u, u32* out) {
+    pdl_enter();
+    __shared__ unsigned long long below[256];
+    __shared__ unsigned long long total_s;
+    int tid = threadIdx.x, per = (n + blockDim.x - 1) / blockDim.x, p0 = min(n, tid * per), p1 = min(n, p0 + per);
+    float m = NEG_INF;
+    for (int i = p0; i < p1; i++) m = fmaxf(m, logits[i]);
+    m = block_max(m);
+    unsigned long long mine = 0;
+    for (int i = p0; i < p1; i++) mine += sample_weight(logits[i], m, inv_t);
+    below[tid] = mine;
+    __syncthreads();
+    if (tid == 0) {
+        unsigned long long run = 0;
+        for (int t = 0; t < (int)blockDim.x; t++) {
+            unsigned long long w = below[t];
+            below[t] = run;
+            run += w;
+        }
+        total_s = run;
+    }
+    __syncthreads();
+    unsigned long long total = total_s;
+    if (total == 0) {
+        if (tid == 0) out[0] = 0xffffffffu;
+        return;
+    }
+    unsigned long long r = (unsigned long long)(u * (double)total);
+    if (r > total - 1) r = total - 1;
+    unsigned long long run = below[tid];
+    if (r < run || r >= run + mine) return;
+    for (int i = p0; i < p1; i++) {
+        run += sample_weight(logits[i], m, inv_t);
+        if (r < run) {
+            out[0] = (u32)i;
+            return;
+        }
     }
 }

@@ -1,4 +1,4 @@
-// The reference of kernels/sample.cu and its checks (the greedy pick): run on CPU threads by
+// The reference of kernels/sample.cu and its checks (the greedy pick, the draw at a temperature): run on CPU threads by
 // tests/cuda_on_cpu.rs; tests/cuda_emu/checks.cpp (random, compare, ...) includes it.
 
 // argmax_rows against the plain loop (sampling::argmax_ref): ties go to the first, NaN never
@@ -31,7 +31,46 @@ static void check_argmax(int rows, int n, int spans) {
     printf("%s argmax_rows, %d rows of %d in %d spans: the plain loop's picks, counters at zero\n", ok ? "ok  " : "FAIL", rows, n, spans);
 }
 
+// sample_row against the plain form (sampling.rs Sampler::sample without cuts: integer weights,
+// the first id whose running weight passes u * total), for draws across [0, 1); a row with no
+// finite logit gives the sentinel.
+static void check_sample_row(int n, float temperature) {
+    auto x = random(n, -6, 6);
+    x[n / 3] = std::nanf("");
+    float inv_t = 1.0f / temperature;
+    float m = -INFINITY;
+    for (float v : x) m = std::fmax(m, v);
+    std::vector<unsigned long long> w(n);
+    unsigned long long total = 0;
+    for (int i = 0; i < n; i++) {
+        float s = (x[i] - m) * inv_t;
+        w[i] = s > -30.0f ? (unsigned long long)std::llround((double)std::exp(s) * 1099511627776.0) : 0ull;
+        total += w[i];
+    }
+    bool ok = true;
+    std::vector<u32> got(1);
+    for (double u : {0.0, 1e-9, 0.25, 0.5, 0.731, 0.999999, 0.99999999999}) {
+        got[0] = 12345;
+        launch(1, 1, 1, 256, [&] { sample_row(x.data(), n, inv_t, u, got.data()); });
+        unsigned long long r = std::min((unsigned long long)(u * (double)total), total - 1), run = 0;
+        int want = -1;
+        for (int i = 0; i < n && want < 0; i++) {
+            run += w[i];
+            if (r < run) want = i;
+        }
+        ok &= got[0] == (u32)want;
+    }
+    std::vector<float> none(n, -INFINITY);
+    none[1] = std::nanf("");
+    launch(1, 1, 1, 256, [&] { sample_row(none.data(), n, inv_t, 0.5, got.data()); });
+    ok &= got[0] == 0xffffffffu;
+    failures += !ok;
+    printf("%s sample_row, %d logits at temperature %.1f: the plain draw's picks, the sentinel without a finite logit\n", ok ? "ok  " : "FAIL", n, temperature);
+}
+
 static void check_sample_kernels() {
+    check_sample_row(10007, 1.0f);
+    check_sample_row(300, 0.3f);
     check_argmax(4, 10007, 64);
     check_argmax(3, 300, 7);
 }

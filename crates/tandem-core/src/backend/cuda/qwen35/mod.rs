@@ -629,6 +629,26 @@ impl GpuQwen35 {
         self.matmul(ws, normed, n, head, c.vocab_size, h, logits)
     }
 
+    /// A draw at a temperature from `state`'s last logits where a decode step of this engine
+    /// left them on the GPU (kernels/sample.cu sample_row over the first `n` ids, with `inv_t`
+    /// and the host's uniform `u`): the id, and only an index crosses to the host. None where
+    /// the logits are elsewhere or no logit qualifies: the host draws then, with the same `u`.
+    pub fn sample_row(&self, state: &GpuState, n: usize, inv_t: f32, u: f64) -> Result<Option<u32>> {
+        let g = &self.gpu;
+        let logits = match &state.last {
+            LastLogits::InBatch { logits, written, step, row, vocab, stream, .. } if Arc::ptr_eq(stream, &g.stream) && written.load(Ordering::Acquire) == *step && n <= *vocab => g.ptr(&**logits).offset(row * vocab),
+            LastLogits::InStep { .. } => match &state.step {
+                Some(step) if Arc::ptr_eq(&step.stream, &g.stream) && n <= step.ws.logits.len() => g.ptr(&*step.ws.logits),
+                _ => return Ok(None),
+            },
+            _ => return Ok(None),
+        };
+        let out = g.scratch::<u32>(1)?;
+        g.launch(k::SAMPLE_ROW, Grid::new((1, 1, 1), 256), (logits, n as i32, inv_t, u, g.ptr(&out)))?;
+        let id = g.download(&out, 1)?[0];
+        Ok((id != u32::MAX).then_some(id))
+    }
+
     /// The greedy pick of each of the first `rows` rows of `ws.logits` into `ws.pick`.
     fn enqueue_argmax(&self, ws: &Workspace, rows: usize) -> Result<()> {
         let g = &self.gpu;

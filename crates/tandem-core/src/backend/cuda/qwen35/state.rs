@@ -267,7 +267,7 @@ impl GpuState {
     }
 
     /// A host copy of the last logits, wherever they are.
-    pub(super) fn host_logits(&self) -> Result<Vec<f32>> {
+    pub fn host_logits(&self) -> Result<Vec<f32>> {
         match &self.last {
             LastLogits::Host(l) => Ok(l.clone()),
             LastLogits::InStep { .. } => {
