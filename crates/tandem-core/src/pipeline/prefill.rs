@@ -150,7 +150,7 @@ pub(super) fn prefill_loop(engine: &Engine, mut queue: Queue, mut bridge: handof
                     continue;
                 }
             };
-            let Prefill { request, submitted, state, timings, .. } = p;
+            let Prefill { request, submitted, state, timings, .. } = *p;
             if request.max_tokens == 0 {
                 finish_prefill_only(request, state, timings);
                 continue;
@@ -174,7 +174,7 @@ pub(super) fn prefill_loop(engine: &Engine, mut queue: Queue, mut bridge: handof
 /// What became of one request of a prefill batch.
 pub(super) enum Prefilled {
     /// Prefilled.
-    Done(Prefill),
+    Done(Box<Prefill>),
     /// Failed or cancelled while it queued, and answered.
     Answered,
     /// The K/V cache had no room for it (nothing was applied): the request as it came, to go
@@ -205,10 +205,10 @@ pub(super) fn prefill_requests(engine: &Engine, batch: Vec<(Request, Instant)>, 
         .map(|(p, outcome)| match (p, outcome) {
             (None, _) => Prefilled::Answered,
             // Applied, or nothing to apply (a checkpoint continued as it is).
-            (Some(p), None | Some(Chunk::Applied)) => Prefilled::Done(p),
+            (Some(p), None | Some(Chunk::Applied)) => Prefilled::Done(Box::new(p)),
             (Some(p), Some(Chunk::NoRoom(why))) => match p.unstart() {
-                Ok(request) => Prefilled::NoRoom(request),
-                Err((request, e)) => {
+                (request, Ok(())) => Prefilled::NoRoom(request),
+                ((request, _), Err(e)) => {
                     let _ = request.events.send(Event::Failed { id: request.id, error: format!("{why}; then bringing its starting state back: {e:#}") });
                     Prefilled::Answered
                 }
@@ -285,18 +285,19 @@ impl Prefill {
     }
 
     /// The request as it was queued, nothing of its prompt applied: its starting checkpoint
-    /// (a state with positions) back in `start`, in host memory. On failure, the request and
-    /// why.
-    pub(super) fn unstart(self) -> std::result::Result<(Request, Instant), (Request, anyhow::Error)> {
+    /// (a state with positions) back in `start`, in host memory; with an error where the
+    /// checkpoint could not be brought back (the request must then be answered with it).
+    pub(super) fn unstart(self) -> ((Request, Instant), anyhow::Result<()>) {
         debug_assert_eq!(self.applied, 0, "a prefill with tokens applied cannot go back to the queue");
         let Prefill { mut request, submitted, state, .. } = self;
+        let mut brought = Ok(());
         if state.position() > 0 {
             match state.into_host() {
                 Ok(s) => request.start = Some(s),
-                Err(e) => return Err((request, e)),
+                Err(e) => brought = Err(e),
             }
         }
-        Ok((request, submitted))
+        ((request, submitted), brought)
     }
 
     /// Answer the request with an error.
