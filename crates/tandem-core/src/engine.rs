@@ -416,14 +416,12 @@ impl<'m> Engine<'m> {
         Ok(prompts.iter().map(|p| PrefillStats { tokens: p.len(), dispatches: 1, padded_rows: 0, time }).collect())
     }
 
-    /// The next token of `state` by `sampler`, from its last logits: a GPU engine picks a greedy
-    /// token or draws at a temperature on the GPU where the logits are still there (only an
-    /// index crosses), else the host samples the row.
+    /// The next token of `state` by `sampler`, from its last logits: a GPU engine draws at a
+    /// temperature on the GPU where its step left the logits (only an index crosses); a
+    /// greedy pick is the GPU's argmax (`DeviceState::sample`); else the host samples the row.
     pub fn sample(&self, state: &mut DeviceState, sampler: &mut Sampler) -> Result<u32> {
         if let (Backend::Cuda(g), DeviceState::Gpu(s)) = (&self.backend, &mut *state) {
-            if let Some(token) = s.last_argmax().and_then(|a| sampler.greedy_pick(a)) {
-                return Ok(token);
-            }
+            // None for greedy sampling.
             if let Some((n, inv_t, u)) = sampler.gpu_draw() {
                 return match g.sample_row(s, n, inv_t, u)? {
                     Some(token) => Ok(token),

@@ -140,8 +140,8 @@ pub(super) fn single_engine_loop(engine: &Engine, mut queue: Queue, max_batch: u
             };
             let Some(taken) = queue.take(idle, budget, per_call, room, true) else { break };
             for (request, submitted) in taken {
-                if kv_limit.is_some_and(|limit| kv_blocks(&request) > limit) {
-                    let error = format!("the K/V cache cannot hold this request: its {} prompt tokens and first token need {} blocks of {KV_BLOCK} positions, the cache has {} (raise --gpu-memory-utilization or --kv-cache-memory)", request.tokens.len(), kv_blocks(&request), kv_limit.unwrap_or(0));
+                if let Some(limit) = kv_limit.filter(|&limit| kv_blocks(&request) > limit) {
+                    let error = cannot_hold(kv_blocks(&request), limit);
                     let _ = request.events.send(Event::Failed { id: request.id, error });
                     continue;
                 }
@@ -166,21 +166,13 @@ fn prefill_chunks(engine: &Engine, prefilling: &mut Vec<Prefill>, batch: &mut Ba
         }
         !cancelled
     });
-    let mut outcomes: Vec<Option<Chunk>> = prefilling.iter().map(|_| None).collect();
     let mut budget = max_tokens;
-    let (at, mut chunks): (Vec<usize>, Vec<(&mut Prefill, usize)>) = prefilling
-        .iter_mut()
-        .enumerate()
-        .filter(|(_, p)| p.remaining() > 0)
-        .map_while(|(i, p)| {
-            let len = p.remaining().min(budget);
-            budget -= len;
-            (len > 0).then_some((i, (p, len)))
-        })
-        .unzip();
-    for (i, outcome) in at.into_iter().zip(apply_chunks(engine, &mut chunks, time)) {
-        outcomes[i] = Some(outcome);
-    }
+    let take = |p: &Prefill| {
+        let len = p.remaining().min(budget);
+        budget -= len;
+        len
+    };
+    let outcomes = apply_chunks(engine, prefilling.iter_mut().map(Some), take, time);
     let stuck = batch.active.is_empty() && !outcomes.iter().any(|o| matches!(o, Some(Chunk::Applied)));
     let mut failed_one = false;
     for (p, outcome) in std::mem::take(prefilling).into_iter().zip(outcomes) {
@@ -205,6 +197,11 @@ fn prefill_chunks(engine: &Engine, prefilling: &mut Vec<Prefill>, batch: &mut Ba
     }
 }
 
+/// Why a request fails whose positions take more K/V blocks than the cache has at all.
+fn cannot_hold(blocks: usize, limit: usize) -> String {
+    format!("the K/V cache cannot hold this request: it needs {blocks} blocks of {KV_BLOCK} positions, the cache has {limit} (raise --gpu-memory-utilization or --kv-cache-memory)")
+}
+
 /// Keep the next step within the engine's K/V cache, where it has a limit. The swapped-out
 /// sequences come back first, oldest first, while their blocks fit beside the running
 /// sequences' next ones; then each running sequence takes the block its next token needs now
@@ -227,10 +224,10 @@ fn fit_kv_cache(engine: &Engine, batch: &mut Batch, time: &EngineTime) {
     let next = |a: &Active| a.state.position() + 1;
     let limit = pool.level().limit.unwrap_or(0);
     while let Some(first) = batch.swapped.first() {
-        if first.state.kv_blocks_short(next(first)) > limit {
+        let need = first.state.kv_blocks_short(next(first));
+        if need > limit {
             let a = batch.swapped.remove(0);
-            let error = format!("the K/V cache cannot hold this request: its {} positions need {} blocks of {KV_BLOCK}, the cache has {limit} (raise --gpu-memory-utilization or --kv-cache-memory)", next(&a), a.state.kv_blocks_short(next(&a)));
-            let _ = a.request.events.send(Event::Failed { id: a.request.id, error });
+            let _ = a.request.events.send(Event::Failed { id: a.request.id, error: cannot_hold(need, limit) });
             continue;
         }
         let running: usize = batch.active.iter().map(|a| a.state.kv_blocks_short(next(a))).sum();

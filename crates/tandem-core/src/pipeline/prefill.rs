@@ -186,19 +186,7 @@ pub(super) enum Prefilled {
 /// prompts, else one after another. Entry i is what became of request i.
 pub(super) fn prefill_requests(engine: &Engine, batch: Vec<(Request, Instant)>, time: &EngineTime) -> Vec<Prefilled> {
     let mut started: Vec<Option<Prefill>> = batch.into_iter().map(|(request, submitted)| Prefill::start(engine, request, submitted)).collect();
-    let mut outcomes: Vec<Option<Chunk>> = started.iter().map(|_| None).collect();
-    let (at, mut chunks): (Vec<usize>, Vec<(&mut Prefill, usize)>) = started
-        .iter_mut()
-        .enumerate()
-        .filter_map(|(i, p)| p.as_mut().filter(|p| p.remaining() > 0).map(|p| (i, p)))
-        .map(|(i, p)| {
-            let all = p.remaining();
-            (i, (p, all))
-        })
-        .unzip();
-    for (i, outcome) in at.into_iter().zip(apply_chunks(engine, &mut chunks, time)) {
-        outcomes[i] = Some(outcome);
-    }
+    let outcomes = apply_chunks(engine, started.iter_mut().map(Option::as_mut), Prefill::remaining, time);
     started
         .into_iter()
         .zip(outcomes)
@@ -306,9 +294,23 @@ impl Prefill {
     }
 }
 
-/// Apply to each of `chunks` the next `len` tokens of its prompt: in one forward where the
-/// engine packs prompts, else one after another. Entry i is what became of chunk i.
-pub(super) fn apply_chunks(engine: &Engine, chunks: &mut [(&mut Prefill, usize)], time: &EngineTime) -> Vec<Chunk> {
+/// Apply to each prefill the next `len(p)` tokens of its prompt (none where that is 0, or for
+/// None): in one forward where the engine packs prompts, else one after another. Entry i is
+/// what became of prefill i's chunk (None where it had none).
+pub(super) fn apply_chunks<'p>(engine: &Engine, prefills: impl Iterator<Item = Option<&'p mut Prefill>>, mut len: impl FnMut(&Prefill) -> usize, time: &EngineTime) -> Vec<Option<Chunk>> {
+    let mut outcomes = Vec::new();
+    let mut at = Vec::new();
+    let mut chunks: Vec<(&mut Prefill, usize)> = Vec::new();
+    for (i, p) in prefills.enumerate() {
+        outcomes.push(None);
+        if let Some(p) = p {
+            let n = len(p);
+            if n > 0 {
+                at.push(i);
+                chunks.push((p, n));
+            }
+        }
+    }
     let started = Instant::now();
     let results: Vec<anyhow::Result<PrefillStats>> = if chunks.len() > 1 && engine.packs_prompts() {
         let (mut prompts, mut states) = (Vec::with_capacity(chunks.len()), Vec::with_capacity(chunks.len()));
@@ -326,12 +328,10 @@ pub(super) fn apply_chunks(engine: &Engine, chunks: &mut [(&mut Prefill, usize)]
         chunks.iter_mut().map(|(p, len)| engine.prefill(&p.request.tokens[p.applied..p.applied + *len], &mut p.state)).collect()
     };
     EngineTime::add(&time.prefill_ns, started);
-    chunks
-        .iter_mut()
-        .zip(results)
-        .map(|((p, len), result)| match result {
+    for ((i, (p, len)), result) in at.into_iter().zip(chunks).zip(results) {
+        outcomes[i] = Some(match result {
             Ok(stats) => {
-                p.applied += *len;
+                p.applied += len;
                 let t = &mut p.timings.prefill;
                 t.tokens += stats.tokens;
                 t.dispatches += stats.dispatches;
@@ -341,8 +341,9 @@ pub(super) fn apply_chunks(engine: &Engine, chunks: &mut [(&mut Prefill, usize)]
             }
             Err(e) if KvCacheFull::is(&e) => Chunk::NoRoom(format!("{e:#}")),
             Err(e) => Chunk::Failed(format!("{e:#}")),
-        })
-        .collect()
+        });
+    }
+    outcomes
 }
 
 /// Answer a prefill-only request.
