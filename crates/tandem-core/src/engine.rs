@@ -17,7 +17,7 @@ use crate::backend::cuda::qwen35::kv_cache::KvPool;
 use crate::backend::cuda::qwen35::{GpuQwen35, GpuState, Precision};
 use crate::model::{Logits, Qwen35};
 use crate::backend::cpu::pool::Pool;
-use crate::sampling::Sampler;
+use crate::sampling::{GpuDraw, Sampler};
 use crate::state::{DeviceState, State};
 use crate::bridge::device;
 
@@ -416,20 +416,40 @@ impl<'m> Engine<'m> {
         Ok(prompts.iter().map(|p| PrefillStats { tokens: p.len(), dispatches: 1, padded_rows: 0, time }).collect())
     }
 
-    /// The next token of `state` by `sampler`, from its last logits: a GPU engine draws at a
-    /// temperature on the GPU where its step left the logits (only an index crosses); a
-    /// greedy pick is the GPU's argmax (`DeviceState::sample`); else the host samples the row.
-    pub fn sample(&self, state: &mut DeviceState, sampler: &mut Sampler) -> Result<u32> {
-        if let (Backend::Cuda(g), DeviceState::Gpu(s)) = (&self.backend, &mut *state) {
-            // None for greedy sampling.
-            if let Some((n, inv_t, u)) = sampler.gpu_draw() {
-                return match g.sample_row(s, n, inv_t, u)? {
-                    Some(token) => Ok(token),
-                    None => Ok(sampler.sample_drawn(s.last_logits()?, u)),
-                };
+    /// The next token of each sequence (its state and sampler), from its state's last logits:
+    /// a GPU engine draws at a temperature on the GPU where its step left the logits, every
+    /// such row in one launch (only indices cross); a greedy pick is the GPU's argmax
+    /// (`DeviceState::sample`); else the host samples the row.
+    pub fn sample(&self, seqs: &mut [(&mut DeviceState, &mut Sampler)]) -> Vec<Result<u32>> {
+        // Per sequence, a draw the GPU was asked for and its answer (the launch's error as text,
+        // for each of its rows).
+        let mut drawn: Vec<Option<(GpuDraw, Result<Option<u32>, String>)>> = vec![None; seqs.len()];
+        if let Backend::Cuda(g) = &self.backend {
+            let mut draws = Vec::new();
+            for (i, (state, sampler)) in seqs.iter_mut().enumerate() {
+                if let DeviceState::Gpu(s) = &**state {
+                    if let Some(d) = sampler.gpu_draw() {
+                        draws.push((i, &**s, d));
+                    }
+                }
+            }
+            if !draws.is_empty() {
+                let rows: Vec<(&GpuState, GpuDraw)> = draws.iter().map(|&(_, s, d)| (s, d)).collect();
+                let ids = g.sample_rows(&rows).map_err(|e| format!("{e:#}"));
+                for (k, &(i, _, d)) in draws.iter().enumerate() {
+                    drawn[i] = Some((d, ids.as_ref().map(|ids| ids[k]).map_err(Clone::clone)));
+                }
             }
         }
-        state.sample(sampler)
+        seqs.iter_mut()
+            .zip(drawn)
+            .map(|((state, sampler), drawn)| match (drawn, &mut **state) {
+                (Some((_, Ok(Some(id)))), _) => Ok(id),
+                (Some((_, Err(e))), _) => Err(anyhow::anyhow!("drawing on the GPU: {e}")),
+                (Some((d, Ok(None))), DeviceState::Gpu(s)) => Ok(sampler.sample_drawn(s.last_logits()?, d.u)),
+                _ => state.sample(sampler),
+            })
+            .collect()
     }
 
     /// One decode step: `tokens[i]` applied to `states[i]`, all in one pass over the weights.

@@ -2,7 +2,7 @@
 //! generator. Logit rows past the tokenizer's vocabulary (Qwen3.5 pads 248077 real ids to
 //! 248320 rows) are never chosen. Weights are integers (exact sums in any order) and a draw walks
 //! the kept tokens in id order, so that a temperature without cuts sorts nothing and a GPU can
-//! draw the same token from a row it holds (kernels/sample.cu sample_row).
+//! draw the same token from a row it holds (kernels/sample.cu sample_rows).
 
 use anyhow::{bail, Result};
 
@@ -35,6 +35,18 @@ impl SamplingParams {
         }
         Ok(())
     }
+}
+
+/// A draw as `Sampler::sample_drawn` makes it, for a GPU to make from a row it holds: only ids
+/// below `allowed`, 1 / temperature, the cuts (`top_k` 0 and `top_p` 1 for none) and the
+/// uniform draw `u` in [0, 1).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GpuDraw {
+    pub allowed: usize,
+    pub inv_t: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub u: f64,
 }
 
 pub struct Sampler {
@@ -91,13 +103,13 @@ impl Sampler {
         self.sample_drawn(logits, u)
     }
 
-    /// Where a GPU can draw this sampler's next token from a row of logits it holds
-    /// (kernels/sample.cu sample_row: a temperature, no top-k or top-p cut): the ids it may
-    /// pick (below this many), 1 / temperature and the uniform draw, taken from the generator
-    /// now. The host draws with `sample_drawn` and the same uniform where the GPU cannot.
-    pub fn gpu_draw(&mut self) -> Option<(usize, f32, f64)> {
+    /// The draw a GPU makes for this sampler's next token from a row of logits it holds
+    /// (kernels/sample.cu sample_rows): at a temperature above 0, with the uniform taken from
+    /// the generator now. The host draws with `sample_drawn` and the same uniform where the GPU
+    /// cannot. None for greedy sampling.
+    pub fn gpu_draw(&mut self) -> Option<GpuDraw> {
         let p = &self.params;
-        (p.temperature > 0.0 && p.top_k == 0 && p.top_p >= 1.0).then(|| (self.allowed, 1.0 / p.temperature, self.rng.next_f64()))
+        (p.temperature > 0.0).then(|| GpuDraw { allowed: self.allowed, inv_t: 1.0 / p.temperature, top_k: p.top_k, top_p: p.top_p, u: self.rng.next_f64() })
     }
 
     /// `sample` with its uniform draw `u` (in [0, 1)) already taken; at a temperature above 0.

@@ -8,7 +8,7 @@
 
 mod common;
 
-use tandem_core::backend::cuda::qwen35::{GpuQwen35, Precision};
+use tandem_core::backend::cuda::qwen35::{GpuQwen35, GpuState, Precision};
 use tandem_core::backend::cuda::Gpu;
 use tandem_core::model::load::LoadedModel;
 use tandem_core::model::Logits;
@@ -300,14 +300,15 @@ fn logits_overwritten_by_a_later_batched_step_are_refused() {
     assert_eq!(second[1].last_logits().unwrap().len(), m.net.config.vocab_size);
 }
 
-/// A draw at a temperature on the GPU (kernels/sample.cu sample_row) picks what the host's
-/// sampler picks from the same row with the same uniform, after a batched step and after one
-/// sequence's step; once the row is on the host the GPU declines.
+/// Draws on the GPU (kernels/sample.cu sample_rows, every row of a batch in one launch) pick
+/// what the host's sampler picks from the same row with the same uniform, at temperatures with
+/// and without top-k and top-p cuts, after a batched step and after one sequence's step; once
+/// the row is on the host the GPU declines.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
-fn temperature_draws_on_the_gpu_are_the_hosts() {
-    use tandem_core::sampling::{Sampler, SamplingParams};
-    let (gpu0, _turn) = gpu_for("a draw at a temperature");
+fn draws_on_the_gpu_are_the_hosts() {
+    use tandem_core::sampling::{GpuDraw, Sampler, SamplingParams};
+    let (gpu0, _turn) = gpu_for("draws with cuts");
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let tokens = prompt("p4");
     let gpu = GpuQwen35::upload(gpu0, &m.net, Precision::TensorCores).unwrap();
@@ -322,18 +323,30 @@ fn temperature_draws_on_the_gpu_are_the_hosts() {
     gpu.forward(&[3], &mut states[2], Logits::Last).unwrap();
     let allowed = m.net.config.vocab_size - 7;
     let draws: Vec<f64> = (0..40).map(|i| (i as f64 * 0.618_034).fract()).chain([0.0, 0.999_999_9]).collect();
-    for (i, s) in states.iter_mut().enumerate() {
-        for temperature in [1.0f32, 0.7, 3.0] {
-            let picks: Vec<Option<u32>> = draws.iter().map(|&u| gpu.sample_row(s, allowed, 1.0 / temperature, u).unwrap()).collect();
+    let cuts = [(1.0f32, 0, 1.0f32), (0.7, 0, 1.0), (3.0, 0, 1.0), (0.7, 20, 0.8), (0.6, 20, 1.0), (1.0, 0, 0.9), (1.0, 1, 1.0), (2.0, 500, 0.95)];
+    for (temperature, top_k, top_p) in cuts {
+        let params = SamplingParams { temperature, top_k, top_p, ..Default::default() };
+        let rows: Vec<(&GpuState, GpuDraw)> = states
+            .iter()
+            .flat_map(|s| draws.iter().map(move |&u| (s, GpuDraw { allowed, inv_t: 1.0 / temperature, top_k, top_p, u })))
+            .collect();
+        let picks = gpu.sample_rows(&rows).unwrap();
+        for (i, s) in states.iter().enumerate() {
             let row = s.host_logits().unwrap();
-            let mut host = Sampler::new(SamplingParams { temperature, ..Default::default() }, allowed);
-            for (&u, pick) in draws.iter().zip(&picks) {
-                assert_eq!(*pick, Some(host.sample_drawn(&row, u)), "state {i}, temperature {temperature}, u {u}");
+            let mut host = Sampler::new(params.clone(), allowed);
+            let mine = &picks[i * draws.len()..(i + 1) * draws.len()];
+            for (&u, pick) in draws.iter().zip(mine) {
+                assert_eq!(*pick, Some(host.sample_drawn(&row, u)), "state {i}, {params:?}, u {u}");
             }
-            assert!(picks.iter().collect::<std::collections::HashSet<_>>().len() > 1, "draws at temperature {temperature} vary");
+            if top_k != 1 {
+                assert!(mine.iter().collect::<std::collections::HashSet<_>>().len() > 1, "draws with {params:?} vary");
+            }
         }
+    }
+    for s in states.iter_mut() {
         s.last_logits().unwrap();
-        assert_eq!(gpu.sample_row(s, allowed, 1.0, 0.5).unwrap(), None, "the row is on the host now");
+        let draw = GpuDraw { allowed, inv_t: 1.0, top_k: 0, top_p: 1.0, u: 0.5 };
+        assert_eq!(gpu.sample_rows(&[(s, draw)]).unwrap(), vec![None], "the row is on the host now");
     }
 }
 

@@ -285,13 +285,18 @@ fn step(engine: &Engine, active: &mut Vec<Active>, time: &EngineTime) -> Vec<Dev
     let ctx = engine.net.config.max_position_embeddings;
     let mut tokens = Vec::with_capacity(active.len());
     let mut unused = Vec::new();
+    // Every sequence's next token at once (a GPU draws all its rows in one launch).
+    let cancelled: Vec<bool> = active.iter().map(|a| a.request.cancel.load(Ordering::Relaxed)).collect();
+    let mut seqs: Vec<(&mut DeviceState, &mut Sampler)> = active.iter_mut().zip(&cancelled).filter(|(_, &c)| !c).map(|(a, _)| (&mut a.state, &mut a.sampler)).collect();
+    let mut picks = engine.sample(&mut seqs).into_iter();
+    drop(seqs);
     let mut i = 0;
-    while i < active.len() {
+    for cancelled in cancelled {
         let a = &mut active[i];
-        let finish = if a.request.cancel.load(Ordering::Relaxed) {
+        let finish = if cancelled {
             Some(Finish::Cancelled)
         } else {
-            let token = match engine.sample(&mut a.state, &mut a.sampler) {
+            let token = match picks.next().expect("a pick for each sequence not cancelled") {
                 Ok(token) => token,
                 Err(e) => {
                     let a = active.remove(i);

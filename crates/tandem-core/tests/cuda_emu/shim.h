@@ -70,6 +70,7 @@ inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f;
 inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
 template <typename T> inline T __ldcg(const T* p) { return *(volatile const T*)p; }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return reinterpret_cast<std::atomic<unsigned>*>(p)->fetch_add(v); }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) { return reinterpret_cast<std::atomic<unsigned long long>*>(p)->fetch_add(v); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }

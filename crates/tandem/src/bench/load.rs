@@ -27,6 +27,9 @@ pub struct Workload {
     pub prompts: Vec<Vec<u32>>,
     pub output_len: usize,
     pub temperature: f64,
+    /// 0: no top-k cut.
+    pub top_k: usize,
+    pub top_p: f64,
 }
 
 impl Workload {
@@ -43,6 +46,8 @@ impl Workload {
             "max_tokens": self.output_len,
             "ignore_eos": true,
             "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
             "stream": true,
             "stream_options": {"include_usage": true},
         })
@@ -381,7 +386,7 @@ mod tests {
         let body = "{\"error\":{\"message\":\"busy\"}}";
         let wire = format!("HTTP/1.1 429 Too Many Requests\r\ncontent-length: {}\r\n\r\n{body}", body.len()).into_bytes();
         let o = block_on(async {
-            let w = Workload { addr: answer_once(wire, 1 << 16).await, model: "m".into(), prompts: vec![vec![1, 2]], output_len: 4, temperature: 0.0 };
+            let w = Workload { addr: answer_once(wire, 1 << 16).await, model: "m".into(), prompts: vec![vec![1, 2]], output_len: 4, temperature: 0.0, top_k: 0, top_p: 1.0 };
             send(&w, 0).await
         });
         let e = o.error.expect("failed");

@@ -71,7 +71,7 @@ the CUDA engine on GPU N against the GPU's measured tensor-core peak and memory 
 
 --sections serve [--model M] [engine options as for tandem serve] [--max-concurrent N]
                  [--input-len 512] [--output-len 128] [--concurrency 1,8,32,64,128,256]
-                 [--rates 4,16,64|none] [--requests N] [--temperature 0]
+                 [--rates 4,16,64|none] [--requests N] [--temperature 0] [--top-k 0] [--top-p 1]
                  [--slo-ttft-ms 1000] [--slo-tpot-ms 50]:
 starts tandem serve on a loopback port and drives it with streamed random-token requests
 (ignore_eos) at each concurrency, then at each Poisson request rate: output and total tok/s,
@@ -134,7 +134,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         &[
             "model", "threads", "cores", "quant", "prompts", "decode-tokens", "reps", "out", "isa", "sections", "prefill", "decode", "device", "mode", "transfer",
             // The serve section's.
-            "input-len", "output-len", "concurrency", "rates", "requests", "max-concurrent", "max-prefill-tokens", "temperature", "slo-ttft-ms", "slo-tpot-ms", "gpu-memory-utilization",
+            "input-len", "output-len", "concurrency", "rates", "requests", "max-concurrent", "max-prefill-tokens", "temperature", "top-k", "top-p", "slo-ttft-ms", "slo-tpot-ms", "gpu-memory-utilization",
             "kv-cache-memory",
         ],
         &["quick"],

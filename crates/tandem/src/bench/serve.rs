@@ -42,6 +42,8 @@ pub struct Options {
     pub requests: Option<usize>,
     pub max_concurrent: usize,
     pub temperature: f64,
+    pub top_k: usize,
+    pub top_p: f64,
     /// The SLO a request must meet to count toward goodput: its TTFT and its mean time per
     /// output token, in seconds.
     pub slo_ttft: f64,
@@ -64,9 +66,14 @@ impl Options {
             concurrency,
             rates,
             temperature: args.get("temperature", 0.0)?,
+            top_k: args.get("top-k", 0)?,
+            top_p: args.get("top-p", 1.0)?,
             slo_ttft: args.get("slo-ttft-ms", 1000.0)? / 1e3,
             slo_tpot: args.get("slo-tpot-ms", 50.0)? / 1e3,
         };
+        if !(o.top_p > 0.0 && o.top_p <= 1.0) {
+            bail!("--top-p {}: give a fraction above 0 and at most 1", o.top_p);
+        }
         if o.input_len == 0 || o.output_len == 0 || o.max_concurrent == 0 || o.requests == Some(0) {
             bail!("--input-len, --output-len, --max-concurrent and --requests must be at least 1");
         }
@@ -262,8 +269,14 @@ pub fn run(report: &mut String, args: &Args, quick: bool) -> Result<()> {
     writeln!(report, "| decode engine, memory bandwidth (measured before the server started) | {decoder}, {:.0} GB/s |", bandwidth / 1e9)?;
     writeln!(
         report,
-        "| workload | {} random prompt tokens, {} output tokens (`ignore_eos`), temperature {}, streamed `/v1/completions` over loopback HTTP/1.1 |",
-        o.input_len, o.output_len, o.temperature
+        "| workload | {} random prompt tokens, {} output tokens (`ignore_eos`), temperature {}{}, streamed `/v1/completions` over loopback HTTP/1.1 |",
+        o.input_len,
+        o.output_len,
+        o.temperature,
+        match (o.top_k, o.top_p) {
+            (0, p) if p >= 1.0 => String::new(),
+            (k, p) => format!(" top-k {k} top-p {p}"),
+        }
     )?;
     writeln!(report, "| SLO for goodput | TTFT <= {:.0} ms and mean time per output token <= {:.0} ms |", o.slo_ttft * 1e3, o.slo_tpot * 1e3)?;
     writeln!(
@@ -273,7 +286,7 @@ pub fn run(report: &mut String, args: &Args, quick: bool) -> Result<()> {
         served.state_bytes / 1e6,
         served.kv_bytes_per_token / 1e3
     )?;
-    let workload = |n: usize, seed: u64| Arc::new(Workload { addr: server.addr, model: o.model.clone(), prompts: Workload::random_prompts(n, o.input_len, served.vocab, seed), output_len: o.output_len, temperature: o.temperature });
+    let workload = |n: usize, seed: u64| Arc::new(Workload { addr: server.addr, model: o.model.clone(), prompts: Workload::random_prompts(n, o.input_len, served.vocab, seed), output_len: o.output_len, temperature: o.temperature, top_k: o.top_k, top_p: o.top_p });
 
     // Warm-up, not reported: the first requests of a process pay for lazily made buffers.
     let warm = o.max_concurrent.min(8);

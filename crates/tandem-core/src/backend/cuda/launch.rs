@@ -78,6 +78,13 @@ impl Param for DevPtr<u32> {
     }
 }
 
+impl Param for DevPtr<f64> {
+    const C_TYPE: &'static str = "double*";
+    fn slot(self) -> u64 {
+        self.addr
+    }
+}
+
 /// A table of device addresses (one per sequence of a batched step): a `float* const*`.
 impl Param for DevPtr<DevPtr<f32>> {
     const C_TYPE: &'static str = "float**";

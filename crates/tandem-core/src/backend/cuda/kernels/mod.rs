@@ -139,6 +139,6 @@ kernels! {
     ATTENTION_MMA_256 = "attention_mma_256" as AttentionMmaParams;
     /// (logits, n, part_v, part_i, done, out): the greedy pick of each row.
     ARGMAX_ROWS = "argmax_rows" as (F32, i32, F32, U32, U32, U32);
-    /// (logits, n, inv_t, u, out): one row's draw at a temperature.
-    SAMPLE_ROW = "sample_row" as (F32, i32, f32, f64, U32);
+    /// (rows, params, out): a draw from each row, params (n, inv_t, top_k, top_p, u, argmax) a row.
+    SAMPLE_ROWS = "sample_rows" as (Table, DevPtr<f64>, U32);
 }

@@ -56,54 +56,301 @@ extern "C" __global__ void __launch_bounds__(256) argmax_rows(const float* logit
     }
 }
 
-// Sampling at a temperature with no top-k or top-p cut (sampling.rs Sampler::sample, the
-// host's form, and sample_reference.cpp): scores (logit - max) * inv_t; those above -30 weigh
-// round(exp(score) * 2^40) as integers, so that the sums are exact whatever their order; r =
-// u * total (u uniform in [0, 1), drawn by the host's generator) picks the first id whose
-// running weight passes r. The row stays on the GPU; one index comes back. One block of 256
-// threads per row, each owning a run of ids; out[0] = the id, or 0xffffffff where no logit
-// qualifies (all NaN or -inf: the host decides). The weights may differ from the host's in
-// their last bits (expf), so a draw that lands on a boundary may pick the neighbour.
-__device__ __forceinline__ unsigned long long sample_weight(float logit, float max, float inv_t) {
-    float s = (logit - max) * inv_t;
-    return s > -30.0f ? (unsigned long long)llround((double)expf(s) * 1099511627776.0) : 0ull;
+// Sampling at a temperature with top-k and top-p cuts, one row of logits per block (sampling.rs
+// Sampler::sample_drawn, the host's form; sample_reference.cpp its plain check). Over the first n
+// ids, the scores s = (logit - max) * inv_t above -30 are the candidates; each weighs
+// round(exp(s) * 2^40) as an integer, so that sums are exact in any order. The candidates are
+// ordered by score, high first, then by id (the order the cuts take): top_k keeps the first
+// top_k, top_p then the fewest first ones whose weight reaches ceil(top_p * total); r = u * total
+// of what is kept (u uniform in [0, 1), drawn by the host's generator) picks the first kept id,
+// in id order, whose running weight passes r. A kept set is the candidates at or before a
+// boundary (key K, id cut) in that order: key > K, or key == K and id <= cut, where the key is
+// the score's bits mapped so that integer order is score order. The boundary is found by radix
+// selection (digits of 12, 10 and 10 bits: a first digit of 8 bits would put most scores in two
+// or three bins, whose shared-memory counters then serialise) and the first crossing of a
+// running count or weight; a small top-k gathers its few into shared memory. No sort; without
+// cuts three passes over the row (two where the step's argmax gives the largest), with a top-k
+// of at most 1024 seven, with a larger one and top-p eleven. Only the index comes back: out[row]
+// = the id, or 0xffffffff where no logit qualifies (all NaN or -inf: the host decides). expf may differ from the host's exp in the last bit, so a
+// draw or a cut that lands exactly on a boundary may differ.
+// Grid: rows; block: a multiple of 32 threads, at most 1024 (the more, the more of the row in
+// flight). rows[r]: the row's logits; params[6 r ..]: n, inv_t, top_k (0: none), top_p (1:
+// none), u, and the row's argmax where its step found it (else -1): the first of its largest
+// values, which is the largest of the first n where it lies below n.
+typedef unsigned long long u64;
+__device__ __forceinline__ u32 score_key(float s) {
+    u32 b = __float_as_uint(s);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
-extern "C" __global__ void __launch_bounds__(256) sample_row(const float* logits, int n, float inv_t, double u, u32* out) {
-    pdl_enter();
-    __shared__ unsigned long long below[256];
-    __shared__ unsigned long long total_s;
-    int tid = threadIdx.x, per = (n + blockDim.x - 1) / blockDim.x, p0 = min(n, tid * per), p1 = min(n, p0 + per);
-    float m = NEG_INF;
-    for (int i = p0; i < p1; i++) m = fmaxf(m, logits[i]);
-    m = block_max(m);
-    unsigned long long mine = 0;
-    for (int i = p0; i < p1; i++) mine += sample_weight(logits[i], m, inv_t);
-    below[tid] = mine;
-    __syncthreads();
-    if (tid == 0) {
-        unsigned long long run = 0;
-        for (int t = 0; t < (int)blockDim.x; t++) {
-            unsigned long long w = below[t];
-            below[t] = run;
-            run += w;
-        }
-        total_s = run;
+__device__ __forceinline__ float key_score(u32 key) { return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key); }
+// 0 for an id that is not a candidate (every candidate's key is above 0).
+__device__ __forceinline__ u32 candidate_key(float logit, float m, float inv_t) {
+    float s = (logit - m) * inv_t;
+    return s > -30.0f ? score_key(s) : 0u;
+}
+__device__ __forceinline__ u64 key_weight(u32 key) { return (u64)llround((double)expf(key_score(key)) * 1099511627776.0); }
+__device__ __forceinline__ bool kept(u32 key, u32 id, u32 k, u32 cut) { return key != 0u && (key > k || (key == k && id <= cut)); }
+__device__ __forceinline__ u64 shfl_xor_u64(u64 v, int o) {
+    u32 lo = __shfl_xor_sync(0xffffffffu, (u32)v, o), hi = __shfl_xor_sync(0xffffffffu, (u32)(v >> 32), o);
+    return ((u64)hi << 32) | lo;
+}
+// The sums over the block of every thread's a and b; every thread gets them.
+__device__ void block_sum_u64x2(u64& a, u64& b) {
+    __shared__ u64 part[32][2];
+    for (int o = 16; o > 0; o >>= 1) {
+        a += shfl_xor_u64(a, o);
+        b += shfl_xor_u64(b, o);
     }
     __syncthreads();
-    unsigned long long total = total_s;
-    if (total == 0) {
-        if (tid == 0) out[0] = 0xffffffffu;
+    if ((threadIdx.x & 31) == 0) { part[threadIdx.x >> 5][0] = a; part[threadIdx.x >> 5][1] = b; }
+    __syncthreads();
+    a = b = 0;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) { a += part[w][0]; b += part[w][1]; }
+    __syncthreads();
+}
+// The id at which the running sum of w(id), in id order over 0..n, first passes r (0xffffffff
+// where it never does). Each warp sums a contiguous range (its lanes reading side by side); the
+// warp whose range holds the crossing splits it among its lanes; one lane walks its piece.
+template <typename W>
+__device__ u32 first_crossing(int n, u64 r, W w) {
+    __shared__ u64 sums[32];
+    __shared__ u64 base_s;
+    __shared__ int pick_s;
+    __shared__ u32 found;
+    const int warps = blockDim.x >> 5, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int range = (n + warps - 1) / warps, w0 = min(n, warp * range), w1 = min(n, w0 + range);
+    u64 mine = 0;
+#pragma unroll 4
+    for (int i = w0 + lane; i < w1; i += 32) mine += w(i);
+    for (int o = 16; o > 0; o >>= 1) mine += shfl_xor_u64(mine, o);
+    __syncthreads();
+    if (lane == 0) sums[warp] = mine;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64 run = 0;
+        pick_s = -1;
+        found = 0xffffffffu;
+        for (int v = 0; v < warps; v++) {
+            if (r < run + sums[v]) { pick_s = v; break; }
+            run += sums[v];
+        }
+        base_s = run;
+    }
+    __syncthreads();
+    int pick = pick_s;
+    if (pick < 0) return 0xffffffffu;
+    int p0 = min(n, pick * range), p1 = min(n, p0 + range), piece = (p1 - p0 + 31) / 32;
+    int l0 = min(p1, p0 + lane * piece), l1 = min(p1, l0 + piece);
+    if (warp == pick) {
+        u64 s = 0;
+        for (int i = l0; i < l1; i++) s += w(i);
+        sums[lane] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64 run = base_s;
+        pick_s = 31;
+        for (int l = 0; l < 32; l++) {
+            if (r < run + sums[l]) { pick_s = l; break; }
+            run += sums[l];
+        }
+        base_s = run;
+    }
+    __syncthreads();
+    if (warp == pick && lane == pick_s) {
+        u64 run = base_s;
+        for (int i = l0; i < l1; i++) {
+            run += w(i);
+            if (r < run) { found = (u32)i; break; }
+        }
+    }
+    __syncthreads();
+    return found;
+}
+// Radix selection over the ids with w(id, &key) > 0 (a weight or a count), keys high first: the
+// key at which the running sum of w first reaches `target` (>= 1), and how much of the target is
+// left for the ids of that key (*left, >= 1). Each round counts one digit into bins (`hist`,
+// 4096 of them), then sums the bins 16 at a time from the top (`group`, 256), and one thread
+// walks those sums and then 16 bins. (The caller holds the bins: one 32 KB array, where each
+// instantiation would declare its own.)
+template <typename W>
+__device__ u32 radix_select(int n, u64 target, u64* left, u64* hist, u64* group, W w) {
+    __shared__ u32 prefix_s;
+    __shared__ u64 left_s;
+    if (threadIdx.x == 0) { prefix_s = 0; left_s = target; }
+    u32 mask = 0;
+    int shift = 32;
+    for (int round = 0; round < 3; round++) {
+        int bits = round == 0 ? 12 : 10, bins = 1 << bits, groups = bins / 16;
+        shift -= bits;
+        for (int b = threadIdx.x; b < bins; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+        u32 prefix = prefix_s;
+#pragma unroll 4
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            u32 key;
+            u64 v = w(i, &key);
+            if (v && (key & mask) == prefix) atomicAdd(&hist[(key >> shift) & (u32)(bins - 1)], v);
+        }
+        __syncthreads();
+        // Group g holds bins bins - 16 (g + 1) .. bins - 16 g - 1 (group 0 the highest).
+        for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+            u64 s = 0;
+            for (int b = bins - 16 * (g + 1); b < bins - 16 * g; b++) s += hist[b];
+            group[g] = s;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u64 need = left_s, run = 0;
+            int g = 0;
+            for (; g < groups - 1 && run + group[g] < need; g++) run += group[g];
+            int b = bins - 16 * g - 1;
+            for (; b > bins - 16 * (g + 1) && run + hist[b] < need; b--) run += hist[b];
+            prefix_s = prefix | ((u32)b << shift);
+            left_s = need - run;
+        }
+        mask |= (u32)(bins - 1) << shift;
+        __syncthreads();
+    }
+    *left = left_s;
+    return prefix_s;
+}
+// The draw once top-k has cut the candidates to `top_k` <= SMALL_TOP_K ids (key > k, or key == k
+// and id <= cut): they are gathered into shared memory (`scratch`, the radix bins' 32 KB) and
+// ranked there, in score order for top-p and in id order for the draw, by one thread.
+#define SMALL_TOP_K 1024
+template <typename K>
+__device__ u32 draw_among_few(int n, u32 k, u32 cut, float top_p, double u, u64* scratch, K key_of) {
+    __shared__ u32 gathered;
+    __shared__ u32 picked;
+    u64* weight = scratch;
+    u32 *ids = (u32*)(scratch + SMALL_TOP_K), *keys = ids + SMALL_TOP_K, *by_id = keys + SMALL_TOP_K, *by_score = by_id + SMALL_TOP_K;
+    if (threadIdx.x == 0) gathered = 0;
+    __syncthreads();
+#pragma unroll 4
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        u32 key = key_of(i);
+        if (kept(key, i, k, cut)) {
+            u32 j = atomicAdd(&gathered, 1u);
+            if (j < SMALL_TOP_K) {
+                ids[j] = i;
+                keys[j] = key;
+            }
+        }
+    }
+    __syncthreads();
+    int c = min((int)gathered, SMALL_TOP_K);
+    for (int j = threadIdx.x; j < c; j += blockDim.x) {
+        int in_ids = 0, in_scores = 0;
+        for (int l = 0; l < c; l++) {
+            in_ids += ids[l] < ids[j];
+            in_scores += keys[l] > keys[j] || (keys[l] == keys[j] && ids[l] < ids[j]);
+        }
+        by_id[in_ids] = j;
+        by_score[in_scores] = j;
+        weight[j] = key_weight(keys[j]);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        // Kept: the first `keep` in score order; a key above `low`, or equal to it with an id up
+        // to `last` (the boundary as the full-row passes write it).
+        int keep = c;
+        if (top_p < 1.0f) {
+            u64 total = 0, run = 0;
+            for (int q = 0; q < c; q++) total += weight[q];
+            u64 target = (u64)ceil((double)top_p * (double)total);
+            target = target < 1 ? 1 : (target > total ? total : target);
+            for (keep = 0; keep < c && run < target;) run += weight[by_score[keep++]];
+        }
+        u32 low = keys[by_score[keep - 1]], last = ids[by_score[keep - 1]];
+        u64 total = 0, run = 0;
+        for (int q = 0; q < c; q++) total += kept(keys[q], ids[q], low, last) ? weight[q] : 0ull;
+        u64 r = (u64)(u * (double)total);
+        if (r > total - 1) r = total - 1;
+        picked = 0xffffffffu;
+        for (int q = 0; q < c; q++) {
+            int j = by_id[q];
+            if (!kept(keys[j], ids[j], low, last)) continue;
+            run += weight[j];
+            if (r < run) { picked = ids[j]; break; }
+        }
+    }
+    __syncthreads();
+    return picked;
+}
+extern "C" __global__ void __launch_bounds__(1024) sample_rows(float* const* rows, const double* params, u32* out) {
+    pdl_enter();
+    const float* x = rows[blockIdx.x];
+    const double* p = params + 6 * (size_t)blockIdx.x;
+    int n = (int)p[0];
+    float inv_t = (float)p[1], top_p = (float)p[3];
+    u64 top_k = (u64)p[2];
+    double u = p[4];
+    int argmax = (int)p[5];
+    __shared__ u64 hist[4096], group[256];
+    float m = NEG_INF;
+    if (argmax >= 0 && argmax < n) {
+        m = x[argmax];
+    } else {
+#pragma unroll 4
+        for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, x[i]);
+        m = block_max(m);
+    }
+    auto key_of = [&](int i) { return candidate_key(x[i], m, inv_t); };
+    // The kept set: every candidate, until a cut moves the boundary.
+    u32 k = 0, cut = 0xffffffffu;
+    auto weight_kept = [&](int i) {
+        u32 key = key_of(i);
+        return kept(key, i, k, cut) ? key_weight(key) : 0ull;
+    };
+    u64 count = 0, total = 0;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        u32 key = key_of(i);
+        count += key != 0u;
+        total += key != 0u ? key_weight(key) : 0ull;
+    }
+    block_sum_u64x2(count, total);
+    if (count == 0) {
+        if (threadIdx.x == 0) out[blockIdx.x] = 0xffffffffu;
         return;
     }
-    unsigned long long r = (unsigned long long)(u * (double)total);
-    if (r > total - 1) r = total - 1;
-    unsigned long long run = below[tid];
-    if (r < run || r >= run + mine) return;
-    for (int i = p0; i < p1; i++) {
-        run += sample_weight(logits[i], m, inv_t);
-        if (r < run) {
-            out[0] = (u32)i;
+    // Sums the weight kept now, where a cut has moved the boundary.
+    auto total_kept = [&]() {
+        u64 t = 0, unused = 0;
+#pragma unroll 4
+        for (int i = threadIdx.x; i < n; i += blockDim.x) t += weight_kept(i);
+        block_sum_u64x2(t, unused);
+        return t;
+    };
+    if (top_k > 0 && top_k < count) {
+        u64 ties;
+        k = radix_select(n, top_k, &ties, hist, group, [&](int i, u32* key) { *key = key_of(i); return (u64)(*key != 0u); });
+        cut = first_crossing(n, ties - 1, [&](int i) { return (u64)(key_of(i) == k); });
+        if (top_k <= SMALL_TOP_K) {
+            u32 id = draw_among_few(n, k, cut, top_p, u, hist, key_of);
+            if (threadIdx.x == 0) out[blockIdx.x] = id;
             return;
         }
+        total = total_kept();
     }
+    if (top_p < 1.0f) {
+        u64 target = (u64)ceil((double)top_p * (double)total);
+        target = target < 1 ? 1 : (target > total ? total : target);
+        u64 left;
+        u32 kp = radix_select(n, target, &left, hist, group, [&](int i, u32* key) {
+            *key = key_of(i);
+            return kept(*key, i, k, cut) ? key_weight(*key) : 0ull;
+        });
+        cut = first_crossing(n, left - 1, [&](int i) {
+            u32 key = key_of(i);
+            return key == kp && kept(key, i, k, cut) ? key_weight(key) : 0ull;
+        });
+        k = kp;
+        total = total_kept();
+    }
+    u64 r = (u64)(u * (double)total);
+    if (r > total - 1) r = total - 1;
+    u32 id = first_crossing(n, r, weight_kept);
+    if (threadIdx.x == 0) out[blockIdx.x] = id;
 }

@@ -1,4 +1,4 @@
-// The reference of kernels/sample.cu and its checks (the greedy pick, the draw at a temperature): run on CPU threads by
+// The reference of kernels/sample.cu and its checks (the greedy pick, the draw with its cuts): run on CPU threads by
 // tests/cuda_on_cpu.rs; tests/cuda_emu/checks.cpp (random, compare, ...) includes it.
 
 // argmax_rows against the plain loop (sampling::argmax_ref): ties go to the first, NaN never
@@ -31,46 +31,94 @@ static void check_argmax(int rows, int n, int spans) {
     printf("%s argmax_rows, %d rows of %d in %d spans: the plain loop's picks, counters at zero\n", ok ? "ok  " : "FAIL", rows, n, spans);
 }
 
-// sample_row against the plain form (sampling.rs Sampler::sample without cuts: integer weights,
-// the first id whose running weight passes u * total), for draws across [0, 1); a row with no
-// finite logit gives the sentinel.
-static void check_sample_row(int n, float temperature) {
-    auto x = random(n, -6, 6);
-    x[n / 3] = std::nanf("");
-    float inv_t = 1.0f / temperature;
+// The plain form of a draw (sampling.rs Sampler::sample_drawn): the candidates sorted by score
+// (high first, then id), cut to top_k and to the fewest whose weight reaches ceil(top_p * total),
+// back in id order, and the first whose running weight passes u * total; 0xffffffff without a
+// candidate.
+static u32 plain_draw(const float* x, int n, float inv_t, unsigned long long top_k, float top_p, double u) {
     float m = -INFINITY;
-    for (float v : x) m = std::fmax(m, v);
-    std::vector<unsigned long long> w(n);
-    unsigned long long total = 0;
+    for (int i = 0; i < n; i++) m = std::fmax(m, x[i]);
+    struct C { int id; float s; unsigned long long w; };
+    std::vector<C> c;
     for (int i = 0; i < n; i++) {
         float s = (x[i] - m) * inv_t;
-        w[i] = s > -30.0f ? (unsigned long long)std::llround((double)std::exp(s) * 1099511627776.0) : 0ull;
-        total += w[i];
+        if (s > -30.0f) c.push_back({i, s, (unsigned long long)std::llround((double)std::exp(s) * 1099511627776.0)});
     }
+    if (c.empty()) return 0xffffffffu;
+    std::sort(c.begin(), c.end(), [](const C& a, const C& b) { return a.s > b.s || (a.s == b.s && a.id < b.id); });
+    if (top_k > 0 && top_k < c.size()) c.resize(top_k);
+    if (top_p < 1.0f) {
+        unsigned long long total = 0, run = 0;
+        for (auto& e : c) total += e.w;
+        unsigned long long target = std::min(std::max((unsigned long long)std::ceil((double)top_p * (double)total), 1ull), total);
+        size_t keep = 0;
+        while (keep < c.size() && run < target) run += c[keep++].w;
+        c.resize(keep);
+    }
+    std::sort(c.begin(), c.end(), [](const C& a, const C& b) { return a.id < b.id; });
+    unsigned long long total = 0, run = 0;
+    for (auto& e : c) total += e.w;
+    unsigned long long r = std::min((unsigned long long)(u * (double)total), total - 1);
+    for (auto& e : c) {
+        run += e.w;
+        if (r < run) return e.id;
+    }
+    return 0xffffffffu;
+}
+
+// sample_rows against the plain form, one launch over rows of different lengths, temperatures
+// and cuts, each at several draws across [0, 1): rows with NaN, with ties at the top-k boundary
+// (equal logits around the k-th), with more kept than candidates, top_k 1, a tiny top_p, a top_k
+// past the few gathered in shared memory, the step's argmax given or not (and one past the
+// allowed ids), and a row without a finite logit (the sentinel).
+static void check_sample_rows(int n, int threads) {
+    struct Row { float temperature; unsigned long long top_k; float top_p; };
+    std::vector<Row> kinds = {{1.0f, 0, 1.0f}, {0.7f, 20, 1.0f}, {0.7f, 0, 0.8f}, {0.6f, 20, 0.95f}, {1.3f, 1, 1.0f}, {1.0f, 0, 1e-6f},
+                              {0.8f, 1000000, 0.5f}, {0.3f, 64, 0.9f}, {1.0f, 7, 1.0f}, {0.9f, 2000, 0.7f}, {1.1f, 1500, 1.0f}};
+    int rows_n = (int)kinds.size() + 1;
+    std::vector<std::vector<float>> rows;
+    for (int r = 0; r < rows_n; r++) {
+        auto x = random(n, -6, 6);
+        x[(size_t)(r * 37) % n] = std::nanf("");
+        // Ties: a run of equal values high enough to straddle small top-k boundaries.
+        for (int i = 0; i < 12; i++) x[(size_t)(i * 101 + r) % n] = 7.25f;
+        rows.push_back(x);
+    }
+    // A largest value past the allowed ids: a step's argmax there does not give the maximum.
+    rows[1][n - 1] = 50.0f;
+    rows.back().assign(n, -INFINITY);
+    rows.back()[1] = std::nanf("");
+    std::vector<const float*> ptrs;
+    for (auto& x : rows) ptrs.push_back(x.data());
     bool ok = true;
-    std::vector<u32> got(1);
+    std::vector<u32> got(rows_n);
     for (double u : {0.0, 1e-9, 0.25, 0.5, 0.731, 0.999999, 0.99999999999}) {
-        got[0] = 12345;
-        launch(1, 1, 1, 256, [&] { sample_row(x.data(), n, inv_t, u, got.data()); });
-        unsigned long long r = std::min((unsigned long long)(u * (double)total), total - 1), run = 0;
-        int want = -1;
-        for (int i = 0; i < n && want < 0; i++) {
-            run += w[i];
-            if (r < run) want = i;
+        std::vector<double> params;
+        for (int r = 0; r < rows_n; r++) {
+            Row k = kinds[r % kinds.size()];
+            int len = n - 3 * r;  // rows of different allowed lengths
+            // Every other row with the whole row's argmax (the first largest), as a step finds it.
+            int argmax = -1;
+            for (int i = 0; i < n && r % 2; i++)
+                if (!std::isnan(rows[r][i]) && (argmax < 0 || rows[r][i] > rows[r][argmax])) argmax = i;
+            params.insert(params.end(), {(double)len, (double)(1.0f / k.temperature), (double)k.top_k, (double)k.top_p, u, (double)argmax});
         }
-        ok &= got[0] == (u32)want;
+        std::fill(got.begin(), got.end(), 12345u);
+        launch(rows_n, 1, 1, threads, [&] { sample_rows((float* const*)ptrs.data(), params.data(), got.data()); });
+        for (int r = 0; r < rows_n; r++) {
+            const double* p = &params[6 * r];
+            u32 want = plain_draw(rows[r].data(), (int)p[0], (float)p[1], (unsigned long long)p[2], (float)p[3], u);
+            if (got[r] != want) printf("     row %d, u %g: %u, the plain draw %u\n", r, u, got[r], want);
+            ok &= got[r] == want;
+        }
     }
-    std::vector<float> none(n, -INFINITY);
-    none[1] = std::nanf("");
-    launch(1, 1, 1, 256, [&] { sample_row(none.data(), n, inv_t, 0.5, got.data()); });
-    ok &= got[0] == 0xffffffffu;
     failures += !ok;
-    printf("%s sample_row, %d logits at temperature %.1f: the plain draw's picks, the sentinel without a finite logit\n", ok ? "ok  " : "FAIL", n, temperature);
+    printf("%s sample_rows, %d rows of about %d logits with top-k and top-p cuts, %d threads: the plain draw's picks, the sentinel without a finite logit\n", ok ? "ok  " : "FAIL", rows_n, n, threads);
 }
 
 static void check_sample_kernels() {
-    check_sample_row(10007, 1.0f);
-    check_sample_row(300, 0.3f);
+    check_sample_rows(10007, 256);
+    check_sample_rows(300, 96);
     check_argmax(4, 10007, 64);
     check_argmax(3, 300, 7);
 }

@@ -49,6 +49,7 @@ use crate::model::Mixer;
 use crate::model::{Logits, Qwen35};
 use crate::state::{LayerState, State};
 use crate::model::tensor::{Matrix, WeightData};
+use crate::sampling::GpuDraw;
 
 /// How the products with the weights are computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -629,24 +630,49 @@ impl GpuQwen35 {
         self.matmul(ws, normed, n, head, c.vocab_size, h, logits)
     }
 
-    /// A draw at a temperature from `state`'s last logits where a decode step of this engine
-    /// left them on the GPU (kernels/sample.cu sample_row over the first `n` ids, with `inv_t`
-    /// and the host's uniform `u`): the id, and only an index crosses to the host. None where
-    /// the logits are elsewhere or no logit qualifies: the host draws then, with the same `u`.
-    pub fn sample_row(&self, state: &GpuState, n: usize, inv_t: f32, u: f64) -> Result<Option<u32>> {
+    /// Draws (`sampling::GpuDraw`, with the host's uniform) from the last logits of states
+    /// whose decode step on this engine left them on the GPU, all in one launch
+    /// (kernels/sample.cu sample_rows): each state's id, and only the indices cross to the host.
+    /// None for a state whose logits are elsewhere or where no logit qualifies: the host draws
+    /// then, with the same uniform.
+    pub fn sample_rows(&self, draws: &[(&GpuState, GpuDraw)]) -> Result<Vec<Option<u32>>> {
         let g = &self.gpu;
-        let logits = match &state.last {
-            LastLogits::InBatch { logits, written, step, row, vocab, stream, .. } if Arc::ptr_eq(stream, &g.stream) && written.load(Ordering::Acquire) == *step && n <= *vocab => g.ptr(&**logits).offset(row * vocab),
+        let rows: Vec<Option<u64>> = draws.iter().map(|(s, d)| self.logits_row(s, d.allowed)).collect();
+        let (mut ptrs, mut params) = (Vec::new(), Vec::new());
+        for (row, (s, d)) in rows.iter().zip(draws) {
+            if let Some(row) = row {
+                ptrs.push(*row);
+                let argmax = s.last_argmax().map_or(-1.0, |a| a as f64);
+                params.extend([d.allowed as f64, d.inv_t as f64, d.top_k as f64, d.top_p as f64, d.u, argmax]);
+            }
+        }
+        if ptrs.is_empty() {
+            return Ok(vec![None; draws.len()]);
+        }
+        let (ptrs_dev, params_dev, out) = (g.upload(&ptrs)?, g.upload(&params)?, g.scratch::<u32>(ptrs.len())?);
+        g.launch(k::SAMPLE_ROWS, Grid::new((ptrs.len(), 1, 1), 1024), (g.ptr(&ptrs_dev).reinterpret(), g.ptr(&params_dev), g.ptr(&out)))?;
+        let mut ids = g.download(&out, ptrs.len())?.into_iter();
+        // A row that a later step may have overwritten while it was read (another engine's
+        // reused buffer) counts as not drawn: the host then refuses it with the reason.
+        let current = |s: &GpuState| !matches!(&s.last, LastLogits::InBatch { written, step, .. } if written.load(Ordering::Acquire) != *step);
+        Ok(rows.iter().zip(draws).map(|(row, (s, _))| row.and_then(|_| ids.next()).filter(|&id| id != u32::MAX && current(s))).collect())
+    }
+
+    /// The address of `state`'s last logits where a step on this GPU left them in GPU memory,
+    /// at least `n` of them. A batch's rows may come from another engine on this GPU (the
+    /// prefill engine beside a decode engine): its step has finished (it brought its greedy
+    /// picks back), and the buffer lives as long as the state holds it.
+    fn logits_row(&self, state: &GpuState, n: usize) -> Option<u64> {
+        let g = &self.gpu;
+        let here = g.stream.context().cu_ctx();
+        match &state.last {
+            LastLogits::InBatch { logits, written, step, row, vocab, stream, .. } if stream.context().cu_ctx() == here && written.load(Ordering::Acquire) == *step && n <= *vocab => Some(g.ptr(&**logits).offset(row * vocab).addr()),
             LastLogits::InStep { .. } => match &state.step {
-                Some(step) if Arc::ptr_eq(&step.stream, &g.stream) && n <= step.ws.logits.len() => g.ptr(&*step.ws.logits),
-                _ => return Ok(None),
+                Some(step) if Arc::ptr_eq(&step.stream, &g.stream) && n <= step.ws.logits.len() => Some(g.ptr(&*step.ws.logits).addr()),
+                _ => None,
             },
-            _ => return Ok(None),
-        };
-        let out = g.scratch::<u32>(1)?;
-        g.launch(k::SAMPLE_ROW, Grid::new((1, 1, 1), 256), (logits, n as i32, inv_t, u, g.ptr(&out)))?;
-        let id = g.download(&out, 1)?[0];
-        Ok((id != u32::MAX).then_some(id))
+            _ => None,
+        }
     }
 
     /// The greedy pick of each of the first `rows` rows of `ws.logits` into `ws.pick`.
