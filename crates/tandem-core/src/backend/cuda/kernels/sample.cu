@@ -66,13 +66,12 @@ extern "C" __global__ void __launch_bounds__(256) argmax_rows(const float* logit
 // in id order, whose running weight passes r. A kept set is the candidates at or before a
 // boundary (key K, id cut) in that order: key > K, or key == K and id <= cut, where the key is
 // the score's bits mapped so that integer order is score order. The boundary is found by radix
-// selection (digits of 12, 10 and 10 bits: a first digit of 8 bits would put most scores in two
-// or three bins, whose shared-memory counters then serialise) and the first crossing of a
-// running count or weight; a small top-k gathers its few into shared memory. No sort; without
-// cuts three passes over the row (two where the step's argmax gives the largest), with a top-k
-// of at most 1024 seven, with a larger one and top-p eleven. Only the index comes back: out[row]
-// = the id, or 0xffffffff where no logit qualifies (all NaN or -inf: the host decides). expf may differ from the host's exp in the last bit, so a
-// draw or a cut that lands exactly on a boundary may differ.
+// selection (below) and the first crossing of a running count or weight; a small top-k gathers
+// its few into shared memory. No sort; without cuts three passes over the row (two where the
+// step's argmax gives the largest), with a top-k of at most 1024 eight, with both cuts at most
+// fourteen. Only the index comes back: out[row] = the id, or 0xffffffff where no logit
+// qualifies (all NaN or -inf: the host decides). expf may differ from the host's exp in the
+// last bit, so a draw or a cut that lands exactly on a boundary may differ.
 // Grid: rows; block: a multiple of 32 threads, at most 1024 (the more, the more of the row in
 // flight). rows[r]: the row's logits; params[6 r ..]: n, inv_t, top_k (0: none), top_p (1:
 // none), u, and the row's argmax where its step found it (else -1): the first of its largest
@@ -109,16 +108,20 @@ __device__ void block_sum_u64x2(u64& a, u64& b) {
     __syncthreads();
 }
 // The id at which the running sum of w(id), in id order over 0..n, first passes r (0xffffffff
-// where it never does). Each warp sums a contiguous range (its lanes reading side by side); the
-// warp whose range holds the crossing splits it among its lanes; one lane walks its piece.
+// where it never does), narrowed in three levels whose reads are all coalesced: each warp sums a
+// range of whole 1,024-id tiles; the warp whose range holds the crossing sums its 32 pieces (each
+// whole chunks of 32 ids, a chunk summed across the lanes); then the piece that holds it is
+// read a chunk at a time into shared memory and walked there by one thread.
 template <typename W>
 __device__ u32 first_crossing(int n, u64 r, W w) {
     __shared__ u64 sums[32];
+    __shared__ u64 chunk[32];
     __shared__ u64 base_s;
     __shared__ int pick_s;
     __shared__ u32 found;
     const int warps = blockDim.x >> 5, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int range = (n + warps - 1) / warps, w0 = min(n, warp * range), w1 = min(n, w0 + range);
+    const int range = (n + warps * 1024 - 1) / (warps * 1024) * 1024, piece = range / 32;
+    int w0 = min(n, warp * range), w1 = min(n, w0 + range);
     u64 mine = 0;
 #pragma unroll 4
     for (int i = w0 + lane; i < w1; i += 32) mine += w(i);
@@ -139,50 +142,66 @@ __device__ u32 first_crossing(int n, u64 r, W w) {
     __syncthreads();
     int pick = pick_s;
     if (pick < 0) return 0xffffffffu;
-    int p0 = min(n, pick * range), p1 = min(n, p0 + range), piece = (p1 - p0 + 31) / 32;
-    int l0 = min(p1, p0 + lane * piece), l1 = min(p1, l0 + piece);
+    int p0 = pick * range;
+    __syncthreads();
     if (warp == pick) {
-        u64 s = 0;
-        for (int i = l0; i < l1; i++) s += w(i);
-        sums[lane] = s;
+        for (int q = 0; q < 32; q++) {
+            u64 s = 0;
+            for (int c = p0 + q * piece; c < min(n, p0 + (q + 1) * piece); c += 32) s += c + lane < n ? w(c + lane) : 0ull;
+            for (int o = 16; o > 0; o >>= 1) s += shfl_xor_u64(s, o);
+            if (lane == 0) sums[q] = s;
+        }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
         u64 run = base_s;
         pick_s = 31;
-        for (int l = 0; l < 32; l++) {
-            if (r < run + sums[l]) { pick_s = l; break; }
-            run += sums[l];
+        for (int q = 0; q < 32; q++) {
+            if (r < run + sums[q]) { pick_s = q; break; }
+            run += sums[q];
         }
         base_s = run;
     }
     __syncthreads();
-    if (warp == pick && lane == pick_s) {
-        u64 run = base_s;
-        for (int i = l0; i < l1; i++) {
-            run += w(i);
-            if (r < run) { found = (u32)i; break; }
+    int q0 = p0 + pick_s * piece, q1 = min(n, q0 + piece);
+    for (int c = q0; c < q1; c += 32) {
+        if (warp == 0) chunk[lane] = c + lane < q1 ? w(c + lane) : 0ull;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u64 run = base_s;
+            for (int l = 0; l < 32 && found == 0xffffffffu; l++) {
+                run += chunk[l];
+                if (r < run) found = (u32)(c + l);
+            }
+            base_s = run;
         }
+        __syncthreads();
+        if (found != 0xffffffffu) break;
     }
-    __syncthreads();
     return found;
 }
 // Radix selection over the ids with w(id, &key) > 0 (a weight or a count), keys high first: the
 // key at which the running sum of w first reaches `target` (>= 1), and how much of the target is
-// left for the ids of that key (*left, >= 1). Each round counts one digit into bins (`hist`,
-// 4096 of them), then sums the bins 16 at a time from the top (`group`, 256), and one thread
-// walks those sums and then 16 bins. (The caller holds the bins: one 32 KB array, where each
-// instantiation would declare its own.)
+// left for the ids of that key (*left, >= 1). A first round bins the scores linearly over
+// [lo, 0] (lo: the lowest candidate's score), 4096 bands: monotone in the score, and spread over
+// many bands however narrow the scores are (the key's top bits put a narrow spread in a few bins,
+// whose shared-memory counters then serialise: 2.4 ms of a 64-row draw on an H100). Three rounds
+// of 12, 10 and 10 bits of the key then select among the ids of the chosen band. Each round
+// counts into bins (`hist`, up to 4096), sums the bins 16 at a time from the top (`group`, 256),
+// and one thread walks those sums and then 16 bins. (The caller holds the bins: one 32 KB array,
+// where each instantiation would declare its own.)
 template <typename W>
-__device__ u32 radix_select(int n, u64 target, u64* left, u64* hist, u64* group, W w) {
+__device__ u32 radix_select(int n, u64 target, float lo, u64* left, u64* hist, u64* group, W w) {
     __shared__ u32 prefix_s;
     __shared__ u64 left_s;
+    const float scale = lo < 0.0f ? 4096.0f / -lo : 0.0f;
+    auto band_of = [&](u32 key) { return min(max((int)((key_score(key) - lo) * scale), 0), 4095); };
     if (threadIdx.x == 0) { prefix_s = 0; left_s = target; }
     u32 mask = 0;
-    int shift = 32;
-    for (int round = 0; round < 3; round++) {
-        int bits = round == 0 ? 12 : 10, bins = 1 << bits, groups = bins / 16;
-        shift -= bits;
+    int shift = 32, band = -1;
+    for (int round = 0; round < 4; round++) {
+        int bits = round < 2 ? 12 : 10, bins = 1 << bits, groups = bins / 16;
+        if (round > 0) shift -= bits;
         for (int b = threadIdx.x; b < bins; b += blockDim.x) hist[b] = 0;
         __syncthreads();
         u32 prefix = prefix_s;
@@ -190,7 +209,9 @@ __device__ u32 radix_select(int n, u64 target, u64* left, u64* hist, u64* group,
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
             u32 key;
             u64 v = w(i, &key);
-            if (v && (key & mask) == prefix) atomicAdd(&hist[(key >> shift) & (u32)(bins - 1)], v);
+            if (!v) continue;
+            if (round == 0) atomicAdd(&hist[band_of(key)], v);
+            else if ((key & mask) == prefix && band_of(key) == band) atomicAdd(&hist[(key >> shift) & (u32)(bins - 1)], v);
         }
         __syncthreads();
         // Group g holds bins bins - 16 (g + 1) .. bins - 16 g - 1 (group 0 the highest).
@@ -206,11 +227,18 @@ __device__ u32 radix_select(int n, u64 target, u64* left, u64* hist, u64* group,
             for (; g < groups - 1 && run + group[g] < need; g++) run += group[g];
             int b = bins - 16 * g - 1;
             for (; b > bins - 16 * (g + 1) && run + hist[b] < need; b--) run += hist[b];
-            prefix_s = prefix | ((u32)b << shift);
+            // Round 0 chose a band (kept in prefix_s until round 1 reads it).
+            prefix_s = round == 0 ? (u32)b : prefix | ((u32)b << shift);
             left_s = need - run;
         }
-        mask |= (u32)(bins - 1) << shift;
         __syncthreads();
+        if (round == 0) {
+            band = (int)prefix_s;
+            __syncthreads();
+            if (threadIdx.x == 0) prefix_s = 0;
+        } else {
+            mask |= (u32)(bins - 1) << shift;
+        }
     }
     *left = left_s;
     return prefix_s;
@@ -304,13 +332,16 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(float* const* row
         return kept(key, i, k, cut) ? key_weight(key) : 0ull;
     };
     u64 count = 0, total = 0;
+    float lo = 0.0f;
 #pragma unroll 4
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         u32 key = key_of(i);
         count += key != 0u;
         total += key != 0u ? key_weight(key) : 0ull;
+        lo = key != 0u ? fminf(lo, key_score(key)) : lo;
     }
     block_sum_u64x2(count, total);
+    lo = -block_max(-lo);
     if (count == 0) {
         if (threadIdx.x == 0) out[blockIdx.x] = 0xffffffffu;
         return;
@@ -325,7 +356,7 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(float* const* row
     };
     if (top_k > 0 && top_k < count) {
         u64 ties;
-        k = radix_select(n, top_k, &ties, hist, group, [&](int i, u32* key) { *key = key_of(i); return (u64)(*key != 0u); });
+        k = radix_select(n, top_k, lo, &ties, hist, group, [&](int i, u32* key) { *key = key_of(i); return (u64)(*key != 0u); });
         cut = first_crossing(n, ties - 1, [&](int i) { return (u64)(key_of(i) == k); });
         if (top_k <= SMALL_TOP_K) {
             u32 id = draw_among_few(n, k, cut, top_p, u, hist, key_of);
@@ -338,7 +369,7 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(float* const* row
         u64 target = (u64)ceil((double)top_p * (double)total);
         target = target < 1 ? 1 : (target > total ? total : target);
         u64 left;
-        u32 kp = radix_select(n, target, &left, hist, group, [&](int i, u32* key) {
+        u32 kp = radix_select(n, target, lo, &left, hist, group, [&](int i, u32* key) {
             *key = key_of(i);
             return kept(*key, i, k, cut) ? key_weight(*key) : 0ull;
         });

@@ -92,7 +92,7 @@ static void check_sample_rows(int n, int threads) {
     for (auto& x : rows) ptrs.push_back(x.data());
     bool ok = true;
     std::vector<u32> got(rows_n);
-    for (double u : {0.0, 1e-9, 0.25, 0.5, 0.731, 0.999999, 0.99999999999}) {
+    for (double u : {0.0, 1e-9, 0.5, 0.731, 0.99999999999}) {
         std::vector<double> params;
         for (int r = 0; r < rows_n; r++) {
             Row k = kinds[r % kinds.size()];
