@@ -421,9 +421,10 @@ impl<'m> Engine<'m> {
     /// such row in one launch (only indices cross); a greedy pick is the GPU's argmax
     /// (`DeviceState::sample`); else the host samples the row.
     pub fn sample(&self, seqs: &mut [(&mut DeviceState, &mut Sampler)]) -> Vec<Result<u32>> {
-        // Per sequence, a draw the GPU was asked for and its answer (the launch's error as text,
-        // for each of its rows).
-        let mut drawn: Vec<Option<(GpuDraw, Result<Option<u32>, String>)>> = vec![None; seqs.len()];
+        // Per sequence, a draw the GPU was asked for and its answer: the id, None where the host
+        // draws, or the launch's error (as text, for each of its rows).
+        type Answer = Result<Option<u32>, String>;
+        let mut drawn: Vec<Option<(GpuDraw, Answer)>> = vec![None; seqs.len()];
         if let Backend::Cuda(g) = &self.backend {
             let mut draws = Vec::new();
             for (i, (state, sampler)) in seqs.iter_mut().enumerate() {
