@@ -1,4 +1,4 @@
-// Sampling on the GPU: the greedy pick of each row of logits, and a draw at a temperature.
+// Sampling on the GPU: the greedy pick of each row of logits, and a draw with a temperature, top-k and top-p.
 
 // The greedy pick of each row of logits: the index of its largest value, the first of equal
 // ones, NaN never chosen (sampling::argmax, its reference); 0 where no value qualifies. Block
