@@ -28,6 +28,13 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
+/// A fresh state on `gpu` with `tokens` applied.
+fn prefilled(gpu: &GpuQwen35, tokens: &[u32]) -> GpuState {
+    let mut s = gpu.new_state().unwrap();
+    gpu.forward(tokens, &mut s, Logits::Last).unwrap();
+    s
+}
+
 /// The largest difference of any state array, relative to the largest value of that array.
 fn state_error(got: &State, want: &State) -> f32 {
     assert_eq!(got.position, want.position);
@@ -143,14 +150,9 @@ fn batched_decode_matches_each_sequence_alone() {
         gpu.set_decode_gemm_from(gemm_from);
         for graphs in [true, false] {
             for lengths in [vec![5usize, 130, 40], vec![1, 2, 7, 9, 33, 64, 65, 100, 200, 299, 300]] {
-                let prefill = |len: usize| {
-                    let mut s = gpu.new_state().unwrap();
-                    gpu.forward(&tokens[..len], &mut s, Logits::Last).unwrap();
-                    s
-                };
-                let mut alone: Vec<_> = lengths.iter().map(|&l| prefill(l)).collect();
-                let mut batch: Vec<_> = lengths.iter().map(|&l| prefill(l)).collect();
-                let mut small: Vec<_> = lengths.iter().map(|&l| prefill(l)).collect();
+                let mut alone: Vec<_> = lengths.iter().map(|&l| prefilled(&gpu, &tokens[..l])).collect();
+                let mut batch: Vec<_> = lengths.iter().map(|&l| prefilled(&gpu, &tokens[..l])).collect();
+                let mut small: Vec<_> = lengths.iter().map(|&l| prefilled(&gpu, &tokens[..l])).collect();
                 gpu.graphs = graphs;
                 for step in 0..6 {
                     let running = if step < 3 { lengths.len() } else { lengths.len() - 1 };
@@ -283,13 +285,7 @@ fn logits_overwritten_by_a_later_batched_step_are_refused() {
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let tokens = prompt("p4");
     let gpu = GpuQwen35::upload(gpu0, &m.net, Precision::Exact).unwrap();
-    let mut states: Vec<_> = (0..4)
-        .map(|i| {
-            let mut s = gpu.new_state().unwrap();
-            gpu.forward(&tokens[..5 + i], &mut s, Logits::Last).unwrap();
-            s
-        })
-        .collect();
+    let mut states: Vec<_> = (0..4).map(|i| prefilled(&gpu, &tokens[..5 + i])).collect();
     let (first, second) = states.split_at_mut(2);
     gpu.decode_batch(&[1, 2], &mut first.iter_mut().collect::<Vec<_>>()).unwrap();
     gpu.decode_batch(&[3, 4], &mut second.iter_mut().collect::<Vec<_>>()).unwrap();
@@ -312,13 +308,7 @@ fn draws_on_the_gpu_are_the_hosts() {
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let tokens = prompt("p4");
     let gpu = GpuQwen35::upload(gpu0, &m.net, Precision::TensorCores).unwrap();
-    let mut states: Vec<_> = (0..3)
-        .map(|i| {
-            let mut s = gpu.new_state().unwrap();
-            gpu.forward(&tokens[..5 + i], &mut s, Logits::Last).unwrap();
-            s
-        })
-        .collect();
+    let mut states: Vec<_> = (0..3).map(|i| prefilled(&gpu, &tokens[..5 + i])).collect();
     gpu.decode_batch(&[1, 2], &mut states[..2].iter_mut().collect::<Vec<_>>()).unwrap();
     gpu.forward(&[3], &mut states[2], Logits::Last).unwrap();
     let allowed = m.net.config.vocab_size - 7;
@@ -364,8 +354,7 @@ fn decode_at_5000_positions_matches_the_cpu_engine() {
     let mut cpu = State::new(&m.net.config);
     m.net.forward(&pool, &tokens, &mut cpu, Logits::Last).unwrap();
     let gpu = GpuQwen35::upload(gpu0, &m.net, Precision::Exact).unwrap();
-    let mut on_gpu = gpu.new_state().unwrap();
-    gpu.forward(&tokens, &mut on_gpu, Logits::Last).unwrap();
+    let mut on_gpu = prefilled(&gpu, &tokens);
     for step in 0..4 {
         let id = argmax(&cpu.last_logits);
         assert_eq!(argmax(on_gpu.last_logits().unwrap()), id, "decode step {step} picks another token");
