@@ -89,6 +89,17 @@ __device__ __forceinline__ u32 candidate_key(float logit, float m, float inv_t) 
 }
 __device__ __forceinline__ u64 key_weight(u32 key) { return (u64)llround((double)expf(key_score(key)) * 1099511627776.0); }
 __device__ __forceinline__ bool kept(u32 key, u32 id, u32 k, u32 cut) { return key != 0u && (key > k || (key == k && id <= cut)); }
+// The weight the first ones in score order must reach for top_p: ceil(top_p * total), at least 1
+// and at most total (sampling.rs nucleus).
+__device__ __forceinline__ u64 nucleus_target(float top_p, u64 total) {
+    u64 target = (u64)ceil((double)top_p * (double)total);
+    return target < 1 ? 1 : (target > total ? total : target);
+}
+// Where uniform u falls in `total` of weight: the running weight the draw's id first passes.
+__device__ __forceinline__ u64 draw_point(double u, u64 total) {
+    u64 r = (u64)(u * (double)total);
+    return r > total - 1 ? total - 1 : r;
+}
 __device__ __forceinline__ u64 shfl_xor_u64(u64 v, int o) {
     u32 lo = __shfl_xor_sync(0xffffffffu, (u32)v, o), hi = __shfl_xor_sync(0xffffffffu, (u32)(v >> 32), o);
     return ((u64)hi << 32) | lo;
@@ -286,15 +297,13 @@ __device__ u32 draw_among_few(int n, u32 k, u32 cut, float top_p, double u, u64*
         if (top_p < 1.0f) {
             u64 total = 0, run = 0;
             for (int q = 0; q < c; q++) total += weight[q];
-            u64 target = (u64)ceil((double)top_p * (double)total);
-            target = target < 1 ? 1 : (target > total ? total : target);
+            u64 target = nucleus_target(top_p, total);
             for (keep = 0; keep < c && run < target;) run += weight[by_score[keep++]];
         }
         u32 low = keys[by_score[keep - 1]], last = ids[by_score[keep - 1]];
         u64 total = 0, run = 0;
         for (int q = 0; q < c; q++) total += kept(keys[q], ids[q], low, last) ? weight[q] : 0ull;
-        u64 r = (u64)(u * (double)total);
-        if (r > total - 1) r = total - 1;
+        u64 r = draw_point(u, total);
         picked = 0xffffffffu;
         for (int q = 0; q < c; q++) {
             int j = by_id[q];
@@ -366,8 +375,7 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(float* const* row
         total = total_kept();
     }
     if (top_p < 1.0f) {
-        u64 target = (u64)ceil((double)top_p * (double)total);
-        target = target < 1 ? 1 : (target > total ? total : target);
+        u64 target = nucleus_target(top_p, total);
         u64 left;
         u32 kp = radix_select(n, target, lo, &left, hist, group, [&](int i, u32* key) {
             *key = key_of(i);
@@ -380,8 +388,6 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(float* const* row
         k = kp;
         total = total_kept();
     }
-    u64 r = (u64)(u * (double)total);
-    if (r > total - 1) r = total - 1;
-    u32 id = first_crossing(n, r, weight_kept);
+    u32 id = first_crossing(n, draw_point(u, total), weight_kept);
     if (threadIdx.x == 0) out[blockIdx.x] = id;
 }
