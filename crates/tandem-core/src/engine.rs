@@ -14,6 +14,7 @@ use anyhow::{bail, Context, Result};
 use std::sync::Arc;
 
 use crate::backend::cuda::qwen35::kv_cache::KvPool;
+use crate::backend::cuda::qwen35::state_slots::{SlotPool, StateDtype};
 use crate::backend::cuda::qwen35::{GpuQwen35, GpuState, Precision};
 use crate::model::{Logits, Qwen35};
 use crate::backend::cpu::pool::Pool;
@@ -90,7 +91,7 @@ impl std::fmt::Display for Dispatch {
 
 /// An engine to start, parsed from its placement: where it runs and how it dispatches,
 /// `cpu[:cores=0-3|threads=N][,dispatch=MODE]`
-/// or `cuda[:N][,precision=exact|tensor-cores][,dispatch=MODE]`.
+/// or `cuda[:N][,precision=exact|tensor-cores][,state=f32|bf16][,dispatch=MODE]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineSpec {
     pub device: Device,
@@ -109,6 +110,9 @@ pub struct EngineSpec {
     /// 9B's decode steps starved its prefills (TTFT p50 3.3 s against 0.65 s at 32 requests)
     /// while its inter-token p99 fell from 80 to 40 ms (docs/results, packed prefill).
     pub high_priority: Option<bool>,
+    /// The dtype a CUDA engine keeps its states' recurrent states in (`state=bf16`; f32 unless
+    /// asked otherwise).
+    pub state_dtype: StateDtype,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,7 +153,7 @@ impl EngineSpec {
                 },
             }
         }
-        let mut p = EngineSpec { device, cores: None, threads: None, dispatch: Dispatch::Dynamic, precision: Precision::TensorCores, graphs: true, high_priority: None };
+        let mut p = EngineSpec { device, cores: None, threads: None, dispatch: Dispatch::Dynamic, precision: Precision::TensorCores, graphs: true, high_priority: None, state_dtype: StateDtype::F32 };
         for (k, v) in pairs {
             match (k.as_str(), device) {
                 ("cores", Device::Cpu) => p.cores = Some(parse_cores(&v).with_context(|| format!("placement {spec:?}"))?),
@@ -178,9 +182,10 @@ impl EngineSpec {
                         _ => bail!("placement {spec:?}: priority={v:?}: choose high or normal"),
                     })
                 }
+                ("state", Device::Cuda(_)) => p.state_dtype = StateDtype::parse(&v).with_context(|| format!("placement {spec:?}: state={v:?}"))?,
                 ("dispatch", _) => p.dispatch = Dispatch::parse(&v).with_context(|| format!("placement {spec:?}"))?,
                 (other, Device::Cpu) => bail!("placement {spec:?}: unknown key {other:?} (keys: cores, threads, dispatch)"),
-                (other, Device::Cuda(_)) => bail!("placement {spec:?}: unknown key {other:?} (keys: precision, graphs, priority, dispatch)"),
+                (other, Device::Cuda(_)) => bail!("placement {spec:?}: unknown key {other:?} (keys: precision, state, graphs, priority, dispatch)"),
             }
         }
         if p.cores.is_some() && p.threads.is_some() {
@@ -212,7 +217,11 @@ impl std::fmt::Display for EngineSpec {
                 Some(false) => ",priority=normal",
                 None => "",
             };
-            return write!(f, "cuda:{n},precision={precision}{graphs}{priority},dispatch={}", self.dispatch);
+            let state = match self.state_dtype {
+                StateDtype::F32 => String::new(),
+                other => format!(",state={other}"),
+            };
+            return write!(f, "cuda:{n},precision={precision}{state}{graphs}{priority},dispatch={}", self.dispatch);
         }
         write!(f, "cpu:")?;
         match (&self.cores, self.threads) {
@@ -280,6 +289,7 @@ impl<'m> Engine<'m> {
                 let gpu = crate::backend::cuda::Gpu::open_with_priority(n, spec.high_priority == Some(true))?;
                 let mut g = GpuQwen35::upload(gpu, net, spec.precision).with_context(|| format!("loading the model onto cuda:{n}"))?;
                 g.graphs = spec.graphs;
+                g.set_state_dtype(spec.state_dtype)?;
                 Backend::Cuda(Box::new(g))
             }
         };
@@ -307,12 +317,23 @@ impl<'m> Engine<'m> {
         self.gpu().map(|g| g.kv_pool())
     }
 
-    /// Take the K/V blocks of this GPU engine's states from `pool` (another engine's on the
-    /// same GPU), so that one budget covers both and states move between them as they are.
-    pub fn share_kv_pool(&mut self, pool: Arc<KvPool>) -> Result<()> {
+    /// The GPU engine's pools: K/V blocks and state slots (None for a CPU engine).
+    pub fn pools(&self) -> Option<(Arc<KvPool>, Arc<SlotPool>)> {
+        self.gpu().map(|g| (g.kv_pool().clone(), g.slot_pool().clone()))
+    }
+
+    /// The GPU engine's pool of state slots (None for a CPU engine).
+    pub fn slot_pool(&self) -> Option<&Arc<SlotPool>> {
+        self.gpu().map(|g| g.slot_pool())
+    }
+
+    /// Take the K/V blocks and slots of this GPU engine's states from `pools` (another
+    /// engine's on the same GPU), so that one budget covers both and states move between them
+    /// as they are.
+    pub fn share_pools(&mut self, (kv, slots): (Arc<KvPool>, Arc<SlotPool>)) -> Result<()> {
         match &mut self.backend {
-            Backend::Cuda(g) => g.share_kv_pool(pool),
-            Backend::Cpu(_) => bail!("a CPU engine keeps no K/V block pool"),
+            Backend::Cuda(g) => g.share_pools(kv, slots),
+            Backend::Cpu(_) => bail!("a CPU engine keeps no K/V block or state slot pool"),
         }
     }
 
@@ -323,7 +344,7 @@ impl<'m> Engine<'m> {
     }
 
     /// Bring `state` to this engine and let it hold `end` positions: a GPU state takes the K/V
-    /// blocks it lacks now (all or none: a `KvCacheFull` error where the pool's limit is
+    /// blocks it lacks now (all or none: a `PoolFull` error where the pool's limit is
     /// reached). A CPU engine's states grow as they go.
     pub fn reserve_kv(&self, state: &mut DeviceState, end: usize) -> Result<()> {
         device::move_in_place(self.gpu(), state)?;
@@ -498,13 +519,16 @@ mod tests {
         assert_eq!(p.cores, Some(vec![0, 1]));
         assert_eq!(p.dispatch, Dispatch::Buckets(vec![64, 256, 512]));
         assert_eq!(EngineSpec::parse("cpu:cores=0-2").unwrap().cores, Some(vec![0, 1, 2]));
-        assert_eq!(EngineSpec::parse("cpu").unwrap(), EngineSpec { device: Device::Cpu, cores: None, threads: None, dispatch: Dispatch::Dynamic, precision: Precision::TensorCores, graphs: true, high_priority: None });
+        assert_eq!(EngineSpec::parse("cpu").unwrap(), EngineSpec { device: Device::Cpu, cores: None, threads: None, dispatch: Dispatch::Dynamic, precision: Precision::TensorCores, graphs: true, high_priority: None, state_dtype: StateDtype::F32 });
         let p = EngineSpec::parse("cuda:1,precision=exact,dispatch=batched:32").unwrap();
         assert_eq!((p.device, p.precision, p.dispatch.clone()), (Device::Cuda(1), Precision::Exact, Dispatch::Batched(32)));
         assert_eq!(p.to_string(), "cuda:1,precision=exact,dispatch=batched:32");
         assert_eq!(EngineSpec::parse("cuda").unwrap().device, Device::Cuda(0));
         let p = EngineSpec::parse("cuda:0,priority=high").unwrap();
         assert_eq!((p.high_priority, p.to_string().as_str()), (Some(true), "cuda:0,precision=tensor-cores,priority=high,dispatch=dynamic"));
+        let p = EngineSpec::parse("cuda:0,state=bf16").unwrap();
+        assert_eq!((p.state_dtype, p.to_string().as_str()), (StateDtype::Bf16, "cuda:0,precision=tensor-cores,state=bf16,dispatch=dynamic"));
+        assert_eq!(EngineSpec::parse(&p.to_string()).unwrap(), p);
         assert_eq!(EngineSpec::parse("cuda:dispatch=sequential").unwrap().device, Device::Cuda(0));
         assert_eq!(EngineSpec::parse("cpu:threads=2,dispatch=sequential").unwrap().to_string(), "cpu:threads=2,dispatch=sequential");
         for (bad, says) in [
@@ -516,7 +540,9 @@ mod tests {
             ("cpu:cores=1,threads=2", "not both"),
             ("cpu:0", "not key=value"),
             ("cuda:x", "not a GPU number"),
-            ("cuda:0,cores=1", "keys: precision, graphs, priority, dispatch"),
+            ("cuda:0,cores=1", "keys: precision, state, graphs, priority, dispatch"),
+            ("cuda:0,state=fp8", "state=\"fp8\": state dtype \"fp8\": choose f32 or bf16"),
+            ("cpu:state=bf16", "keys: cores, threads, dispatch"),
             ("cuda:0,priority=urgent", "choose high or normal"),
             ("cuda:0,graphs=maybe", "choose on or off"),
             ("cuda:0,precision=fp8", "choose exact or tensor-cores"),

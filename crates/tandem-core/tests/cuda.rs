@@ -457,7 +457,7 @@ fn mma_state_walk_matches_the_f32_walk() {
         let mut results = Vec::new();
         for (kernel, threads) in [(k::DELTANET_CHUNK_STATE_1, 256), (mma, 128)] {
             let (state, core) = (g.upload(&start).unwrap(), g.zeros::<f32>(t * hv * dv).unwrap());
-            let args = (g.ptr(&state), g.ptr(&mixed), g.ptr(&gcum), g.ptr(&u), g.ptr(&w), g.ptr(&p), g.ptr(&core), t_, hk_, hv_, dk_, dv_, cd_);
+            let args = (g.ptr(&state).reinterpret(), g.ptr(&mixed), g.ptr(&gcum), g.ptr(&u), g.ptr(&w), g.ptr(&p), g.ptr(&core), t_, hk_, hv_, dk_, dv_, cd_);
             g.launch(kernel, Grid::new((hv, dv / 16, 1), threads), args).unwrap();
             results.push((g.download(&core, t * hv * dv).unwrap(), g.download(&state, hv * dk * dv).unwrap()));
         }
@@ -506,13 +506,13 @@ fn kernels_come_from_the_cache_after_the_first_compile() {
 
 /// The paged K/V cache at its limit: a state takes blocks of 16 positions as it grows and gives
 /// them back when dropped; a call that needs more than the pool may hold is refused with
-/// `KvCacheFull` before anything is applied (the state stays where it was), and once blocks
+/// `PoolFull` before anything is applied (the state stays where it was), and once blocks
 /// are free again the same call succeeds; blocks that served another sequence (handed out
 /// again in another order) give the same logits as a fresh engine's.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn kv_cache_refuses_past_its_limit_and_reuses_freed_blocks() {
-    use tandem_core::backend::cuda::qwen35::kv_cache::{KvCacheFull, KV_BLOCK};
+    use tandem_core::backend::cuda::qwen35::{device_pool::PoolFull, kv_cache::KV_BLOCK};
     let (g, _turn) = gpu_for("the paged K/V cache");
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let tokens = prompt("p4");
@@ -536,16 +536,105 @@ fn kv_cache_refuses_past_its_limit_and_reuses_freed_blocks() {
     assert_eq!(pool.level().used, 3);
     let mut b = gpu.new_state().unwrap();
     let refused = gpu.forward(&tokens[..10], &mut b, Logits::Last).unwrap_err();
-    assert!(refused.downcast_ref::<KvCacheFull>().is_some(), "not a KvCacheFull: {refused:#}");
+    assert!(refused.downcast_ref::<PoolFull>().is_some(), "not a PoolFull: {refused:#}");
     assert_eq!(b.position, 0, "a refused call applied something");
     for &t in &tokens[40..48] {
         gpu.forward(&[t], &mut a, Logits::Last).unwrap();
     }
     let refused = gpu.forward(&[tokens[48]], &mut a, Logits::Last).unwrap_err();
-    assert!(refused.downcast_ref::<KvCacheFull>().is_some(), "not a KvCacheFull: {refused:#}");
+    assert!(refused.downcast_ref::<PoolFull>().is_some(), "not a PoolFull: {refused:#}");
     assert_eq!(a.position, 48);
     drop(a);
     gpu.forward(&tokens[..10], &mut b, Logits::Last).unwrap();
     assert_eq!(pool.level().used, 1);
     assert_eq!(pool.available(), Some(2));
+}
+
+/// State slots: one per state, taken when it is made and given back when it is dropped; past
+/// the pool's limit a new state is refused with `PoolFull` until one is freed, and a reused
+/// slot starts as zero as a fresh one (the same logits). Recurrent states in bf16: each
+/// forward call rounds them once (what the state holds is bf16 values), they stay within 1% of
+/// the f32 engine's and give its greedy token on the fixture's prompt; a batched step of bf16
+/// states gives each sequence's logits alone; an f32 state is refused by the bf16 engine with a
+/// message naming both, and the bridge's move converts it (through the host) instead.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn state_slots_are_pooled_and_bf16_states_round_once() {
+    use tandem_core::backend::cuda::qwen35::device_pool::PoolFull;
+    use tandem_core::backend::cuda::qwen35::state_slots::StateDtype;
+    use tandem_core::model::tensor::{bf16_to_f32, f32_to_bf16};
+    let (g, _turn) = gpu_for("the state slots");
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let tokens = prompt("p4");
+    let mut gpu = GpuQwen35::upload(g, &m.net, Precision::Exact).unwrap();
+    let fresh = prefilled(&gpu, &tokens[..40]);
+    let fresh_logits = fresh.host_logits().unwrap();
+    let slots = gpu.slot_pool().clone();
+    assert_eq!(slots.level().used, 1);
+    slots.set_limit(Some(2));
+    let used = gpu.new_state().unwrap();
+    let refused = gpu.new_state().err().expect("a third state past a limit of two");
+    assert!(refused.downcast_ref::<PoolFull>().is_some(), "not a PoolFull: {refused:#}");
+    drop(used);
+    let again = prefilled(&gpu, &tokens[..40]);
+    assert_eq!(again.host_logits().unwrap(), fresh_logits, "a reused slot gave other logits than a fresh one");
+    drop(again);
+    slots.set_limit(None);
+
+    let f32_state = fresh.download().unwrap();
+    gpu.set_state_dtype(StateDtype::Bf16).unwrap();
+    let moved = gpu.forward(&tokens[40..41], &mut gpu_state_copy(&gpu, &fresh), Logits::Last);
+    assert!(moved.is_ok(), "a moved state must run: {:?}", moved.err());
+    let mut f32_here = fresh;
+    let refused = gpu.forward(&tokens[40..41], &mut f32_here, Logits::Last).unwrap_err();
+    assert!(format!("{refused:#}").contains("f32") && format!("{refused:#}").contains("bf16"), "{refused:#}");
+
+    let bf16 = prefilled(&gpu, &tokens[..40]);
+    let bf16_logits = bf16.host_logits().unwrap();
+    let bf16_state = bf16.download().unwrap();
+    for l in &bf16_state.layers {
+        if let LayerState::Linear { recurrent, .. } = l {
+            assert!(recurrent.iter().all(|&x| bf16_to_f32(f32_to_bf16(x)) == x), "a bf16 state holds a value that is not a bf16");
+        }
+    }
+    let err = state_error(&bf16_state, &f32_state);
+    let logit_diff = max_abs_diff(&bf16_logits, &fresh_logits);
+    eprintln!("bf16 states after 40 tokens: state relative error {err:.2e}, max logit diff {logit_diff:.2e}");
+    assert!(err < 1e-2, "bf16 state off by {err} relative");
+    assert_eq!(argmax(&bf16_logits), argmax(&fresh_logits), "bf16 states change the greedy token");
+    // A host state placed in a bf16 slot comes back rounded, nothing else changed.
+    let placed = gpu.upload_state(&f32_state).unwrap().download().unwrap();
+    for (a, b) in placed.layers.iter().zip(&f32_state.layers) {
+        match (a, b) {
+            (LayerState::Linear { conv: c1, recurrent: r1 }, LayerState::Linear { conv: c2, recurrent: r2 }) => {
+                assert_eq!(c1, c2);
+                assert!(r1.iter().zip(r2.iter()).all(|(x, y)| *x == bf16_to_f32(f32_to_bf16(*y))));
+            }
+            (LayerState::Full { k: k1, v: v1 }, LayerState::Full { k: k2, v: v2 }) => assert!(k1 == k2 && v1 == v2),
+            _ => panic!("layer kinds differ"),
+        }
+    }
+    // Three bf16 states stepped together and alone.
+    let mut together: Vec<GpuState> = (0..3).map(|i| prefilled(&gpu, &tokens[i..20 + i])).collect();
+    let mut alone: Vec<GpuState> = (0..3).map(|i| prefilled(&gpu, &tokens[i..20 + i])).collect();
+    let ids = [tokens[30], tokens[31], tokens[32]];
+    for step in 0..3 {
+        let mut refs: Vec<_> = together.iter_mut().collect();
+        gpu.decode_batch(&ids, &mut refs).unwrap();
+        for (s, &id) in alone.iter_mut().zip(&ids) {
+            gpu.forward(&[id], s, Logits::Last).unwrap();
+        }
+        for (t, a) in together.iter_mut().zip(alone.iter_mut()) {
+            let diff = max_abs_diff(&t.host_logits().unwrap(), &a.host_logits().unwrap());
+            eprintln!("bf16 states, step {step}: batched against alone: max logit diff {diff:.2e}");
+            assert!(diff <= 2.0 * LOGIT_TOL, "a batched bf16 step differs from the sequence alone by {diff}");
+        }
+    }
+}
+
+/// `state` brought to `gpu` as the bridge's move does (a copy where the engine cannot run it
+/// in place: another GPU, or recurrent states of another dtype).
+fn gpu_state_copy(gpu: &GpuQwen35, state: &GpuState) -> GpuState {
+    assert!(!gpu.runs_in_place(state));
+    gpu.copy_state(state).unwrap()
 }

@@ -416,6 +416,9 @@ fn a_small_kv_cache_swaps_sequences_and_keeps_their_tokens() {
             while p.kv_level().unwrap().used > 1 && waited.elapsed() < std::time::Duration::from_secs(10) {
                 std::thread::sleep(std::time::Duration::from_millis(5));
             }
+            assert_eq!(p.kv_capacity().map(|k| k.slots), Some(2 * c.max_batch), "state slots: the running sequences and as many prefilled ahead");
+            let slots = p.slot_level().unwrap();
+            assert!(slots.used <= 1 && slots.limit == Some(2 * c.max_batch), "{:?}: {} state slots still in use of {:?}", c.mode, slots.used, slots.limit);
             Ok((out, p.swaps(), p.kv_level().unwrap()))
         })
         .unwrap();
@@ -426,5 +429,31 @@ fn a_small_kv_cache_swaps_sequences_and_keeps_their_tokens() {
         assert!(swaps.0 == swaps.1 && (swaps.0 > 0 || c.prefill.device == Device::Cpu), "{:?} {}: {swaps:?} swaps out and in", c.mode, c.prefill);
         // What is left: the block of the batched step's padding rows.
         assert!(level.used <= 1, "{:?}: {} blocks still in use", c.mode, level.used);
+    }
+}
+
+/// Recurrent states kept in bf16 (`state=bf16`): each request's greedy tokens among others are
+/// its tokens run alone in the same placement: packed prefills and batched steps on one GPU,
+/// chunked prefill on one engine, and CPU prefill with the state rounded to bf16 as it goes to
+/// the GPU. Ignored by default (it needs an NVIDIA GPU).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn bf16_states_give_each_request_its_tokens_alone() {
+    gpus_at_least(1);
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let prompts: Vec<Vec<u32>> = reference_prompts().into_iter().map(|c| c.0).collect();
+    let gpu = "cuda:0,precision=exact,state=bf16";
+    let configs = [
+        config(Mode::Hybrid, gpu, gpu, Transfer::Move, 8),
+        PipelineConfig { max_prefill_tokens: 20, ..config(Mode::AllOnDecodeEngine, gpu, gpu, Transfer::Move, 8) },
+        config(Mode::Hybrid, "cpu:threads=2", gpu, Transfer::Move, 8),
+    ];
+    for c in configs {
+        let together = run_pipeline(&m.net, &c, &prompts, 24);
+        let alone_config = PipelineConfig { max_batch: 1, ..c.clone() };
+        for (i, p) in prompts.iter().enumerate() {
+            let alone = run_pipeline(&m.net, &alone_config, std::slice::from_ref(p), 24).remove(0);
+            assert_eq!(together[i], alone, "{:?} {} -> {}: prompt p{i} differs from its run alone", c.mode, c.prefill, c.decode);
+        }
     }
 }

@@ -39,7 +39,7 @@ ENGINES (generate, chat):
                          PLACEMENT = cpu[:cores=LIST|threads=N][,dispatch=MODE]; dispatch modes:
                          sequential | batched:N (fixed N-token dispatches, last one padded and
                          masked) | buckets:64,256,512 | dynamic (default); or
-                         cuda[:N][,precision=exact|tensor-cores][,graphs=on|off]
+                         cuda[:N][,precision=exact|tensor-cores][,state=f32|bf16][,graphs=on|off]
                          [,priority=high|normal][,dispatch=MODE] (README: Engines)
   --mode hybrid|prefill-engine|decode-engine
                          hybrid: prefill on one engine, the state crosses the bridge, decode on the

@@ -25,7 +25,7 @@ pub fn move_in_place(gpu: Option<&GpuQwen35>, state: &mut DeviceState) -> Result
     let moved = match (gpu, &*state) {
         (None, DeviceState::Gpu(s)) => DeviceState::Host(s.download()?),
         (Some(g), DeviceState::Host(s)) => DeviceState::Gpu(Box::new(g.upload_state(s)?)),
-        (Some(g), DeviceState::Gpu(s)) if s.ordinal() != g.gpu.ordinal => DeviceState::Gpu(Box::new(g.copy_state(s)?)),
+        (Some(g), DeviceState::Gpu(s)) if s.ordinal() != g.gpu.ordinal || !g.runs_in_place(s) => DeviceState::Gpu(Box::new(g.copy_state(s)?)),
         _ => return Ok(()),
     };
     *state = moved;

@@ -17,7 +17,7 @@ use anyhow::{Context, Result};
 
 use super::file::{self, StateFile};
 use super::{device, socket, Fingerprint, Transfer, TransferTimes};
-use crate::backend::cuda::qwen35::kv_cache::KvCacheFull;
+use crate::backend::cuda::qwen35::device_pool::PoolFull;
 use crate::backend::cuda::qwen35::GpuQwen35;
 use crate::model::config::Qwen35Config;
 use crate::state::{DeviceState, State};
@@ -164,7 +164,7 @@ impl<T> Receiver<T> {
             let t = Instant::now();
             match device::move_in_place(gpu, &mut state) {
                 Ok(()) => {}
-                Err(e) if KvCacheFull::is(&e) => {}
+                Err(e) if PoolFull::is(&e) => {}
                 Err(e) => return Err(e),
             }
             if rebuilt { times.rebuild += t.elapsed() } else { times.read = t.elapsed() }

@@ -14,7 +14,7 @@ use std::sync::mpsc::TryRecvError;
 use std::time::Instant;
 
 use super::prefill::{apply_chunks, finish_prefill_only, kv_blocks, Chunk, KvRoom, Prefill, Queue};
-use crate::backend::cuda::qwen35::kv_cache::{KvCacheFull, KV_BLOCK};
+use crate::backend::cuda::qwen35::{device_pool::PoolFull, kv_cache::KV_BLOCK};
 use super::request::{Event, Finish, Request, Timings};
 use super::EngineTime;
 use crate::bridge::handoff;
@@ -145,7 +145,11 @@ pub(super) fn single_engine_loop(engine: &Engine, mut queue: Queue, max_batch: u
                     let _ = request.events.send(Event::Failed { id: request.id, error });
                     continue;
                 }
-                prefilling.extend(Prefill::start(engine, request, submitted));
+                match Prefill::start(engine, request, submitted) {
+                    Ok(p) => prefilling.extend(p),
+                    // No free state slot: it waits at the head of the queue.
+                    Err(request) => queue.put_back(vec![*request]),
+                }
             }
         }
         prefill_chunks(engine, &mut prefilling, &mut batch, max_prefill_tokens, time);
@@ -243,7 +247,7 @@ fn fit_kv_cache(engine: &Engine, batch: &mut Batch, time: &EngineTime) {
                 }
                 batch.active.push(a);
             }
-            Err(e) if KvCacheFull::is(&e) => {
+            Err(e) if PoolFull::is(&e) => {
                 batch.swapped.insert(0, a);
                 break;
             }
@@ -256,7 +260,7 @@ fn fit_kv_cache(engine: &Engine, batch: &mut Batch, time: &EngineTime) {
     while i < batch.active.len() {
         let end = next(&batch.active[i]);
         match engine.reserve_kv(&mut batch.active[i].state, end) {
-            Err(e) if KvCacheFull::is(&e) && batch.active.len() > 1 => {
+            Err(e) if PoolFull::is(&e) && batch.active.len() > 1 => {
                 // Swap out the last admitted (perhaps this one) and try again.
                 let mut a = batch.active.pop().expect("more than one running");
                 // To host memory; its GPU state, and with it its blocks, dropped.

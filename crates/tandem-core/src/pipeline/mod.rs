@@ -24,7 +24,7 @@ use anyhow::{bail, Context, Result};
 
 pub use request::{Event, Finish, Generated, Request, RequestParams, Timings};
 
-use crate::backend::cuda::qwen35::kv_cache::{KvLevel, KvPool, KV_BLOCK};
+use crate::backend::cuda::qwen35::{device_pool::PoolLevel, kv_cache::{KvPool, KV_BLOCK}, state_slots::{SlotPool, StateDtype}};
 use crate::bridge::{handoff, Transfer};
 use crate::engine::{Device, Engine, EngineSpec};
 use crate::model::config::Qwen35Config;
@@ -94,16 +94,19 @@ pub enum KvBudget {
     Bytes(usize),
 }
 
-/// What a K/V budget came to at start-up (`Pipeline::kv_capacity`).
+/// What a memory budget came to at start-up (`Pipeline::kv_capacity`).
 #[derive(Clone, Copy, Debug)]
 pub struct KvCapacity {
     pub ordinal: usize,
     pub blocks: usize,
     pub block_bytes: usize,
-    /// Bytes kept back for the states and workspaces of `max_batch` sequences.
-    pub reserved_bytes: usize,
-    /// Bytes of one sequence's fixed-size state (recurrent and conv).
+    /// State slots: `max_batch` running sequences and as many prefilled ahead.
+    pub slots: usize,
+    /// Bytes of one slot (a sequence's fixed-size state: conv windows and recurrent states).
     pub state_bytes: usize,
+    pub state_dtype: StateDtype,
+    /// Bytes kept back for the slots and the workspaces.
+    pub reserved_bytes: usize,
 }
 
 impl KvCapacity {
@@ -116,14 +119,16 @@ impl KvCapacity {
     pub fn describe(&self, max_batch: usize) -> String {
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         format!(
-            "cuda:{}: K/V cache {:.2} GiB: {} blocks of {KV_BLOCK} positions ({} positions in all, {} per sequence at {max_batch} sequences); {:.2} GiB kept for states ({:.1} MiB each) and workspaces",
+            "cuda:{}: up to {max_batch} sequences decoding; K/V cache {:.2} GiB: {} blocks of {KV_BLOCK} positions ({} positions in all, {} per sequence at {max_batch} sequences); {} state slots of {:.1} MiB ({} recurrent states), {:.2} GiB kept for them and the workspaces",
             self.ordinal,
             gib(self.blocks * self.block_bytes),
             self.blocks,
             self.positions(),
             self.positions() / max_batch.max(1),
+            self.slots,
+            self.state_bytes as f64 / (1 << 20) as f64,
+            self.state_dtype,
             gib(self.reserved_bytes),
-            self.state_bytes as f64 / (1 << 20) as f64
         )
     }
 }
@@ -156,8 +161,8 @@ impl EngineTime {
 pub struct Pipeline {
     requests: Sender<(Request, Instant)>,
     engine_time: Arc<EngineTime>,
-    /// The decode engine's K/V pool (a GPU engine's) and what its budget came to.
-    kv: Option<(Arc<KvPool>, Option<KvCapacity>)>,
+    /// The decode engine's pools (a GPU engine's) and what its budget came to.
+    kv: Option<(Arc<KvPool>, Arc<SlotPool>, Option<KvCapacity>)>,
 }
 
 impl Pipeline {
@@ -168,13 +173,18 @@ impl Pipeline {
     }
 
     /// How full the decode engine's K/V cache is (a GPU engine's).
-    pub fn kv_level(&self) -> Option<KvLevel> {
-        self.kv.as_ref().map(|(p, _)| p.level())
+    pub fn kv_level(&self) -> Option<PoolLevel> {
+        self.kv.as_ref().map(|(p, _, _)| p.level())
     }
 
     /// What the K/V budget came to at start-up (None without a limit or a GPU decode engine).
     pub fn kv_capacity(&self) -> Option<KvCapacity> {
-        self.kv.as_ref().and_then(|(_, c)| *c)
+        self.kv.as_ref().and_then(|(_, _, c)| *c)
+    }
+
+    /// How full the decode engine's pool of state slots is (a GPU engine's).
+    pub fn slot_level(&self) -> Option<PoolLevel> {
+        self.kv.as_ref().map(|(_, s, _)| s.level())
     }
 
     /// Sequences swapped out of the decode engine's K/V cache to make room, and back, so far.
@@ -232,7 +242,7 @@ impl Pipeline {
 fn start_engine<'m>(spec: &EngineSpec, net: &'m Qwen35, ready: &Sender<Result<Started>>, go: Receiver<()>, what: &'static str) -> Option<Engine<'m>> {
     match Engine::new(spec, net) {
         Ok(e) => {
-            let _ = ready.send(Ok(Started { what, kv: e.kv_pool().cloned() }));
+            let _ = ready.send(Ok(Started { what, pools: e.pools() }));
             go.recv().ok()?;
             Some(e)
         }
@@ -243,10 +253,10 @@ fn start_engine<'m>(spec: &EngineSpec, net: &'m Qwen35, ready: &Sender<Result<St
     }
 }
 
-/// An engine that started, and its K/V pool (a GPU engine's).
+/// An engine that started, and its pools (a GPU engine's).
 struct Started {
     what: &'static str,
-    kv: Option<Arc<KvPool>>,
+    pools: Option<(Arc<KvPool>, Arc<SlotPool>)>,
 }
 
 /// Run a pipeline for the duration of `body`: the engines start on their own threads (made
@@ -292,15 +302,15 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                 let (ready_p, ready_d) = (ready_tx.clone(), ready_tx.clone());
                 // Engines on one GPU: the prefill engine takes the decode engine's pool.
                 let one_gpu = matches!((config.prefill.device, config.decode.device), (Device::Cuda(a), Device::Cuda(b)) if a == b);
-                let (pool_tx, pool_rx) = channel::<Arc<KvPool>>();
+                let (pool_tx, pool_rx) = channel::<(Arc<KvPool>, Arc<SlotPool>)>();
                 let (go_p, go_d) = (go_for(), go_for());
                 threads.push(s.spawn(move || {
                     if let Some(mut engine) = start_engine(&config.prefill, net, &ready_p, go_p, "prefill engine") {
                         if one_gpu {
                             // (No pool comes if the decode engine failed to start; then nothing runs.)
-                            if let Ok(pool) = pool_rx.recv() {
-                                if let Err(e) = engine.share_kv_pool(pool) {
-                                    eprintln!("the prefill engine keeps a K/V pool of its own: {e:#}");
+                            if let Ok(pools) = pool_rx.recv() {
+                                if let Err(e) = engine.share_pools(pools) {
+                                    eprintln!("the prefill engine keeps pools of its own (its states are copied to the decode engine's): {e:#}");
                                 }
                             }
                         }
@@ -309,8 +319,8 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                 }));
                 threads.push(s.spawn(move || {
                     if let Some(engine) = start_engine(&config.decode, net, &ready_d, go_d, "decode engine") {
-                        if let (true, Some(pool)) = (one_gpu, engine.kv_pool()) {
-                            let _ = pool_tx.send(pool.clone());
+                        if let (true, Some(pools)) = (one_gpu, engine.pools()) {
+                            let _ = pool_tx.send(pools);
                         }
                         drop(pool_tx);
                         decode::decode_loop(&engine, from_prefill, max_batch, time);
@@ -323,7 +333,7 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
         let mut failed = None;
         for _ in 0..threads.len() {
             match ready_rx.recv() {
-                Ok(Ok(started)) if started.what == decode_engine => pipeline.kv = started.kv.map(|p| (p, None)),
+                Ok(Ok(started)) if started.what == decode_engine => pipeline.kv = started.pools.map(|(kv, slots)| (kv, slots, None)),
                 Ok(Err(e)) => failed = Some(e),
                 _ => {}
             }
@@ -332,8 +342,8 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
             failed = Some(anyhow::anyhow!("--gpu-memory-utilization and --kv-cache-memory size a GPU decode engine's K/V cache; this decode engine runs on the CPU, whose states grow in host memory"));
         }
         if failed.is_none() {
-            if let Some((pool, capacity)) = &mut pipeline.kv {
-                match budget_kv_cache(pool, config, &net.config) {
+            if let Some((pool, slots, capacity)) = &mut pipeline.kv {
+                match budget_kv_cache(pool, slots, config) {
                     Ok(c) => *capacity = c,
                     Err(e) => failed = Some(e),
                 }
@@ -359,15 +369,17 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
     })
 }
 
-/// Set the decode engine's K/V pool's limit from `config.kv_cache` (None: no limit), with the
-/// engines loaded. A fraction of the GPU's memory leaves, of what is left of it, room for
-/// `max_batch` sequences' states and logits and for the workspaces of a prefill of
-/// `max_prefill_tokens` rows and a decode step of `max_batch` (an estimate from the model's
-/// shapes, plus 1 GiB for cuBLAS, graphs and the kernels).
-fn budget_kv_cache(pool: &KvPool, config: &PipelineConfig, c: &Qwen35Config) -> Result<Option<KvCapacity>> {
-    let block_bytes = pool.block_bytes();
-    let state_bytes = c.recurrent_state_bytes();
-    let reserved = config.max_batch * (state_bytes + 4 * c.vocab_size) + (config.max_prefill_tokens + config.max_batch) * workspace_bytes_per_row(c) + (1 << 30);
+/// Set the limits of the decode engine's pools from `config.kv_cache` (None: no limits), with
+/// the engines loaded: `2 max_batch` state slots (the running sequences and as many prefilled
+/// ahead of them), and K/V blocks in the memory left. A fraction of the GPU's memory leaves, of
+/// what is left of it, room for the slots, `max_batch` sequences' logits and the workspaces of
+/// a prefill of `max_prefill_tokens` rows and a decode step of `max_batch` (an estimate from
+/// the model's shapes, plus 1 GiB for cuBLAS, graphs and the kernels).
+fn budget_kv_cache(pool: &KvPool, slot_pool: &SlotPool, config: &PipelineConfig) -> Result<Option<KvCapacity>> {
+    let c = pool.config();
+    let block_bytes = pool.level().piece_bytes;
+    let (slots, state_bytes) = (2 * config.max_batch, slot_pool.level().piece_bytes);
+    let reserved = slots * state_bytes + config.max_batch * 4 * c.vocab_size + (config.max_prefill_tokens + config.max_batch) * workspace_bytes_per_row(c) + (1 << 30);
     let kv_bytes = match config.kv_cache {
         KvBudget::Unlimited => return Ok(None),
         KvBudget::Bytes(b) => b,
@@ -381,7 +393,7 @@ fn budget_kv_cache(pool: &KvPool, config: &PipelineConfig, c: &Qwen35Config) -> 
             match allowed.checked_sub(in_use + reserved) {
                 Some(b) if b >= block_bytes => b,
                 _ => bail!(
-                    "cuda:{}: --gpu-memory-utilization {f} allows {:.1} GiB of the GPU's {:.1}; {:.1} GiB are in use (the weights among them) and {:.1} GiB are kept for {} sequences' states and the workspaces, which leaves nothing for the K/V cache: raise the fraction or lower --max-batch / --max-prefill-tokens",
+                    "cuda:{}: --gpu-memory-utilization {f} allows {:.1} GiB of the GPU's {:.1}; {:.1} GiB are in use (the weights among them) and {:.1} GiB are kept for {slots} state slots ({} sequences decoding and as many prefilled ahead) and the workspaces, which leaves nothing for the K/V cache: raise the fraction or lower --max-batch / --max-prefill-tokens",
                     pool.ordinal(),
                     allowed as f64 / (1u64 << 30) as f64,
                     total as f64 / (1u64 << 30) as f64,
@@ -397,7 +409,8 @@ fn budget_kv_cache(pool: &KvPool, config: &PipelineConfig, c: &Qwen35Config) -> 
         bail!("--kv-cache-memory {kv_bytes}: less than one K/V block ({block_bytes} bytes, {KV_BLOCK} positions)");
     }
     pool.set_limit(Some(blocks));
-    Ok(Some(KvCapacity { ordinal: pool.ordinal(), blocks, block_bytes, reserved_bytes: reserved, state_bytes }))
+    slot_pool.set_limit(Some(slots));
+    Ok(Some(KvCapacity { ordinal: pool.ordinal(), blocks, block_bytes, slots, state_bytes, state_dtype: slot_pool.layout().dtype, reserved_bytes: reserved }))
 }
 
 /// Bytes of activations a forward call's workspace takes per token row (backend/cuda/qwen35/

@@ -10,25 +10,27 @@ use super::decode::Handoff;
 use super::request::{Event, Finish, Request, Timings};
 use super::EngineTime;
 use crate::bridge::handoff::{self, SendError};
-use crate::backend::cuda::qwen35::kv_cache::{KvCacheFull, KV_BLOCK};
+use crate::backend::cuda::qwen35::{device_pool::PoolFull, kv_cache::KV_BLOCK};
 use crate::engine::{Engine, PrefillStats};
 use crate::state::DeviceState;
 
-/// Room in an engine's K/V cache for new requests, in blocks of `KV_BLOCK` positions: what
-/// it could give out now, and the most it ever holds.
+/// Room in an engine's pools for new requests: K/V blocks of `KV_BLOCK` positions (what the
+/// cache could give out now, and the most it ever holds) and state slots (one a request).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct KvRoom {
     pub available: usize,
     pub limit: usize,
+    pub slots: usize,
 }
 
 impl KvRoom {
-    /// The room of `engine`'s pool after keeping `reserve` blocks back (for the running
-    /// sequences' next blocks); None where nothing limits the pool.
+    /// The room of `engine`'s pools after keeping `reserve` blocks back (for the running
+    /// sequences' next blocks); None where nothing limits the K/V pool.
     pub(super) fn of(engine: &Engine, reserve: usize) -> Option<KvRoom> {
         let pool = engine.kv_pool()?;
         let (available, limit) = (pool.available()?, pool.level().limit?);
-        Some(KvRoom { available: available.saturating_sub(reserve), limit })
+        let slots = engine.slot_pool().and_then(|p| p.available()).unwrap_or(usize::MAX);
+        Some(KvRoom { available: available.saturating_sub(reserve), limit, slots })
     }
 }
 
@@ -54,8 +56,9 @@ impl Queue {
     /// then whatever else is waiting while their prompts together stay within `max_tokens` and
     /// they number at most `max_requests` (a first prompt longer than the budget goes alone;
     /// with `split`, the last one taken may run past the budget, to be applied in chunks) and
-    /// their K/V blocks fit `room` (where the cache has a limit: a first request that does not
-    /// fit waits, unless it could never fit, which its prefill then reports). Empty when
+    /// their K/V blocks and state slots fit `room` (where the pools have limits: a first
+    /// request that does not fit waits, unless its blocks could never fit, which its prefill
+    /// then reports). Empty when
     /// nothing waits and `block` is off, or the first waits for room; None once every sender
     /// is gone and nothing is left.
     pub(super) fn take(&mut self, block: bool, max_tokens: usize, max_requests: usize, room: Option<KvRoom>, split: bool) -> Option<Vec<(Request, Instant)>> {
@@ -70,12 +73,13 @@ impl Queue {
         let mut free = room.map(|r| r.available);
         if let Some(r) = room {
             let need = kv_blocks(&first.0);
-            if need > r.available && need <= r.limit {
+            if (need > r.available && need <= r.limit) || r.slots == 0 {
                 self.held.push_front(first);
                 return Some(Vec::new());
             }
             free = Some(r.available.saturating_sub(need));
         }
+        let max_requests = max_requests.min(room.map_or(usize::MAX, |r| r.slots));
         let mut tokens = first.0.tokens.len();
         let mut batch = vec![first];
         while batch.len() < max_requests && tokens < max_tokens {
@@ -185,23 +189,25 @@ pub(super) enum Prefilled {
 /// Prefill `batch` on `engine`, each prompt whole: in one forward where the engine packs
 /// prompts, else one after another. Entry i is what became of request i.
 pub(super) fn prefill_requests(engine: &Engine, batch: Vec<(Request, Instant)>, time: &EngineTime) -> Vec<Prefilled> {
-    let mut started: Vec<Option<Prefill>> = batch.into_iter().map(|(request, submitted)| Prefill::start(engine, request, submitted)).collect();
-    let outcomes = apply_chunks(engine, started.iter_mut().map(Option::as_mut), Prefill::remaining, time);
+    let mut started: Vec<Started> = batch.into_iter().map(|(request, submitted)| Prefill::start(engine, request, submitted)).collect();
+    let outcomes = apply_chunks(engine, started.iter_mut().map(|p| p.as_mut().ok().and_then(Option::as_mut)), Prefill::remaining, time);
     started
         .into_iter()
         .zip(outcomes)
         .map(|(p, outcome)| match (p, outcome) {
-            (None, _) => Prefilled::Answered,
+            // No free state slot: back to the queue.
+            (Err(request), _) => Prefilled::NoRoom(*request),
+            (Ok(None), _) => Prefilled::Answered,
             // Applied, or nothing to apply (a checkpoint continued as it is).
-            (Some(p), None | Some(Chunk::Applied)) => Prefilled::Done(Box::new(p)),
-            (Some(p), Some(Chunk::NoRoom(why))) => match p.unstart() {
+            (Ok(Some(p)), None | Some(Chunk::Applied)) => Prefilled::Done(Box::new(p)),
+            (Ok(Some(p)), Some(Chunk::NoRoom(why))) => match p.unstart() {
                 (request, Ok(())) => Prefilled::NoRoom(request),
                 ((request, _), Err(e)) => {
                     let _ = request.events.send(Event::Failed { id: request.id, error: format!("{why}; then bringing its starting state back: {e:#}") });
                     Prefilled::Answered
                 }
             },
-            (Some(p), Some(Chunk::Failed(error))) => {
+            (Ok(Some(p)), Some(Chunk::Failed(error))) => {
                 p.fail(error);
                 Prefilled::Answered
             }
@@ -220,6 +226,10 @@ pub(super) struct Prefill {
     pub applied: usize,
 }
 
+/// What `Prefill::start` made of a request: a prefill (None where the request was answered), or
+/// the request as it came where no state slot was free.
+pub(super) type Started = Result<Option<Prefill>, Box<(Request, Instant)>>;
+
 /// What became of one chunk of a prompt.
 pub(super) enum Chunk {
     /// Applied; the state's logits are those of the chunk's last token.
@@ -233,16 +243,20 @@ pub(super) enum Chunk {
 impl Prefill {
     /// A request's starting state (fresh, or the checkpoint it continues), its prompt checked
     /// against the engine's context. A request cancelled while it queued, or that cannot start,
-    /// is answered here and gives None.
-    pub(super) fn start(engine: &Engine, mut request: Request, submitted: Instant) -> Option<Prefill> {
+    /// is answered here and gives None; one that finds no free state slot comes back as it was
+    /// (Err), to wait for one.
+    pub(super) fn start(engine: &Engine, mut request: Request, submitted: Instant) -> Started {
         let timings = Timings { queued: submitted.elapsed(), ..Default::default() };
         if request.cancel.load(Ordering::Relaxed) {
             let _ = request.events.send(Event::Done { id: request.id, finish: Finish::Cancelled, timings, state: None });
-            return None;
+            return Ok(None);
         }
         let state = match request.start.take() {
             Some(state) => Ok(DeviceState::Host(state)),
-            None => engine.new_state(),
+            None => match engine.new_state() {
+                Err(e) if PoolFull::is(&e) => return Err(Box::new((request, submitted))),
+                made => made,
+            },
         };
         let checked = state.and_then(|state| {
             if request.tokens.is_empty() && !state.has_logits() {
@@ -254,10 +268,10 @@ impl Prefill {
             Ok(state)
         });
         match checked {
-            Ok(state) => Some(Prefill { request, submitted, state, timings, applied: 0 }),
+            Ok(state) => Ok(Some(Prefill { request, submitted, state, timings, applied: 0 })),
             Err(e) => {
                 let _ = request.events.send(Event::Failed { id: request.id, error: format!("{e:#}") });
-                None
+                Ok(None)
             }
         }
     }
@@ -339,7 +353,7 @@ pub(super) fn apply_chunks<'p>(engine: &Engine, prefills: impl Iterator<Item = O
                 t.time += stats.time;
                 Chunk::Applied
             }
-            Err(e) if KvCacheFull::is(&e) => Chunk::NoRoom(format!("{e:#}")),
+            Err(e) if PoolFull::is(&e) => Chunk::NoRoom(format!("{e:#}")),
             Err(e) => Chunk::Failed(format!("{e:#}")),
         });
     }
@@ -417,7 +431,7 @@ mod tests {
         for (id, prompt) in [(0, 20), (1, 40), (2, 3), (3, 100)] {
             send(&tx, id, prompt);
         }
-        let room = |available| Some(KvRoom { available, limit: 8 });
+        let room = |available| Some(KvRoom { available, limit: 8, slots: usize::MAX });
         // The first waits while it does not fit; then as many as fit.
         assert_eq!(ids(queue.take(true, 512, usize::MAX, room(1), false)), Some(vec![]));
         assert!(queue.holds_one());

@@ -32,6 +32,7 @@ mod load;
 mod nvml;
 pub mod pipeline;
 mod serve;
+mod state_dtype;
 mod study;
 mod svg;
 

@@ -266,6 +266,9 @@ pub fn run(report: &mut String, args: &Args, quick: bool) -> Result<()> {
         let positions = limit as usize * tandem_core::backend::cuda::qwen35::kv_cache::KV_BLOCK;
         writeln!(report, "| decode engine's K/V cache (its limit at start-up) | {:.2} GiB: {limit:.0} blocks, {positions} positions |", limit * bytes / (1u64 << 30) as f64)?;
     }
+    if let (Some(limit), Some(bytes)) = (gauge(&first_metrics, "tandem_state_slots_limit"), gauge(&first_metrics, "tandem_state_slot_bytes")) {
+        writeln!(report, "| decode engine's state slots (their limit at start-up) | {limit:.0} of {:.1} MiB, {:.2} GiB |", bytes / (1 << 20) as f64, limit * bytes / (1u64 << 30) as f64)?;
+    }
     writeln!(report, "| decode engine, memory bandwidth (measured before the server started) | {decoder}, {:.0} GB/s |", bandwidth / 1e9)?;
     writeln!(
         report,

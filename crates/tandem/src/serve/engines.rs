@@ -141,8 +141,13 @@ impl Engines {
     }
 
     /// How full the decode engine's K/V cache is (a GPU engine's).
-    pub fn kv_level(&self) -> Option<tandem_core::backend::cuda::qwen35::kv_cache::KvLevel> {
+    pub fn kv_level(&self) -> Option<tandem_core::backend::cuda::qwen35::device_pool::PoolLevel> {
         self.pipeline.kv_level()
+    }
+
+    /// How full the decode engine's pool of state slots is (a GPU engine's).
+    pub fn slot_level(&self) -> Option<tandem_core::backend::cuda::qwen35::device_pool::PoolLevel> {
+        self.pipeline.slot_level()
     }
 
     /// Sequences swapped out of the K/V cache and back so far.

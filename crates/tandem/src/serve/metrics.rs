@@ -7,6 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use tandem_core::backend::cuda::qwen35::device_pool::PoolLevel;
+
 /// Time to first token: from the request's arrival to its first token, queueing included.
 const TTFT_BUCKETS: [f64; 15] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 /// Time per output token after the first.
@@ -83,7 +85,9 @@ pub struct Metrics {
 /// Readings taken when `/metrics` is asked for.
 pub struct Gauges {
     /// The decode engine's K/V cache (a GPU engine's): blocks in use and its limit.
-    pub kv: Option<tandem_core::backend::cuda::qwen35::kv_cache::KvLevel>,
+    pub kv: Option<PoolLevel>,
+    /// Its state slots (a GPU engine's): slots in use and their limit.
+    pub slots: Option<PoolLevel>,
     /// Sequences swapped out of it to host memory, and back, so far.
     pub swaps: (u64, u64),
     pub queued: usize,
@@ -92,6 +96,22 @@ pub struct Gauges {
     pub session_entries: usize,
     pub prefill_busy: Duration,
     pub decode_busy: Duration,
+}
+
+fn gauge(out: &mut String, name: &str, help: &str, v: f64) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+}
+
+/// A GPU decode engine's pool (its K/V blocks or state slots): `{names[0]}_used`, `_allocated`
+/// and `_limit` (where one is set) in pieces, and `names[1]`, the bytes of one.
+fn pool_gauges(out: &mut String, level: &PoolLevel, names: [&str; 2], pieces: &str, piece: &str) {
+    let [count, bytes] = names;
+    gauge(out, &format!("{count}_used"), &format!("The {pieces} held by sequences (a GPU decode engine's)."), level.used as f64);
+    gauge(out, &format!("{count}_allocated"), &format!("The {pieces} allocated on the GPU (held or free)."), level.allocated as f64);
+    if let Some(limit) = level.limit {
+        gauge(out, &format!("{count}_limit"), &format!("The most {pieces} the budget allows."), limit as f64);
+    }
+    gauge(out, bytes, &format!("Bytes of {piece}."), level.piece_bytes as f64);
 }
 
 pub fn add(counter: &AtomicU64, n: usize) {
@@ -121,9 +141,6 @@ impl Metrics {
         let counter = |out: &mut String, name: &str, help: &str, v: &AtomicU64| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", v.load(Ordering::Relaxed));
         };
-        let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-        };
         gauge(&mut out, "tandem_queue_depth", "Requests waiting for a sequence slot (past --max-concurrent).", g.queued as f64);
         gauge(&mut out, "tandem_active_sequences", "Requests holding a sequence slot (prefilling or decoding).", g.active as f64);
         let m = &self.served;
@@ -140,12 +157,10 @@ impl Metrics {
         counter(&mut out, "tandem_session_reused_tokens_total", "Prompt tokens covered by cached states.", &c.reused_tokens);
         counter(&mut out, "tandem_typing_requests_total", "Typing-ahead requests served.", &c.typing_requests);
         if let Some(kv) = &g.kv {
-            gauge(&mut out, "tandem_kv_cache_blocks_used", "K/V cache blocks held by sequences (a GPU decode engine's).", kv.used as f64);
-            gauge(&mut out, "tandem_kv_cache_blocks_allocated", "K/V cache blocks allocated on the GPU (held or free).", kv.allocated as f64);
-            if let Some(limit) = kv.limit {
-                gauge(&mut out, "tandem_kv_cache_blocks_limit", "The most K/V cache blocks the budget allows.", limit as f64);
-            }
-            gauge(&mut out, "tandem_kv_cache_block_bytes", "Bytes of one K/V cache block.", kv.block_bytes as f64);
+            pool_gauges(&mut out, kv, ["tandem_kv_cache_blocks", "tandem_kv_cache_block_bytes"], "K/V cache blocks", "one K/V cache block");
+        }
+        if let Some(slots) = &g.slots {
+            pool_gauges(&mut out, slots, ["tandem_state_slots", "tandem_state_slot_bytes"], "state slots", "one state slot");
         }
         let _ = writeln!(out, "# HELP tandem_kv_cache_swaps_total Sequences swapped out of the K/V cache to host memory to make room, and back.\n# TYPE tandem_kv_cache_swaps_total counter");
         let _ = writeln!(out, "tandem_kv_cache_swaps_total{{direction=\"out\"}} {}\ntandem_kv_cache_swaps_total{{direction=\"in\"}} {}", g.swaps.0, g.swaps.1);
@@ -176,7 +191,7 @@ mod tests {
         m.ttft(Duration::from_secs(100));
         m.outcome("chat", "stop");
         add(&m.counters.session_hits, 2);
-        let g = Gauges { kv: None, swaps: (0, 0), queued: 1, active: 2, session_bytes: 10, session_entries: 1, prefill_busy: Duration::from_millis(1500), decode_busy: Duration::ZERO };
+        let g = Gauges { kv: None, slots: None, swaps: (0, 0), queued: 1, active: 2, session_bytes: 10, session_entries: 1, prefill_busy: Duration::from_millis(1500), decode_busy: Duration::ZERO };
         let text = m.render(&g);
         for line in [
             "tandem_time_to_first_token_seconds_bucket{le=\"0.0025\"} 0",

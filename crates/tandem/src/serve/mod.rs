@@ -22,6 +22,7 @@ use anyhow::{bail, Context, Result};
 use axum::routing::{get, post};
 use axum::Router;
 use tandem_core::chat::{ChatTemplate, Message};
+use tandem_core::backend::cuda::qwen35::state_slots::SlotLayout;
 use tandem_core::engine::Device;
 use tandem_core::pipeline::{self, KvBudget, Mode};
 use tandem_core::session::HOLD_BACK;
@@ -64,8 +65,9 @@ OPTIONS:
   --gpu-memory-utilization F
                            a GPU decode engine's K/V cache takes what is left of this fraction
                            of the GPU's memory once the model is loaded, less room for the
-                           running sequences' states and workspaces (default 0.9); sequences
-                           that do not fit wait, or are swapped out to host memory and back
+                           state slots (two per --max-concurrent: running and prefilled ahead)
+                           and workspaces (default 0.9); sequences that do not fit wait, or
+                           are swapped out to host memory and back
   --kv-cache-memory SIZE   or a K/V cache of this size, e.g. 20GiB
   --session-memory SIZE    memory for cached conversation states, e.g. 512MiB, 4GiB; 0 turns
                            conversation reuse off (default 2GiB)
@@ -168,7 +170,13 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     }
     let model_name = args.str("served-model-name").unwrap_or(spec).to_string();
     let cfg = &model.net.config;
-    let served = Served { decode_weight_bytes: model.net.weight_bytes_per_token(), state_bytes: cfg.recurrent_state_bytes(), kv_bytes_per_token: cfg.kv_bytes_per_token(), vocab, sequence_slots: max_concurrent };
+    // A GPU decode engine's states are slots in its state dtype; a CPU engine's are f32.
+    let decoder = if config.mode == Mode::AllOnPrefillEngine { &config.prefill } else { &config.decode };
+    let state_bytes = match decoder.device {
+        Device::Cuda(_) => SlotLayout::new(cfg, decoder.state_dtype).bytes(),
+        Device::Cpu => cfg.recurrent_state_bytes(),
+    };
+    let served = Served { decode_weight_bytes: model.net.weight_bytes_per_token(), state_bytes, kv_bytes_per_token: cfg.kv_bytes_per_token(), vocab, sequence_slots: max_concurrent };
     let listener = std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
     listener.set_nonblocking(true)?;
     let bound = listener.local_addr()?;

@@ -187,7 +187,7 @@ pub async fn metrics(AppState(app): AppState<Arc<App>>) -> Response {
         (c.bytes(), c.len())
     };
     let (prefill_busy, decode_busy) = app.engines.busy();
-    let g = Gauges { kv: app.engines.kv_level(), swaps: app.engines.swaps(), queued: app.engines.queued(), active: app.engines.active(), session_bytes, session_entries, prefill_busy, decode_busy };
+    let g = Gauges { kv: app.engines.kv_level(), slots: app.engines.slot_level(), swaps: app.engines.swaps(), queued: app.engines.queued(), active: app.engines.active(), session_bytes, session_entries, prefill_busy, decode_busy };
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render(&g)).into_response()
 }
 

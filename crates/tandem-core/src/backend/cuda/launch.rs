@@ -93,6 +93,24 @@ impl Param for DevPtr<DevPtr<f32>> {
     }
 }
 
+/// A recurrent state's values, f32 or bf16 (the kernel's build says which): a `void*`.
+pub enum StateValues {}
+
+impl Param for DevPtr<StateValues> {
+    const C_TYPE: &'static str = "void*";
+    fn slot(self) -> u64 {
+        self.addr
+    }
+}
+
+/// A table of recurrent states (one per sequence): a `void* const*`.
+impl Param for DevPtr<DevPtr<StateValues>> {
+    const C_TYPE: &'static str = "void**";
+    fn slot(self) -> u64 {
+        self.addr
+    }
+}
+
 impl Param for i32 {
     const C_TYPE: &'static str = "int";
     fn slot(self) -> u64 {

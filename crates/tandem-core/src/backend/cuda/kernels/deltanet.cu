@@ -115,6 +115,15 @@ extern "C" __global__ void conv_state_tail_packed(float* const* convs, const u32
     conv_state_tail_body(convs[blockIdx.z], qkv + (size_t)q.first * cd, q.count, cd, kk);
 }
 
+// A recurrent state's value: f32, or bf16 (an engine whose states are kept in bf16: half the
+// bytes each step reads and writes), widened to f32 as it is loaded and rounded to the nearest
+// bf16 as it is stored. The kernels that walk a state take it as void* and are built for each
+// type (the *_bf16_state builds).
+__device__ __forceinline__ float load_state(const float* p) { return *p; }
+__device__ __forceinline__ float load_state(const bf16_t* p) { return bf16_to_f32(*p); }
+__device__ __forceinline__ void store_state(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_state(bf16_t* p, float v) { *p = f32_to_bf16(v); }
+
 // A DeltaNet layer's mixer for a few tokens (decode), in one launch: causal conv + SiLU, l2 norm
 // of q and k (q scaled by 1/sqrt(dk)), the gated delta rule token after token
 // (deltanet.rs recurrent_step) and the gated RMSNorm (backend/cpu/forward.rs), from the projections
@@ -129,8 +138,8 @@ extern "C" __global__ void conv_state_tail_packed(float* const* convs, const u32
 // their sum of squares per token, and the last block of the key head to finish (a counter in
 // `done`, which it resets) normalises them all and writes the q/k window.
 // Block: 512 threads; t <= 8; partial_ss: hv * (dv / 32) * 8 floats; done: hk zeroed counters.
-template <int DK>
-__device__ void deltanet_step_body(float* conv, float* state, const float* qkv, const float* z, const float* bproj, const float* aproj, const float* taps,
+template <int DK, typename S>
+__device__ void deltanet_step_body(float* conv, S* state, const float* qkv, const float* z, const float* bproj, const float* aproj, const float* taps,
                                    const float* neg_a, const float* dt_bias, const float* norm_w, float* core, float* partial_ss, unsigned* done, int t, int hk,
                                    int hv, int dv, int cd, int kk, float eps) {
     constexpr int WARPS = 16, R = DK / WARPS, CB = 32, KMAX = 8, TMAX = 8;
@@ -147,10 +156,10 @@ __device__ void deltanet_step_body(float* conv, float* state, const float* qkv, 
         for (int q = 0; q < KMAX; q++)
             if (q < kk) win[q] = conv[(size_t)q * cd + ch];
     }
-    float* sh = state + (size_t)vh * DK * dv;
+    S* sh = state + (size_t)vh * DK * dv;
     float s[R];
 #pragma unroll
-    for (int i = 0; i < R; i++) s[i] = sh[(size_t)(warp * R + i) * dv + j];
+    for (int i = 0; i < R; i++) s[i] = load_state(&sh[(size_t)(warp * R + i) * dv + j]);
     // The state and conv window were loaded before the wait: their last writer is this kernel
     // in an earlier forward call, and every call starts with a copy of its token ids that
     // waits for all earlier work.
@@ -206,7 +215,7 @@ __device__ void deltanet_step_body(float* conv, float* state, const float* qkv, 
         __syncthreads();  // sq, sk, sv and red are rewritten by the next token
     }
 #pragma unroll
-    for (int i = 0; i < R; i++) sh[(size_t)(warp * R + i) * dv + j] = s[i];
+    for (int i = 0; i < R; i++) store_state(&sh[(size_t)(warp * R + i) * dv + j], s[i]);
     if (tid >= 2 * DK && has_ch) {
 #pragma unroll
         for (int q = 0; q < KMAX; q++)
@@ -229,14 +238,17 @@ __device__ void deltanet_step_body(float* conv, float* state, const float* qkv, 
     }
     if (tid == 0) done[kh] = 0;
 }
-#define DELTANET_STEP(NAME, DK)                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(512) NAME(float* conv, float* state, const float* qkv, const float* z, const float* b, const float* a, const float* taps, \
+#define DELTANET_STEP(NAME, DK, S)                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(512) NAME(float* conv, void* state, const float* qkv, const float* z, const float* b, const float* a, const float* taps, \
                                     const float* na, const float* dt, const float* nw, float* core, float* pss, unsigned* done, int t, int hk, int hv, int dv, int cd, int kk, float eps) { \
-        deltanet_step_body<DK>(conv, state, qkv, z, b, a, taps, na, dt, nw, core, pss, done, t, hk, hv, dv, cd, kk, eps);                    \
+        deltanet_step_body<DK, S>(conv, (S*)state, qkv, z, b, a, taps, na, dt, nw, core, pss, done, t, hk, hv, dv, cd, kk, eps);              \
     }
-DELTANET_STEP(deltanet_step_32, 32)
-DELTANET_STEP(deltanet_step_64, 64)
-DELTANET_STEP(deltanet_step_128, 128)
+DELTANET_STEP(deltanet_step_32, 32, float)
+DELTANET_STEP(deltanet_step_64, 64, float)
+DELTANET_STEP(deltanet_step_128, 128, float)
+DELTANET_STEP(deltanet_step_32_bf16_state, 32, bf16_t)
+DELTANET_STEP(deltanet_step_64_bf16_state, 64, bf16_t)
+DELTANET_STEP(deltanet_step_128_bf16_state, 128, bf16_t)
 
 // The batched decode step's: one token of each sequence, block (x, b) doing for sequence b what
 // block x of deltanet_step does for it alone (the same arithmetic), on its conv window
@@ -247,17 +259,20 @@ DELTANET_STEP(deltanet_step_128, 128)
 // the states faster. At 64 registers two fit; capped at 40 (a few bytes spilled) three do: at
 // the 0.8B's shapes, 256 sequences, 0.400 -> 0.327 ms a layer on an H100
 // (scripts/bench-deltanet-step.sh).
-#define DELTANET_STEP_BATCH(NAME, DK)                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(512, 3) NAME(float* const* convs, float* const* states, const float* qkv, const float* z, const float* b,    \
+#define DELTANET_STEP_BATCH(NAME, DK, S)                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(512, 3) NAME(float* const* convs, void* const* states, const float* qkv, const float* z, const float* b,     \
                                     const float* a, const float* taps, const float* na, const float* dt, const float* nw, float* core, float* pss,          \
                                     unsigned* done, int hk, int hv, int dv, int cd, int kk, float eps) {                                                   \
         size_t s = blockIdx.y, vd = (size_t)hv * dv;                                                                                                      \
-        deltanet_step_body<DK>(convs[s], states[s], qkv + s * cd, z + s * vd, b + s * hv, a + s * hv, taps, na, dt, nw, core + s * vd,                    \
+        deltanet_step_body<DK, S>(convs[s], (S*)states[s], qkv + s * cd, z + s * vd, b + s * hv, a + s * hv, taps, na, dt, nw, core + s * vd,                    \
                                pss + s * (vd / 32) * 8, done + s * hk, 1, hk, hv, dv, cd, kk, eps);                                                        \
     }
-DELTANET_STEP_BATCH(deltanet_step_batch_32, 32)
-DELTANET_STEP_BATCH(deltanet_step_batch_64, 64)
-DELTANET_STEP_BATCH(deltanet_step_batch_128, 128)
+DELTANET_STEP_BATCH(deltanet_step_batch_32, 32, float)
+DELTANET_STEP_BATCH(deltanet_step_batch_64, 64, float)
+DELTANET_STEP_BATCH(deltanet_step_batch_128, 128, float)
+DELTANET_STEP_BATCH(deltanet_step_batch_32_bf16_state, 32, bf16_t)
+DELTANET_STEP_BATCH(deltanet_step_batch_64_bf16_state, 64, bf16_t)
+DELTANET_STEP_BATCH(deltanet_step_batch_128_bf16_state, 128, bf16_t)
 
 
 // The chunked gated delta rule of a prefill (deltanet.rs chunked_body), in two kernels.
@@ -380,12 +395,12 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prep_packed(con
 // Part 2, the state's way through the chunks (in order), one block per (value head, DS value
 // columns): V' = U - W S, O = (q exp(G)) S + P V', S <- exp(G_last) S + (k exp(G_last - G))^T V'.
 // The DS columns of S live in shared memory; thread (group, col) takes rows RPG * group .. of
-// the chunk's products. Block: 256 threads; grid: (hv, dv / DS).
-template <int DS>
-__device__ void deltanet_chunk_state_body(float* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P, float* core, int t, int hk, int hv,
+// the chunk's products (the state's tile St). Block: 256 threads; grid: (hv, dv / DS).
+template <int DS, typename S>
+__device__ void deltanet_chunk_state_body(S* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P, float* core, int t, int hk, int hv,
                                           int dk, int dv, int cd) {
     constexpr int G = 256 / DS, RPG = CHUNK / G;
-    __shared__ float S[128][DS], vp[CHUNK][DS + 1], gc[CHUNK];
+    __shared__ float St[128][DS], vp[CHUNK][DS + 1], gc[CHUNK];
     // xs and ys (32 key channels of W, q or k for every row), or P.
     __shared__ float tiles[2 * CHUNK * 33];
     float(*xs)[33] = (float(*)[33])tiles;
@@ -393,8 +408,8 @@ __device__ void deltanet_chunk_state_body(float* state, const float* mixed, cons
     float(*ps)[CHUNK] = (float(*)[CHUNK])tiles;
     int h = blockIdx.x, col0 = blockIdx.y * DS, tid = threadIdx.x, col = tid % DS, grp = tid / DS;
     int kh = h / (hv / hk), kd = hk * dk, vd = hv * dv;
-    float* sh = state + (size_t)h * dk * dv;
-    for (int e = tid; e < dk * DS; e += blockDim.x) S[e / DS][e % DS] = sh[(size_t)(e / DS) * dv + col0 + e % DS];
+    S* sh = state + (size_t)h * dk * dv;
+    for (int e = tid; e < dk * DS; e += blockDim.x) St[e / DS][e % DS] = load_state(&sh[(size_t)(e / DS) * dv + col0 + e % DS]);
     int chunks = (t + CHUNK - 1) / CHUNK;
     for (int chunk = 0; chunk < chunks; chunk++) {
         int c0 = chunk * CHUNK, n = min(CHUNK, t - c0);
@@ -438,7 +453,7 @@ __device__ void deltanet_chunk_state_body(float* state, const float* mixed, cons
             if (d0 + 32 < dk) load_wq(d0 + 32);
 #pragma unroll 8
             for (int dd = 0; dd < 32; dd++) {
-                float sv = S[d0 + dd][col];
+                float sv = St[d0 + dd][col];
 #pragma unroll
                 for (int r = 0; r < RPG; r++) { accv[r] += xs[grp * RPG + r][dd] * sv; acco[r] += ys[grp * RPG + r][dd] * sv; }
             }
@@ -485,28 +500,29 @@ __device__ void deltanet_chunk_state_body(float* state, const float* mixed, cons
             __syncthreads();
             if (d0 + 32 < dk) load_k(d0 + 32);
             for (int dd = grp; dd < 32; dd += G) {
-                float acc = S[d0 + dd][col] * el;
+                float acc = St[d0 + dd][col] * el;
                 for (int i = 0; i < n; i++) acc += xs[i][dd] * vp[i][col];
-                S[d0 + dd][col] = acc;
+                St[d0 + dd][col] = acc;
             }
         }
     }
     __syncthreads();
-    for (int e = tid; e < dk * DS; e += blockDim.x) sh[(size_t)(e / DS) * dv + col0 + e % DS] = S[e / DS][e % DS];
+    for (int e = tid; e < dk * DS; e += blockDim.x) store_state(&sh[(size_t)(e / DS) * dv + col0 + e % DS], St[e / DS][e % DS]);
 }
 // Two builds of the walk: with at most 128 registers a thread, so that two blocks share an SM
 // (a grid of more blocks than SMs runs in one round), and with all it needs (about 210, one
 // block per SM), which spills nothing: a grid that fits on the SMs takes that one.
-extern "C" __global__ void __launch_bounds__(256, 2) deltanet_chunk_state(float* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P,
-                                                                       float* core, int t, int hk, int hv, int dk, int dv, int cd) {
-    pdl_enter();
-    deltanet_chunk_state_body<16>(state, mixed, gcum, U, W, P, core, t, hk, hv, dk, dv, cd);
-}
-extern "C" __global__ void __launch_bounds__(256, 1) deltanet_chunk_state_1(float* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P,
-                                                                         float* core, int t, int hk, int hv, int dk, int dv, int cd) {
-    pdl_enter();
-    deltanet_chunk_state_body<16>(state, mixed, gcum, U, W, P, core, t, hk, hv, dk, dv, cd);
-}
+#define DELTANET_CHUNK_STATE(NAME, BLOCKS_PER_SM, S)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, BLOCKS_PER_SM) NAME(void* state, const float* mixed, const float* gcum, const float* U,     \
+                                                                         const float* W, const float* P, float* core, int t, int hk, int hv,  \
+                                                                         int dk, int dv, int cd) {                                            \
+        pdl_enter();                                                                                                                          \
+        deltanet_chunk_state_body<16, S>((S*)state, mixed, gcum, U, W, P, core, t, hk, hv, dk, dv, cd);                                      \
+    }
+DELTANET_CHUNK_STATE(deltanet_chunk_state, 2, float)
+DELTANET_CHUNK_STATE(deltanet_chunk_state_1, 1, float)
+DELTANET_CHUNK_STATE(deltanet_chunk_state_bf16_state, 2, bf16_t)
+DELTANET_CHUNK_STATE(deltanet_chunk_state_1_bf16_state, 1, bf16_t)
 
 // f(element, row, column) for each element of the state that lane (r, cp) of `warp` holds in
 // the tensor-core walk: sacc[a][nt][e] is the accumulator element e of the 16 x 8 piece at
@@ -534,8 +550,8 @@ __device__ __forceinline__ void for_each_state(float (&sacc)[MT_PER_WARP][2][4],
 // (phase 1), then P in their place (phase 2), then k exp(G_last - G) transposed (phase 3);
 // V' transposed (Vb[column][row]) for phases 2 and 3. `dk` must equal DK.
 // Grid: (hv, dv / 16); block 128.
-template <int DK>
-__device__ void deltanet_chunk_state_mma_body(float* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P, float* core, int t,
+template <int DK, typename S>
+__device__ void deltanet_chunk_state_mma_body(S* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P, float* core, int t,
                                               int hk, int hv, int dv, int cd) {
     constexpr int DS = 16, PAD = 8, KSTEPS = DK / 16, MT = DK / 16, MT_PER_WARP = (MT + 3) / 4;
     constexpr int ROWS = CHUNK * (DK + PAD), TRANSPOSED = DK * (CHUNK + PAD), REGION = 2 * ROWS > TRANSPOSED ? 2 * ROWS : TRANSPOSED;
@@ -550,10 +566,10 @@ __device__ void deltanet_chunk_state_mma_body(float* state, const float* mixed, 
     int h = blockIdx.x, col0 = blockIdx.y * DS, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int r = lane >> 2, cp = (lane & 3) * 2;
     int kh = h / (hv / hk), kd = hk * DK, vd = hv * dv;
-    float* sh = state + (size_t)h * DK * dv;
+    S* sh = state + (size_t)h * DK * dv;
     // The state's elements this lane holds (for_each_state), the master copy.
     float sacc[MT_PER_WARP][2][4] = {};
-    for_each_state<MT_PER_WARP, MT>(sacc, warp, r, cp, [&](float& v, int row, int col) { v = sh[(size_t)row * dv + col0 + col]; });
+    for_each_state<MT_PER_WARP, MT>(sacc, warp, r, cp, [&](float& v, int row, int col) { v = load_state(&sh[(size_t)row * dv + col0 + col]); });
     auto store_sb = [&]() { for_each_state<MT_PER_WARP, MT>(sacc, warp, r, cp, [&](float& v, int row, int col) { Sb[col][row] = f32_to_bf16(v); }); };
     // The A operand's registers for rows row0.. and columns k0.. of a bf16 matrix in shared memory.
     auto a_frag = [&](u32* a, const bf16_t* base, int stride, int row0, int k0) {
@@ -707,39 +723,48 @@ __device__ void deltanet_chunk_state_mma_body(float* state, const float* mixed, 
         // Sb was last read in phase 1 (several barriers ago): the next chunk's copy goes in now.
         store_sb();
     }
-    for_each_state<MT_PER_WARP, MT>(sacc, warp, r, cp, [&](float& v, int row, int col) { sh[(size_t)row * dv + col0 + col] = v; });
+    for_each_state<MT_PER_WARP, MT>(sacc, warp, r, cp, [&](float& v, int row, int col) { store_state(&sh[(size_t)row * dv + col0 + col], v); });
 }
-#define DELTANET_CHUNK_STATE_MMA(NAME, DK)                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(128) NAME(float* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P, \
+#define DELTANET_CHUNK_STATE_MMA(NAME, DK, S)                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128) NAME(void* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P, \
                                                            float* core, int t, int hk, int hv, int dk, int dv, int cd) {                   \
         pdl_enter();                                                                                                                        \
-        deltanet_chunk_state_mma_body<DK>(state, mixed, gcum, U, W, P, core, t, hk, hv, dv, cd);                                           \
+        deltanet_chunk_state_mma_body<DK, S>((S*)state, mixed, gcum, U, W, P, core, t, hk, hv, dv, cd);                                    \
     }
-DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_32, 32)
-DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_64, 64)
-DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_128, 128)
+DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_32, 32, float)
+DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_64, 64, float)
+DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_128, 128, float)
+DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_32_bf16_state, 32, bf16_t)
+DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_64_bf16_state, 64, bf16_t)
+DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_128_bf16_state, 128, bf16_t)
 
 // The state walks of a packed prefill (grid: (hv, dv / 16, sequences)): sequence z's rows of
 // the packed arrays and its own state.
-#define PACKED_WALK_ARGS(q)                                                                                                              \
-    states[blockIdx.z], mixed + (size_t)q.first * cd, gcum + (size_t)q.first * hv, U + (size_t)q.first * hv * dv, W + (size_t)q.first * hv * dk, \
+#define PACKED_WALK_ARGS(q, S)                                                                                                           \
+    (S*)states[blockIdx.z], mixed + (size_t)q.first * cd, gcum + (size_t)q.first * hv, U + (size_t)q.first * hv * dv, W + (size_t)q.first * hv * dk, \
         P + (size_t)q.chunk0 * hv * CHUNK * CHUNK, core + (size_t)q.first * hv * dv, q.count
-#define DELTANET_CHUNK_STATE_MMA_PACKED(NAME, DK)                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(128) NAME(float* const* states, const u32* seqs, const float* mixed, const float* gcum, const float* U, \
+#define DELTANET_CHUNK_STATE_MMA_PACKED(NAME, DK, S)                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(128) NAME(void* const* states, const u32* seqs, const float* mixed, const float* gcum, const float* U,  \
                                                            const float* W, const float* P, float* core, int hk, int hv, int dk, int dv, int cd) {    \
         pdl_enter();                                                                                                                                 \
         PackedSeq q = packed_seq(seqs);                                                                                                              \
-        deltanet_chunk_state_mma_body<DK>(PACKED_WALK_ARGS(q), hk, hv, dv, cd);                                                                      \
+        deltanet_chunk_state_mma_body<DK, S>(PACKED_WALK_ARGS(q, S), hk, hv, dv, cd);                                                                \
     }
-DELTANET_CHUNK_STATE_MMA_PACKED(deltanet_chunk_state_mma_packed_32, 32)
-DELTANET_CHUNK_STATE_MMA_PACKED(deltanet_chunk_state_mma_packed_64, 64)
-DELTANET_CHUNK_STATE_MMA_PACKED(deltanet_chunk_state_mma_packed_128, 128)
-extern "C" __global__ void __launch_bounds__(256, 2) deltanet_chunk_state_packed(float* const* states, const u32* seqs, const float* mixed, const float* gcum, const float* U,
-                                                                              const float* W, const float* P, float* core, int hk, int hv, int dk, int dv, int cd) {
-    pdl_enter();
-    PackedSeq q = packed_seq(seqs);
-    deltanet_chunk_state_body<16>(PACKED_WALK_ARGS(q), hk, hv, dk, dv, cd);
-}
+DELTANET_CHUNK_STATE_MMA_PACKED(deltanet_chunk_state_mma_packed_32, 32, float)
+DELTANET_CHUNK_STATE_MMA_PACKED(deltanet_chunk_state_mma_packed_64, 64, float)
+DELTANET_CHUNK_STATE_MMA_PACKED(deltanet_chunk_state_mma_packed_128, 128, float)
+DELTANET_CHUNK_STATE_MMA_PACKED(deltanet_chunk_state_mma_packed_32_bf16_state, 32, bf16_t)
+DELTANET_CHUNK_STATE_MMA_PACKED(deltanet_chunk_state_mma_packed_64_bf16_state, 64, bf16_t)
+DELTANET_CHUNK_STATE_MMA_PACKED(deltanet_chunk_state_mma_packed_128_bf16_state, 128, bf16_t)
+#define DELTANET_CHUNK_STATE_PACKED(NAME, S)                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, 2) NAME(void* const* states, const u32* seqs, const float* mixed, const float* gcum, const float* U, \
+                                                              const float* W, const float* P, float* core, int hk, int hv, int dk, int dv, int cd) { \
+        pdl_enter();                                                                                                                                   \
+        PackedSeq q = packed_seq(seqs);                                                                                                                \
+        deltanet_chunk_state_body<16, S>(PACKED_WALK_ARGS(q, S), hk, hv, dk, dv, cd);                                                                  \
+    }
+DELTANET_CHUNK_STATE_PACKED(deltanet_chunk_state_packed, float)
+DELTANET_CHUNK_STATE_PACKED(deltanet_chunk_state_packed_bf16_state, bf16_t)
 
 // core = w * (core / rms(core)) * silu(z), per head row of width dv; in bf16 into out_bf16
 // instead where that is not null (the out projection's tensor-core GEMM operand). A warp per

@@ -19,7 +19,7 @@ static void delta_rule(std::vector<double>& S, const double* q, const double* k,
 // two launches (3 tokens, then 1), so that the conv window and state carry over and the
 // hand-over counters must be back at zero for the second.
 template <int DK>
-static void check_deltanet_step(int hk, int hv, int dv, void (*kernel)(float*, float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, float*, float*, unsigned*, int, int, int, int, int, int, float)) {
+static void check_deltanet_step(int hk, int hv, int dv, void (*kernel)(float*, void*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, float*, float*, unsigned*, int, int, int, int, int, int, float)) {
     const int dk = DK, kk = 4, kd = hk * dk, cd = 2 * kd + hv * dv, vd = hv * dv;
     const float eps = 1e-6f;
     auto conv0 = random((size_t)kk * cd, -1, 1), state0 = random((size_t)hv * dk * dv, -0.5, 0.5), taps = random((size_t)kk * cd, -0.7, 0.7);
@@ -172,14 +172,15 @@ static void check_conv_and_gated_norm() {
 // sequence its own conv window and state): outputs, windows and states bit for bit.
 template <int DK>
 static void check_deltanet_step_batch(int hk, int hv, int dv,
-                                      void (*batch)(float* const*, float* const*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, float*, float*, unsigned*, int, int, int, int, int, float),
-                                      void (*alone)(float*, float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, float*, float*, unsigned*, int, int, int, int, int, int, float)) {
+                                      void (*batch)(float* const*, void* const*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, float*, float*, unsigned*, int, int, int, int, int, float),
+                                      void (*alone)(float*, void*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, float*, float*, unsigned*, int, int, int, int, int, int, float)) {
     const int n = 3, kk = 4, cd = 2 * hk * DK + hv * dv, vd = hv * dv, blocks = hv * dv / 32;
     const float eps = 1e-6f;
     auto taps = random((size_t)kk * cd, -0.7, 0.7), neg_a = random(hv, -2, -0.2), dt = random(hv, -1, 1), norm_w = random(dv, 0.5, 1.5);
     auto qkv = random((size_t)n * cd, -2, 2), z = random((size_t)n * vd, -2, 2), b = random((size_t)n * hv, -2, 2), a = random((size_t)n * hv, -2, 2);
     std::vector<std::vector<float>> conv(n), state(n), conv1(n), state1(n);
-    std::vector<float*> convs(n), states(n);
+    std::vector<float*> convs(n);
+    std::vector<void*> states(n);
     for (int s = 0; s < n; s++) {
         conv[s] = conv1[s] = random((size_t)kk * cd, -1, 1);
         state[s] = state1[s] = random((size_t)hv * DK * dv, -0.5, 0.5);
@@ -221,7 +222,8 @@ static void check_chunked_packed(int hk, int hv, int dv) {
     auto taps = random((size_t)kk * cd, -0.7, 0.7), neg_a = random(hv, -2, -0.2), dt = random(hv, -1, 1);
     auto qkv = random((size_t)t * cd, -2, 2), b = random((size_t)t * hv, -2, 2), a = random((size_t)t * hv, -2, 2);
     std::vector<std::vector<float>> conv(n), state(n), state_mma(n);
-    std::vector<float*> convs(n), states(n), states_mma(n);
+    std::vector<float*> convs(n);
+    std::vector<void*> states(n), states_mma(n);
     for (int s = 0; s < n; s++) {
         conv[s] = random((size_t)kk * cd, -1, 1);
         state[s] = state_mma[s] = random((size_t)hv * DK * dv, -0.5, 0.5);
@@ -258,7 +260,76 @@ static void check_chunked_packed(int hk, int hv, int dv) {
     printf("%s the packed prefill kernels, dk %d, 3 sequences of 70, 9 and 130 rows: each sequence's bits as alone\n", same ? "ok  " : "FAIL", DK);
 }
 
+// The builds for bf16 states (*_bf16_state) against the f32 builds: from a state of bf16
+// values, the same outputs bit for bit, and the f32 build's new state rounded to bf16 (each
+// build loads, computes in f32 and rounds once as it stores).
+static void check_bf16_state_builds() {
+    const int hk = 2, hv = 4, dk = 32, dv = 32, kk = 4, kd = hk * dk, cd = 2 * kd + hv * dv, vd = hv * dv, blocks = hv * dv / 32;
+    const float eps = 1e-6f;
+    auto to_bf16 = [](const std::vector<float>& v) { std::vector<bf16_t> out(v.size()); for (size_t i = 0; i < v.size(); i++) out[i] = f32_to_bf16(v[i]); return out; };
+    auto widen = [](const std::vector<bf16_t>& v) { std::vector<float> out(v.size()); for (size_t i = 0; i < v.size(); i++) out[i] = bf16_to_f32(v[i]); return out; };
+    auto report = [](const char* what, bool same) {
+        failures += !same;
+        printf("%s %s for bf16 states: the f32 build's outputs and its state rounded to bf16\n", same ? "ok  " : "FAIL", what);
+    };
+    auto start = to_bf16(random((size_t)hv * dk * dv, -0.5, 0.5));
+    auto taps = random((size_t)kk * cd, -0.7, 0.7), neg_a = random(hv, -2, -0.2), dt = random(hv, -1, 1), norm_w = random(dv, 0.5, 1.5);
+    {
+        // The decode step (3 tokens) and the batched step (one sequence).
+        const int t = 3;
+        auto qkv = random((size_t)t * cd, -2, 2), z = random((size_t)t * vd, -2, 2), b = random((size_t)t * hv, -2, 2), a = random((size_t)t * hv, -2, 2);
+        auto conv0 = random((size_t)kk * cd, -1, 1);
+        std::vector<float> conv_f = conv0, conv_b = conv0, state_f = widen(start), core_f((size_t)t * vd), core_b((size_t)t * vd), pss((size_t)blocks * 8);
+        std::vector<bf16_t> state_b = start;
+        std::vector<unsigned> done(hk, 0);
+        launch(blocks, 1, 1, 512, [&] { deltanet_step_32(conv_f.data(), state_f.data(), qkv.data(), z.data(), b.data(), a.data(), taps.data(), neg_a.data(), dt.data(), norm_w.data(), core_f.data(), pss.data(), done.data(), t, hk, hv, dv, cd, kk, eps); });
+        launch(blocks, 1, 1, 512, [&] { deltanet_step_32_bf16_state(conv_b.data(), state_b.data(), qkv.data(), z.data(), b.data(), a.data(), taps.data(), neg_a.data(), dt.data(), norm_w.data(), core_b.data(), pss.data(), done.data(), t, hk, hv, dv, cd, kk, eps); });
+        report("deltanet_step_32", core_f == core_b && conv_f == conv_b && to_bf16(state_f) == state_b);
+        std::vector<float> conv1_f = conv0, conv1_b = conv0, state1_f = widen(start), core1_f(vd), core1_b(vd);
+        std::vector<bf16_t> state1_b = start;
+        float* convs_f[1] = {conv1_f.data()};
+        float* convs_b[1] = {conv1_b.data()};
+        void* states_f[1] = {state1_f.data()};
+        void* states_b[1] = {state1_b.data()};
+        launch(blocks, 1, 1, 512, [&] { deltanet_step_batch_32(convs_f, states_f, qkv.data(), z.data(), b.data(), a.data(), taps.data(), neg_a.data(), dt.data(), norm_w.data(), core1_f.data(), pss.data(), done.data(), hk, hv, dv, cd, kk, eps); });
+        launch(blocks, 1, 1, 512, [&] { deltanet_step_batch_32_bf16_state(convs_b, states_b, qkv.data(), z.data(), b.data(), a.data(), taps.data(), neg_a.data(), dt.data(), norm_w.data(), core1_b.data(), pss.data(), done.data(), hk, hv, dv, cd, kk, eps); });
+        report("deltanet_step_batch_32", core1_f == core1_b && conv1_f == conv1_b && to_bf16(state1_f) == state1_b);
+    }
+    {
+        // The prefill's state walks (f32 and tensor cores, alone and packed) over 70 rows.
+        const int t = 70, chunks = 2;
+        auto mixed = random((size_t)t * cd, -0.3, 0.3), b = random(t * hv, -2, 2), a = random(t * hv, -2, 2);
+        std::vector<float> gcum(t * hv), U((size_t)t * hv * dv), W((size_t)t * hv * dk), P((size_t)chunks * hv * 64 * 64);
+        launch(chunks, hv, 1, 256, [&] { deltanet_chunk_prep(mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), t, hk, hv, dk, dv, cd); });
+        using Walk = void (*)(void*, const float*, const float*, const float*, const float*, const float*, float*, int, int, int, int, int, int);
+        auto walks = [&](const char* what, Walk f32_build, Walk bf16_build, int threads) {
+            std::vector<float> state_f = widen(start), core_f((size_t)t * vd), core_b((size_t)t * vd);
+            std::vector<bf16_t> state_b = start;
+            launch(hv, dv / 16, 1, threads, [&] { f32_build(state_f.data(), mixed.data(), gcum.data(), U.data(), W.data(), P.data(), core_f.data(), t, hk, hv, dk, dv, cd); });
+            launch(hv, dv / 16, 1, threads, [&] { bf16_build(state_b.data(), mixed.data(), gcum.data(), U.data(), W.data(), P.data(), core_b.data(), t, hk, hv, dk, dv, cd); });
+            report(what, core_f == core_b && to_bf16(state_f) == state_b);
+        };
+        walks("deltanet_chunk_state", deltanet_chunk_state, deltanet_chunk_state_bf16_state, 256);
+        walks("deltanet_chunk_state_1", deltanet_chunk_state_1, deltanet_chunk_state_1_bf16_state, 256);
+        walks("deltanet_chunk_state_mma_32", deltanet_chunk_state_mma_32, deltanet_chunk_state_mma_32_bf16_state, 128);
+        using PackedWalk = void (*)(void* const*, const u32*, const float*, const float*, const float*, const float*, const float*, float*, int, int, int, int, int);
+        std::vector<u32> seqs = {0, (u32)t, 0};
+        auto packed = [&](const char* what, PackedWalk f32_build, PackedWalk bf16_build, int threads) {
+            std::vector<float> state_f = widen(start), core_f((size_t)t * vd), core_b((size_t)t * vd);
+            std::vector<bf16_t> state_b = start;
+            void* sf[1] = {state_f.data()};
+            void* sb[1] = {state_b.data()};
+            launch(hv, dv / 16, 1, threads, [&] { f32_build(sf, seqs.data(), mixed.data(), gcum.data(), U.data(), W.data(), P.data(), core_f.data(), hk, hv, dk, dv, cd); });
+            launch(hv, dv / 16, 1, threads, [&] { bf16_build(sb, seqs.data(), mixed.data(), gcum.data(), U.data(), W.data(), P.data(), core_b.data(), hk, hv, dk, dv, cd); });
+            report(what, core_f == core_b && to_bf16(state_f) == state_b);
+        };
+        packed("deltanet_chunk_state_packed", deltanet_chunk_state_packed, deltanet_chunk_state_packed_bf16_state, 256);
+        packed("deltanet_chunk_state_mma_packed_32", deltanet_chunk_state_mma_packed_32, deltanet_chunk_state_mma_packed_32_bf16_state, 128);
+    }
+}
+
 static void check_deltanet_kernels() {
+    check_bf16_state_builds();
     check_chunked_packed<32>(2, 4, 32);
     check_chunked_packed<128>(1, 2, 128);
     check_deltanet_step<32>(2, 4, 32, deltanet_step_32);

@@ -2,7 +2,7 @@
 //! each kernel's parameter list as Rust launches it (`Kernel`; see launch.rs). The parameter
 //! names in the comments are the kernels' own.
 
-use super::launch::{DevPtr, Kernel, Params};
+use super::launch::{DevPtr, Kernel, Params, StateValues};
 
 /// The kernel sources, in the order they are joined into one NVRTC program: each file may use
 /// what the files before it define. (tests/cuda_on_cpu.rs joins the same list.)
@@ -27,6 +27,9 @@ type U32 = DevPtr<u32>;
 /// A table of f32 arrays: a batched step's per-sequence states, or K/V block tables
 /// (kernels/attention.cu, the paged cache).
 type Table = DevPtr<DevPtr<f32>>;
+/// A recurrent state (f32, or bf16 in the *_BF16_STATE builds), and a table of them.
+type State = DevPtr<StateValues>;
+type States = DevPtr<DevPtr<StateValues>>;
 
 /// gemv.cu gemv_t1_* / gemv_t2_* / gemv_t4_* / gemv_t8_*: up to four matrices `(w, out, rows)` of one input, then
 /// (x, x2, rms_inv, k, t, rows_per_block, accumulate, eps, round_in).
@@ -37,18 +40,18 @@ pub type GemvStreamParams = (Bf16, F32, i32, Bf16, F32, i32, Bf16, F32, i32, Bf1
 pub type ConvRowsParams = (F32, F32, F32, F32, i32, i32, i32, i32, i32, f32);
 /// deltanet.cu deltanet_step_*: (conv, state, qkv, z, b, a, taps, neg_a, dt_bias, norm_w, core,
 /// block_ss, done, t, hk, hv, dv, cd, kk, eps).
-pub type DeltaNetStepParams = (F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, U32, i32, i32, i32, i32, i32, i32, f32);
+pub type DeltaNetStepParams = (F32, State, F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, U32, i32, i32, i32, i32, i32, i32, f32);
 /// deltanet.cu deltanet_step_batch_*: (convs, states, qkv, z, b, a, taps, neg_a, dt_bias,
 /// norm_w, core, block_ss, done, hk, hv, dv, cd, kk, eps).
-pub type DeltaNetStepBatchParams = (Table, Table, F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, U32, i32, i32, i32, i32, i32, f32);
+pub type DeltaNetStepBatchParams = (Table, States, F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, U32, i32, i32, i32, i32, i32, f32);
 /// deltanet.cu deltanet_chunk_state*: (state, mixed, gcum, U, W, P, core, t, hk, hv, dk, dv, cd).
-pub type ChunkStateParams = (F32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32, i32);
+pub type ChunkStateParams = (State, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32, i32);
 /// deltanet.cu conv_silu_rows_packed_*: (convs, seqs, qkv, taps, out, cd, kk, qk_channels, dk,
 /// q_scale); `seqs` (first row, rows, first chunk) per sequence of a packed prefill.
 pub type ConvRowsPackedParams = (Table, U32, F32, F32, F32, i32, i32, i32, i32, f32);
 /// deltanet.cu deltanet_chunk_state*_packed: (states, seqs, mixed, gcum, U, W, P, core, hk, hv,
 /// dk, dv, cd).
-pub type ChunkStatePackedParams = (Table, U32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32);
+pub type ChunkStatePackedParams = (States, U32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32);
 /// attention.cu attention_mma_*: (q, k_bf16, v_bf16, gate, out, t, hq, hkv, pos).
 pub type AttentionMmaParams = (F32, Bf16, Bf16, F32, F32, i32, i32, i32, U32);
 
@@ -104,6 +107,12 @@ kernels! {
     DELTANET_STEP_BATCH_32 = "deltanet_step_batch_32" as DeltaNetStepBatchParams;
     DELTANET_STEP_BATCH_64 = "deltanet_step_batch_64" as DeltaNetStepBatchParams;
     DELTANET_STEP_BATCH_128 = "deltanet_step_batch_128" as DeltaNetStepBatchParams;
+    DELTANET_STEP_32_BF16_STATE = "deltanet_step_32_bf16_state" as DeltaNetStepParams;
+    DELTANET_STEP_64_BF16_STATE = "deltanet_step_64_bf16_state" as DeltaNetStepParams;
+    DELTANET_STEP_128_BF16_STATE = "deltanet_step_128_bf16_state" as DeltaNetStepParams;
+    DELTANET_STEP_BATCH_32_BF16_STATE = "deltanet_step_batch_32_bf16_state" as DeltaNetStepBatchParams;
+    DELTANET_STEP_BATCH_64_BF16_STATE = "deltanet_step_batch_64_bf16_state" as DeltaNetStepBatchParams;
+    DELTANET_STEP_BATCH_128_BF16_STATE = "deltanet_step_batch_128_bf16_state" as DeltaNetStepBatchParams;
     /// (mixed, b, a, neg_a, dt_bias, gcum, U, W, P, t, hk, hv, dk, dv, cd).
     DELTANET_CHUNK_PREP = "deltanet_chunk_prep" as (F32, F32, F32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32, i32);
     DELTANET_CHUNK_STATE = "deltanet_chunk_state" as ChunkStateParams;
@@ -111,12 +120,21 @@ kernels! {
     DELTANET_CHUNK_STATE_MMA_32 = "deltanet_chunk_state_mma_32" as ChunkStateParams;
     DELTANET_CHUNK_STATE_MMA_64 = "deltanet_chunk_state_mma_64" as ChunkStateParams;
     DELTANET_CHUNK_STATE_MMA_128 = "deltanet_chunk_state_mma_128" as ChunkStateParams;
+    DELTANET_CHUNK_STATE_BF16_STATE = "deltanet_chunk_state_bf16_state" as ChunkStateParams;
+    DELTANET_CHUNK_STATE_1_BF16_STATE = "deltanet_chunk_state_1_bf16_state" as ChunkStateParams;
+    DELTANET_CHUNK_STATE_MMA_32_BF16_STATE = "deltanet_chunk_state_mma_32_bf16_state" as ChunkStateParams;
+    DELTANET_CHUNK_STATE_MMA_64_BF16_STATE = "deltanet_chunk_state_mma_64_bf16_state" as ChunkStateParams;
+    DELTANET_CHUNK_STATE_MMA_128_BF16_STATE = "deltanet_chunk_state_mma_128_bf16_state" as ChunkStateParams;
     /// (seqs, mixed, b, a, neg_a, dt_bias, gcum, U, W, P, hk, hv, dk, dv, cd).
     DELTANET_CHUNK_PREP_PACKED = "deltanet_chunk_prep_packed" as (U32, F32, F32, F32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32);
     DELTANET_CHUNK_STATE_PACKED = "deltanet_chunk_state_packed" as ChunkStatePackedParams;
     DELTANET_CHUNK_STATE_MMA_PACKED_32 = "deltanet_chunk_state_mma_packed_32" as ChunkStatePackedParams;
     DELTANET_CHUNK_STATE_MMA_PACKED_64 = "deltanet_chunk_state_mma_packed_64" as ChunkStatePackedParams;
     DELTANET_CHUNK_STATE_MMA_PACKED_128 = "deltanet_chunk_state_mma_packed_128" as ChunkStatePackedParams;
+    DELTANET_CHUNK_STATE_PACKED_BF16_STATE = "deltanet_chunk_state_packed_bf16_state" as ChunkStatePackedParams;
+    DELTANET_CHUNK_STATE_MMA_PACKED_32_BF16_STATE = "deltanet_chunk_state_mma_packed_32_bf16_state" as ChunkStatePackedParams;
+    DELTANET_CHUNK_STATE_MMA_PACKED_64_BF16_STATE = "deltanet_chunk_state_mma_packed_64_bf16_state" as ChunkStatePackedParams;
+    DELTANET_CHUNK_STATE_MMA_PACKED_128_BF16_STATE = "deltanet_chunk_state_mma_packed_128_bf16_state" as ChunkStatePackedParams;
     /// (core, z, w, out_bf16, rows, dv, eps): in place, or into out_bf16 where not null.
     GATED_RMS_NORM = "gated_rms_norm" as (F32, F32, F32, Bf16, i32, i32, f32);
     /// (qg, q, gate, k, v, blocks, koff, q_norm, k_norm, inv_freq, hq, hkv, d, half, pos, eps).

@@ -12,6 +12,7 @@ impl GpuQwen35 {
     /// argmax comes back.
     pub(super) fn replay_step(&self, token: u32, state: &mut GpuState) -> Result<()> {
         let g = &self.gpu;
+        self.check_slot(state)?;
         let capacity = state.kv.capacity();
         if state.step.as_ref().is_none_or(|s| s.span < capacity || !std::sync::Arc::ptr_eq(&s.stream, &g.stream)) {
             // The old step's buffer may hold the last logits: they come to the host first, so
@@ -163,7 +164,7 @@ impl GpuQwen35 {
             io[i] = s.position as u32;
             io[bucket + i] = tokens[i];
         }
-        workspace::fill_tables(g, states, pad.as_ref(), b.tables_host.as_mut_slice());
+        workspace::fill_tables(states, pad.as_ref(), b.tables_host.as_mut_slice());
         let width = visible / KV_BLOCK;
         workspace::fill_blocks(states, pad.as_ref(), width, &mut b.blocks_host.as_mut_slice()[..bucket * width]);
         if b.capture_failures < CAPTURE_TRIES && !b.graphs.contains_key(&visible) {

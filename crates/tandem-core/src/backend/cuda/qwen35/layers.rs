@@ -131,8 +131,7 @@ impl GpuQwen35 {
             return self.project_residual(ws, input, t, &m.out_proj);
         }
         for (s, &r) in states.iter_mut().zip(rows) {
-            let GpuLayerState::Linear { conv, recurrent } = &s.layers[li] else { bail!("layer {li}: state kind differs from the model's") };
-            let (conv, recurrent) = (g.ptr(conv), g.ptr(recurrent));
+            let &GpuLayerState::Linear { conv, recurrent } = &s.layers[li] else { bail!("layer {li}: state kind differs from the model's") };
             if r.count <= GEMV_MAX_T {
                 self.deltanet_step(m, ws, r, conv, recurrent)?;
             } else {
@@ -146,15 +145,18 @@ impl GpuQwen35 {
     /// One sequence's decode-sized rows through the mixer in one launch: the conv, the q/k
     /// norms, the delta rule token after token and the gated norm (kernels/deltanet.cu
     /// deltanet_step_*).
-    fn deltanet_step(&self, m: &DeltaNet, ws: &Workspace, r: Rows, conv: DevPtr<f32>, recurrent: DevPtr<f32>) -> Result<()> {
+    fn deltanet_step(&self, m: &DeltaNet, ws: &Workspace, r: Rows, conv: DevPtr<f32>, recurrent: DevPtr<StateValues>) -> Result<()> {
         let c = &self.config;
         let g = &self.gpu;
         let (hk, hv, dk, dv) = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
         let (vd, cd) = (c.linear_value_dim(), c.linear_conv_dim());
-        let kernel = match dk {
-            32 => k::DELTANET_STEP_32,
-            64 => k::DELTANET_STEP_64,
-            _ => k::DELTANET_STEP_128,
+        let kernel = match (dk, self.state_dtype()) {
+            (32, StateDtype::F32) => k::DELTANET_STEP_32,
+            (64, StateDtype::F32) => k::DELTANET_STEP_64,
+            (_, StateDtype::F32) => k::DELTANET_STEP_128,
+            (32, StateDtype::Bf16) => k::DELTANET_STEP_32_BF16_STATE,
+            (64, StateDtype::Bf16) => k::DELTANET_STEP_64_BF16_STATE,
+            (_, StateDtype::Bf16) => k::DELTANET_STEP_128_BF16_STATE,
         };
         let args = (
             conv,
@@ -188,10 +190,13 @@ impl GpuQwen35 {
         let c = &self.config;
         let g = &self.gpu;
         let (hk, hv, dk, dv) = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
-        let kernel = match dk {
-            32 => k::DELTANET_STEP_BATCH_32,
-            64 => k::DELTANET_STEP_BATCH_64,
-            _ => k::DELTANET_STEP_BATCH_128,
+        let kernel = match (dk, self.state_dtype()) {
+            (32, StateDtype::F32) => k::DELTANET_STEP_BATCH_32,
+            (64, StateDtype::F32) => k::DELTANET_STEP_BATCH_64,
+            (_, StateDtype::F32) => k::DELTANET_STEP_BATCH_128,
+            (32, StateDtype::Bf16) => k::DELTANET_STEP_BATCH_32_BF16_STATE,
+            (64, StateDtype::Bf16) => k::DELTANET_STEP_BATCH_64_BF16_STATE,
+            (_, StateDtype::Bf16) => k::DELTANET_STEP_BATCH_128_BF16_STATE,
         };
         let (convs, recurrents) = ws.layer_tables(g, li, n);
         let args = (
@@ -222,7 +227,7 @@ impl GpuQwen35 {
     /// l2-normalises the q and k heads, q times 1/sqrt(dk)), the chunked delta rule (the
     /// chunks' matrices, then the state through the chunks) and the gated norm, into `ws.xb`
     /// in bf16 where `norm_to_bf16`.
-    fn deltanet_chunked(&self, m: &DeltaNet, ws: &Workspace, r: Rows, conv: DevPtr<f32>, recurrent: DevPtr<f32>, norm_to_bf16: bool) -> Result<()> {
+    fn deltanet_chunked(&self, m: &DeltaNet, ws: &Workspace, r: Rows, conv: DevPtr<f32>, recurrent: DevPtr<StateValues>, norm_to_bf16: bool) -> Result<()> {
         let c = &self.config;
         let g = &self.gpu;
         let (hk, hv, dk, dv) = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
@@ -243,15 +248,24 @@ impl GpuQwen35 {
         // where the precision allows bf16 operands; else in f32, where a grid that fits on the
         // SMs gets the build that spills no registers.
         let grid = |threads| Grid::new((hv as usize, dv as usize / 16, 1), threads);
+        let bf16_state = self.state_dtype() == StateDtype::Bf16;
         if self.precision == Precision::TensorCores && g.bf16_mma {
-            let kernel = match dk {
-                32 => k::DELTANET_CHUNK_STATE_MMA_32,
-                64 => k::DELTANET_CHUNK_STATE_MMA_64,
-                _ => k::DELTANET_CHUNK_STATE_MMA_128,
+            let kernel = match (dk, bf16_state) {
+                (32, false) => k::DELTANET_CHUNK_STATE_MMA_32,
+                (64, false) => k::DELTANET_CHUNK_STATE_MMA_64,
+                (_, false) => k::DELTANET_CHUNK_STATE_MMA_128,
+                (32, true) => k::DELTANET_CHUNK_STATE_MMA_32_BF16_STATE,
+                (64, true) => k::DELTANET_CHUNK_STATE_MMA_64_BF16_STATE,
+                (_, true) => k::DELTANET_CHUNK_STATE_MMA_128_BF16_STATE,
             };
             g.launch(kernel, grid(128), walk)?;
         } else {
-            let kernel = if (hv * dv / 16) as u32 <= g.sms { k::DELTANET_CHUNK_STATE_1 } else { k::DELTANET_CHUNK_STATE };
+            let kernel = match ((hv * dv / 16) as u32 <= g.sms, bf16_state) {
+                (true, false) => k::DELTANET_CHUNK_STATE_1,
+                (false, false) => k::DELTANET_CHUNK_STATE,
+                (true, true) => k::DELTANET_CHUNK_STATE_1_BF16_STATE,
+                (false, true) => k::DELTANET_CHUNK_STATE_BF16_STATE,
+            };
             g.launch(kernel, grid(256), walk)?;
         }
         let out_bf16 = if norm_to_bf16 { g.ptr(&ws.xb).offset(r.first * vd) } else { DevPtr::NULL };
@@ -283,15 +297,19 @@ impl GpuQwen35 {
         g.launch(k::DELTANET_CHUNK_PREP_PACKED, Grid::new((longest.div_ceil(DELTANET_CHUNK), hv, n), 256), prep)?;
         let walk = (recurrents, seqs, conv_out, gcum, cu, cw, cp, core, hk_, hv_, dk_, dv_, cd_);
         let grid = |threads| Grid::new((hv, dv / 16, n), threads);
+        let bf16_state = self.state_dtype() == StateDtype::Bf16;
         if self.precision == Precision::TensorCores && g.bf16_mma {
-            let kernel = match dk {
-                32 => k::DELTANET_CHUNK_STATE_MMA_PACKED_32,
-                64 => k::DELTANET_CHUNK_STATE_MMA_PACKED_64,
-                _ => k::DELTANET_CHUNK_STATE_MMA_PACKED_128,
+            let kernel = match (dk, bf16_state) {
+                (32, false) => k::DELTANET_CHUNK_STATE_MMA_PACKED_32,
+                (64, false) => k::DELTANET_CHUNK_STATE_MMA_PACKED_64,
+                (_, false) => k::DELTANET_CHUNK_STATE_MMA_PACKED_128,
+                (32, true) => k::DELTANET_CHUNK_STATE_MMA_PACKED_32_BF16_STATE,
+                (64, true) => k::DELTANET_CHUNK_STATE_MMA_PACKED_64_BF16_STATE,
+                (_, true) => k::DELTANET_CHUNK_STATE_MMA_PACKED_128_BF16_STATE,
             };
             g.launch(kernel, grid(128), walk)?;
         } else {
-            g.launch(k::DELTANET_CHUNK_STATE_PACKED, grid(256), walk)?;
+            g.launch(if bf16_state { k::DELTANET_CHUNK_STATE_PACKED_BF16_STATE } else { k::DELTANET_CHUNK_STATE_PACKED }, grid(256), walk)?;
         }
         let out_bf16 = if norm_to_bf16 { g.ptr(&ws.xb) } else { DevPtr::NULL };
         let head_rows = t * hv;

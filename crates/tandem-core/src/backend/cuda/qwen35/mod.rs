@@ -20,8 +20,9 @@
 //!
 //! This file holds the model's weights on the GPU and the forward call; `layers.rs` the layers
 //! it enqueues, `gemv.rs` the decode GEMV, `graph.rs` the captured decode steps, `state.rs` a
-//! request's state on the GPU, `kv_cache.rs` the paged K/V cache its attention layers keep,
-//! `workspace.rs` the buffers of a call.
+//! request's state on the GPU, `state_slots.rs` the slot that holds its DeltaNet layers' state,
+//! `kv_cache.rs` the paged K/V cache its attention layers keep (both pieces of a
+//! `device_pool.rs` pool), `workspace.rs` the buffers of a call.
 
 use anyhow::{bail, Context, Result};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -30,19 +31,22 @@ use cudarc::driver::CudaSlice;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+pub mod device_pool;
 mod gemv;
 mod graph;
 pub mod kv_cache;
 mod layers;
 mod state;
+pub mod state_slots;
 mod workspace;
 
 use self::kv_cache::{KvBlocks, KvPool, KV_BLOCK};
+use self::state_slots::{SlotLayout, SlotPool, StateDtype, StateSlot};
 
 use self::workspace::Workspace;
 use self::layers::NormOut;
 use super::kernels as k;
-use super::launch::{DevPtr, Grid};
+use super::launch::{DevPtr, Grid, StateValues};
 use super::{GemmOut, Gpu, Pinned, Staging};
 use crate::model::config::{LayerType, Qwen35Config};
 use crate::model::Mixer;
@@ -195,6 +199,8 @@ pub struct GpuQwen35 {
     staging: Arc<Mutex<Staging>>,
     /// The blocks of the states' K/V caches.
     kv: Arc<KvPool>,
+    /// The states' slots (their DeltaNet layers' conv windows and recurrent states).
+    slots: Arc<SlotPool>,
     /// The batched decode steps captured so far (graph.rs).
     batch_steps: Mutex<graph::BatchSteps>,
 }
@@ -203,6 +209,8 @@ pub struct GpuQwen35 {
 /// engine's paged cache), and once it has decoded a token, its captured decode step.
 pub struct GpuState {
     pub position: usize,
+    /// Where its DeltaNet layers' arrays are (`layers` holds their addresses).
+    slot: StateSlot,
     layers: Vec<GpuLayerState>,
     /// The blocks of the K/V caches of every full-attention layer.
     kv: KvBlocks,
@@ -227,7 +235,9 @@ enum LastLogits {
 }
 
 enum GpuLayerState {
-    Linear { conv: CudaSlice<f32>, recurrent: CudaSlice<f32> },
+    /// The conv window (f32) and recurrent state (in the slot's dtype): addresses in the
+    /// state's slot.
+    Linear { conv: DevPtr<f32>, recurrent: DevPtr<StateValues> },
     /// Its keys and values are in the state's K/V blocks (`GpuState::kv`).
     Full,
 }
@@ -371,7 +381,8 @@ impl GpuQwen35 {
         gpu.synchronize()?;
         let decode_gemm_from = decode_gemm_from_for(&c);
         let kv = Arc::new(KvPool::new(gpu.stream.context(), &c)?);
-        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, decode_gemm_from, weight_bytes, staging, kv, batch_steps: Mutex::default() })
+        let slots = Arc::new(SlotPool::new(gpu.stream.context(), SlotLayout::new(&c, StateDtype::F32))?);
+        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, decode_gemm_from, weight_bytes, staging, kv, slots, batch_steps: Mutex::default() })
     }
 
     /// Give the GPU back (to load another model on it).
@@ -403,13 +414,59 @@ impl GpuQwen35 {
         &self.kv
     }
 
-    /// Take fresh states' K/V blocks from `pool` (another engine's on this GPU) instead of a
-    /// pool of this engine's own.
-    pub fn share_kv_pool(&mut self, pool: Arc<KvPool>) -> Result<()> {
-        if pool.ordinal() != self.gpu.ordinal || pool.block_values() != self.kv.block_values() {
-            bail!("cuda:{}: a K/V pool of cuda:{} with blocks of {} values cannot serve this engine (blocks of {})", self.gpu.ordinal, pool.ordinal(), pool.block_values(), self.kv.block_values());
+    /// The engine's pool of state slots.
+    pub fn slot_pool(&self) -> &Arc<SlotPool> {
+        &self.slots
+    }
+
+    /// The dtype of the recurrent states this engine makes.
+    pub fn state_dtype(&self) -> StateDtype {
+        self.slots.layout().dtype
+    }
+
+    /// Keep the recurrent states of the states made from now on in `dtype` (a new, empty slot
+    /// pool), and run the kernels built for it. States made before keep their slots; the engine
+    /// runs them again once set back to their dtype (it refuses them meanwhile: `check_slot`).
+    /// The batched steps captured so far are dropped (they hold the other dtype's kernels).
+    pub fn set_state_dtype(&mut self, dtype: StateDtype) -> Result<()> {
+        if dtype != self.state_dtype() {
+            self.slots = Arc::new(SlotPool::new(self.gpu.stream.context(), SlotLayout::new(&self.config, dtype))?);
+            *self.batch_steps.get_mut().unwrap_or_else(|e| e.into_inner()) = graph::BatchSteps::default();
         }
-        self.kv = pool;
+        Ok(())
+    }
+
+    /// Take fresh states' K/V blocks and slots from `kv` and `slots` (another engine's on this
+    /// GPU) instead of pools of this engine's own.
+    pub fn share_pools(&mut self, kv: Arc<KvPool>, slots: Arc<SlotPool>) -> Result<()> {
+        if kv.ordinal() != self.gpu.ordinal || kv.block_values() != self.kv.block_values() {
+            bail!("cuda:{}: a K/V pool of cuda:{} with blocks of {} values cannot serve this engine (blocks of {})", self.gpu.ordinal, kv.ordinal(), kv.block_values(), self.kv.block_values());
+        }
+        if slots.ordinal() != self.gpu.ordinal || slots.layout() != self.slots.layout() {
+            bail!(
+                "cuda:{}: the state slots of the other engine on cuda:{} hold {} recurrent states, this engine's {}: give both engines the same state dtype",
+                self.gpu.ordinal,
+                slots.ordinal(),
+                slots.layout().dtype,
+                self.state_dtype()
+            );
+        }
+        self.kv = kv;
+        self.slots = slots;
+        Ok(())
+    }
+
+    /// Whether this engine runs `state` where it is: a state of this GPU whose slot holds what
+    /// this engine's kernels read (its recurrent states in this engine's dtype). Another one
+    /// is copied over first (`copy_state`).
+    pub fn runs_in_place(&self, state: &GpuState) -> bool {
+        state.ordinal() == self.gpu.ordinal && state.slot.layout() == self.slots.layout()
+    }
+
+    fn check_slot(&self, state: &GpuState) -> Result<()> {
+        if state.slot.layout() != self.slots.layout() {
+            bail!("cuda:{}: a state whose recurrent states are {} cannot run on this engine, which keeps them in {}", self.gpu.ordinal, state.slot.layout().dtype, self.state_dtype());
+        }
         Ok(())
     }
 
@@ -598,6 +655,9 @@ impl GpuQwen35 {
         let g = &self.gpu;
         let h = c.hidden_size;
         let t: usize = rows.iter().map(|r| r.count).sum();
+        for s in states.iter() {
+            self.check_slot(s)?;
+        }
         let _pdl = g.pdl_for(t <= GEMV_MAX_T);
         let x = g.ptr(&ws.x);
         let ids = ws.position_of(g, ws.sequences);

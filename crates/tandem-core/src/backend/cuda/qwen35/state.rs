@@ -1,6 +1,7 @@
 //! A request's state on the GPU: made fresh, copied from the host, from another GPU (a peer
 //! copy) or back to the host (`bridge::device` chooses), and its K/V blocks taken as it
-//! decodes.
+//! decodes. Its DeltaNet layers' arrays live in a slot of the engine's slot pool
+//! (state_slots.rs), taken when the state is made.
 
 use super::*;
 
@@ -10,26 +11,35 @@ impl GpuQwen35 {
         self.place_state(s)
     }
 
-    /// The empty state of a fresh request, zeroed on the GPU from the config's shapes (copying
-    /// a host state's zeros would cross the bus, 50 MB of recurrent state on the 9B model; and
-    /// building that host state first took 2.4 ms of a 9B prefill on an H200). Its K/V blocks
-    /// come on the first forward call, which knows how many it needs.
+    /// The empty state of a fresh request: a slot zeroed on the GPU (copying a host state's
+    /// zeros would cross the bus, 50 MB of recurrent state on the 9B model; and building that
+    /// host state first took 2.4 ms of a 9B prefill on an H200). Its K/V blocks come on the
+    /// first forward call, which knows how many it needs. A `PoolFull` error where the slot
+    /// pool is at its limit.
     pub fn new_state(&self) -> Result<GpuState> {
-        let c = &self.config;
-        let layers = c
+        let slot = StateSlot::take(&self.slots)?;
+        let g = &self.gpu;
+        // SAFETY: the slot holds `bytes()` bytes; nothing else uses it while this state holds it.
+        unsafe { cudarc::driver::result::memset_d8_async(slot.addr(), 0, slot.layout().bytes(), g.stream.cu_stream()) }.map_err(|e| anyhow::anyhow!("cuda:{}: zeroing a state slot: {e:?}", g.ordinal))?;
+        Ok(self.state_in(slot, 0, KvBlocks::new(self.kv.clone()), LastLogits::Host(Vec::new())))
+    }
+
+    /// A state of `position` whose DeltaNet arrays are in `slot`, its K/V rows in `kv`.
+    fn state_in(&self, slot: StateSlot, position: usize, kv: KvBlocks, last: LastLogits) -> GpuState {
+        let mut linear = 0;
+        let layers = self
+            .config
             .layer_types
             .iter()
-            .map(|kind| {
-                Ok(match kind {
-                    LayerType::LinearAttention => GpuLayerState::Linear {
-                        conv: self.gpu.zeros(c.linear_conv_kernel_dim * c.linear_conv_dim())?,
-                        recurrent: self.gpu.zeros(c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim)?,
-                    },
-                    LayerType::FullAttention => GpuLayerState::Full,
-                })
+            .map(|kind| match kind {
+                LayerType::LinearAttention => {
+                    linear += 1;
+                    GpuLayerState::Linear { conv: DevPtr::new(slot.conv(linear - 1)), recurrent: DevPtr::new(slot.recurrent(linear - 1)) }
+                }
+                LayerType::FullAttention => GpuLayerState::Full,
             })
-            .collect::<Result<_>>()?;
-        Ok(GpuState { position: 0, layers, kv: KvBlocks::new(self.kv.clone()), stream: self.gpu.stream.clone(), last: LastLogits::Host(Vec::new()), step: None, staging: self.staging.clone() })
+            .collect();
+        GpuState { position, slot, layers, kv, stream: self.gpu.stream.clone(), last, step: None, staging: self.staging.clone() }
     }
 
     /// `s` copied to the GPU: its K/V rows laid out in blocks on the host, copied over in one
@@ -60,17 +70,16 @@ impl GpuQwen35 {
             }
             // (`flat` is freed in stream order, after the copies.)
         }
-        let layers = s
-            .layers
-            .iter()
-            .map(|l| {
-                Ok(match l {
-                    LayerState::Linear { conv, recurrent } => GpuLayerState::Linear { conv: copy(conv)?, recurrent: copy(recurrent)? },
-                    LayerState::Full { .. } => GpuLayerState::Full,
-                })
-            })
-            .collect::<Result<_>>()?;
-        Ok(GpuState { position: s.position, layers, kv, stream: g.stream.clone(), last: LastLogits::Host(s.last_logits.clone()), step: None, staging: self.staging.clone() })
+        // The DeltaNet layers' arrays in one copy, as the slot lays them out.
+        let slot = StateSlot::take(&self.slots)?;
+        let image = slot.layout().image(s.layers.iter().filter_map(|l| match l {
+            LayerState::Linear { conv, recurrent } => Some((&conv[..], &recurrent[..])),
+            LayerState::Full { .. } => None,
+        }));
+        // SAFETY: the slot holds the image's bytes; a copy from pageable memory returns once the
+        // driver has taken the bytes, so `image` may go.
+        unsafe { cudarc::driver::result::memcpy_htod_async(slot.addr(), &image[..], g.stream.cu_stream()) }.map_err(err)?;
+        Ok(self.state_in(slot, s.position, kv, LastLogits::Host(s.last_logits.clone())))
     }
 
     /// A state of another GPU (or of another engine on this one) copied to this GPU: the
@@ -79,20 +88,22 @@ impl GpuQwen35 {
     pub fn copy_state(&self, s: &GpuState) -> Result<GpuState> {
         let g = &self.gpu;
         let err = |e| anyhow::anyhow!("cuda:{}: copying a state from cuda:{}: {e:?}", g.ordinal, s.ordinal());
+        if s.slot.layout() != self.slots.layout() {
+            // Recurrent states of another dtype: converted through host memory.
+            return self.place_state(&s.download()?);
+        }
         // The source's stream must be done writing before this stream reads.
         s.stream().synchronize().map_err(err)?;
-        let copy = |src: &CudaSlice<f32>| -> Result<CudaSlice<f32>> {
-            let mut dst = g.scratch::<f32>(src.len())?;
-            g.stream.memcpy_dtod(src, &mut dst).map_err(err)?;
-            Ok(dst)
-        };
+        let slot = StateSlot::take(&self.slots)?;
         let mut kv = KvBlocks::new(self.kv.clone());
         kv.grow(s.position)?;
         let bytes = self.kv.block_bytes();
         let (here, there) = (g.stream.context(), s.stream().context());
-        for (&to, &from) in kv.table().iter().zip(s.kv.table()) {
-            // SAFETY: both are blocks of the same size (one model's pools). Between two GPUs
-            // a peer copy (a plain device copy of another context's address is refused).
+        let pieces = kv.table().iter().zip(s.kv.table()).map(|(&to, &from)| (to, from, bytes));
+        for (to, from, bytes) in pieces.chain([(slot.addr(), s.slot.addr(), slot.layout().bytes())]) {
+            // SAFETY: blocks of the same size (one model's pools), slots of the same layout.
+            // Between two GPUs a peer copy (a plain device copy of another context's address is
+            // refused).
             unsafe {
                 if here == there {
                     cudarc::driver::result::memcpy_dtod_async(to, from, bytes, g.stream.cu_stream())
@@ -102,18 +113,8 @@ impl GpuQwen35 {
             }
             .map_err(err)?;
         }
-        let layers = s
-            .layers
-            .iter()
-            .map(|l| {
-                Ok(match l {
-                    GpuLayerState::Linear { conv, recurrent } => GpuLayerState::Linear { conv: copy(conv)?, recurrent: copy(recurrent)? },
-                    GpuLayerState::Full => GpuLayerState::Full,
-                })
-            })
-            .collect::<Result<_>>()?;
         g.synchronize()?;
-        Ok(GpuState { position: s.position, layers, kv, stream: g.stream.clone(), last: LastLogits::Host(s.host_logits()?), step: None, staging: self.staging.clone() })
+        Ok(self.state_in(slot, s.position, kv, LastLogits::Host(s.host_logits()?)))
     }
 
     /// GPU state to host state (the bridge's device-to-host copy).
@@ -122,7 +123,7 @@ impl GpuQwen35 {
     }
 
     /// Make room for `end` positions in the state's K/V blocks (all the blocks that takes, or
-    /// none and an error: `KvCacheFull` where the pool is at its limit).
+    /// none and an error: `PoolFull` where the pool is at its limit).
     pub fn reserve_kv(&self, state: &mut GpuState, end: usize) -> Result<()> {
         state.kv.grow(end)
     }
@@ -201,12 +202,21 @@ impl GpuState {
         };
         let config = pool.config();
         let mut kv = kv_rows(config, &down(&flat, used * pool.block_values())?, self.position).into_iter();
+        // The slot in one piece, as 4-byte words (a bf16 slot's recurrent values two a word).
+        let layout = *self.slot.layout();
+        let words = staging.download(stream, self.slot.addr(), layout.bytes() / 4)?;
+        drop(staging);
+        let image: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let mut linear = layout.layers(&image).into_iter();
         let layers = self
             .layers
             .iter()
             .map(|l| {
                 Ok(match l {
-                    GpuLayerState::Linear { conv, recurrent } => LayerState::Linear { conv: down(conv, conv.len())?.into(), recurrent: down(recurrent, recurrent.len())?.into() },
+                    GpuLayerState::Linear { .. } => {
+                        let (conv, recurrent) = linear.next().context("the state has more DeltaNet layers than its slot")?;
+                        LayerState::Linear { conv: conv.into(), recurrent: recurrent.into() }
+                    }
                     GpuLayerState::Full => {
                         let (k, v) = kv.next().context("the state has more attention layers than its K/V blocks")?;
                         LayerState::Full { k, v }
@@ -214,7 +224,6 @@ impl GpuState {
                 })
             })
             .collect::<Result<_>>()?;
-        drop(staging);
         Ok(State { position: self.position, layers, last_logits: self.host_logits()? })
     }
 
@@ -226,13 +235,7 @@ impl GpuState {
     /// Bytes of state data on the GPU that a transfer moves (K/V up to the position).
     pub fn bytes(&self) -> usize {
         let pool = self.kv.pool();
-        self.layers
-            .iter()
-            .map(|l| match l {
-                GpuLayerState::Linear { conv, recurrent } => 4 * (conv.len() + recurrent.len()),
-                GpuLayerState::Full => 0,
-            })
-            .sum::<usize>()
+        self.slot.layout().bytes()
             + pool.block_bytes() / KV_BLOCK * self.position
             + 4 * match &self.last {
                 LastLogits::Host(l) => l.len(),

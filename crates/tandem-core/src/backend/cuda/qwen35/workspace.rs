@@ -190,7 +190,7 @@ impl Workspace {
     /// kernel by kernel) or a packed prefill.
     pub(super) fn write_tables(&mut self, g: &Gpu, states: &[&mut GpuState]) -> Result<()> {
         let mut table = vec![0u64; 2 * states.first().map_or(0, |s| s.layers.len()) * states.len()];
-        fill_tables(g, states, None, &mut table);
+        fill_tables(states, None, &mut table);
         g.stream.memcpy_htod(&table[..], &mut self.tables.slice_mut(..table.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying a batch's state tables: {e:?}", g.ordinal))
     }
 
@@ -213,7 +213,7 @@ impl Workspace {
     }
 
     /// Layer `li`'s two tables of a batched step of `n` sequences.
-    pub(super) fn layer_tables(&self, g: &Gpu, li: usize, n: usize) -> (DevPtr<DevPtr<f32>>, DevPtr<DevPtr<f32>>) {
+    pub(super) fn layer_tables(&self, g: &Gpu, li: usize, n: usize) -> (DevPtr<DevPtr<f32>>, DevPtr<DevPtr<StateValues>>) {
         let base = g.ptr(&self.tables);
         (base.offset(2 * li * n).reinterpret(), base.offset((2 * li + 1) * n).reinterpret())
     }
@@ -222,7 +222,7 @@ impl Workspace {
 /// The tables of a batched decode step of `table.len() / (2 · layers)` rows: layer l's conv
 /// windows (or K caches) at `2 l · n`, its recurrent states (or V caches) at `(2 l + 1) · n`;
 /// row i is `states[i]`'s, and the rows past them `pad`'s (a graph's padding rows).
-pub(super) fn fill_tables(g: &Gpu, states: &[&mut GpuState], pad: Option<&GpuState>, table: &mut [u64]) {
+pub(super) fn fill_tables(states: &[&mut GpuState], pad: Option<&GpuState>, table: &mut [u64]) {
     let layers = states.first().map_or(0, |s| s.layers.len());
     let n = table.len() / (2 * layers).max(1);
     for i in 0..n {
@@ -232,7 +232,7 @@ pub(super) fn fill_tables(g: &Gpu, states: &[&mut GpuState], pad: Option<&GpuSta
         };
         for (li, l) in s.layers.iter().enumerate() {
             let (a, b) = match l {
-                GpuLayerState::Linear { conv, recurrent } => (g.ptr(conv).addr(), g.ptr(recurrent).addr()),
+                GpuLayerState::Linear { conv, recurrent } => (conv.addr(), recurrent.addr()),
                 GpuLayerState::Full => (0, 0),
             };
             table[2 * li * n + i] = a;

@@ -1,0 +1,157 @@
+//! Pieces of GPU memory of one size, handed out to states and taken back: the K/V cache's
+//! blocks (kv_cache.rs) and the state slots (state_slots.rs). The pool takes memory in slabs
+//! of pieces as it needs them, up to a limit if one is set (what a serving engine sizes from its
+//! memory budget), and keeps what it took: pieces given back go to the free list for the next
+//! state. Its slabs are allocated on a stream of its own and waited for, so that any engine's
+//! stream may use them at once.
+
+use std::sync::{Arc, Mutex};
+
+use anyhow::{bail, Result};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+
+/// A pool of pieces of `piece_bytes` on one GPU.
+pub struct DevicePool {
+    /// What the pieces are, for messages ("K/V blocks", "state slots").
+    what: &'static str,
+    /// Where slabs are allocated (synchronized after each).
+    stream: Arc<CudaStream>,
+    ordinal: usize,
+    piece_bytes: usize,
+    /// Pieces per slab.
+    slab: usize,
+    pieces: Mutex<Pieces>,
+}
+
+struct Pieces {
+    slabs: Vec<CudaSlice<u8>>,
+    /// Addresses of the pieces no state holds.
+    free: Vec<u64>,
+    /// Pieces allocated so far (held or free).
+    allocated: usize,
+    /// The most pieces the pool may allocate (None: as many as the GPU gives).
+    limit: Option<usize>,
+}
+
+/// How full a pool is, in pieces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolLevel {
+    /// Pieces held by states.
+    pub used: usize,
+    /// Pieces allocated (held or free).
+    pub allocated: usize,
+    /// The most pieces the pool may hold (None: no limit set).
+    pub limit: Option<usize>,
+    pub piece_bytes: usize,
+}
+
+impl Pieces {
+    fn level(&self, piece_bytes: usize) -> PoolLevel {
+        PoolLevel { used: self.allocated - self.free.len(), allocated: self.allocated, limit: self.limit, piece_bytes }
+    }
+}
+
+/// A pool is out of pieces: its limit is reached (or the GPU is out of memory). The work that
+/// wanted them may wait for room: running states give theirs back as they finish.
+#[derive(Debug)]
+pub struct PoolFull {
+    pub what: &'static str,
+    pub wanted: usize,
+    pub level: PoolLevel,
+    pub ordinal: usize,
+}
+
+/// What every `PoolFull` error says (a packed prefill's error reaches each prompt as text).
+pub const POOL_FULL: &str = "no room in the GPU's pool of";
+
+impl std::fmt::Display for PoolFull {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let l = &self.level;
+        write!(f, "cuda:{}: {POOL_FULL} {}: {} more wanted, {} of {} in use", self.ordinal, self.what, self.wanted, l.used, l.limit.unwrap_or(l.allocated))
+    }
+}
+
+impl std::error::Error for PoolFull {}
+
+impl PoolFull {
+    /// Whether `e` is (or was, passed on as text) a `PoolFull`: the work may wait for room.
+    pub fn is(e: &anyhow::Error) -> bool {
+        e.downcast_ref::<PoolFull>().is_some() || e.chain().any(|c| c.to_string().contains(POOL_FULL))
+    }
+}
+
+impl DevicePool {
+    /// An empty pool of `what` on the GPU of `ctx`, pieces of `piece_bytes` (a multiple of 256,
+    /// so that every piece is as aligned as an allocation), taken `slab` at a time.
+    pub fn new(ctx: &Arc<CudaContext>, what: &'static str, piece_bytes: usize, slab: usize) -> Result<DevicePool> {
+        let ordinal = ctx.ordinal();
+        let stream = ctx.new_stream().map_err(|e| anyhow::anyhow!("cuda:{ordinal}: a stream for the pool of {what}: {e:?}"))?;
+        let piece_bytes = piece_bytes.max(1).next_multiple_of(256);
+        Ok(DevicePool { what, stream, ordinal, piece_bytes, slab: slab.max(1), pieces: Mutex::new(Pieces { slabs: Vec::new(), free: Vec::new(), allocated: 0, limit: None }) })
+    }
+
+    /// The GPU the pieces are on.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    pub fn piece_bytes(&self) -> usize {
+        self.piece_bytes
+    }
+
+    /// The stream the pool allocates on (bound to its GPU).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Let the pool hold at most `pieces` (more than it holds now, or it keeps what it has).
+    pub fn set_limit(&self, pieces: Option<usize>) {
+        self.lock().limit = pieces;
+    }
+
+    pub fn level(&self) -> PoolLevel {
+        self.lock().level(self.piece_bytes)
+    }
+
+    /// Pieces states could still take under the limit (None: no limit set).
+    pub fn available(&self) -> Option<usize> {
+        let level = self.level();
+        level.limit.map(|l| l.saturating_sub(level.used))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pieces> {
+        self.pieces.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `n` pieces, all or none. Their bytes are what the last holder left (or undefined).
+    pub fn take(&self, n: usize) -> Result<Vec<u64>> {
+        let mut p = self.lock();
+        let level = p.level(self.piece_bytes);
+        if level.limit.is_some_and(|l| level.used + n > l) {
+            return Err(PoolFull { what: self.what, wanted: n, level, ordinal: self.ordinal }.into());
+        }
+        if p.free.len() < n {
+            // A slab at a time, but never past the limit (checked above to leave room for n).
+            let room = p.limit.map_or(usize::MAX, |l| l.saturating_sub(p.allocated));
+            let want = (n - p.free.len()).max(self.slab.min(room));
+            // SAFETY: every user writes a piece before it reads it (see `take`'s callers).
+            let slab = match unsafe { self.stream.alloc::<u8>(want * self.piece_bytes) } {
+                Ok(s) => s,
+                Err(e) => bail!("cuda:{}: allocating {want} {} ({} MB): {e:?}", self.ordinal, self.what, (want * self.piece_bytes) >> 20),
+            };
+            self.stream.synchronize().map_err(|e| anyhow::anyhow!("cuda:{}: allocating {}: {e:?}", self.ordinal, self.what))?;
+            let base = cudarc::driver::DevicePtr::device_ptr(&slab, &self.stream).0;
+            let bytes = self.piece_bytes as u64;
+            p.free.extend((0..want as u64).rev().map(|i| base + i * bytes));
+            p.allocated += want;
+            p.slabs.push(slab);
+        }
+        let at = p.free.len() - n;
+        Ok(p.free.split_off(at))
+    }
+
+    /// Pieces back to the free list (emptying `pieces`).
+    pub fn give(&self, pieces: &mut Vec<u64>) {
+        self.lock().free.append(pieces);
+    }
+}
