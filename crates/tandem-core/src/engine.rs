@@ -354,6 +354,15 @@ impl<'m> Engine<'m> {
         }
     }
 
+    /// Take what a GPU engine's batched decode steps need from its pools before any request
+    /// does (the state its padding rows decode into); nothing on a CPU engine.
+    pub fn reserve_batch_padding(&self) -> Result<()> {
+        match &self.backend {
+            Backend::Cuda(g) => g.reserve_batch_padding(),
+            Backend::Cpu(_) => Ok(()),
+        }
+    }
+
     /// A fresh state, where this engine keeps it.
     pub fn new_state(&self) -> Result<DeviceState> {
         Ok(match &self.backend {

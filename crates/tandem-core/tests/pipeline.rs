@@ -416,9 +416,10 @@ fn a_small_kv_cache_swaps_sequences_and_keeps_their_tokens() {
             while p.kv_level().unwrap().used > 1 && waited.elapsed() < std::time::Duration::from_secs(10) {
                 std::thread::sleep(std::time::Duration::from_millis(5));
             }
-            assert_eq!(p.kv_capacity().map(|k| k.slots), Some(2 * c.max_batch), "state slots: the running sequences and as many prefilled ahead");
+            assert_eq!(p.kv_capacity().map(|k| k.slots), Some(2 * c.max_batch + 1), "state slots: the running sequences, as many prefilled ahead, the padding rows'");
+            // What is left: the padding rows' state.
             let slots = p.slot_level().unwrap();
-            assert!(slots.used <= 1 && slots.limit == Some(2 * c.max_batch), "{:?}: {} state slots still in use of {:?}", c.mode, slots.used, slots.limit);
+            assert!(slots.used <= 1 && slots.limit == Some(2 * c.max_batch + 1), "{:?}: {} state slots still in use of {:?}", c.mode, slots.used, slots.limit);
             Ok((out, p.swaps(), p.kv_level().unwrap()))
         })
         .unwrap();
@@ -456,4 +457,50 @@ fn bf16_states_give_each_request_its_tokens_alone() {
             assert_eq!(together[i], alone, "{:?} {} -> {}: prompt p{i} differs from its run alone", c.mode, c.prefill, c.decode);
         }
     }
+}
+
+/// Under a memory budget the state slots bound the requests in flight: with two decoding at a
+/// time, the GPU prefill engine sharing the decode engine's pools prefills at most two more
+/// ahead and then waits for a slot (the pool reaches its limit of five, the padding rows'
+/// state among them); every request still gets its tokens alone, and every slot but the
+/// padding rows' comes back. Ignored by default (it needs an NVIDIA GPU).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn state_slots_bound_the_requests_in_flight() {
+    gpus_at_least(1);
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..3).flat_map(|_| reference_prompts()).map(|c| c.0).collect();
+    let gpu = "cuda:0,precision=exact";
+    let max_tokens = 24;
+    let alone: Vec<Vec<u32>> = prompts.iter().map(|p| run_pipeline(&m.net, &config(Mode::Hybrid, gpu, gpu, Transfer::Move, 1), std::slice::from_ref(p), max_tokens).remove(0)).collect();
+    let c = PipelineConfig { kv_cache: KvBudget::Bytes(64 << 20), ..config(Mode::Hybrid, gpu, gpu, Transfer::Move, 2) };
+    let (got, peak, level) = pipeline::run(&m.net, &c, |p| {
+        assert_eq!(p.kv_capacity().map(|k| k.slots), Some(5));
+        let (tx, rx) = channel();
+        for (i, prompt) in prompts.iter().enumerate() {
+            p.submit(request(i as u64, prompt.clone(), max_tokens, tx.clone()))?;
+        }
+        drop(tx);
+        let (mut out, mut peak) = (vec![Vec::new(); prompts.len()], 0);
+        for e in rx {
+            peak = peak.max(p.slot_level().unwrap().used);
+            match e {
+                Event::Token { id, token } => out[id as usize].push(token),
+                Event::Done { finish, .. } => assert_eq!(finish, Finish::Length),
+                Event::Failed { id, error } => panic!("request {id} failed: {error}"),
+            }
+        }
+        let waited = std::time::Instant::now();
+        while p.slot_level().unwrap().used > 1 && waited.elapsed() < std::time::Duration::from_secs(10) {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        Ok((out, peak, p.slot_level().unwrap()))
+    })
+    .unwrap();
+    for (i, (g, want)) in got.iter().zip(&alone).enumerate() {
+        assert_eq!(g, want, "request {i} differs from its run alone");
+    }
+    eprintln!("state slots: at most {peak} of 5 in use, {} at the end", level.used);
+    assert_eq!(peak, 5, "the prefill engine never waited for a slot");
+    assert_eq!(level.used, 1, "slots still held after every request finished (the padding rows' one stays)");
 }

@@ -70,6 +70,7 @@ impl Batch {
 }
 
 pub(super) fn decode_loop(engine: &Engine, mut bridge: handoff::Receiver<Handoff>, max_batch: usize, time: &EngineTime) {
+    reserve_batch_padding(engine, max_batch);
     let mut batch = Batch::default();
     let mut open = true;
     while open || !batch.is_empty() {
@@ -119,6 +120,7 @@ pub(super) fn decode_loop(engine: &Engine, mut bridge: handoff::Receiver<Handoff
 /// budget leaves is applied a chunk per step), then decodes every running sequence. The budget
 /// bounds how long a prefill holds up the running sequences' next tokens.
 pub(super) fn single_engine_loop(engine: &Engine, mut queue: Queue, max_batch: usize, max_prefill_tokens: usize, time: &EngineTime) {
+    reserve_batch_padding(engine, max_batch);
     let mut batch = Batch::default();
     let mut prefilling: Vec<Prefill> = Vec::new();
     let kv_limit = engine.kv_pool().and_then(|p| p.level().limit);
@@ -197,6 +199,16 @@ fn prefill_chunks(engine: &Engine, prefilling: &mut Vec<Prefill>, batch: &mut Ba
                     batch.active.push(Active::new(request, state, timings, submitted));
                 }
             }
+        }
+    }
+}
+
+/// The padding rows' state of batched steps, taken from the engine's pools before any request
+/// (where the budget counted it: `budget_kv_cache`).
+fn reserve_batch_padding(engine: &Engine, max_batch: usize) {
+    if max_batch > 1 {
+        if let Err(e) = engine.reserve_batch_padding() {
+            eprintln!("the decode engine could not take its batched steps' padding state now (it will try at its first batched step): {e:#}");
         }
     }
 }

@@ -100,7 +100,8 @@ pub struct KvCapacity {
     pub ordinal: usize,
     pub blocks: usize,
     pub block_bytes: usize,
-    /// State slots: `max_batch` running sequences and as many prefilled ahead.
+    /// State slots: `max_batch` running sequences, as many prefilled ahead, and one for the
+    /// padding rows of batched steps.
     pub slots: usize,
     /// Bytes of one slot (a sequence's fixed-size state: conv windows and recurrent states).
     pub state_bytes: usize,
@@ -370,15 +371,16 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
 }
 
 /// Set the limits of the decode engine's pools from `config.kv_cache` (None: no limits), with
-/// the engines loaded: `2 max_batch` state slots (the running sequences and as many prefilled
-/// ahead of them), and K/V blocks in the memory left. A fraction of the GPU's memory leaves, of
+/// the engines loaded: `2 max_batch + 1` state slots (the running sequences, as many prefilled
+/// ahead of them, and the padding rows' state of batched steps), and K/V blocks in the memory
+/// left. A fraction of the GPU's memory leaves, of
 /// what is left of it, room for the slots, `max_batch` sequences' logits and the workspaces of
 /// a prefill of `max_prefill_tokens` rows and a decode step of `max_batch` (an estimate from
 /// the model's shapes, plus 1 GiB for cuBLAS, graphs and the kernels).
 fn budget_kv_cache(pool: &KvPool, slot_pool: &SlotPool, config: &PipelineConfig) -> Result<Option<KvCapacity>> {
     let c = pool.config();
     let block_bytes = pool.level().piece_bytes;
-    let (slots, state_bytes) = (2 * config.max_batch, slot_pool.level().piece_bytes);
+    let (slots, state_bytes) = (2 * config.max_batch + 1, slot_pool.level().piece_bytes);
     let reserved = slots * state_bytes + config.max_batch * 4 * c.vocab_size + (config.max_prefill_tokens + config.max_batch) * workspace_bytes_per_row(c) + (1 << 30);
     let kv_bytes = match config.kv_cache {
         KvBudget::Unlimited => return Ok(None),

@@ -442,4 +442,19 @@ mod tests {
         send(&tx, 4, 200);
         assert_eq!(ids(queue.take(true, 512, usize::MAX, room(2), false)), Some(vec![4]));
     }
+
+    #[test]
+    fn batches_take_one_free_state_slot_a_request() {
+        let (tx, rx) = channel();
+        let mut queue = Queue::new(rx);
+        for id in 0..5 {
+            send(&tx, id, 10);
+        }
+        let room = |slots| Some(KvRoom { available: 100, limit: 100, slots });
+        // No free slot: the first waits; then as many as there are slots.
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, room(0), false)), Some(vec![]));
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, room(2), false)), Some(vec![0, 1]));
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, room(1), false)), Some(vec![2]));
+        assert_eq!(ids(queue.take(true, 512, usize::MAX, room(5), false)), Some(vec![3, 4]));
+    }
 }

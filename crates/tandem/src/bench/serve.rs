@@ -208,6 +208,8 @@ struct Point {
     /// The decode engine's K/V cache blocks in use before the point and once its requests were
     /// answered (a GPU engine's), and the sequences swapped out to host memory meanwhile.
     kv_blocks: (Option<usize>, Option<usize>),
+    /// Its state slots in use, the same two times.
+    state_slots: (Option<usize>, Option<usize>),
     swaps: u64,
 }
 
@@ -315,8 +317,8 @@ pub fn run(report: &mut String, args: &Args, quick: bool) -> Result<()> {
     let stopped = server.stop();
 
     writeln!(report, "\nOne run per point, in the order listed. Percentiles over the requests of the point (ITL over every gap between text chunks). The limit assumes the decode engine only decodes: in flight x bandwidth / (weights + in flight x (state + K/V at {} tokens of context)), with in flight the mean number of requests being served (Little's law, at most the {} slots).\n", o.input_len + o.output_len / 2, served.slots)?;
-    writeln!(report, "| load | requests | failed | s | output tok/s | total tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 ms | goodput tok/s (requests in SLO) | in flight | limit output tok/s | of limit | GPU memory GiB | slots free after | K/V blocks in use before / after | swapped out |")?;
-    writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
+    writeln!(report, "| load | requests | failed | s | output tok/s | total tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 ms | goodput tok/s (requests in SLO) | in flight | limit output tok/s | of limit | GPU memory GiB | slots free after | K/V blocks in use before / after | state slots in use before / after | swapped out |")?;
+    writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
     for p in &points {
         writeln!(report, "{}", p.row(&o, &served, bandwidth))?;
     }
@@ -348,23 +350,25 @@ fn run_point(rt: &tokio::runtime::Runtime, server: &Server, served: &Served, nvm
         })
     });
     let kv_used = |m: &str| gauge(m, "tandem_kv_cache_blocks_used").map(|v| v as usize);
+    let slots_used = |m: &str| gauge(m, "tandem_state_slots_used").map(|v| v as usize);
     let swapped_out = |m: &str| gauge(m, "tandem_kv_cache_swaps_total{direction=\"out\"}").unwrap_or(0.0) as u64;
     let before = metrics(rt, server.addr)?;
-    let (kv_before, swaps_before) = (kv_used(&before), swapped_out(&before));
+    let (kv_before, slots_before, swaps_before) = (kv_used(&before), slots_used(&before), swapped_out(&before));
     let (outcomes, seconds) = rt.block_on(load::drive(workload, arrivals));
     sampling.store(false, Ordering::Relaxed);
     if let Some(s) = sampler {
         let _ = s.join();
     }
     let settle = Instant::now();
-    let (mut free, mut queued, mut kv_after, mut swaps) = (0, 0, None, 0);
+    let (mut free, mut queued, mut kv_after, mut slots_after, mut swaps) = (0, 0, None, None, 0);
     while settle.elapsed() < Duration::from_secs(30) {
         let m = metrics(rt, server.addr)?;
         free = served.slots.saturating_sub(gauge(&m, "tandem_active_sequences").unwrap_or(f64::NAN) as usize);
         queued = gauge(&m, "tandem_queue_depth").unwrap_or(0.0) as usize;
         kv_after = kv_used(&m);
+        slots_after = slots_used(&m);
         swaps = swapped_out(&m) - swaps_before;
-        if free == served.slots && queued == 0 && kv_after <= kv_before {
+        if free == served.slots && queued == 0 && kv_after <= kv_before && slots_after <= slots_before {
             break;
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -372,7 +376,7 @@ fn run_point(rt: &tokio::runtime::Runtime, server: &Server, served: &Served, nvm
     let failed = outcomes.iter().filter(|o| o.error.is_some()).count();
     progress(&format!("{label}: {:.0} output tok/s, {failed} failed, {free}/{} slots free, {queued} queued", outcomes.iter().map(|o| o.output_tokens).sum::<usize>() as f64 / seconds, served.slots));
     let peak_gpu_memory = *peak.lock().expect("peak lock");
-    Ok(Point { label, outcomes, seconds, peak_gpu_memory, slots_free_after: (free, served.slots), kv_blocks: (kv_before, kv_after), swaps })
+    Ok(Point { label, outcomes, seconds, peak_gpu_memory, slots_free_after: (free, served.slots), kv_blocks: (kv_before, kv_after), state_slots: (slots_before, slots_after), swaps })
 }
 
 impl Point {
@@ -395,7 +399,7 @@ impl Point {
         let ms = |v: &[f64], p: f64| 1e3 * percentile(v, p);
         let blocks = |b: Option<usize>| b.map_or("-".to_string(), |b| b.to_string());
         format!(
-            "| {} | {} | {failed} | {:.1} | {out_rate:.0} | {:.0} | {:.0} / {:.0} | {:.1} / {:.1} | {:.1} | {:.0} ({}/{}) | {in_flight:.1} | {limit:.0} | {:.0}% | {} | {}/{} | {} / {} | {} |",
+            "| {} | {} | {failed} | {:.1} | {out_rate:.0} | {:.0} | {:.0} / {:.0} | {:.1} / {:.1} | {:.1} | {:.0} ({}/{}) | {in_flight:.1} | {limit:.0} | {:.0}% | {} | {}/{} | {} / {} | {} / {} | {} |",
             self.label,
             self.outcomes.len(),
             self.seconds,
@@ -414,6 +418,8 @@ impl Point {
             self.slots_free_after.1,
             blocks(self.kv_blocks.0),
             blocks(self.kv_blocks.1),
+            blocks(self.state_slots.0),
+            blocks(self.state_slots.1),
             self.swaps,
         )
     }

@@ -65,7 +65,7 @@ OPTIONS:
   --gpu-memory-utilization F
                            a GPU decode engine's K/V cache takes what is left of this fraction
                            of the GPU's memory once the model is loaded, less room for the
-                           state slots (two per --max-concurrent: running and prefilled ahead)
+                           state slots (two per --max-concurrent, running and prefilled ahead)
                            and workspaces (default 0.9); sequences that do not fit wait, or
                            are swapped out to host memory and back
   --kv-cache-memory SIZE   or a K/V cache of this size, e.g. 20GiB

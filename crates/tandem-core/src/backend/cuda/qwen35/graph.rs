@@ -124,6 +124,23 @@ struct BatchBucket {
 }
 
 impl GpuQwen35 {
+    /// Make the state that batched steps' padding rows decode into, if there is none: a slot
+    /// and a K/V block of the engine's pools. A serving engine makes it before it admits
+    /// anything (`reserve_batch_padding`), so that a full pool never fails a step for it.
+    fn make_padding_state(&self, steps: &mut BatchSteps) -> Result<()> {
+        if steps.pad.is_none() {
+            let mut p = self.new_state()?;
+            self.reserve_kv(&mut p, 1)?;
+            steps.pad = Some(p);
+        }
+        Ok(())
+    }
+
+    /// Take the padding rows' state now (see `make_padding_state`).
+    pub fn reserve_batch_padding(&self) -> Result<()> {
+        self.make_padding_state(&mut self.batch_steps.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
     /// A decode step of several sequences (`decode_batch`, inputs checked, K/V blocks taken)
     /// through the graph of its bucket and visible span, captured now if there is none. Rows
     /// past the sequences decode token 0 at position 0 into the padding state.
@@ -134,12 +151,8 @@ impl GpuQwen35 {
         let most = states.iter().map(|s| s.position + 1).max().unwrap_or(1);
         let visible = most.next_power_of_two().clamp(KV_MIN_ROWS, MAX_CONTEXT);
         let mut guard = self.batch_steps.lock().unwrap_or_else(|e| e.into_inner());
+        self.make_padding_state(&mut guard)?;
         let BatchSteps { buckets, pad } = &mut *guard;
-        if pad.is_none() {
-            let mut p = self.new_state()?;
-            self.reserve_kv(&mut p, 1)?;
-            *pad = Some(p);
-        }
         let b = match buckets.entry(bucket) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
