@@ -232,9 +232,10 @@ fn the_serving_bench_drives_a_real_server_and_gets_every_slot_back() {
     assert_eq!(rows.len(), 3, "{out}");
     for row in rows {
         let cells: Vec<&str> = row.split('|').map(str::trim).collect();
-        // load, requests, failed, ..., slots free after, K/V blocks (a GPU engine's), swaps.
+        // load, requests, failed, ..., slots free after, K/V blocks and state slots (a GPU
+        // engine's), swaps.
         assert_eq!((cells[2], cells[3]), ("6", "0"), "{row}");
-        assert_eq!(&cells[cells.len() - 4..cells.len() - 1], ["3/3", "- / -", "0"], "{row}");
+        assert_eq!(&cells[cells.len() - 5..cells.len() - 1], ["3/3", "- / -", "- / -", "0"], "{row}");
         let tok_s: f64 = cells[5].parse().unwrap_or(0.0);
         assert!(tok_s > 0.0, "{row}");
     }
