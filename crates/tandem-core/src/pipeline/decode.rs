@@ -141,6 +141,8 @@ pub(super) fn single_engine_loop(engine: &Engine, mut queue: Queue, max_batch: u
                 room => (room, per_call),
             };
             let Some(taken) = queue.take(idle, budget, per_call, room, true) else { break };
+            // Requests that found no free state slot wait at the head of the queue, in order.
+            let mut no_slot = Vec::new();
             for (request, submitted) in taken {
                 if let Some(limit) = kv_limit.filter(|&limit| kv_blocks(&request) > limit) {
                     let error = cannot_hold(kv_blocks(&request), limit);
@@ -149,10 +151,10 @@ pub(super) fn single_engine_loop(engine: &Engine, mut queue: Queue, max_batch: u
                 }
                 match Prefill::start(engine, request, submitted) {
                     Ok(p) => prefilling.extend(p),
-                    // No free state slot: it waits at the head of the queue.
-                    Err(request) => queue.put_back(vec![*request]),
+                    Err(request) => no_slot.push(*request),
                 }
             }
+            queue.put_back(no_slot);
         }
         prefill_chunks(engine, &mut prefilling, &mut batch, max_prefill_tokens, time);
         fit_kv_cache(engine, &mut batch, time);

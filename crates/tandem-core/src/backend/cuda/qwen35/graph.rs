@@ -147,6 +147,11 @@ impl GpuQwen35 {
     pub(super) fn replay_batch(&self, tokens: &[u32], states: &mut [&mut GpuState]) -> Result<()> {
         let g = &self.gpu;
         let n = tokens.len();
+        // A replay runs the kernels of this engine's state dtype on whatever the tables hold:
+        // each state's slot is checked here, as `enqueue` checks those it launches for.
+        for s in states.iter() {
+            self.check_slot(s)?;
+        }
         let bucket = batch_bucket(n);
         let most = states.iter().map(|s| s.position + 1).max().unwrap_or(1);
         let visible = most.next_power_of_two().clamp(KV_MIN_ROWS, MAX_CONTEXT);

@@ -187,10 +187,6 @@ impl StateSlot {
         &self.pool.layout
     }
 
-    pub fn pool(&self) -> &Arc<SlotPool> {
-        &self.pool
-    }
-
     /// DeltaNet layer `i`'s conv window (f32).
     pub fn conv(&self, i: usize) -> u64 {
         self.addr + self.layout().conv_at(i) as u64
