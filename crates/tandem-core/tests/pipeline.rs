@@ -370,6 +370,77 @@ fn a_request_cancelled_in_the_queue_is_never_prefilled() {
     }
 }
 
+/// A CPU decode engine under a memory budget (`--kv-cache-memory` with a CPU decode engine):
+/// 24 blocks of 16 positions (the longest prompt and its reply alone fit) and two state slots
+/// a running sequence. Requests wait for room, running sequences are swapped out to files on
+/// disk and back, and every request's greedy tokens are bit for bit those it gets alone in the
+/// same placement; once all are answered every block and slot is back. One engine (whole
+/// prompts, and 20 prompt tokens a step), and two CPU engines (states moved, and through files).
+#[test]
+fn a_cpu_budget_swaps_sequences_to_disk_and_keeps_their_tokens() {
+    use tandem_core::backend::cuda::qwen35::kv_cache::KV_BLOCK;
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let prompts: Vec<Vec<u32>> = reference_prompts().into_iter().chain(reference_prompts()).map(|c| c.0).collect();
+    let (max_tokens, blocks) = (64, 24);
+    assert!(prompts.iter().all(|p| (p.len() + max_tokens).div_ceil(KV_BLOCK) <= blocks), "a request that cannot fit alone");
+    let budget = KvBudget::Bytes(blocks * KV_BLOCK * m.net.config.kv_bytes_per_token());
+    let one = "cpu:threads=2";
+    let (prefill, decode) = ("cpu:threads=1", "cpu:threads=1");
+    let files = Transfer::File(std::env::temp_dir());
+    let configs = [
+        config(Mode::AllOnDecodeEngine, one, one, Transfer::Move, 4),
+        PipelineConfig { max_prefill_tokens: 20, ..config(Mode::AllOnDecodeEngine, one, one, Transfer::Move, 4) },
+        config(Mode::Hybrid, prefill, decode, Transfer::Move, 4),
+        config(Mode::Hybrid, prefill, decode, files, 4),
+    ];
+    for c in configs {
+        let alone: Vec<Vec<u32>> = prompts.iter().map(|p| run_pipeline(&m.net, &PipelineConfig { max_batch: 1, ..c.clone() }, std::slice::from_ref(p), max_tokens).remove(0)).collect();
+        let c = PipelineConfig { kv_cache: budget, ..c };
+        let (got, swaps, kv, slots) = pipeline::run(&m.net, &c, |p| {
+            let capacity = p.kv_capacity().expect("a CPU budget reports its capacity");
+            assert_eq!((capacity.device, capacity.blocks, capacity.slots), (Device::Cpu, blocks, 2 * c.max_batch));
+            assert!(capacity.describe(c.max_batch).starts_with("cpu: up to 4 sequences decoding; K/V cache"), "{}", capacity.describe(c.max_batch));
+            let (tx, rx) = channel();
+            for (i, prompt) in prompts.iter().enumerate() {
+                p.submit(request(i as u64, prompt.clone(), max_tokens, tx.clone()))?;
+            }
+            drop(tx);
+            let mut out = vec![Vec::new(); prompts.len()];
+            let mut peak = 0;
+            for e in rx {
+                let level = p.kv_level().unwrap();
+                assert!(level.used <= blocks, "{} blocks held, over the budget of {blocks}", level.used);
+                peak = peak.max(p.slot_level().unwrap().used);
+                match e {
+                    Event::Token { id, token } => out[id as usize].push(token),
+                    Event::Done { finish, .. } => assert_eq!(finish, Finish::Length),
+                    Event::Failed { id, error } => panic!("{:?}: request {id} failed: {error}", c.mode),
+                }
+            }
+            assert!(peak <= 2 * c.max_batch, "{peak} slots held");
+            // A finished sequence's lease goes back just after its last event: wait for it.
+            let waited = std::time::Instant::now();
+            while (p.kv_level().unwrap().used > 0 || p.slot_level().unwrap().used > 0) && waited.elapsed() < std::time::Duration::from_secs(10) {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            Ok((out, p.swaps(), p.kv_level().unwrap(), p.slot_level().unwrap()))
+        })
+        .unwrap();
+        for (i, (g, want)) in got.iter().zip(&alone).enumerate() {
+            assert_eq!(g, want, "{:?} {} -> {}: request {i} differs from its run alone", c.mode, c.prefill, c.decode);
+        }
+        eprintln!("{:?} {} -> {} ({}): {} sequences swapped out, {} back", c.mode, c.prefill, c.decode, c.transfer.name(), swaps.0, swaps.1);
+        assert!(swaps.0 == swaps.1 && (swaps.0 > 0 || c.mode == Mode::Hybrid), "{:?}: {swaps:?} swaps out and in", c.mode);
+        assert_eq!((kv.used, slots.used), (0, 0), "blocks and slots still held after every request finished");
+    }
+    // A budget in a fraction of a GPU's memory, or too small for one block, is refused.
+    for (kv_cache, says) in [(KvBudget::GpuFraction(0.5), "give its budget in bytes with --kv-cache-memory"), (KvBudget::Bytes(100), "less than one K/V block")] {
+        let c = PipelineConfig { kv_cache, ..config(Mode::AllOnDecodeEngine, one, one, Transfer::Move, 4) };
+        let e = pipeline::run(&m.net, &c, |_| Ok(())).unwrap_err();
+        assert!(format!("{e:#}").contains(says), "{e:#}");
+    }
+}
+
 /// A K/V cache too small for every request at once (24 blocks of 16 positions: the longest
 /// prompt and its reply alone fit): requests wait for room, sequences are swapped out to host
 /// memory and back, and every request's greedy tokens are those it gets alone; once all are

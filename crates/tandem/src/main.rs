@@ -56,7 +56,8 @@ ENGINES (generate, chat):
   --gpu-memory-utilization F | --kv-cache-memory SIZE
                          a GPU decode engine's paged K/V cache: what is left of this fraction of
                          the GPU's memory once the model is loaded, or this size (default: it
-                         grows as the GPU allows; tandem serve: 0.9)
+                         grows as the GPU allows; tandem serve: 0.9); a CPU decode engine's
+                         memory budget: this size of K/V (default: no limit)
   --threads N | --cores 0,1
                          without --prefill/--decode: one engine on N threads or these cores
                          (default: one engine on all cores)

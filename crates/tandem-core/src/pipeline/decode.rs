@@ -5,22 +5,26 @@
 //! prompt tokens per step (chunked prefill).
 //!
 //! Where the engine's K/V cache has a limit, a step that would need more blocks than are free
-//! first swaps the sequences admitted last out to host memory (`fit_kv_cache`), and they come
-//! back, oldest first, before anything new is admitted: a swapped state comes back bit for bit,
-//! so a request's tokens are those it would have had without the swap.
+//! first swaps the sequences admitted last out (`fit_kv_cache`: a GPU engine's to host memory,
+//! a CPU engine's under a memory budget to a file on disk), and they come back, oldest first,
+//! before anything new is admitted: a swapped state comes back bit for bit, so a request's
+//! tokens are those it would have had without the swap.
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::TryRecvError;
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::prefill::{apply_chunks, finish_prefill_only, kv_blocks, Chunk, KvRoom, Prefill, Queue};
 use crate::backend::cuda::qwen35::{device_pool::PoolFull, kv_cache::KV_BLOCK};
+use super::host_budget::{HostBudget, Lease};
 use super::request::{Event, Finish, Request, Timings};
+use super::swap_file::SwapFile;
 use super::EngineTime;
 use crate::bridge::handoff;
 use crate::engine::Engine;
 use crate::sampling::Sampler;
-use crate::state::DeviceState;
+use crate::state::{DeviceState, State};
 
 /// A prefilled request on its way to the decode engine (what travels beside its state).
 pub(super) struct Handoff {
@@ -28,6 +32,8 @@ pub(super) struct Handoff {
     pub submitted: Instant,
     pub timings: Timings,
     pub prefilled: Instant,
+    /// Its share of a CPU decode engine's memory budget, taken before its prefill.
+    pub lease: Option<Lease>,
 }
 
 /// A sequence being decoded.
@@ -40,12 +46,65 @@ struct Active {
     first_token: Option<Instant>,
     /// Swapped out of the K/V cache (rather than waiting for room since it arrived).
     swapped_out: bool,
+    /// Its share of a CPU engine's memory budget (None without one, or while swapped out).
+    lease: Option<Lease>,
+    /// Where a CPU engine's state swapped out waits (`state` then holds only its position).
+    on_disk: Option<SwapFile>,
 }
 
 impl Active {
-    fn new(request: Request, state: DeviceState, timings: Timings, submitted: Instant) -> Active {
+    fn new(request: Request, state: DeviceState, timings: Timings, submitted: Instant, lease: Option<Lease>) -> Active {
         let sampler = Sampler::new(request.sampling.clone(), request.vocab);
-        Active { request, state, sampler, timings, submitted, first_token: None, swapped_out: false }
+        Active { request, state, sampler, timings, submitted, first_token: None, swapped_out: false, lease, on_disk: None }
+    }
+
+    /// K/V blocks the sequence must take to hold `end` positions.
+    fn blocks_short(&self, end: usize) -> usize {
+        match &self.lease {
+            Some(l) => l.blocks_short(end),
+            None => self.state.kv_blocks_short(end),
+        }
+    }
+
+    /// Whether the sequence holds its place in the engine's memory (and may run): a GPU
+    /// engine's state on its GPU, a CPU engine's under a budget with its lease.
+    fn holds_room(&self, engine: &Engine, host: Option<&Arc<HostBudget>>) -> bool {
+        match engine.gpu() {
+            Some(g) => self.state.is_on(g),
+            None => host.is_none() || self.lease.is_some(),
+        }
+    }
+
+    /// Let the sequence hold `end` positions: take the K/V blocks it lacks (a GPU engine's
+    /// state from its pool, a CPU engine's lease from the budget, with a slot first where it
+    /// has none, and its state back from disk), all or none: a `PoolFull` error where there is
+    /// no room now.
+    fn reserve(&mut self, engine: &Engine, host: Option<&Arc<HostBudget>>, end: usize) -> anyhow::Result<()> {
+        let Some(host) = host.filter(|_| engine.gpu().is_none()) else { return engine.reserve_kv(&mut self.state, end) };
+        match &mut self.lease {
+            Some(lease) => lease.grow(end),
+            None => {
+                let lease = host.lease(end)?;
+                if let Some(file) = self.on_disk.take() {
+                    self.state = DeviceState::Host(file.read(engine.net.fingerprint(), &engine.net.config)?);
+                }
+                self.lease = Some(lease);
+                Ok(())
+            }
+        }
+    }
+
+    /// Give the sequence's room back: a GPU engine's state to host memory, a CPU engine's
+    /// under a budget to a file on disk (its lease dropped).
+    fn swap_out(&mut self, engine: &Engine) -> anyhow::Result<()> {
+        if engine.gpu().is_some() {
+            return crate::bridge::device::move_in_place(None, &mut self.state);
+        }
+        let position = self.state.position();
+        let state = std::mem::replace(&mut self.state, DeviceState::Host(State { position, layers: Vec::new(), last_logits: Vec::new() }));
+        self.on_disk = Some(SwapFile::write(state.into_host()?, engine.net.fingerprint())?);
+        self.lease = None;
+        Ok(())
     }
 }
 
@@ -69,7 +128,8 @@ impl Batch {
     }
 }
 
-pub(super) fn decode_loop(engine: &Engine, mut bridge: handoff::Receiver<Handoff>, max_batch: usize, time: &EngineTime) {
+/// `host`: a CPU decode engine's memory budget (its requests' leases come with them).
+pub(super) fn decode_loop(engine: &Engine, mut bridge: handoff::Receiver<Handoff>, max_batch: usize, host: Option<&Arc<HostBudget>>, time: &EngineTime) {
     reserve_batch_padding(engine, max_batch);
     let mut batch = Batch::default();
     let mut open = true;
@@ -84,13 +144,13 @@ pub(super) fn decode_loop(engine: &Engine, mut bridge: handoff::Receiver<Handoff
                     break;
                 }
             };
-            let Handoff { request, submitted, mut timings, prefilled } = h;
+            let Handoff { request, submitted, mut timings, prefilled, lease } = h;
             timings.handoff = prefilled.elapsed();
             match received {
                 Ok((state, transfer)) => {
                     timings.transfer = transfer;
-                    let a = Active::new(request, state, timings, submitted);
-                    if engine.gpu().is_some_and(|g| !a.state.is_on(g)) {
+                    let a = Active::new(request, state, timings, submitted, lease);
+                    if !a.holds_room(engine, host) {
                         // No room for it in the K/V cache yet: it waits with the swapped-out
                         // sequences, and comes in as they do.
                         batch.swapped.push(a);
@@ -103,7 +163,7 @@ pub(super) fn decode_loop(engine: &Engine, mut bridge: handoff::Receiver<Handoff
                 }
             }
         }
-        fit_kv_cache(engine, &mut batch, time);
+        fit_kv_cache(engine, host, &mut batch, time);
         if batch.active.is_empty() && !batch.swapped.is_empty() {
             // Waiting for blocks that others hold (a prefill engine sharing the pool).
             std::thread::sleep(std::time::Duration::from_millis(1));
@@ -119,11 +179,13 @@ pub(super) fn decode_loop(engine: &Engine, mut bridge: handoff::Receiver<Handoff
 /// admitted (in one forward where the engine packs prompts; a prompt longer than what the
 /// budget leaves is applied a chunk per step), then decodes every running sequence. The budget
 /// bounds how long a prefill holds up the running sequences' next tokens.
-pub(super) fn single_engine_loop(engine: &Engine, mut queue: Queue, max_batch: usize, max_prefill_tokens: usize, time: &EngineTime) {
+///
+/// `host`: a CPU engine's memory budget.
+pub(super) fn single_engine_loop(engine: &Engine, mut queue: Queue, max_batch: usize, max_prefill_tokens: usize, host: Option<&Arc<HostBudget>>, time: &EngineTime) {
     reserve_batch_padding(engine, max_batch);
     let mut batch = Batch::default();
     let mut prefilling: Vec<Prefill> = Vec::new();
-    let kv_limit = engine.kv_pool().and_then(|p| p.level().limit);
+    let kv_limit = kv_limit(engine, host);
     loop {
         // Admit new requests (waiting for one when idle) while the batch, this step's token
         // budget and the room in the K/V cache allow: room after a block for each running
@@ -134,7 +196,7 @@ pub(super) fn single_engine_loop(engine: &Engine, mut queue: Queue, max_batch: u
             let idle = batch.is_empty() && prefilling.is_empty();
             let per_call = if engine.packs_prompts() { max_batch - starting } else { 1 };
             let reserve = batch.active.len() + prefilling.iter().map(Prefill::kv_blocks_short).sum::<usize>();
-            let (room, per_call) = match KvRoom::of(engine, reserve) {
+            let (room, per_call) = match KvRoom::of(engine, host, reserve) {
                 // Nothing running will free blocks: the waiting request goes alone now (its
                 // prefill says so if it cannot fit).
                 Some(_) if idle && queue.holds_one() => (None, 1),
@@ -149,7 +211,7 @@ pub(super) fn single_engine_loop(engine: &Engine, mut queue: Queue, max_batch: u
                     let _ = request.events.send(Event::Failed { id: request.id, error });
                     continue;
                 }
-                match Prefill::start(engine, request, submitted) {
+                match Prefill::start(engine, host, request, submitted) {
                     Ok(p) => prefilling.extend(p),
                     Err(request) => no_slot.push(*request),
                 }
@@ -157,7 +219,7 @@ pub(super) fn single_engine_loop(engine: &Engine, mut queue: Queue, max_batch: u
             queue.put_back(no_slot);
         }
         prefill_chunks(engine, &mut prefilling, &mut batch, max_prefill_tokens, time);
-        fit_kv_cache(engine, &mut batch, time);
+        fit_kv_cache(engine, host, &mut batch, time);
         step(engine, &mut batch.active, time);
     }
 }
@@ -194,11 +256,11 @@ fn prefill_chunks(engine: &Engine, prefilling: &mut Vec<Prefill>, batch: &mut Ba
             // More chunks to come (or room to wait for).
             _ if p.remaining() > 0 => prefilling.push(p),
             _ => {
-                let Prefill { request, submitted, state, timings, .. } = p;
+                let Prefill { request, submitted, state, timings, lease, .. } = p;
                 if request.max_tokens == 0 {
                     finish_prefill_only(request, state, timings);
                 } else {
-                    batch.active.push(Active::new(request, state, timings, submitted));
+                    batch.active.push(Active::new(request, state, timings, submitted, lease));
                 }
             }
         }
@@ -215,8 +277,16 @@ fn reserve_batch_padding(engine: &Engine, max_batch: usize) {
     }
 }
 
+/// The most K/V blocks the engine's sequences may hold (None: no limit).
+pub(super) fn kv_limit(engine: &Engine, host: Option<&Arc<HostBudget>>) -> Option<usize> {
+    match host {
+        Some(h) => Some(h.block_limit()),
+        None => engine.kv_pool().and_then(|p| p.level().limit),
+    }
+}
+
 /// Why a request fails whose positions take more K/V blocks than the cache has at all.
-fn cannot_hold(blocks: usize, limit: usize) -> String {
+pub(super) fn cannot_hold(blocks: usize, limit: usize) -> String {
     format!("the K/V cache cannot hold this request: it needs {blocks} blocks of {KV_BLOCK} positions, the cache has {limit} (raise --gpu-memory-utilization or --kv-cache-memory)")
 }
 
@@ -224,13 +294,15 @@ fn cannot_hold(blocks: usize, limit: usize) -> String {
 /// sequences come back first, oldest first, while their blocks fit beside the running
 /// sequences' next ones; then each running sequence takes the block its next token needs now
 /// (so that the step itself never runs short), and while one cannot, the sequence admitted
-/// last is swapped out: its state copied to host memory and its blocks freed. The last running
-/// sequence is never swapped: if even it does not fit, its step fails saying so.
-fn fit_kv_cache(engine: &Engine, batch: &mut Batch, time: &EngineTime) {
-    let Some(pool) = engine.kv_pool() else { return };
-    if pool.level().limit.is_none() {
-        return;
-    }
+/// last is swapped out: its state copied to host memory (a CPU engine's under a budget: to a
+/// file) and its blocks freed. The last running sequence is never swapped: if even it does not
+/// fit, its step fails saying so.
+fn fit_kv_cache(engine: &Engine, host: Option<&Arc<HostBudget>>, batch: &mut Batch, time: &EngineTime) {
+    let Some(limit) = kv_limit(engine, host) else { return };
+    let available = || match host {
+        Some(h) => h.available().0,
+        None => engine.kv_room().unwrap_or(0),
+    };
     // A request cancelled while swapped out is answered now (it would wait for room first).
     batch.swapped.retain(|a| {
         let cancelled = a.request.cancel.load(Ordering::Relaxed);
@@ -240,21 +312,20 @@ fn fit_kv_cache(engine: &Engine, batch: &mut Batch, time: &EngineTime) {
         !cancelled
     });
     let next = |a: &Active| a.state.position() + 1;
-    let limit = pool.level().limit.unwrap_or(0);
     while let Some(first) = batch.swapped.first() {
-        let need = first.state.kv_blocks_short(next(first));
+        let need = first.blocks_short(next(first));
         if need > limit {
             let a = batch.swapped.remove(0);
             let _ = a.request.events.send(Event::Failed { id: a.request.id, error: cannot_hold(need, limit) });
             continue;
         }
-        let running: usize = batch.active.iter().map(|a| a.state.kv_blocks_short(next(a))).sum();
-        if running + first.state.kv_blocks_short(next(first)) > pool.available().unwrap_or(0) {
+        let running: usize = batch.active.iter().map(|a| a.blocks_short(next(a))).sum();
+        if running + need > available() {
             break;
         }
         let mut a = batch.swapped.remove(0);
         let end = next(&a);
-        match engine.reserve_kv(&mut a.state, end) {
+        match a.reserve(engine, host, end) {
             Ok(()) => {
                 if std::mem::take(&mut a.swapped_out) {
                     time.swapped_in.fetch_add(1, Ordering::Relaxed);
@@ -273,12 +344,12 @@ fn fit_kv_cache(engine: &Engine, batch: &mut Batch, time: &EngineTime) {
     let mut i = 0;
     while i < batch.active.len() {
         let end = next(&batch.active[i]);
-        match engine.reserve_kv(&mut batch.active[i].state, end) {
+        match batch.active[i].reserve(engine, host, end) {
             Err(e) if PoolFull::is(&e) && batch.active.len() > 1 => {
                 // Swap out the last admitted (perhaps this one) and try again.
                 let mut a = batch.active.pop().expect("more than one running");
-                // To host memory; its GPU state, and with it its blocks, dropped.
-                match crate::bridge::device::move_in_place(None, &mut a.state) {
+                // Its blocks (and slot) go back with its place in the engine's memory.
+                match a.swap_out(engine) {
                     Ok(()) => {
                         a.swapped_out = true;
                         // At the front: the sequences swapped out in one go come back oldest first.

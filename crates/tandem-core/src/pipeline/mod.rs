@@ -12,8 +12,10 @@
 //! only tokens it sampled.
 
 mod decode;
+pub mod host_budget;
 mod prefill;
 pub mod request;
+mod swap_file;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -31,6 +33,7 @@ use crate::model::config::Qwen35Config;
 use crate::model::Qwen35;
 use crate::sampling::SamplingParams;
 use crate::state::State;
+use host_budget::HostBudget;
 
 /// The study's three modes: which engines a request's prefill and decode run on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,9 +82,10 @@ pub struct PipelineConfig {
     pub kv_cache: KvBudget,
 }
 
-/// How much memory a GPU decode engine's K/V cache may take (kv_cache.rs: a pool of blocks that
-/// engines on one GPU share). The pool's limit is set once the engines are loaded; admission,
-/// and swapping sequences out when it runs short, keep the work within it.
+/// How much memory a decode engine's K/V cache may take: a GPU engine's pool of blocks that
+/// engines on one GPU share (kv_cache.rs), its limit set once the engines are loaded; a CPU
+/// engine's budget of host memory (host_budget.rs). Admission, and swapping sequences out when
+/// it runs short, keep the work within it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum KvBudget {
     /// As much as the GPU gives, taken as it is needed.
@@ -90,14 +94,14 @@ pub enum KvBudget {
     /// estimate of what the running sequences' states and the workspaces take
     /// (`--gpu-memory-utilization`).
     GpuFraction(f64),
-    /// This many bytes (`--kv-cache-memory`).
+    /// This many bytes (`--kv-cache-memory`; the one budget a CPU decode engine takes).
     Bytes(usize),
 }
 
 /// What a memory budget came to at start-up (`Pipeline::kv_capacity`).
 #[derive(Clone, Copy, Debug)]
 pub struct KvCapacity {
-    pub ordinal: usize,
+    pub device: Device,
     pub blocks: usize,
     pub block_bytes: usize,
     /// State slots: `max_batch` running sequences, as many prefilled ahead, and one for the
@@ -106,7 +110,7 @@ pub struct KvCapacity {
     /// Bytes of one slot (a sequence's fixed-size state: conv windows and recurrent states).
     pub state_bytes: usize,
     pub state_dtype: StateDtype,
-    /// Bytes kept back for the slots and the workspaces.
+    /// Bytes kept back for the slots (and a GPU engine's workspaces).
     pub reserved_bytes: usize,
 }
 
@@ -119,9 +123,13 @@ impl KvCapacity {
     /// A line for the start-up log.
     pub fn describe(&self, max_batch: usize) -> String {
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        let device = match self.device {
+            Device::Cpu => "cpu".to_string(),
+            Device::Cuda(n) => format!("cuda:{n}"),
+        };
+        let kept = if self.device == Device::Cpu { "for them" } else { "for them and the workspaces" };
         format!(
-            "cuda:{}: up to {max_batch} sequences decoding; K/V cache {:.2} GiB: {} blocks of {KV_BLOCK} positions ({} positions in all, {} per sequence at {max_batch} sequences); {} state slots of {:.1} MiB ({} recurrent states), {:.2} GiB kept for them and the workspaces",
-            self.ordinal,
+            "{device}: up to {max_batch} sequences decoding; K/V cache {:.2} GiB: {} blocks of {KV_BLOCK} positions ({} positions in all, {} per sequence at {max_batch} sequences); {} state slots of {:.1} MiB ({} recurrent states), {:.2} GiB kept {kept}",
             gib(self.blocks * self.block_bytes),
             self.blocks,
             self.positions(),
@@ -164,6 +172,8 @@ pub struct Pipeline {
     engine_time: Arc<EngineTime>,
     /// The decode engine's pools (a GPU engine's) and what its budget came to.
     kv: Option<(Arc<KvPool>, Arc<SlotPool>, Option<KvCapacity>)>,
+    /// A CPU decode engine's memory budget, and what it came to.
+    host: Option<(Arc<HostBudget>, KvCapacity)>,
 }
 
 impl Pipeline {
@@ -173,19 +183,29 @@ impl Pipeline {
         (get(&self.engine_time.prefill_ns), get(&self.engine_time.decode_ns))
     }
 
-    /// How full the decode engine's K/V cache is (a GPU engine's).
+    /// How full the decode engine's K/V cache is (a GPU engine's pool; a CPU engine's budget).
     pub fn kv_level(&self) -> Option<PoolLevel> {
-        self.kv.as_ref().map(|(p, _, _)| p.level())
+        match &self.host {
+            Some((h, _)) => Some(h.kv_level()),
+            None => self.kv.as_ref().map(|(p, _, _)| p.level()),
+        }
     }
 
-    /// What the K/V budget came to at start-up (None without a limit or a GPU decode engine).
+    /// What the K/V budget came to at start-up (None without one).
     pub fn kv_capacity(&self) -> Option<KvCapacity> {
-        self.kv.as_ref().and_then(|(_, _, c)| *c)
+        match &self.host {
+            Some((_, c)) => Some(*c),
+            None => self.kv.as_ref().and_then(|(_, _, c)| *c),
+        }
     }
 
-    /// How full the decode engine's pool of state slots is (a GPU engine's).
+    /// How full the decode engine's state slots are (a GPU engine's pool; a CPU engine's
+    /// budget).
     pub fn slot_level(&self) -> Option<PoolLevel> {
-        self.kv.as_ref().map(|(_, s, _)| s.level())
+        match &self.host {
+            Some((h, _)) => Some(h.slot_level()),
+            None => self.kv.as_ref().map(|(_, s, _)| s.level()),
+        }
     }
 
     /// Sequences swapped out of the decode engine's K/V cache to make room, and back, so far.
@@ -274,7 +294,9 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
     }
     let (req_tx, req_rx) = channel::<(Request, Instant)>();
     let engine_time = Arc::new(EngineTime::default());
-    let mut pipeline = Pipeline { requests: req_tx, engine_time: Arc::clone(&engine_time), kv: None };
+    let host = host_budget_for(net, config)?;
+    let mut pipeline = Pipeline { requests: req_tx, engine_time: Arc::clone(&engine_time), kv: None, host: host.clone() };
+    let host = host.map(|(h, _)| h);
     std::thread::scope(|s| {
         let (ready_tx, ready_rx) = channel::<Result<Started>>();
         // Each engine starts work once the K/V budget is set (dropped senders: it stops).
@@ -287,13 +309,14 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
         let mut threads = Vec::new();
         let time = &engine_time;
         let (max_batch, max_prefill_tokens) = (config.max_batch, config.max_prefill_tokens);
+        let host = host.as_ref();
         let decode_engine = match config.mode {
             Mode::AllOnPrefillEngine | Mode::AllOnDecodeEngine => {
                 let spec = if config.mode == Mode::AllOnPrefillEngine { &config.prefill } else { &config.decode };
                 let (ready, go) = (ready_tx.clone(), go_for());
                 threads.push(s.spawn(move || {
                     if let Some(engine) = start_engine(spec, net, &ready, go, "engine") {
-                        decode::single_engine_loop(&engine, prefill::Queue::new(req_rx), max_batch, max_prefill_tokens, time);
+                        decode::single_engine_loop(&engine, prefill::Queue::new(req_rx), max_batch, max_prefill_tokens, host, time);
                     }
                 }));
                 "engine"
@@ -315,7 +338,7 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                                 }
                             }
                         }
-                        prefill::prefill_loop(&engine, prefill::Queue::new(req_rx), to_decode, max_prefill_tokens, time);
+                        prefill::prefill_loop(&engine, prefill::Queue::new(req_rx), to_decode, max_prefill_tokens, host, time);
                     }
                 }));
                 threads.push(s.spawn(move || {
@@ -324,7 +347,7 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                             let _ = pool_tx.send(pools);
                         }
                         drop(pool_tx);
-                        decode::decode_loop(&engine, from_prefill, max_batch, time);
+                        decode::decode_loop(&engine, from_prefill, max_batch, host, time);
                     }
                 }));
                 "decode engine"
@@ -338,9 +361,6 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                 Ok(Err(e)) => failed = Some(e),
                 _ => {}
             }
-        }
-        if failed.is_none() && pipeline.kv.is_none() && config.kv_cache != KvBudget::Unlimited {
-            failed = Some(anyhow::anyhow!("--gpu-memory-utilization and --kv-cache-memory size a GPU decode engine's K/V cache; this decode engine runs on the CPU, whose states grow in host memory"));
         }
         if failed.is_none() {
             if let Some((pool, slots, capacity)) = &mut pipeline.kv {
@@ -368,6 +388,37 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
         }
         out
     })
+}
+
+/// The memory budget of a CPU decode engine (None for a GPU one, or without a budget): the
+/// K/V cache `--kv-cache-memory` gives, and `2 max_batch` state slots (the running sequences
+/// and as many prefilled ahead of them). A fraction of a GPU's memory is refused: the CPU's
+/// memory is not the GPU's.
+fn host_budget_for(net: &Qwen35, config: &PipelineConfig) -> Result<Option<(Arc<HostBudget>, KvCapacity)>> {
+    let decode = if config.mode == Mode::AllOnPrefillEngine { &config.prefill } else { &config.decode };
+    if decode.device != Device::Cpu {
+        return Ok(None);
+    }
+    let kv_bytes = match config.kv_cache {
+        KvBudget::Unlimited => return Ok(None),
+        KvBudget::GpuFraction(_) => bail!("--gpu-memory-utilization sizes a GPU decode engine's K/V cache; this decode engine runs on the CPU: give its budget in bytes with --kv-cache-memory"),
+        KvBudget::Bytes(b) => b,
+    };
+    let slots = 2 * config.max_batch;
+    let budget = HostBudget::new(&net.config, kv_bytes, slots);
+    if budget.block_limit() == 0 {
+        bail!("--kv-cache-memory {kv_bytes}: less than one K/V block ({} bytes, {KV_BLOCK} positions)", budget.block_bytes());
+    }
+    let capacity = KvCapacity {
+        device: Device::Cpu,
+        blocks: budget.block_limit(),
+        block_bytes: budget.block_bytes(),
+        slots,
+        state_bytes: budget.slot_bytes(),
+        state_dtype: StateDtype::F32,
+        reserved_bytes: slots * budget.slot_bytes(),
+    };
+    Ok(Some((Arc::new(budget), capacity)))
 }
 
 /// Set the limits of the decode engine's pools from `config.kv_cache` (None: no limits), with
@@ -412,7 +463,7 @@ fn budget_kv_cache(pool: &KvPool, slot_pool: &SlotPool, config: &PipelineConfig)
     }
     pool.set_limit(Some(blocks));
     slot_pool.set_limit(Some(slots));
-    Ok(Some(KvCapacity { ordinal: pool.ordinal(), blocks, block_bytes, slots, state_bytes, state_dtype: slot_pool.layout().dtype, reserved_bytes: reserved }))
+    Ok(Some(KvCapacity { device: Device::Cuda(pool.ordinal()), blocks, block_bytes, slots, state_bytes, state_dtype: slot_pool.layout().dtype, reserved_bytes: reserved }))
 }
 
 /// Bytes of activations a forward call's workspace takes per token row (backend/cuda/qwen35/

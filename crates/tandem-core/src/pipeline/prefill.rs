@@ -4,9 +4,11 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::Arc;
 use std::time::Instant;
 
-use super::decode::Handoff;
+use super::decode::{cannot_hold, kv_limit, Handoff};
+use super::host_budget::{HostBudget, Lease};
 use super::request::{Event, Finish, Request, Timings};
 use super::EngineTime;
 use crate::bridge::handoff::{self, SendError};
@@ -24,9 +26,14 @@ pub(super) struct KvRoom {
 }
 
 impl KvRoom {
-    /// The room of `engine`'s pools after keeping `reserve` blocks back (for the running
-    /// sequences' next blocks); None where nothing limits the K/V pool.
-    pub(super) fn of(engine: &Engine, reserve: usize) -> Option<KvRoom> {
+    /// The room of `engine`'s pools (of the CPU decode engine's budget `host`, where there is
+    /// one) after keeping `reserve` blocks back (for the running sequences' next blocks); None
+    /// where nothing limits the K/V cache.
+    pub(super) fn of(engine: &Engine, host: Option<&Arc<HostBudget>>, reserve: usize) -> Option<KvRoom> {
+        if let Some(h) = host {
+            let (available, slots) = h.available();
+            return Some(KvRoom { available: available.saturating_sub(reserve), limit: h.block_limit(), slots });
+        }
         let pool = engine.kv_pool()?;
         let (available, limit) = (pool.available()?, pool.level().limit?);
         let slots = engine.slot_pool().and_then(|p| p.available()).unwrap_or(usize::MAX);
@@ -116,12 +123,14 @@ impl Queue {
     }
 }
 
-pub(super) fn prefill_loop(engine: &Engine, mut queue: Queue, mut bridge: handoff::Sender<Handoff>, max_tokens: usize, time: &EngineTime) {
+/// `host`: the CPU decode engine's memory budget, where it has one (each request takes its
+/// lease before its prefill, and hands it over with its state).
+pub(super) fn prefill_loop(engine: &Engine, mut queue: Queue, mut bridge: handoff::Sender<Handoff>, max_tokens: usize, host: Option<&Arc<HostBudget>>, time: &EngineTime) {
     let max_requests = if engine.packs_prompts() { usize::MAX } else { 1 };
-    // Blocks kept back for the decode engine's running sequences (where the two share a pool):
-    // one in a hundred, as they take one more every KV_BLOCK tokens.
-    let reserve = engine.kv_pool().and_then(|p| p.level().limit).map_or(0, |l| l.div_ceil(100));
-    while let Some(mut batch) = queue.take(true, max_tokens, max_requests, KvRoom::of(engine, reserve), false) {
+    // Blocks kept back for the decode engine's running sequences (where the two share a pool or
+    // a budget): one in a hundred, as they take one more every KV_BLOCK tokens.
+    let reserve = kv_limit(engine, host).map_or(0, |l| l.div_ceil(100));
+    while let Some(mut batch) = queue.take(true, max_tokens, max_requests, KvRoom::of(engine, host, reserve), false) {
         if batch.is_empty() {
             // The next request waits for the decode engine to free blocks.
             std::thread::sleep(std::time::Duration::from_millis(1));
@@ -145,7 +154,7 @@ pub(super) fn prefill_loop(engine: &Engine, mut queue: Queue, mut bridge: handof
         let mut kept = failed.iter();
         batch.retain(|_| !kept.next().copied().unwrap_or(false));
         let mut retry = Vec::new();
-        for done in prefill_requests(engine, batch, time) {
+        for done in prefill_requests(engine, host, batch, time) {
             let p = match done {
                 Prefilled::Done(p) => p,
                 Prefilled::Answered => continue,
@@ -154,12 +163,12 @@ pub(super) fn prefill_loop(engine: &Engine, mut queue: Queue, mut bridge: handof
                     continue;
                 }
             };
-            let Prefill { request, submitted, state, timings, .. } = *p;
+            let Prefill { request, submitted, state, timings, lease, .. } = *p;
             if request.max_tokens == 0 {
                 finish_prefill_only(request, state, timings);
                 continue;
             }
-            match bridge.send(Handoff { request, submitted, timings, prefilled: Instant::now() }, state) {
+            match bridge.send(Handoff { request, submitted, timings, prefilled: Instant::now(), lease }, state) {
                 Ok(()) => {}
                 Err(SendError::Failed(h, e)) => {
                     let _ = h.request.events.send(Event::Failed { id: h.request.id, error: format!("{e:#}") });
@@ -188,8 +197,8 @@ pub(super) enum Prefilled {
 
 /// Prefill `batch` on `engine`, each prompt whole: in one forward where the engine packs
 /// prompts, else one after another. Entry i is what became of request i.
-pub(super) fn prefill_requests(engine: &Engine, batch: Vec<(Request, Instant)>, time: &EngineTime) -> Vec<Prefilled> {
-    let mut started: Vec<Started> = batch.into_iter().map(|(request, submitted)| Prefill::start(engine, request, submitted)).collect();
+pub(super) fn prefill_requests(engine: &Engine, host: Option<&Arc<HostBudget>>, batch: Vec<(Request, Instant)>, time: &EngineTime) -> Vec<Prefilled> {
+    let mut started: Vec<Started> = batch.into_iter().map(|(request, submitted)| Prefill::start(engine, host, request, submitted)).collect();
     let outcomes = apply_chunks(engine, started.iter_mut().map(|p| p.as_mut().ok().and_then(Option::as_mut)), Prefill::remaining, time);
     started
         .into_iter()
@@ -224,6 +233,9 @@ pub(super) struct Prefill {
     pub timings: Timings,
     /// Prompt tokens applied so far.
     pub applied: usize,
+    /// Its share of a CPU decode engine's memory budget: a slot, and the blocks of the whole
+    /// prompt and the first token.
+    pub lease: Option<Lease>,
 }
 
 /// What `Prefill::start` made of a request: a prefill (None where the request was answered), or
@@ -243,14 +255,26 @@ pub(super) enum Chunk {
 impl Prefill {
     /// A request's starting state (fresh, or the checkpoint it continues), its prompt checked
     /// against the engine's context. A request cancelled while it queued, or that cannot start,
-    /// is answered here and gives None; one that finds no free state slot comes back as it was
-    /// (Err), to wait for one.
-    pub(super) fn start(engine: &Engine, mut request: Request, submitted: Instant) -> Started {
+    /// is answered here and gives None; one that finds no free state slot (or, under a CPU
+    /// decode engine's budget `host`, no room for its lease) comes back as it was (Err), to
+    /// wait for one.
+    pub(super) fn start(engine: &Engine, host: Option<&Arc<HostBudget>>, mut request: Request, submitted: Instant) -> Started {
         let timings = Timings { queued: submitted.elapsed(), ..Default::default() };
         if request.cancel.load(Ordering::Relaxed) {
             let _ = request.events.send(Event::Done { id: request.id, finish: Finish::Cancelled, timings, state: None });
             return Ok(None);
         }
+        let lease = match host {
+            Some(h) => match h.lease(kv_blocks(&request) * KV_BLOCK) {
+                Ok(lease) => Some(lease),
+                Err(_) if kv_blocks(&request) > h.block_limit() => {
+                    let _ = request.events.send(Event::Failed { id: request.id, error: cannot_hold(kv_blocks(&request), h.block_limit()) });
+                    return Ok(None);
+                }
+                Err(_) => return Err(Box::new((request, submitted))),
+            },
+            None => None,
+        };
         let state = match request.start.take() {
             Some(state) => Ok(DeviceState::Host(state)),
             None => match engine.new_state() {
@@ -268,7 +292,7 @@ impl Prefill {
             Ok(state)
         });
         match checked {
-            Ok(state) => Ok(Some(Prefill { request, submitted, state, timings, applied: 0 })),
+            Ok(state) => Ok(Some(Prefill { request, submitted, state, timings, applied: 0, lease })),
             Err(e) => {
                 let _ = request.events.send(Event::Failed { id: request.id, error: format!("{e:#}") });
                 Ok(None)
@@ -281,9 +305,14 @@ impl Prefill {
         self.request.tokens.len() - self.applied
     }
 
-    /// K/V blocks the request still has to take to hold its whole prompt and first token.
+    /// K/V blocks the request still has to take to hold its whole prompt and first token (none
+    /// under a CPU budget: its lease holds them from the start).
     pub(super) fn kv_blocks_short(&self) -> usize {
-        self.state.kv_blocks_short(self.state.position() + self.remaining() + 1)
+        let end = self.state.position() + self.remaining() + 1;
+        match &self.lease {
+            Some(l) => l.blocks_short(end),
+            None => self.state.kv_blocks_short(end),
+        }
     }
 
     /// The request as it was queued, nothing of its prompt applied: its starting checkpoint

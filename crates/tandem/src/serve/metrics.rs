@@ -84,11 +84,12 @@ pub struct Metrics {
 
 /// Readings taken when `/metrics` is asked for.
 pub struct Gauges {
-    /// The decode engine's K/V cache (a GPU engine's): blocks in use and its limit.
+    /// The decode engine's K/V cache (a GPU engine's pool, a CPU engine's budget): blocks in
+    /// use and its limit.
     pub kv: Option<PoolLevel>,
-    /// Its state slots (a GPU engine's): slots in use and their limit.
+    /// Its state slots: slots in use and their limit.
     pub slots: Option<PoolLevel>,
-    /// Sequences swapped out of it to host memory, and back, so far.
+    /// Sequences swapped out of it (to host memory, a CPU engine's to disk), and back, so far.
     pub swaps: (u64, u64),
     pub queued: usize,
     pub active: usize,
@@ -102,12 +103,12 @@ fn gauge(out: &mut String, name: &str, help: &str, v: f64) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
 }
 
-/// A GPU decode engine's pool (its K/V blocks or state slots): `{names[0]}_used`, `_allocated`
+/// A decode engine's pool (its K/V blocks or state slots; a CPU engine's budget counts them): `{names[0]}_used`, `_allocated`
 /// and `_limit` (where one is set) in pieces, and `names[1]`, the bytes of one.
 fn pool_gauges(out: &mut String, level: &PoolLevel, names: [&str; 2], pieces: &str, piece: &str) {
     let [count, bytes] = names;
-    gauge(out, &format!("{count}_used"), &format!("The {pieces} held by sequences (a GPU decode engine's)."), level.used as f64);
-    gauge(out, &format!("{count}_allocated"), &format!("The {pieces} allocated on the GPU (held or free)."), level.allocated as f64);
+    gauge(out, &format!("{count}_used"), &format!("The {pieces} held by sequences (of the decode engine's pool or budget)."), level.used as f64);
+    gauge(out, &format!("{count}_allocated"), &format!("The {pieces} allocated (held or free; a CPU engine allocates as it holds)."), level.allocated as f64);
     if let Some(limit) = level.limit {
         gauge(out, &format!("{count}_limit"), &format!("The most {pieces} the budget allows."), limit as f64);
     }
@@ -162,7 +163,7 @@ impl Metrics {
         if let Some(slots) = &g.slots {
             pool_gauges(&mut out, slots, ["tandem_state_slots", "tandem_state_slot_bytes"], "state slots", "one state slot");
         }
-        let _ = writeln!(out, "# HELP tandem_kv_cache_swaps_total Sequences swapped out of the K/V cache to host memory to make room, and back.\n# TYPE tandem_kv_cache_swaps_total counter");
+        let _ = writeln!(out, "# HELP tandem_kv_cache_swaps_total Sequences swapped out of the K/V cache to make room (a GPU engine's to host memory, a CPU engine's to disk), and back.\n# TYPE tandem_kv_cache_swaps_total counter");
         let _ = writeln!(out, "tandem_kv_cache_swaps_total{{direction=\"out\"}} {}\ntandem_kv_cache_swaps_total{{direction=\"in\"}} {}", g.swaps.0, g.swaps.1);
         gauge(&mut out, "tandem_session_memory_bytes", "Bytes of cached conversation states.", g.session_bytes as f64);
         gauge(&mut out, "tandem_session_entries", "Cached conversation states.", g.session_entries as f64);

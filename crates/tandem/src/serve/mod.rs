@@ -68,7 +68,9 @@ OPTIONS:
                            state slots (two per --max-concurrent, running and prefilled ahead)
                            and workspaces (default 0.9); sequences that do not fit wait, or
                            are swapped out to host memory and back
-  --kv-cache-memory SIZE   or a K/V cache of this size, e.g. 20GiB
+  --kv-cache-memory SIZE   or a K/V cache of this size, e.g. 20GiB; a CPU decode engine's budget
+                           (K/V of this size and two state slots per --max-concurrent; default:
+                           no limit), its sequences swapped out to files in $TMPDIR and back
   --session-memory SIZE    memory for cached conversation states, e.g. 512MiB, 4GiB; 0 turns
                            conversation reuse off (default 2GiB)
   --served-model-name NAME the model's name in the API (default: --model as given)

@@ -355,7 +355,10 @@ def queue_and_429():
 
 
 def load_test(clients=32, requests=256):
-    with Server("--max-concurrent", "8", "--max-queue", "16", "--session-memory", "64MiB") as s:
+    # A K/V budget of 8 blocks (4 KiB each on the tiny model, whose CPU engine serves here):
+    # room for two or three of the 8 sequences, so requests wait for room and running ones
+    # are swapped out to disk and back.
+    with Server("--max-concurrent", "8", "--max-queue", "16", "--session-memory", "64MiB", "--kv-cache-memory", "32KiB") as s:
         prompts = [f"Request {i}: say something about the number {i * 7919 % 1000}." for i in range(requests)]
         lengths = [8 + i % 17 for i in range(requests)]
         # What each prompt gives alone (greedy), to find any stream that got another's tokens.
@@ -401,10 +404,14 @@ def load_test(clients=32, requests=256):
         after = s.rss_kib()
         m = s.metrics()
         check(m["tandem_session_memory_bytes"] <= 64 << 20, "the session cache stays within --session-memory")
+        check(m["tandem_kv_cache_blocks_limit"] == 8, "the K/V budget is 8 blocks")
+        check(m["tandem_kv_cache_blocks_used"] == 0 and m["tandem_state_slots_used"] == 0, "every block and slot is back")
+        swaps = (m['tandem_kv_cache_swaps_total{direction="out"}'], m['tandem_kv_cache_swaps_total{direction="in"}'])
+        check(swaps[0] > 0 and swaps[0] == swaps[1], f"sequences were swapped out and all came back: {swaps}")
         check(after - baseline < 48 * 1024, f"memory back to its baseline: {baseline} KiB before, {after} KiB after")
         check(refusals[0] > 0, "the load went past --max-queue (else raise it)")
         print(f"  load: {clients} streaming clients, {requests} requests in {took:.1f} s: {len(done)} completed with their own text, {len(refused)} refused (429) after 3 retries"
-              f" ({refusals[0]} refusals in all);"
+              f" ({refusals[0]} refusals in all); {int(swaps[0])} sequences swapped out to disk and back;"
               f" RSS {baseline // 1024} MiB before, {after // 1024} MiB after")
 
 

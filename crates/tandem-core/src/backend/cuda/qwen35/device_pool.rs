@@ -52,22 +52,24 @@ impl Pieces {
 }
 
 /// A pool is out of pieces: its limit is reached (or the GPU is out of memory). The work that
-/// wanted them may wait for room: running states give theirs back as they finish.
+/// wanted them may wait for room: running states give theirs back as they finish. (A CPU
+/// engine's memory budget, `pipeline::host_budget`, runs out with the same error.)
 #[derive(Debug)]
 pub struct PoolFull {
     pub what: &'static str,
     pub wanted: usize,
     pub level: PoolLevel,
-    pub ordinal: usize,
+    /// Whose pool: `cuda:N`, `cpu`.
+    pub device: String,
 }
 
 /// What every `PoolFull` error says (a packed prefill's error reaches each prompt as text).
-pub const POOL_FULL: &str = "no room in the GPU's pool of";
+pub const POOL_FULL: &str = "no room in the pool of";
 
 impl std::fmt::Display for PoolFull {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let l = &self.level;
-        write!(f, "cuda:{}: {POOL_FULL} {}: {} more wanted, {} of {} in use", self.ordinal, self.what, self.wanted, l.used, l.limit.unwrap_or(l.allocated))
+        write!(f, "{}: {POOL_FULL} {}: {} more wanted, {} of {} in use", self.device, self.what, self.wanted, l.used, l.limit.unwrap_or(l.allocated))
     }
 }
 
@@ -128,7 +130,7 @@ impl DevicePool {
         let mut p = self.lock();
         let level = p.level(self.piece_bytes);
         if level.limit.is_some_and(|l| level.used + n > l) {
-            return Err(PoolFull { what: self.what, wanted: n, level, ordinal: self.ordinal }.into());
+            return Err(PoolFull { what: self.what, wanted: n, level, device: format!("cuda:{}", self.ordinal) }.into());
         }
         if p.free.len() < n {
             // A slab at a time, but never past the limit (checked above to leave room for n).
