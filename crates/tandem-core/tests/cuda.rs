@@ -126,7 +126,8 @@ fn gpu_prefill_and_decode_match_the_cpu_engine() {
 /// different positions, 3 of them (the projections by the multi-row GEMV) and 11 (by the
 /// GEMM), six greedy steps, the last sequence leaving after the third; replayed from the
 /// graphs of their bucket (4 and 2 rows, 12 rows, padding rows included) and launched kernel
-/// by kernel. Exact products (the batch on the GEMV up to 8 rows, else the exact GEMM): the same
+/// by kernel; the DeltaNet mixer with a block per value head (the default from
+/// `step_heads_from` sequences) and per 32 columns at every size. Exact products (the batch on the GEMV up to 8 rows, else the exact GEMM): the same
 /// picks, logits within twice the verify tolerance. Tensor-core precision with the GEMM from 2
 /// sequences (the one sequence's GEMV multiplies the same bf16-rounded inputs, but sums them in
 /// another order, and a value that differs in its last f32 bit may round to the other bf16
@@ -145,10 +146,14 @@ fn batched_decode_matches_each_sequence_alone() {
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let tokens = prompt("p4");
     let mut gpu = GpuQwen35::upload(gpu0, &m.net, Precision::Exact).unwrap();
+    let default_heads_from = gpu.step_heads_from();
     for (precision, gemm_from) in [(Precision::Exact, gpu.decode_gemm_from()), (Precision::TensorCores, 2)] {
         gpu.precision = precision;
         gpu.set_decode_gemm_from(gemm_from);
-        for graphs in [true, false] {
+        // Replayed and launched kernel by kernel; and the DeltaNet mixer with a block per 32
+        // columns at every batch size (else per value head from `step_heads_from` sequences).
+        for (graphs, heads_from) in [(true, default_heads_from), (false, default_heads_from), (true, usize::MAX)] {
+            gpu.set_step_heads_from(heads_from);
             for lengths in [vec![5usize, 130, 40], vec![1, 2, 7, 9, 33, 64, 65, 100, 200, 299, 300]] {
                 let mut alone: Vec<_> = lengths.iter().map(|&l| prefilled(&gpu, &tokens[..l])).collect();
                 let mut batch: Vec<_> = lengths.iter().map(|&l| prefilled(&gpu, &tokens[..l])).collect();
@@ -178,7 +183,7 @@ fn batched_decode_matches_each_sequence_alone() {
                         from = to;
                     }
                     for i in 0..running {
-                        let what = format!("{precision:?} from {gemm_from}, graphs {graphs}, {running} sequences, step {step}: sequence {i} (prompt of {})", lengths[i]);
+                        let what = format!("{precision:?} from {gemm_from}, graphs {graphs}, mixer per head from {heads_from} sequences, {running} sequences, step {step}: sequence {i} (prompt of {})", lengths[i]);
                         let want = alone[i].last_logits().unwrap().to_vec();
                         let tol = match precision {
                             Precision::Exact => 2.0 * LOGIT_TOL,

@@ -83,6 +83,14 @@ inline float __shfl_xor_sync(unsigned, float v, int m) {
     warp_sync();
     return r;
 }
+inline float __shfl_sync(unsigned, float v, int src) {
+    int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    g_block->xbuf[w][l] = v;
+    warp_sync();
+    float r = g_block->xbuf[w][src & 31];
+    warp_sync();
+    return r;
+}
 inline unsigned __shfl_xor_sync(unsigned mask, unsigned v, int m) { return __float_as_uint(__shfl_xor_sync(mask, __uint_as_float(v), m)); }
 inline float bf16_value(uint32_t bits) { return __uint_as_float(bits << 16); }
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, d += a . b, for the calling lane: lane l

@@ -84,6 +84,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
     let mut packs = String::new();
     let mut pack_profile = String::new();
     let (mut state_errors, mut state_speed) = (String::new(), String::new());
+    let mut step_heads = String::new();
     let mut bridges = String::new();
     let mut energy = String::new();
     let mut model = Some(gpu);
@@ -282,6 +283,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
             }
         }
 
+        super::step_heads::compare(&mut g, spec, &tokens, decode_steps, reps, &mut step_heads)?;
         super::state_dtype::compare(&mut g, spec, &tokens, decode_steps, reps, &mut state_errors, &mut state_speed)?;
 
         // Several prompts prefilled in one forward (their rows packed) against one after
@@ -389,6 +391,10 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
     )?;
     writeln!(report, "\n### The decode GEMVs alone (one token; each kind through every layer's matrices, a CUDA graph of 40 launches or more, median of 5 replays)\n\n| model | GEMV | weights | MB | µs per launch | GB/s | of bandwidth |\n|---|---|---|---|---|---|---|\n{gemvs}")?;
     writeln!(report, "\n### Batched decode (one step for every sequence, replayed from its batch-size bucket's graph; one sequence: its own graph). From 2 to 8 sequences the products by the GEMV and by the tensor-core GEMM, interleaved; (default): the path the engine takes\n\n| model | sequences | products | aggregate tok/s | vs one |\n|---|---|---|---|---|\n{batches}{batch_profile}")?;
+    writeln!(
+        report,
+        "\n### The batched step's DeltaNet mixer: a block per 32 columns of a value head against a block per value head (the same bits; the whole step's rate with each, interleaved, {decode_steps} steps a run, median of {reps}, min - max; the mixer kernels' time per step by CUDA events, kernel by kernel)\n\n| model | sequences | mixer ms per step (per 32 columns / per head) | tok/s per 32 columns | tok/s per head | per head / per 32 columns | default |\n|---|---|---|---|---|---|---|\n{step_heads}"
+    )?;
     writeln!(
         report,
         "\n### Recurrent states in f32 and in bf16 (`state=bf16`)\n\nA {}-token prompt prefilled from an empty state in each, then {} greedy steps fed the f32 run's tokens: the largest logit difference, the steps whose top-1 agree, the first step where the bf16 run's own greedy pick would differ, and the recurrent states' relative error (the worst layer's ||bf16 - f32|| / ||f32||) after them.\n\n| model | max logit diff after the prompt | max logit diff over the steps | top-1 agree | first greedy divergence | state relative error |\n|---|---|---|---|---|---|\n{state_errors}\nBatched decode steps in each, interleaved ({decode_steps} steps a run, median of {reps}, min - max):\n\n| model | sequences | slot MiB (f32 / bf16) | f32 tok/s | bf16 tok/s | bf16 / f32 |\n|---|---|---|---|---|---|\n{state_speed}",

@@ -33,6 +33,7 @@ mod nvml;
 pub mod pipeline;
 mod serve;
 mod state_dtype;
+mod step_heads;
 mod study;
 mod svg;
 

@@ -201,6 +201,47 @@ static void check_deltanet_step_batch(int hk, int hv, int dv,
     printf("%s deltanet_step_batch_%d, 3 sequences: each sequence's bits as alone, counters at zero\n", same ? "ok  " : "FAIL", DK);
 }
 
+static float as_state_value(float x, float) { return x; }
+static bf16_t as_state_value(float x, bf16_t) { return f32_to_bf16(x); }
+
+// deltanet_step_heads (a block per value head) against deltanet_step on each sequence alone:
+// outputs, windows and states bit for bit, with one and with two value heads a key head.
+template <int DK, typename S>
+static void check_deltanet_step_heads(int hk, int hv, int dv,
+                                      void (*heads)(float* const*, void* const*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, float*, unsigned*, int, int, int, int, int, float),
+                                      void (*alone)(float*, void*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, float*, float*, unsigned*, int, int, int, int, int, int, float),
+                                      const char* name) {
+    const int n = 3, kk = 4, cd = 2 * hk * DK + hv * dv, vd = hv * dv, blocks = hv * dv / 32;
+    const float eps = 1e-6f;
+    auto taps = random((size_t)kk * cd, -0.7, 0.7), neg_a = random(hv, -2, -0.2), dt = random(hv, -1, 1), norm_w = random(dv, 0.5, 1.5);
+    auto qkv = random((size_t)n * cd, -2, 2), z = random((size_t)n * vd, -2, 2), b = random((size_t)n * hv, -2, 2), a = random((size_t)n * hv, -2, 2);
+    std::vector<std::vector<float>> conv(n), conv1(n);
+    std::vector<std::vector<S>> state(n), state1(n);
+    std::vector<float*> convs(n);
+    std::vector<void*> states(n);
+    for (int s = 0; s < n; s++) {
+        conv[s] = conv1[s] = random((size_t)kk * cd, -1, 1);
+        auto start = random((size_t)hv * DK * dv, -0.5, 0.5);
+        state[s].resize(start.size());
+        for (size_t i = 0; i < start.size(); i++) state[s][i] = as_state_value(start[i], S());
+        state1[s] = state[s];
+        convs[s] = conv[s].data();
+        states[s] = state[s].data();
+    }
+    std::vector<float> core((size_t)n * vd);
+    std::vector<unsigned> done(n * hk, 0);
+    launch(hv, n, 1, 4 * dv, [&] { heads(convs.data(), states.data(), qkv.data(), z.data(), b.data(), a.data(), taps.data(), neg_a.data(), dt.data(), norm_w.data(), core.data(), done.data(), hk, hv, dv, cd, kk, eps); });
+    bool same = all_zero(done);
+    for (int s = 0; s < n; s++) {
+        std::vector<float> core1(vd), pss1((size_t)blocks * 8);
+        std::vector<unsigned> done1(hk, 0);
+        launch(blocks, 1, 1, 512, [&] { alone(conv1[s].data(), state1[s].data(), qkv.data() + (size_t)s * cd, z.data() + (size_t)s * vd, b.data() + s * hv, a.data() + s * hv, taps.data(), neg_a.data(), dt.data(), norm_w.data(), core1.data(), pss1.data(), done1.data(), 1, hk, hv, dv, cd, kk, eps); });
+        same &= std::equal(core1.begin(), core1.end(), core.begin() + (size_t)s * vd) && conv1[s] == conv[s] && state1[s] == state[s];
+    }
+    failures += !same;
+    printf("%s %s, 3 sequences, value heads a key head: %d; each sequence's bits as alone, counters at zero\n", same ? "ok  " : "FAIL", name, hv / hk);
+}
+
 // The prefill kernels of a packed prefill (conv_silu_rows_packed, conv_state_tail_packed,
 // deltanet_chunk_prep_packed, the f32 and tensor-core walks *_packed) against the one-sequence
 // kernels on each sequence alone: three sequences of 70, 9 and 130 rows (chunks that end
@@ -336,6 +377,11 @@ static void check_deltanet_kernels() {
     check_deltanet_step<128>(2, 4, 128, deltanet_step_128);
     check_deltanet_step_batch<32>(2, 4, 32, deltanet_step_batch_32, deltanet_step_32);
     check_deltanet_step_batch<128>(2, 4, 128, deltanet_step_batch_128, deltanet_step_128);
+    check_deltanet_step_heads<32, float>(2, 4, 32, deltanet_step_heads_32, deltanet_step_32, "deltanet_step_heads_32");
+    check_deltanet_step_heads<32, float>(4, 4, 32, deltanet_step_heads_32, deltanet_step_32, "deltanet_step_heads_32");
+    check_deltanet_step_heads<128, float>(2, 4, 128, deltanet_step_heads_128, deltanet_step_128, "deltanet_step_heads_128");
+    check_deltanet_step_heads<128, float>(2, 2, 128, deltanet_step_heads_128, deltanet_step_128, "deltanet_step_heads_128");
+    check_deltanet_step_heads<32, bf16_t>(2, 4, 32, deltanet_step_heads_32_bf16_state, deltanet_step_32_bf16_state, "deltanet_step_heads_32_bf16_state");
     check_chunked(150, 2, 4, 32, 32);
     check_chunked(70, 1, 2, 128, 128);
     check_conv_and_gated_norm();

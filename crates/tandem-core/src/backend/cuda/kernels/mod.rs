@@ -44,6 +44,9 @@ pub type DeltaNetStepParams = (F32, State, F32, F32, F32, F32, F32, F32, F32, F3
 /// deltanet.cu deltanet_step_batch_*: (convs, states, qkv, z, b, a, taps, neg_a, dt_bias,
 /// norm_w, core, block_ss, done, hk, hv, dv, cd, kk, eps).
 pub type DeltaNetStepBatchParams = (Table, States, F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, U32, i32, i32, i32, i32, i32, f32);
+/// deltanet.cu deltanet_step_heads_*: (convs, states, qkv, z, b, a, taps, neg_a, dt_bias, norm_w,
+/// core, done, hk, hv, dv, cd, kk, eps).
+pub type DeltaNetStepHeadsParams = (Table, States, F32, F32, F32, F32, F32, F32, F32, F32, F32, U32, i32, i32, i32, i32, i32, f32);
 /// deltanet.cu deltanet_chunk_state*: (state, mixed, gcum, U, W, P, core, t, hk, hv, dk, dv, cd).
 pub type ChunkStateParams = (State, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32, i32);
 /// deltanet.cu conv_silu_rows_packed_*: (convs, seqs, qkv, taps, out, cd, kk, qk_channels, dk,
@@ -113,6 +116,12 @@ kernels! {
     DELTANET_STEP_BATCH_32_BF16_STATE = "deltanet_step_batch_32_bf16_state" as DeltaNetStepBatchParams;
     DELTANET_STEP_BATCH_64_BF16_STATE = "deltanet_step_batch_64_bf16_state" as DeltaNetStepBatchParams;
     DELTANET_STEP_BATCH_128_BF16_STATE = "deltanet_step_batch_128_bf16_state" as DeltaNetStepBatchParams;
+    DELTANET_STEP_HEADS_32 = "deltanet_step_heads_32" as DeltaNetStepHeadsParams;
+    DELTANET_STEP_HEADS_64 = "deltanet_step_heads_64" as DeltaNetStepHeadsParams;
+    DELTANET_STEP_HEADS_128 = "deltanet_step_heads_128" as DeltaNetStepHeadsParams;
+    DELTANET_STEP_HEADS_32_BF16_STATE = "deltanet_step_heads_32_bf16_state" as DeltaNetStepHeadsParams;
+    DELTANET_STEP_HEADS_64_BF16_STATE = "deltanet_step_heads_64_bf16_state" as DeltaNetStepHeadsParams;
+    DELTANET_STEP_HEADS_128_BF16_STATE = "deltanet_step_heads_128_bf16_state" as DeltaNetStepHeadsParams;
     /// (mixed, b, a, neg_a, dt_bias, gcum, U, W, P, t, hk, hv, dk, dv, cd).
     DELTANET_CHUNK_PREP = "deltanet_chunk_prep" as (F32, F32, F32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32, i32);
     DELTANET_CHUNK_STATE = "deltanet_chunk_state" as ChunkStateParams;

@@ -21,6 +21,13 @@ pub(super) enum GemmInput {
     Bf16(DevPtr<u16>),
 }
 
+/// Whether deltanet_step_heads_* takes this model's value heads: built for square heads (dk = dv)
+/// of 32, 64 or 128, whole key heads of value heads, and conv windows of up to 4 taps.
+pub(super) fn step_heads_fit(c: &Qwen35Config) -> bool {
+    let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
+    dk == dv && matches!(dk, 32 | 64 | 128) && c.linear_num_value_heads.is_multiple_of(c.linear_num_key_heads) && c.linear_conv_kernel_dim <= 4
+}
+
 impl GpuQwen35 {
     /// `rms_norm(x[rows, d]) * w` into `out`.
     pub(super) fn rms_norm(&self, x: DevPtr<f32>, w: DevPtr<f32>, out: NormOut, rows: usize, d: usize) -> Result<()> {
@@ -184,12 +191,29 @@ impl GpuQwen35 {
     }
 
     /// One token of each of `n` sequences through the mixer in one launch (kernels/deltanet.cu
-    /// deltanet_step_batch_*: what `deltanet_step` does for each alone), their conv windows and
-    /// states from the workspace's tables.
+    /// deltanet_step_batch_*: what `deltanet_step` does for each alone; from `step_heads_from`
+    /// sequences deltanet_step_heads_*, the same with a block per value head), their conv
+    /// windows and states from the workspace's tables.
     fn deltanet_step_batch(&self, m: &DeltaNet, ws: &Workspace, li: usize, n: usize) -> Result<()> {
         let c = &self.config;
         let g = &self.gpu;
         let (hk, hv, dk, dv) = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
+        let (convs, recurrents) = ws.layer_tables(g, li, n);
+        let (qkv, z, beta, alpha, core, done) = (g.ptr(&ws.qkv), g.ptr(&ws.z), g.ptr(&ws.beta), g.ptr(&ws.alpha), g.ptr(&ws.core), g.ptr(&ws.step_done));
+        let (taps, neg_a, dt_bias, norm) = (g.ptr(&m.conv_taps), g.ptr(&m.neg_a), g.ptr(&m.dt_bias), g.ptr(&m.norm));
+        let shape = (hk as i32, hv as i32, dv as i32, c.linear_conv_dim() as i32, c.linear_conv_kernel_dim as i32, c.rms_norm_eps);
+        if n >= self.step_heads_from() && step_heads_fit(c) {
+            let kernel = match (dk, self.state_dtype()) {
+                (32, StateDtype::F32) => k::DELTANET_STEP_HEADS_32,
+                (64, StateDtype::F32) => k::DELTANET_STEP_HEADS_64,
+                (_, StateDtype::F32) => k::DELTANET_STEP_HEADS_128,
+                (32, StateDtype::Bf16) => k::DELTANET_STEP_HEADS_32_BF16_STATE,
+                (64, StateDtype::Bf16) => k::DELTANET_STEP_HEADS_64_BF16_STATE,
+                (_, StateDtype::Bf16) => k::DELTANET_STEP_HEADS_128_BF16_STATE,
+            };
+            let args = (convs, recurrents, qkv, z, beta, alpha, taps, neg_a, dt_bias, norm, core, done, shape.0, shape.1, shape.2, shape.3, shape.4, shape.5);
+            return g.launch(kernel, Grid::new((hv, n, 1), 4 * dv), args);
+        }
         let kernel = match (dk, self.state_dtype()) {
             (32, StateDtype::F32) => k::DELTANET_STEP_BATCH_32,
             (64, StateDtype::F32) => k::DELTANET_STEP_BATCH_64,
@@ -198,28 +222,7 @@ impl GpuQwen35 {
             (64, StateDtype::Bf16) => k::DELTANET_STEP_BATCH_64_BF16_STATE,
             (_, StateDtype::Bf16) => k::DELTANET_STEP_BATCH_128_BF16_STATE,
         };
-        let (convs, recurrents) = ws.layer_tables(g, li, n);
-        let args = (
-            convs,
-            recurrents,
-            g.ptr(&ws.qkv),
-            g.ptr(&ws.z),
-            g.ptr(&ws.beta),
-            g.ptr(&ws.alpha),
-            g.ptr(&m.conv_taps),
-            g.ptr(&m.neg_a),
-            g.ptr(&m.dt_bias),
-            g.ptr(&m.norm),
-            g.ptr(&ws.core),
-            g.ptr(&ws.step_ss),
-            g.ptr(&ws.step_done),
-            hk as i32,
-            hv as i32,
-            dv as i32,
-            c.linear_conv_dim() as i32,
-            c.linear_conv_kernel_dim as i32,
-            c.rms_norm_eps,
-        );
+        let args = (convs, recurrents, qkv, z, beta, alpha, taps, neg_a, dt_bias, norm, core, g.ptr(&ws.step_ss), done, shape.0, shape.1, shape.2, shape.3, shape.4, shape.5);
         g.launch(kernel, Grid::new((hv * dv / 32, n, 1), 512), args)
     }
 

@@ -92,6 +92,13 @@ fn decode_gemm_from_for(c: &Qwen35Config) -> usize {
         DECODE_GEMM_FROM
     }
 }
+/// From how many sequences a batched decode step runs the DeltaNet mixer with a block per value
+/// head (kernels/deltanet.cu deltanet_step_heads_*) rather than per 32 columns of one
+/// (deltanet_step_batch_*): the same bits either way. Measured by `tandem bench --sections cuda`
+/// (the two kernels interleaved; H100, 2026-11-26), the mixer's time per step: the 0.8B 0.211 /
+/// 0.220 ms at 2 sequences, 0.225 / 0.239 at 4, 4.82 / 5.77 at 256 (the whole step 1.09x); the
+/// 9B 0.332 / 0.326 at 2, 0.389 / 0.479 at 4, 12.7 / 14.7 at 256.
+const STEP_HEADS_FROM: usize = 4;
 /// Blocks per logits row of the greedy pick (kernels/sample.cu argmax_rows; at most 256).
 const ARGMAX_SPANS: usize = 64;
 /// The longest GEMV input row whose 1/rms each GEMV block computes itself (see `gemv`).
@@ -194,6 +201,9 @@ pub struct GpuQwen35 {
     /// Batched decode steps of at least this many sequences compute their products as
     /// tensor-core GEMMs, smaller ones with the GEMV (`set_decode_gemm_from`).
     decode_gemm_from: usize,
+    /// Batched decode steps of at least this many sequences run the DeltaNet mixer with a block
+    /// per value head (`set_step_heads_from`).
+    step_heads_from: usize,
     weight_bytes: usize,
     /// Page-locked buffers for states copied from the GPU to the host, shared with the states.
     staging: Arc<Mutex<Staging>>,
@@ -382,7 +392,7 @@ impl GpuQwen35 {
         let decode_gemm_from = decode_gemm_from_for(&c);
         let kv = Arc::new(KvPool::new(gpu.stream.context(), &c)?);
         let slots = Arc::new(SlotPool::new(gpu.stream.context(), SlotLayout::new(&c, StateDtype::F32))?);
-        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, decode_gemm_from, weight_bytes, staging, kv, slots, batch_steps: Mutex::default() })
+        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, decode_gemm_from, step_heads_from: STEP_HEADS_FROM, weight_bytes, staging, kv, slots, batch_steps: Mutex::default() })
     }
 
     /// Give the GPU back (to load another model on it).
@@ -406,6 +416,18 @@ impl GpuQwen35 {
     /// batched steps captured so far are dropped, to be captured again as they are needed.
     pub fn set_decode_gemm_from(&mut self, n: usize) {
         self.decode_gemm_from = n.max(2);
+        *self.batch_steps.get_mut().unwrap_or_else(|e| e.into_inner()) = graph::BatchSteps::default();
+    }
+
+    /// From how many sequences a batched decode step runs the DeltaNet mixer with a block per
+    /// value head (where the head's shape allows: `layers::step_heads_fit`).
+    pub fn step_heads_from(&self) -> usize {
+        self.step_heads_from
+    }
+
+    /// Set `step_heads_from` (usize::MAX: never); the batched steps captured so far are dropped.
+    pub fn set_step_heads_from(&mut self, n: usize) {
+        self.step_heads_from = n.max(2);
         *self.batch_steps.get_mut().unwrap_or_else(|e| e.into_inner()) = graph::BatchSteps::default();
     }
 
