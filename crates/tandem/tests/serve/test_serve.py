@@ -320,7 +320,8 @@ def cancellation():
 
 def shutdown():
     s = Server()
-    stream = raw_post(s, "/v1/chat/completions", {"model": MODEL, "messages": user("Go on."), "max_tokens": 30000, "stream": True})
+    # (ignore_eos: a sampled stop token must not end the stream before the signal's grace does)
+    stream = raw_post(s, "/v1/chat/completions", {"model": MODEL, "messages": user("Go on."), "max_tokens": 30000, "ignore_eos": True, "stream": True})
     read_events(stream.makefile("rb"), 2)
     t = time.monotonic()
     s.proc.terminate()
@@ -333,7 +334,7 @@ def shutdown():
 
 def queue_and_429():
     with Server("--max-concurrent", "1", "--max-queue", "1") as s:
-        long = {"model": MODEL, "messages": user("Go on."), "max_tokens": 30000, "temperature": 0, "stream": True}
+        long = {"model": MODEL, "messages": user("Go on."), "max_tokens": 30000, "temperature": 0, "ignore_eos": True, "stream": True}
         first = raw_post(s, "/v1/chat/completions", long)
         read_events(first.makefile("rb"), 2)
         second = raw_post(s, "/v1/chat/completions", long)
