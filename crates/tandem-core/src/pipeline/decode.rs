@@ -15,7 +15,7 @@ use std::sync::mpsc::TryRecvError;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::prefill::{apply_chunks, finish_prefill_only, kv_blocks, Chunk, KvRoom, Prefill, Queue};
+use super::prefill::{apply_chunks, blocks_short, finish_prefill_only, kv_blocks, Chunk, KvRoom, Prefill, Queue};
 use crate::backend::cuda::qwen35::{device_pool::PoolFull, kv_cache::KV_BLOCK};
 use super::host_budget::{HostBudget, Lease};
 use super::request::{Event, Finish, Request, Timings};
@@ -60,10 +60,7 @@ impl Active {
 
     /// K/V blocks the sequence must take to hold `end` positions.
     fn blocks_short(&self, end: usize) -> usize {
-        match &self.lease {
-            Some(l) => l.blocks_short(end),
-            None => self.state.kv_blocks_short(end),
-        }
+        blocks_short(self.lease.as_ref(), &self.state, end)
     }
 
     /// Whether the sequence holds its place in the engine's memory (and may run): a GPU

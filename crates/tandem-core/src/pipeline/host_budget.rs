@@ -23,7 +23,7 @@ pub struct HostBudget {
     held: Mutex<Held>,
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Default)]
 struct Held {
     slots: usize,
     blocks: usize,

@@ -41,6 +41,15 @@ impl KvRoom {
     }
 }
 
+/// K/V blocks a sequence must still take to hold `end` positions: what its lease lacks under a
+/// CPU decode engine's budget, else what its state lacks (all of them for a host state).
+pub(super) fn blocks_short(lease: Option<&Lease>, state: &DeviceState, end: usize) -> usize {
+    match lease {
+        Some(l) => l.blocks_short(end),
+        None => state.kv_blocks_short(end),
+    }
+}
+
 /// K/V blocks a request takes to prefill its prompt and decode its first token.
 pub(super) fn kv_blocks(r: &Request) -> usize {
     (r.start.as_ref().map_or(0, |s| s.position) + r.tokens.len() + 1).div_ceil(KV_BLOCK)
@@ -308,11 +317,7 @@ impl Prefill {
     /// K/V blocks the request still has to take to hold its whole prompt and first token (none
     /// under a CPU budget: its lease holds them from the start).
     pub(super) fn kv_blocks_short(&self) -> usize {
-        let end = self.state.position() + self.remaining() + 1;
-        match &self.lease {
-            Some(l) => l.blocks_short(end),
-            None => self.state.kv_blocks_short(end),
-        }
+        blocks_short(self.lease.as_ref(), &self.state, self.state.position() + self.remaining() + 1)
     }
 
     /// The request as it was queued, nothing of its prompt applied: its starting checkpoint

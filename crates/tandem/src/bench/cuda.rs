@@ -264,16 +264,9 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
             }
             if n == 256 {
                 // Where the largest batched step goes, kernel by kernel.
-                g.graphs = false;
                 let mut refs: Vec<_> = states.iter_mut().collect();
-                g.decode_batch(&ids, &mut refs)?;
                 let profiled = 4;
-                g.gpu.start_profile();
-                for _ in 0..profiled {
-                    g.decode_batch(&ids, &mut refs)?;
-                }
-                let profile = g.gpu.finish_profile()?;
-                g.graphs = true;
+                let profile = profile_batched_steps(&mut g, &ids, &mut refs, profiled)?;
                 let total: f64 = profile.iter().map(|p| p.1).sum();
                 writeln!(batch_profile, "\n{spec}, a step of {n} sequences: {:.2} ms of kernels ({} launches):\n", total / profiled as f64, profile.iter().map(|p| p.2).sum::<usize>() / profiled)?;
                 writeln!(batch_profile, "| kernel | ms per step | launches per step | share |\n|---|---|---|---|")?;
@@ -417,6 +410,30 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
 
 /// Joules per token and average watts of `run` (which handles `tokens` tokens), after one
 /// warm-up run, repeated for at least 2 s so that the counter's coarse updates do not matter.
+/// `steps` batched decode steps of `states` launched kernel by kernel (after one more, unprofiled)
+/// and profiled with CUDA events: each kernel's milliseconds and launches over the steps. The
+/// engine replays its graphs again afterwards.
+pub(super) fn profile_batched_steps(g: &mut GpuQwen35, ids: &[u32], states: &mut [&mut GpuState], steps: usize) -> Result<Vec<(&'static str, f64, usize)>> {
+    g.graphs = false;
+    g.decode_batch(ids, states)?;
+    g.gpu.start_profile();
+    for _ in 0..steps {
+        g.decode_batch(ids, states)?;
+    }
+    let profile = g.gpu.finish_profile();
+    g.graphs = true;
+    profile
+}
+
+/// Tokens per second of `steps` batched decode steps of `states`, back to back.
+pub(super) fn batched_rate(g: &GpuQwen35, ids: &[u32], states: &mut [&mut GpuState], steps: usize) -> Result<f64> {
+    let t = Instant::now();
+    for _ in 0..steps {
+        g.decode_batch(ids, states)?;
+    }
+    Ok((ids.len() * steps) as f64 / t.elapsed().as_secs_f64())
+}
+
 fn joules_per_token(m: &Counter, tokens: usize, mut run: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
     run()?;
     let (joules, seconds, runs) = energy::over_two_seconds(std::slice::from_ref(m), run)?;

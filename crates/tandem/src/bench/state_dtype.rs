@@ -3,7 +3,6 @@
 //! bytes buy in batched decode steps.
 
 use std::fmt::Write as _;
-use std::time::Instant;
 
 use anyhow::{Context, Result};
 use tandem_core::backend::cuda::qwen35::state_slots::StateDtype;
@@ -96,11 +95,7 @@ pub fn compare(g: &mut GpuQwen35, spec: &str, tokens: &[u32], decode_steps: usiz
                 if rep == 0 {
                     continue;
                 }
-                let t = Instant::now();
-                for _ in 0..decode_steps {
-                    g.decode_batch(&ids, &mut refs)?;
-                }
-                rates[k].push((n * decode_steps) as f64 / t.elapsed().as_secs_f64());
+                rates[k].push(super::cuda::batched_rate(g, &ids, &mut refs, decode_steps)?);
             }
         }
         let (f32_rate, f32_lo, f32_hi) = stats(&mut rates[0]);

@@ -5,12 +5,12 @@
 //! engine takes the second from `step_heads_from` sequences.
 
 use std::fmt::Write as _;
-use std::time::Instant;
 
 use anyhow::Result;
 use tandem_core::backend::cuda::qwen35::{GpuQwen35, GpuState};
 use tandem_core::model::Logits;
 
+use super::cuda::{batched_rate, profile_batched_steps};
 use super::{progress, stats};
 
 /// Rows of the comparison for model `spec` on `g` (left with its default).
@@ -36,24 +36,13 @@ pub fn compare(g: &mut GpuQwen35, spec: &str, tokens: &[u32], decode_steps: usiz
                 let mut refs: Vec<_> = states.iter_mut().collect();
                 if rep == 0 {
                     // Kernel by kernel once (the mixer's share), then the graph's capture.
-                    g.graphs = false;
-                    g.decode_batch(&ids, &mut refs)?;
                     let profiled = 4;
-                    g.gpu.start_profile();
-                    for _ in 0..profiled {
-                        g.decode_batch(&ids, &mut refs)?;
-                    }
-                    let profile = g.gpu.finish_profile()?;
-                    g.graphs = true;
+                    let profile = profile_batched_steps(g, &ids, &mut refs, profiled)?;
                     mixer_ms[k] = profile.iter().filter(|p| p.0.starts_with("deltanet_step")).map(|p| p.1).sum::<f64>() / profiled as f64;
                     g.decode_batch(&ids, &mut refs)?;
                     continue;
                 }
-                let t = Instant::now();
-                for _ in 0..decode_steps {
-                    g.decode_batch(&ids, &mut refs)?;
-                }
-                rates[k].push((n * decode_steps) as f64 / t.elapsed().as_secs_f64());
+                rates[k].push(batched_rate(g, &ids, &mut refs, decode_steps)?);
             }
         }
         let (a, a_lo, a_hi) = stats(&mut rates[0]);

@@ -168,49 +168,27 @@ static void check_conv_and_gated_norm() {
     }
 }
 
-// deltanet_step_batch against deltanet_step on each sequence alone (one token each, every
-// sequence its own conv window and state): outputs, windows and states bit for bit.
-template <int DK>
-static void check_deltanet_step_batch(int hk, int hv, int dv,
-                                      void (*batch)(float* const*, void* const*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, float*, float*, unsigned*, int, int, int, int, int, float),
-                                      void (*alone)(float*, void*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, float*, float*, unsigned*, int, int, int, int, int, int, float)) {
-    const int n = 3, kk = 4, cd = 2 * hk * DK + hv * dv, vd = hv * dv, blocks = hv * dv / 32;
-    const float eps = 1e-6f;
-    auto taps = random((size_t)kk * cd, -0.7, 0.7), neg_a = random(hv, -2, -0.2), dt = random(hv, -1, 1), norm_w = random(dv, 0.5, 1.5);
-    auto qkv = random((size_t)n * cd, -2, 2), z = random((size_t)n * vd, -2, 2), b = random((size_t)n * hv, -2, 2), a = random((size_t)n * hv, -2, 2);
-    std::vector<std::vector<float>> conv(n), state(n), conv1(n), state1(n);
-    std::vector<float*> convs(n);
-    std::vector<void*> states(n);
-    for (int s = 0; s < n; s++) {
-        conv[s] = conv1[s] = random((size_t)kk * cd, -1, 1);
-        state[s] = state1[s] = random((size_t)hv * DK * dv, -0.5, 0.5);
-        convs[s] = conv[s].data();
-        states[s] = state[s].data();
-    }
-    std::vector<float> core((size_t)n * vd), pss((size_t)n * blocks * 8);
-    std::vector<unsigned> done(n * hk, 0);
-    launch(blocks, n, 1, 512, [&] { batch(convs.data(), states.data(), qkv.data(), z.data(), b.data(), a.data(), taps.data(), neg_a.data(), dt.data(), norm_w.data(), core.data(), pss.data(), done.data(), hk, hv, dv, cd, kk, eps); });
-    bool same = all_zero(done);
-    for (int s = 0; s < n; s++) {
-        std::vector<float> core1(vd), pss1((size_t)blocks * 8);
-        std::vector<unsigned> done1(hk, 0);
-        launch(blocks, 1, 1, 512, [&] { alone(conv1[s].data(), state1[s].data(), qkv.data() + (size_t)s * cd, z.data() + (size_t)s * vd, b.data() + s * hv, a.data() + s * hv, taps.data(), neg_a.data(), dt.data(), norm_w.data(), core1.data(), pss1.data(), done1.data(), 1, hk, hv, dv, cd, kk, eps); });
-        same &= std::equal(core1.begin(), core1.end(), core.begin() + (size_t)s * vd) && conv1[s] == conv[s] && state1[s] == state[s];
-    }
-    failures += !same;
-    printf("%s deltanet_step_batch_%d, 3 sequences: each sequence's bits as alone, counters at zero\n", same ? "ok  " : "FAIL", DK);
-}
-
 static float as_state_value(float x, float) { return x; }
 static bf16_t as_state_value(float x, bf16_t) { return f32_to_bf16(x); }
 
-// deltanet_step_heads (a block per value head) against deltanet_step on each sequence alone:
-// outputs, windows and states bit for bit, with one and with two value heads a key head.
-template <int DK, typename S>
-static void check_deltanet_step_heads(int hk, int hv, int dv,
-                                      void (*heads)(float* const*, void* const*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, float*, unsigned*, int, int, int, int, int, float),
-                                      void (*alone)(float*, void*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, float*, float*, unsigned*, int, int, int, int, int, int, float),
-                                      const char* name) {
+// What a batched step's launch gets: n sequences' conv windows and states (tables), their
+// inputs, the outputs and hand-over counters, the shapes.
+struct BatchedStep {
+    float* const* convs;
+    void* const* states;
+    const float *qkv, *z, *b, *a, *taps, *neg_a, *dt, *norm_w;
+    float* core;
+    unsigned* done;
+    int n, hk, hv, dv, cd, kk;
+    float eps;
+};
+using StepAlone = void (*)(float*, void*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, float*, float*, unsigned*, int, int, int, int, int, int, float);
+
+// A batched step's kernel (launched by `run`) against deltanet_step on each sequence alone (one
+// token each, every sequence its own conv window and state, states of type S): outputs,
+// windows and states bit for bit, hand-over counters back at zero.
+template <int DK, typename S, typename Run>
+static void check_batched_step(int hk, int hv, int dv, const char* name, StepAlone alone, Run run) {
     const int n = 3, kk = 4, cd = 2 * hk * DK + hv * dv, vd = hv * dv, blocks = hv * dv / 32;
     const float eps = 1e-6f;
     auto taps = random((size_t)kk * cd, -0.7, 0.7), neg_a = random(hv, -2, -0.2), dt = random(hv, -1, 1), norm_w = random(dv, 0.5, 1.5);
@@ -230,7 +208,7 @@ static void check_deltanet_step_heads(int hk, int hv, int dv,
     }
     std::vector<float> core((size_t)n * vd);
     std::vector<unsigned> done(n * hk, 0);
-    launch(hv, n, 1, 4 * dv, [&] { heads(convs.data(), states.data(), qkv.data(), z.data(), b.data(), a.data(), taps.data(), neg_a.data(), dt.data(), norm_w.data(), core.data(), done.data(), hk, hv, dv, cd, kk, eps); });
+    run(BatchedStep{convs.data(), states.data(), qkv.data(), z.data(), b.data(), a.data(), taps.data(), neg_a.data(), dt.data(), norm_w.data(), core.data(), done.data(), n, hk, hv, dv, cd, kk, eps});
     bool same = all_zero(done);
     for (int s = 0; s < n; s++) {
         std::vector<float> core1(vd), pss1((size_t)blocks * 8);
@@ -240,6 +218,23 @@ static void check_deltanet_step_heads(int hk, int hv, int dv,
     }
     failures += !same;
     printf("%s %s, 3 sequences, value heads a key head: %d; each sequence's bits as alone, counters at zero\n", same ? "ok  " : "FAIL", name, hv / hk);
+}
+
+// deltanet_step_batch_*: a block per 32 columns of a value head.
+template <typename K>
+static auto per_32_columns(K kernel) {
+    return [=](const BatchedStep& s) {
+        std::vector<float> pss((size_t)s.n * (s.hv * s.dv / 32) * 8);
+        launch(s.hv * s.dv / 32, s.n, 1, 512, [&] { kernel(s.convs, s.states, s.qkv, s.z, s.b, s.a, s.taps, s.neg_a, s.dt, s.norm_w, s.core, pss.data(), s.done, s.hk, s.hv, s.dv, s.cd, s.kk, s.eps); });
+    };
+}
+
+// deltanet_step_heads_*: a block per value head.
+template <typename K>
+static auto per_value_head(K kernel) {
+    return [=](const BatchedStep& s) {
+        launch(s.hv, s.n, 1, 4 * s.dv, [&] { kernel(s.convs, s.states, s.qkv, s.z, s.b, s.a, s.taps, s.neg_a, s.dt, s.norm_w, s.core, s.done, s.hk, s.hv, s.dv, s.cd, s.kk, s.eps); });
+    };
 }
 
 // The prefill kernels of a packed prefill (conv_silu_rows_packed, conv_state_tail_packed,
@@ -375,13 +370,13 @@ static void check_deltanet_kernels() {
     check_chunked_packed<128>(1, 2, 128);
     check_deltanet_step<32>(2, 4, 32, deltanet_step_32);
     check_deltanet_step<128>(2, 4, 128, deltanet_step_128);
-    check_deltanet_step_batch<32>(2, 4, 32, deltanet_step_batch_32, deltanet_step_32);
-    check_deltanet_step_batch<128>(2, 4, 128, deltanet_step_batch_128, deltanet_step_128);
-    check_deltanet_step_heads<32, float>(2, 4, 32, deltanet_step_heads_32, deltanet_step_32, "deltanet_step_heads_32");
-    check_deltanet_step_heads<32, float>(4, 4, 32, deltanet_step_heads_32, deltanet_step_32, "deltanet_step_heads_32");
-    check_deltanet_step_heads<128, float>(2, 4, 128, deltanet_step_heads_128, deltanet_step_128, "deltanet_step_heads_128");
-    check_deltanet_step_heads<128, float>(2, 2, 128, deltanet_step_heads_128, deltanet_step_128, "deltanet_step_heads_128");
-    check_deltanet_step_heads<32, bf16_t>(2, 4, 32, deltanet_step_heads_32_bf16_state, deltanet_step_32_bf16_state, "deltanet_step_heads_32_bf16_state");
+    check_batched_step<32, float>(2, 4, 32, "deltanet_step_batch_32", deltanet_step_32, per_32_columns(deltanet_step_batch_32));
+    check_batched_step<128, float>(2, 4, 128, "deltanet_step_batch_128", deltanet_step_128, per_32_columns(deltanet_step_batch_128));
+    check_batched_step<32, float>(2, 4, 32, "deltanet_step_heads_32", deltanet_step_32, per_value_head(deltanet_step_heads_32));
+    check_batched_step<32, float>(4, 4, 32, "deltanet_step_heads_32", deltanet_step_32, per_value_head(deltanet_step_heads_32));
+    check_batched_step<128, float>(2, 4, 128, "deltanet_step_heads_128", deltanet_step_128, per_value_head(deltanet_step_heads_128));
+    check_batched_step<128, float>(2, 2, 128, "deltanet_step_heads_128", deltanet_step_128, per_value_head(deltanet_step_heads_128));
+    check_batched_step<32, bf16_t>(2, 4, 32, "deltanet_step_heads_32_bf16_state", deltanet_step_32_bf16_state, per_value_head(deltanet_step_heads_32_bf16_state));
     check_chunked(150, 2, 4, 32, 32);
     check_chunked(70, 1, 2, 128, 128);
     check_conv_and_gated_norm();
