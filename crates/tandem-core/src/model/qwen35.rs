@@ -239,14 +239,19 @@ impl Qwen35 {
         data_ptr(&self.embed_tokens)
     }
 
+    /// Floating-point operations (2 per multiply-add) of the layers' projections for one token:
+    /// most of a prefill's, and all that runs on tensor cores or in a GEMM.
+    pub fn projection_flops_per_token(&self) -> f64 {
+        2.0 * (self.weight_bytes_per_token() - self.lm_head.bytes()) as f64 / self.lm_head.dtype().size() as f64
+    }
+
     /// Floating-point operations (2 per multiply-add) of a prefill of `t` tokens from an empty
     /// state: the projections, the LM head for the last token, attention over the causal
     /// prefix, and the chunked delta rule as `kernels::deltanet::chunked` performs it.
     pub fn prefill_flops(&self, t: usize) -> f64 {
         let c = &self.config;
         let t_f = t as f64;
-        let matmul_params = (self.weight_bytes_per_token() - self.lm_head.bytes()) as f64 / self.lm_head.dtype().size() as f64;
-        let mut fma = matmul_params * t_f + (c.vocab_size * c.hidden_size) as f64;
+        let mut fma = self.projection_flops_per_token() / 2.0 * t_f + (c.vocab_size * c.hidden_size) as f64;
         let attn_layers = c.num_full_attention_layers() as f64;
         // q·k and p·v over t(t+1)/2 visible pairs, per query head.
         fma += attn_layers * 2.0 * (c.num_attention_heads * c.head_dim) as f64 * t_f * (t_f + 1.0) / 2.0;

@@ -27,6 +27,22 @@ fn time(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64, f64
     Ok(stats(&mut s))
 }
 
+/// The side of the square GEMM that measures the tensor cores' rate.
+pub(super) const PEAK_GEMM: usize = 8192;
+
+/// FLOP/s of a bf16 GEMM of `PEAK_GEMM` cubed on tensor cores (cuBLAS, f32 out), median of `reps`.
+pub(super) fn tensor_core_peak(gpu: &Gpu, reps: usize) -> Result<f64> {
+    let n = PEAK_GEMM;
+    let a = gpu.zeros::<u16>(n * n)?;
+    let b = gpu.zeros::<u16>(n * n)?;
+    let c = gpu.zeros::<f32>(n * n)?;
+    let (gemm_s, _, _) = time(reps, || {
+        gpu.gemm_bf16(gpu.ptr(&a), n, gpu.ptr(&b), n, n, tandem_core::backend::cuda::GemmOut::F32(gpu.ptr(&c)))?;
+        gpu.synchronize()
+    })?;
+    Ok(2.0 * (n * n * n) as f64 / gemm_s)
+}
+
 /// The GPU's device memory bandwidth in bytes/s: the median of `reps` 1 GiB device-to-device
 /// copies, each reading and writing every byte.
 pub(super) fn memory_bandwidth(gpu: &Gpu, reps: usize) -> Result<f64> {
@@ -47,16 +63,8 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
 
     // The GPU's limits, measured now.
     progress("measuring the GPU's limits");
-    let n = 8192usize;
-    let a = gpu.zeros::<u16>(n * n)?;
-    let b = gpu.zeros::<u16>(n * n)?;
-    let c = gpu.zeros::<f32>(n * n)?;
-    let (gemm_s, _, _) = time(reps.max(3), || {
-        gpu.gemm_bf16(gpu.ptr(&a), n, gpu.ptr(&b), n, n, tandem_core::backend::cuda::GemmOut::F32(gpu.ptr(&c)))?;
-        gpu.synchronize()
-    })?;
-    let tc_peak = 2.0 * (n * n * n) as f64 / gemm_s;
-    drop((a, b, c));
+    let tc_peak = tensor_core_peak(&gpu, reps.max(3))?;
+    let n = PEAK_GEMM;
     let bandwidth = memory_bandwidth(&gpu, reps.max(3))?;
     writeln!(report, "| limit (measured in this run) | |\n|---|---|")?;
     writeln!(report, "| bf16 tensor-core GEMM {n}x{n}x{n} (cuBLAS) | {:.0} TFLOP/s |", tc_peak / 1e12)?;

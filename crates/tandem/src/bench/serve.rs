@@ -4,8 +4,9 @@
 //! prompts of a fixed length with `ignore_eos`, a sweep of concurrencies and one of Poisson
 //! request rates. Each point reports output and total tok/s, TTFT and ITL percentiles, goodput
 //! under the stated SLO, the GPU's memory in use, and its physical limit: the tokens per second
-//! that the decode engine's memory bandwidth (measured in the same run, before the server
-//! starts) allows when every step reads the weights plus each running sequence's state and KV.
+//! that the decode engine's memory bandwidth allows when every step reads the weights plus each
+//! running sequence's state and KV, with the prefills' arithmetic at the prefill engine's rate
+//! (both measured in the same run, before the server starts).
 //! After each point the server's sequence slots must all be free again.
 
 use std::fmt::Write as _;
@@ -18,8 +19,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use tandem_core::backend::cpu::pool::Pool;
 use tandem_core::backend::cuda::Gpu;
-use tandem_core::engine::Device;
+use tandem_core::engine::{Device, EngineSpec};
 use tandem_core::pipeline::Mode;
 
 use super::load::{self, percentile, Arrivals, Outcome, Workload};
@@ -173,28 +175,66 @@ struct Served {
     weight_bytes: f64,
     state_bytes: f64,
     kv_bytes_per_token: f64,
+    prefill_flops_per_token: f64,
     vocab: usize,
     slots: usize,
 }
 
-/// The engine that decodes, and the bandwidth of its memory measured now (bytes/s).
-fn decode_bandwidth(args: &Args) -> Result<(String, f64, Option<Arc<NvmlDevice>>)> {
-    let config = pipeline_config(args)?;
-    let decoder = if config.mode == Mode::AllOnPrefillEngine { config.prefill } else { config.decode };
-    match decoder.device {
-        Device::Cuda(n) => {
-            let gpu = Gpu::open(n)?;
-            let bandwidth = super::cuda::memory_bandwidth(&gpu, 5)?;
-            let nvml = gpu.pci_bus_id().and_then(|id| NvmlDevice::open(&id)).ok().map(Arc::new);
-            Ok((format!("{decoder} ({})", gpu.name), bandwidth, nvml))
-        }
-        Device::Cpu => {
-            // On a thread of its own: a pinned pool pins the thread that makes it.
-            let spec = decoder.clone();
-            let bandwidth = std::thread::spawn(move || -> Result<f64> { Ok(limits::read_bandwidth(&spec.pool()?, 1 << 30, 5)) }).join().map_err(|_| anyhow::anyhow!("the bandwidth measurement panicked"))??;
-            Ok((decoder.to_string(), bandwidth, None))
-        }
+/// The limits of the engines that serve, measured before the server starts.
+struct Limits {
+    decoder: String,
+    /// The decode engine's memory bandwidth, bytes/s.
+    bandwidth: f64,
+    prefiller: String,
+    /// The prefill engine's rate for its projections, FLOP/s: a CUDA engine's bf16 GEMM on
+    /// tensor cores (cuBLAS), a CPU engine's f32 FMAs on its workers.
+    prefill_peak: f64,
+    /// What `prefill_peak` measured.
+    prefill_rate: String,
+    /// Whether one device both prefills and decodes (their times add up) or two work side by
+    /// side (the slower one bounds).
+    shared: bool,
+    nvml: Option<Arc<NvmlDevice>>,
+}
+
+impl Limits {
+    fn measure(args: &Args) -> Result<Limits> {
+        let config = pipeline_config(args)?;
+        let (prefill, decode) = match config.mode {
+            Mode::AllOnPrefillEngine => (&config.prefill, &config.prefill),
+            Mode::AllOnDecodeEngine => (&config.decode, &config.decode),
+            Mode::Hybrid => (&config.prefill, &config.decode),
+        };
+        // CPU engines share their cores unless both were given disjoint ones.
+        let shared = match (prefill.device, decode.device, &prefill.cores, &decode.cores) {
+            (Device::Cpu, Device::Cpu, Some(a), Some(b)) => a.iter().any(|c| b.contains(c)),
+            (a, b, _, _) => a == b,
+        };
+        let (decoder, bandwidth, nvml) = match decode.device {
+            Device::Cuda(n) => {
+                let gpu = Gpu::open(n)?;
+                let bandwidth = super::cuda::memory_bandwidth(&gpu, 5)?;
+                let nvml = gpu.pci_bus_id().and_then(|id| NvmlDevice::open(&id)).ok().map(Arc::new);
+                (format!("{decode} ({})", gpu.name), bandwidth, nvml)
+            }
+            Device::Cpu => (decode.to_string(), on_own_thread(decode, |pool| limits::read_bandwidth(pool, 1 << 30, 5))?, None),
+        };
+        let (prefiller, prefill_peak, prefill_rate) = match prefill.device {
+            Device::Cuda(n) => {
+                let gpu = Gpu::open(n)?;
+                (format!("{prefill} ({})", gpu.name), super::cuda::tensor_core_peak(&gpu, 3)?, format!("a bf16 GEMM of {} cubed on tensor cores (cuBLAS)", super::cuda::PEAK_GEMM))
+            }
+            Device::Cpu => (prefill.to_string(), on_own_thread(prefill, |pool| limits::fma_peak(pool, 5))?, "f32 FMAs on its workers".to_string()),
+        };
+        Ok(Limits { decoder, bandwidth, prefiller, prefill_peak, prefill_rate, shared, nvml })
     }
+}
+
+/// `measure` on a pool of a CPU engine's workers, made on a thread of its own (a pinned pool
+/// pins the thread that makes it).
+fn on_own_thread(spec: &EngineSpec, measure: fn(&Pool) -> f64) -> Result<f64> {
+    let (name, spec) = (spec.to_string(), spec.clone());
+    std::thread::spawn(move || -> Result<f64> { Ok(measure(&spec.pool()?)) }).join().map_err(|_| anyhow::anyhow!("a measurement of {name} panicked"))?
 }
 
 /// One load point's results.
@@ -229,6 +269,7 @@ impl Served {
             weight_bytes: fact("tandem_model_decode_weight_bytes")?,
             state_bytes: fact("tandem_model_state_bytes")?,
             kv_bytes_per_token: fact("tandem_model_kv_bytes_per_token")?,
+            prefill_flops_per_token: fact("tandem_model_prefill_flops_per_token")?,
             vocab: fact("tandem_model_vocab_size")? as usize,
             slots: fact("tandem_sequence_slots")? as usize,
         })
@@ -251,8 +292,8 @@ fn server_args(o: &Options, args: &Args) -> Vec<String> {
 
 pub fn run(report: &mut String, args: &Args, quick: bool) -> Result<()> {
     let o = Options::parse(args, quick)?;
-    progress("measuring the decode engine's memory bandwidth");
-    let (decoder, bandwidth, nvml) = decode_bandwidth(args)?;
+    progress("measuring the engines' limits");
+    let limits = Limits::measure(args)?;
     let server_args = server_args(&o, args);
     progress(&format!("starting tandem serve {}", server_args.join(" ")));
     let server = Server::start(&server_args)?;
@@ -271,7 +312,8 @@ pub fn run(report: &mut String, args: &Args, quick: bool) -> Result<()> {
     if let (Some(limit), Some(bytes)) = (gauge(&first_metrics, "tandem_state_slots_limit"), gauge(&first_metrics, "tandem_state_slot_bytes")) {
         writeln!(report, "| decode engine's state slots (their limit at start-up) | {limit:.0} of {:.1} MiB, {:.2} GiB |", bytes / (1 << 20) as f64, limit * bytes / (1u64 << 30) as f64)?;
     }
-    writeln!(report, "| decode engine, memory bandwidth (measured before the server started) | {decoder}, {:.0} GB/s |", bandwidth / 1e9)?;
+    writeln!(report, "| decode engine, memory bandwidth (measured before the server started) | {}, {:.0} GB/s |", limits.decoder, limits.bandwidth / 1e9)?;
+    writeln!(report, "| prefill engine, its rate for the projections (measured before the server started) | {}: {:.2} TFLOP/s, {}{} |", limits.prefiller, limits.prefill_peak / 1e12, limits.prefill_rate, if limits.shared { "; the same device as the decode engine" } else { "" })?;
     writeln!(
         report,
         "| workload | {} random prompt tokens, {} output tokens (`ignore_eos`), temperature {}{}, streamed `/v1/completions` over loopback HTTP/1.1 |",
@@ -310,17 +352,17 @@ pub fn run(report: &mut String, args: &Args, quick: bool) -> Result<()> {
     let count = loads.len();
     for (i, (label, arrivals, n)) in loads.into_iter().enumerate() {
         progress(&format!("load {}/{count}: {label}, {n} requests", i + 1));
-        let point = run_point(&rt, &server, &served, nvml.as_ref(), label, workload(n, 100 + i as u64), arrivals)?;
+        let point = run_point(&rt, &server, &served, limits.nvml.as_ref(), label, workload(n, 100 + i as u64), arrivals)?;
         points.push(point);
     }
     drop(rt);
     let stopped = server.stop();
 
-    writeln!(report, "\nOne run per point, in the order listed. Percentiles over the requests of the point (ITL over every gap between text chunks). The limit assumes the decode engine only decodes: in flight x bandwidth / (weights + in flight x (state + K/V at {} tokens of context)), with in flight the mean number of requests being served (Little's law, at most the {} slots).\n", o.input_len + o.output_len / 2, served.slots)?;
-    writeln!(report, "| load | requests | failed | s | output tok/s | total tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 ms | goodput tok/s (requests in SLO) | in flight | limit output tok/s | of limit | GPU memory GiB | slots free after | K/V blocks in use before / after | state slots in use before / after | swapped out |")?;
-    writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
+    writeln!(report, "\nOne run per point, in the order listed. Percentiles over the requests of the point (ITL over every gap between text chunks). The decode limit assumes the decode engine only decodes: in flight x bandwidth / (weights + in flight x (state + K/V at {} tokens of context)), with in flight the mean number of requests being served (Little's law, at most the {} slots). The limit adds the prefills: a request's prompt takes its projections' operations at the prefill engine's measured rate ({:.3} GFLOP a token; attention, the delta rule and the LM head left out, so that the limit stays an upper bound) and its output its share of those steps; {}.\n", o.input_len + o.output_len / 2, served.slots, served.prefill_flops_per_token / 1e9, if limits.shared { "one device does both, so the two times add up" } else { "the two engines work side by side, so the slower one bounds" })?;
+    writeln!(report, "| load | requests | failed | s | output tok/s | total tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 ms | goodput tok/s (requests in SLO) | in flight | decode limit output tok/s | limit output tok/s | of limit | GPU memory GiB | slots free after | K/V blocks in use before / after | state slots in use before / after | swapped out |")?;
+    writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
     for p in &points {
-        writeln!(report, "{}", p.row(&o, &served, bandwidth))?;
+        writeln!(report, "{}", p.row(&o, &served, &limits))?;
     }
     for p in &points {
         let failed = p.outcomes.iter().filter(|o| o.error.is_some()).count();
@@ -381,7 +423,7 @@ fn run_point(rt: &tokio::runtime::Runtime, server: &Server, served: &Served, nvm
 
 impl Point {
     /// The point's row of the report's table.
-    fn row(&self, o: &Options, served: &Served, bandwidth: f64) -> String {
+    fn row(&self, o: &Options, served: &Served, limits: &Limits) -> String {
         let ok: Vec<&Outcome> = self.outcomes.iter().filter(|r| r.error.is_none()).collect();
         let failed = self.outcomes.len() - ok.len();
         let out_tokens: usize = ok.iter().map(|r| r.output_tokens).sum();
@@ -394,12 +436,16 @@ impl Point {
         let in_flight = (self.outcomes.iter().map(|r| r.latency).sum::<f64>() / self.seconds).min(served.slots as f64);
         let context = (o.input_len + o.output_len / 2) as f64;
         let step_bytes = served.weight_bytes + in_flight * (served.state_bytes + served.kv_bytes_per_token * context);
-        let limit = in_flight * bandwidth / step_bytes;
+        let decode_limit = in_flight * limits.bandwidth / step_bytes;
+        // Seconds of each engine's work per request: its prompt's products, its share of steps.
+        let prefill = o.input_len as f64 * served.prefill_flops_per_token / limits.prefill_peak;
+        let decode = o.output_len as f64 / decode_limit;
+        let limit = o.output_len as f64 / if limits.shared { prefill + decode } else { prefill.max(decode) };
         let out_rate = out_tokens as f64 / self.seconds;
         let ms = |v: &[f64], p: f64| 1e3 * percentile(v, p);
         let blocks = |b: Option<usize>| b.map_or("-".to_string(), |b| b.to_string());
         format!(
-            "| {} | {} | {failed} | {:.1} | {out_rate:.0} | {:.0} | {:.0} / {:.0} | {:.1} / {:.1} | {:.1} | {:.0} ({}/{}) | {in_flight:.1} | {limit:.0} | {:.0}% | {} | {}/{} | {} / {} | {} / {} | {} |",
+            "| {} | {} | {failed} | {:.1} | {out_rate:.0} | {:.0} | {:.0} / {:.0} | {:.1} / {:.1} | {:.1} | {:.0} ({}/{}) | {in_flight:.1} | {decode_limit:.0} | {limit:.0} | {:.0}% | {} | {}/{} | {} / {} | {} / {} | {} |",
             self.label,
             self.outcomes.len(),
             self.seconds,

@@ -59,7 +59,8 @@ pub struct Counters {
 }
 
 /// What the served model and engines are, fixed at start-up: what a load generator needs to
-/// work out the physical limit of a load (bytes a decode step reads) and to make prompts.
+/// work out the physical limit of a load (the operations a prompt takes, the bytes a decode step
+/// reads) and to make prompts.
 #[derive(Clone, Copy, Default)]
 pub struct Served {
     /// Bytes of weights one decode step streams.
@@ -67,6 +68,8 @@ pub struct Served {
     /// Bytes of one sequence's fixed-size (recurrent and conv) state.
     pub state_bytes: usize,
     pub kv_bytes_per_token: usize,
+    /// Floating-point operations of the projections a prompt token takes in a prefill.
+    pub prefill_flops_per_token: f64,
     /// Token ids a prompt may hold: 0..vocab.
     pub vocab: usize,
     /// Sequences that may run at once (--max-concurrent).
@@ -149,6 +152,7 @@ impl Metrics {
         gauge(&mut out, "tandem_model_decode_weight_bytes", "Bytes of weights one decode step streams.", m.decode_weight_bytes as f64);
         gauge(&mut out, "tandem_model_state_bytes", "Bytes of one sequence's recurrent and conv state.", m.state_bytes as f64);
         gauge(&mut out, "tandem_model_kv_bytes_per_token", "Bytes of keys and values one token adds.", m.kv_bytes_per_token as f64);
+        gauge(&mut out, "tandem_model_prefill_flops_per_token", "Floating-point operations of the layers' projections per prompt token (2 per weight; attention, the delta rule and the LM head not counted).", m.prefill_flops_per_token);
         gauge(&mut out, "tandem_model_vocab_size", "Token ids a prompt may hold (0 to this, exclusive).", m.vocab as f64);
         counter(&mut out, "tandem_prompt_tokens_total", "Prompt tokens of requests served.", &c.prompt_tokens);
         counter(&mut out, "tandem_prefilled_tokens_total", "Prompt tokens prefilled (not covered by a cached state).", &c.prefilled_tokens);

@@ -178,7 +178,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         Device::Cuda(_) => SlotLayout::new(cfg, decoder.state_dtype).bytes(),
         Device::Cpu => cfg.recurrent_state_bytes(),
     };
-    let served = Served { decode_weight_bytes: model.net.weight_bytes_per_token(), state_bytes, kv_bytes_per_token: cfg.kv_bytes_per_token(), vocab, sequence_slots: max_concurrent };
+    let served = Served { decode_weight_bytes: model.net.weight_bytes_per_token(), state_bytes, kv_bytes_per_token: cfg.kv_bytes_per_token(), prefill_flops_per_token: model.net.projection_flops_per_token(), vocab, sequence_slots: max_concurrent };
     let listener = std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
     listener.set_nonblocking(true)?;
     let bound = listener.local_addr()?;

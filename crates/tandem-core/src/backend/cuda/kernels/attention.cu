@@ -52,6 +52,20 @@ extern "C" __global__ void qk_norm_rope(const float* qg, float* q, float* gate, 
     qk_norm_rope_body(qg, q, gate, k, v, blocks, koff, q_norm, k_norm, inv_freq, hq, hkv, d, half, (int)pos[0], blockIdx.x, eps);
 }
 
+// A packed prefill's (common.cuh: PackedSeq): sequence z's rows, its block table at
+// blocks + z * width, its position pos[z]; the same arithmetic as qk_norm_rope on that sequence
+// alone. Grid: (the longest sequence's rows, hq + hkv, sequences); block as qk_norm_rope.
+extern "C" __global__ void qk_norm_rope_packed(const float* qg, float* q, float* gate, const float* k, const float* v, float* const* blocks, int width, int koff,
+                                               const float* q_norm, const float* k_norm, const float* inv_freq, int hq, int hkv, int d, int half, const u32* pos,
+                                               const u32* seqs, float eps) {
+    pdl_enter();
+    PackedSeq s = packed_seq(seqs);
+    if ((int)blockIdx.x >= s.count) return;
+    size_t z = blockIdx.z, f = s.first;
+    qk_norm_rope_body(qg + f * hq * 2 * d, q + f * hq * d, gate + f * hq * d, k + f * hkv * d, v + f * hkv * d, blocks + z * width, koff, q_norm, k_norm, inv_freq, hq,
+                      hkv, d, half, (int)pos[z], blockIdx.x, eps);
+}
+
 // The batched decode step's: row b is sequence b's one token, its block table at
 // blocks + b * width, its position pos[b]. The same arithmetic as qk_norm_rope on that sequence
 // alone. Grid: (sequences, hq + hkv); block as qk_norm_rope.
@@ -158,14 +172,26 @@ extern "C" __global__ void __launch_bounds__(128) attention_batch(const float* q
 // The keys and values of positions 0..n of one layer, gathered from the cache and rounded to
 // bf16 ([position, hkv, d] each): the tensor-core prefill attention's operands. Four values a
 // thread. Grid: ceil(n * row / 1024); block 256.
-extern "C" __global__ void kv_to_bf16(float* const* blocks, int koff, bf16_t* kb, bf16_t* vb, int n, int row) {
-    pdl_enter();
+__device__ void kv_to_bf16_body(float* const* blocks, int koff, bf16_t* kb, bf16_t* vb, int n, int row) {
     size_t total = (size_t)n * row;
     for (size_t i = 4 * ((size_t)blockIdx.x * blockDim.x + threadIdx.x), end = i + 4; i < end && i < total; i++) {
         const float* key = kv_row(blocks, koff, (int)(i / row), row) + i % row;
         kb[i] = f32_to_bf16(key[0]);
         vb[i] = f32_to_bf16(key[(size_t)KV_BLOCK * row]);
     }
+}
+extern "C" __global__ void kv_to_bf16(float* const* blocks, int koff, bf16_t* kb, bf16_t* vb, int n, int row) {
+    pdl_enter();
+    kv_to_bf16_body(blocks, koff, kb, vb, n, row);
+}
+// A packed prefill's: sequence z's positions 0..pos[z] + its rows, from its block table (at
+// blocks + z * width) into rows kv_first.. of kb and vb. Grid: (ceil(most * row / 1024), 1,
+// sequences), most the positions of the sequence that sees the most; block 256.
+extern "C" __global__ void kv_to_bf16_packed(float* const* blocks, int width, int koff, bf16_t* kb, bf16_t* vb, int row, const u32* pos, const u32* seqs) {
+    pdl_enter();
+    PackedSeq s = packed_seq(seqs);
+    size_t at = (size_t)s.kv_first * row;
+    kv_to_bf16_body(blocks + (size_t)blockIdx.z * width, koff, kb + at, vb + at, (int)pos[blockIdx.z] + s.count, row);
 }
 
 // Causal GQA attention of a tensor-core prefill (flash attention 2 on bf16 mma, f32 sums; the
@@ -321,6 +347,22 @@ ATTENTION_MMA(attention_mma_32, 32)
 ATTENTION_MMA(attention_mma_64, 64)
 ATTENTION_MMA(attention_mma_128, 128)
 ATTENTION_MMA(attention_mma_256, 256)
+// A packed prefill's: sequence z's rows over its gathered keys and values (kv_to_bf16_packed),
+// at its position pos[z]; the same arithmetic as attention_mma_* on that sequence alone.
+// Grid: (ceil(longest / 64), hq, sequences); block 256.
+#define ATTENTION_MMA_PACKED(NAME, D)                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const float* q, const bf16_t* kb, const bf16_t* vb, const float* gate, float* out, int hq, int hkv, \
+                                                           const u32* pos, const u32* seqs) {                                                       \
+        pdl_enter();                                                                                                                                \
+        PackedSeq s = packed_seq(seqs);                                                                                                             \
+        if ((int)blockIdx.x * 64 >= s.count) return;                                                                                                \
+        size_t rows = (size_t)s.first * hq * D, keys = (size_t)s.kv_first * hkv * D;                                                                 \
+        attention_mma_body<D, (D >= 256 ? 16 : 32)>(q + rows, kb + keys, vb + keys, gate + rows, out + rows, s.count, hq, hkv, pos + blockIdx.z);  \
+    }
+ATTENTION_MMA_PACKED(attention_mma_packed_32, 32)
+ATTENTION_MMA_PACKED(attention_mma_packed_64, 64)
+ATTENTION_MMA_PACKED(attention_mma_packed_128, 128)
+ATTENTION_MMA_PACKED(attention_mma_packed_256, 256)
 
 // Causal GQA attention of a prefill, tiled (flash attention, in f32): one block per (64 queries,
 // query head) walks the visible keys 64 at a time with an online softmax, so each key and value

@@ -148,6 +148,58 @@ static void check_attention_batch() {
     printf("%s qk_norm_rope_batch + attention_batch, 3 sequences at 12, 300, 70: each sequence's bits as alone\n", same ? "ok  " : "FAIL");
 }
 
+// A packed prefill's attention kernels against the one-sequence ones, sequence by sequence:
+// three sequences of 70, 9 and 30 rows after 0, 40 and 100 positions, each with its own paged
+// cache (the tables side by side, `width` apart), their rows packed one after another;
+// qk_norm_rope_packed, kv_to_bf16_packed and attention_mma_packed_D write what qk_norm_rope,
+// kv_to_bf16 and attention_mma_D write for each alone: bit for bit.
+template <int D>
+static void check_attention_packed(int hq, int hkv, void (*alone_mma)(const float*, const bf16_t*, const bf16_t*, const float*, float*, int, int, int, const u32*),
+                                   void (*packed_mma)(const float*, const bf16_t*, const bf16_t*, const float*, float*, int, int, const u32*, const u32*)) {
+    const int n = 3, half = D / 4, row = hkv * D, capacity = 256, width = capacity / KV_BLOCK;
+    const float eps = 1e-6f;
+    const int seen[n] = {0, 40, 100}, count[n] = {70, 9, 30};
+    int rows = 0, kv_rows = 0, longest = 0, most = 0;
+    std::vector<u32> seqs, posv(seen, seen + n);
+    for (int b = 0; b < n; b++) {
+        seqs.insert(seqs.end(), {(u32)rows, (u32)count[b], 0u, (u32)kv_rows});
+        rows += count[b];
+        kv_rows += seen[b] + count[b];
+        longest = std::max(longest, count[b]);
+        most = std::max(most, seen[b] + count[b]);
+    }
+    auto qg = random((size_t)rows * hq * 2 * D, -2, 2), k = random((size_t)rows * row, -2, 2), v = random((size_t)rows * row, -2, 2);
+    auto q_norm = random(D, 0.5, 1.5), k_norm = random(D, 0.5, 1.5), inv_freq = random(half, 0.001, 1);
+    std::vector<Paged> packed, alone;
+    std::vector<float*> tables;
+    for (int b = 0; b < n; b++) packed.emplace_back(random((size_t)capacity * row, -1, 1), random((size_t)capacity * row, -1, 1), row, width);
+    for (auto& c : packed) alone.emplace_back(c);
+    for (auto& c : packed) tables.insert(tables.end(), c.table.begin(), c.table.end());
+    int koff = packed[0].koff;
+    std::vector<float> q((size_t)rows * hq * D), gate(q.size()), out(q.size());
+    std::vector<bf16_t> kb((size_t)kv_rows * row), vb(kb.size());
+    launch(longest, hq + hkv, n, D, [&] { qk_norm_rope_packed(qg.data(), q.data(), gate.data(), k.data(), v.data(), tables.data(), width, koff, q_norm.data(), k_norm.data(), inv_freq.data(), hq, hkv, D, half, posv.data(), seqs.data(), eps); });
+    launch((most * row + 1023) / 1024, 1, n, 256, [&] { kv_to_bf16_packed(tables.data(), width, koff, kb.data(), vb.data(), row, posv.data(), seqs.data()); });
+    launch((longest + 63) / 64, hq, n, 256, [&] { packed_mma(q.data(), kb.data(), vb.data(), gate.data(), out.data(), hq, hkv, posv.data(), seqs.data()); });
+    bool same = true;
+    for (int b = 0; b < n; b++) {
+        int first = seqs[4 * b], t = count[b], kv = seen[b] + t;
+        std::vector<float> q1((size_t)t * hq * D), g1(q1.size()), o1(q1.size());
+        std::vector<bf16_t> kb1((size_t)kv * row), vb1(kb1.size());
+        u32 p = seen[b];
+        float* const* table = alone[b].table.data();
+        launch(t, hq + hkv, 1, D, [&] { qk_norm_rope(qg.data() + (size_t)first * hq * 2 * D, q1.data(), g1.data(), k.data() + (size_t)first * row, v.data() + (size_t)first * row, table, koff, q_norm.data(), k_norm.data(), inv_freq.data(), hq, hkv, D, half, &p, eps); });
+        launch((kv * row + 1023) / 1024, 1, 1, 256, [&] { kv_to_bf16(table, koff, kb1.data(), vb1.data(), kv, row); });
+        launch((t + 63) / 64, hq, 1, 256, [&] { alone_mma(q1.data(), kb1.data(), vb1.data(), g1.data(), o1.data(), t, hq, hkv, &p); });
+        size_t at = (size_t)first * hq * D, kat = (size_t)seqs[4 * b + 3] * row;
+        same &= std::equal(q1.begin(), q1.end(), q.begin() + at) && std::equal(g1.begin(), g1.end(), gate.begin() + at) && std::equal(o1.begin(), o1.end(), out.begin() + at);
+        same &= std::equal(kb1.begin(), kb1.end(), kb.begin() + kat) && std::equal(vb1.begin(), vb1.end(), vb.begin() + kat);
+        for (size_t i = 0; i < packed[b].blocks.size(); i++) same &= packed[b].blocks[i] == alone[b].blocks[i];
+    }
+    failures += !same;
+    printf("%s qk_norm_rope_packed + kv_to_bf16_packed + attention_mma_packed_%d, 3 sequences of 70, 9, 30 rows after 0, 40, 100: each sequence's bits as alone\n", same ? "ok  " : "FAIL", D);
+}
+
 static void check_attention_kernels() {
     check_attention(1, 12, 32, 4, 2, 16);
     check_attention(3, 300, 256, 8, 2, 512);
@@ -158,4 +210,6 @@ static void check_attention_kernels() {
     check_attention_mma<256>(70, 0, 8, 2, attention_mma_256);
     check_attention_mma<128>(100, 40, 4, 1, attention_mma_128);
     check_attention_batch();
+    check_attention_packed<32>(4, 2, attention_mma_32, attention_mma_packed_32);
+    check_attention_packed<256>(2, 1, attention_mma_256, attention_mma_packed_256);
 }

@@ -190,3 +190,20 @@ __device__ __forceinline__ void ldmatrix_x4(u32* r, const bf16_t* p) {
     __trap();
 #endif
 }
+
+// The kernels of several sequences packed into one forward, one sequence per blockIdx.z (the
+// *_packed kernels of deltanet.cu and attention.cu): each does what its one-sequence kernel does
+// on that sequence's rows, state and caches alone (the same arithmetic, bit for bit), so that a
+// packed prefill launches each once per layer rather than once per sequence. `seqs` holds four
+// values per sequence: its first row among the packed rows, its row count, its first chunk of
+// the chunked rule's scratch P, and its first row of the attention's gathered bf16 keys and
+// values (every position it sees, its cache and its new rows). The grid is sized for the
+// longest sequence; the blocks past a shorter one's rows return at once.
+#define PACKED_SEQ_FIELDS 4
+struct PackedSeq {
+    int first, count, chunk0, kv_first;
+};
+__device__ __forceinline__ PackedSeq packed_seq(const u32* seqs) {
+    const u32* s = seqs + PACKED_SEQ_FIELDS * blockIdx.z;
+    return {(int)s[0], (int)s[1], (int)s[2], (int)s[3]};
+}

@@ -83,22 +83,9 @@ extern "C" __global__ void conv_state_tail(float* conv, const float* qkv, int t,
     conv_state_tail_body(conv, qkv, t, cd, kk);
 }
 
-// The prefill kernels of several sequences packed into one forward, one sequence per
-// blockIdx.z (the *_packed kernels): each does what its one-sequence kernel does on that
-// sequence's rows, conv window and state alone (the same arithmetic, bit for bit), so that a
-// packed prefill launches each once per layer rather than once per sequence (a prompt's
-// DeltaNet launches alone fill few SMs: 16 prompts of 512 tokens of the 0.8B spent 63% of
-// their kernel time in them, one after another). `seqs` holds three values per sequence: its
-// first row among the packed rows, its row count, and its first chunk of the chunked rule's
-// scratch P. The grid is sized for the longest sequence; the blocks past a shorter one's rows
-// return at once.
-struct PackedSeq {
-    int first, count, chunk0;
-};
-__device__ __forceinline__ PackedSeq packed_seq(const u32* seqs) {
-    const u32* s = seqs + 3 * blockIdx.z;
-    return {(int)s[0], (int)s[1], (int)s[2]};
-}
+// The prefill kernels of a packed prefill (the *_packed kernels; common.cuh: PackedSeq): a
+// prompt's DeltaNet launches alone fill few SMs (16 prompts of 512 tokens of the 0.8B spent 63%
+// of their kernel time in them, one after another).
 #define CONV_SILU_ROWS_PACKED(NAME, KMAX)                                                                                                          \
     extern "C" __global__ void __launch_bounds__(256, 3) NAME(float* const* convs, const u32* seqs, const float* qkv, const float* taps, float* out,  \
                                                               int cd, int kk, int qk_channels, int dk, float q_scale) {                            \

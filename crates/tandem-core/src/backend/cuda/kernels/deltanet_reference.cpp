@@ -250,7 +250,7 @@ static void check_chunked_packed(int hk, int hv, int dv) {
     int t = 0, chunks = 0, longest = 0;
     std::vector<u32> seqs;
     for (int c : counts) {
-        seqs.insert(seqs.end(), {(u32)t, (u32)c, (u32)chunks});
+        seqs.insert(seqs.end(), {(u32)t, (u32)c, (u32)chunks, 0u});
         t += c;
         chunks += (c + 63) / 64;
         longest = std::max(longest, c);
@@ -349,7 +349,7 @@ static void check_bf16_state_builds() {
         walks("deltanet_chunk_state_1", deltanet_chunk_state_1, deltanet_chunk_state_1_bf16_state, 256);
         walks("deltanet_chunk_state_mma_32", deltanet_chunk_state_mma_32, deltanet_chunk_state_mma_32_bf16_state, 128);
         using PackedWalk = void (*)(void* const*, const u32*, const float*, const float*, const float*, const float*, const float*, float*, int, int, int, int, int);
-        std::vector<u32> seqs = {0, (u32)t, 0};
+        std::vector<u32> seqs = {0, (u32)t, 0, 0};
         auto packed = [&](const char* what, PackedWalk f32_build, PackedWalk bf16_build, int threads) {
             std::vector<float> state_f = widen(start), core_f((size_t)t * vd), core_b((size_t)t * vd);
             std::vector<bf16_t> state_b = start;

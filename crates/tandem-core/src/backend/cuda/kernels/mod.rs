@@ -50,13 +50,16 @@ pub type DeltaNetStepHeadsParams = (Table, States, F32, F32, F32, F32, F32, F32,
 /// deltanet.cu deltanet_chunk_state*: (state, mixed, gcum, U, W, P, core, t, hk, hv, dk, dv, cd).
 pub type ChunkStateParams = (State, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32, i32);
 /// deltanet.cu conv_silu_rows_packed_*: (convs, seqs, qkv, taps, out, cd, kk, qk_channels, dk,
-/// q_scale); `seqs` (first row, rows, first chunk) per sequence of a packed prefill.
+/// q_scale); `seqs` (first row, rows, first chunk, first gathered K/V row) per sequence of a
+/// packed prefill (common.cuh: PackedSeq).
 pub type ConvRowsPackedParams = (Table, U32, F32, F32, F32, i32, i32, i32, i32, f32);
 /// deltanet.cu deltanet_chunk_state*_packed: (states, seqs, mixed, gcum, U, W, P, core, hk, hv,
 /// dk, dv, cd).
 pub type ChunkStatePackedParams = (States, U32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32);
 /// attention.cu attention_mma_*: (q, k_bf16, v_bf16, gate, out, t, hq, hkv, pos).
 pub type AttentionMmaParams = (F32, Bf16, Bf16, F32, F32, i32, i32, i32, U32);
+/// attention.cu attention_mma_packed_*: (q, k_bf16, v_bf16, gate, out, hq, hkv, pos, seqs).
+pub type AttentionMmaPackedParams = (F32, Bf16, Bf16, F32, F32, i32, i32, U32, U32);
 
 macro_rules! kernels {
     ($($(#[$doc:meta])* $konst:ident = $name:literal as $params:ty;)*) => {
@@ -151,6 +154,9 @@ kernels! {
     /// (qg, q, gate, k, v, blocks, width, koff, q_norm, k_norm, inv_freq, hq, hkv, d, half, pos,
     /// eps): one row per sequence of a batched step.
     QK_NORM_ROPE_BATCH = "qk_norm_rope_batch" as (F32, F32, F32, F32, F32, Table, i32, i32, F32, F32, F32, i32, i32, i32, i32, U32, f32);
+    /// (qg, q, gate, k, v, blocks, width, koff, q_norm, k_norm, inv_freq, hq, hkv, d, half, pos,
+    /// seqs, eps): the rows of every sequence of a packed prefill.
+    QK_NORM_ROPE_PACKED = "qk_norm_rope_packed" as (F32, F32, F32, F32, F32, Table, i32, i32, F32, F32, F32, i32, i32, i32, i32, U32, U32, f32);
     /// (q, blocks, koff, gate, out, part, done, hq, hkv, d, chunk, splits, pos): decode rows.
     ATTENTION = "attention" as (F32, Table, i32, F32, F32, F32, U32, i32, i32, i32, i32, i32, U32);
     /// (q, blocks, width, koff, gate, out, part, done, hq, hkv, d, chunk, splits, pos): one row
@@ -158,12 +164,18 @@ kernels! {
     ATTENTION_BATCH = "attention_batch" as (F32, Table, i32, i32, F32, F32, F32, U32, i32, i32, i32, i32, i32, U32);
     /// (blocks, koff, k_bf16, v_bf16, n, row): positions 0..n of a layer's cache in bf16.
     KV_TO_BF16 = "kv_to_bf16" as (Table, i32, Bf16, Bf16, i32, i32);
+    /// (blocks, width, koff, k_bf16, v_bf16, row, pos, seqs): each sequence of a packed prefill's.
+    KV_TO_BF16_PACKED = "kv_to_bf16_packed" as (Table, i32, i32, Bf16, Bf16, i32, U32, U32);
     /// (q, blocks, koff, gate, out, t, hq, hkv, d, pos): prefill rows, f32 tiles.
     ATTENTION_TILED = "attention_tiled" as (F32, Table, i32, F32, F32, i32, i32, i32, i32, U32);
     ATTENTION_MMA_32 = "attention_mma_32" as AttentionMmaParams;
     ATTENTION_MMA_64 = "attention_mma_64" as AttentionMmaParams;
     ATTENTION_MMA_128 = "attention_mma_128" as AttentionMmaParams;
     ATTENTION_MMA_256 = "attention_mma_256" as AttentionMmaParams;
+    ATTENTION_MMA_PACKED_32 = "attention_mma_packed_32" as AttentionMmaPackedParams;
+    ATTENTION_MMA_PACKED_64 = "attention_mma_packed_64" as AttentionMmaPackedParams;
+    ATTENTION_MMA_PACKED_128 = "attention_mma_packed_128" as AttentionMmaPackedParams;
+    ATTENTION_MMA_PACKED_256 = "attention_mma_packed_256" as AttentionMmaPackedParams;
     /// (logits, n, part_v, part_i, done, out): the greedy pick of each row.
     ARGMAX_ROWS = "argmax_rows" as (F32, i32, F32, U32, U32, U32);
     /// (rows, params, out): a draw from each row, params (n, inv_t, top_k, top_p, u, argmax) a row.

@@ -337,6 +337,9 @@ impl GpuQwen35 {
             self.attention_batch(m, ws, most)?;
             return self.project_residual(ws, Input::F32(attn), t, &m.o_proj);
         }
+        if ws.packed && self.attention_packed(m, ws, states, rows)? {
+            return self.project_residual(ws, Input::F32(attn), t, &m.o_proj);
+        }
         let koff = m.koff as i32;
         for (i, (s, &r)) in states.iter_mut().zip(rows).enumerate() {
             let pos = ws.position_of(g, i);
@@ -408,6 +411,40 @@ impl GpuQwen35 {
         debug_assert!(chunk <= ATTN_CHUNK && splits <= ATTN_SPLITS);
         let args = (q, blocks, width, koff, gate, attn, g.ptr(&ws.attn_part), g.ptr(&ws.attn_done), hq_, hkv_, d_, chunk as i32, splits as i32, pos);
         g.launch(k::ATTENTION_BATCH, Grid::new((n, hq, splits), 128), args)
+    }
+
+    /// The rows of every sequence of a packed prefill on tensor cores, each kernel of
+    /// `attention_prefill` launched once for all of them (attention.cu *_packed: the same
+    /// arithmetic on each sequence's rows and caches); false, launching nothing, where the
+    /// prefill does not take the tensor cores (the f32 tiles go sequence by sequence).
+    fn attention_packed(&self, m: &Attention, ws: &Workspace, states: &[&mut GpuState], rows: &[Rows]) -> Result<bool> {
+        let c = &self.config;
+        let g = &self.gpu;
+        let (hq, hkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let kernel = match d {
+            32 => k::ATTENTION_MMA_PACKED_32,
+            64 => k::ATTENTION_MMA_PACKED_64,
+            128 => k::ATTENTION_MMA_PACKED_128,
+            256 => k::ATTENTION_MMA_PACKED_256,
+            _ => return Ok(false),
+        };
+        if self.precision != Precision::TensorCores || !g.bf16_mma {
+            return Ok(false);
+        }
+        let n = rows.len();
+        let longest = rows.iter().map(|r| r.count).max().unwrap_or(0);
+        let most = states.iter().zip(rows).map(|(s, r)| s.position + r.count).max().unwrap_or(0);
+        let (blocks, width, koff) = (ws.blocks_of(g, 0), ws.kv_width as i32, m.koff as i32);
+        let (pos, seqs) = (ws.position_of(g, 0), g.ptr(&ws.seqs));
+        let (q, gate, attn) = (g.ptr(&ws.q), g.ptr(&ws.gate), g.ptr(&ws.attn));
+        let (hq_, hkv_, d_, row) = (hq as i32, hkv as i32, d as i32, hkv * d);
+        let rope = (g.ptr(&ws.qg), q, gate, g.ptr(&ws.k), g.ptr(&ws.v), blocks, width, koff, g.ptr(&m.q_norm), g.ptr(&m.k_norm), g.ptr(&self.inv_freq), hq_, hkv_, d_, (c.rotary_dim() / 2) as i32, pos, seqs, c.rms_norm_eps);
+        g.launch(k::QK_NORM_ROPE_PACKED, Grid::new((longest, hq + hkv, n), d.next_multiple_of(32)), rope)?;
+        let kv: CudaSlice<u16> = g.scratch(2 * ws.kv_rows * row)?;
+        let (kb, vb) = (g.ptr(&kv), g.ptr(&kv).offset(ws.kv_rows * row));
+        g.launch(k::KV_TO_BF16_PACKED, Grid::new(((most * row).div_ceil(1024), 1, n), 256), (blocks, width, koff, kb, vb, row as i32, pos, seqs))?;
+        g.launch(kernel, Grid::new((longest.div_ceil(64), hq, n), 256), (q, kb, vb, gate, attn, hq_, hkv_, pos, seqs))?;
+        Ok(true)
     }
 
     /// Prefill rows, causal, over the cache: on tensor cores where the precision allows bf16

@@ -113,6 +113,8 @@ const KV_MIN_ROWS: usize = 256;
 const DELTANET_CHUNK: usize = 64;
 /// Tokens per thread of a prefill's conv (kernels/deltanet.cu CONV_RUN).
 const CONV_RUN: usize = 8;
+/// The values per sequence of a packed prefill's `seqs` (kernels/common.cuh: PackedSeq).
+const PACKED_SEQ_FIELDS: usize = 4;
 
 /// The input of an output projection (`project_residual`).
 enum Input {

@@ -68,8 +68,11 @@ pub(super) struct Workspace {
     /// A packed prefill: every sequence brings more than `GEMV_MAX_T` rows and the DeltaNet
     /// prefill kernels run once for all of them (`tables` and `seqs` written; `write_packed`).
     pub(super) packed: bool,
-    /// Each sequence's first row, row count and first chunk of `chunk_p` (a packed prefill).
+    /// Each sequence's first row, row count, first chunk of `chunk_p` and first row of the
+    /// attention's gathered bf16 keys and values (a packed prefill; `PACKED_SEQ_FIELDS` each).
     pub(super) seqs: CudaSlice<u32>,
+    /// The rows those gathered keys and values take: every position each sequence sees.
+    pub(super) kv_rows: usize,
     /// The greedy pick of each logits row (argmax_rows): each span's best value and index, a
     /// count of finished spans per row (reset by the last), and the picks.
     pub(super) pick_v: CudaSlice<f32>,
@@ -152,7 +155,8 @@ impl Workspace {
             kv_width: 0,
             batched: false,
             packed: false,
-            seqs: g.scratch(if sequences > 1 { 3 * sequences } else { 1 })?,
+            seqs: g.scratch(if sequences > 1 { PACKED_SEQ_FIELDS * sequences } else { 1 })?,
+            kv_rows: 0,
             pick_v: g.scratch(logit_rows * ARGMAX_SPANS)?,
             pick_i: g.scratch(logit_rows * ARGMAX_SPANS)?,
             pick_done: g.zeros(logit_rows)?,
@@ -201,12 +205,14 @@ impl Workspace {
         self.write_tables(g, states)?;
         let width = states.iter().map(|s| s.kv.table().len()).max().unwrap_or(0);
         self.write_blocks(g, states, width)?;
-        let mut seqs = Vec::with_capacity(3 * rows.len());
-        let mut chunk = 0;
-        for r in rows {
-            seqs.extend([r.first as u32, r.count as u32, chunk as u32]);
+        let mut seqs = Vec::with_capacity(PACKED_SEQ_FIELDS * rows.len());
+        let (mut chunk, mut kv_first) = (0, 0);
+        for (s, r) in states.iter().zip(rows) {
+            seqs.extend([r.first as u32, r.count as u32, chunk as u32, kv_first as u32]);
             chunk += r.count.div_ceil(DELTANET_CHUNK);
+            kv_first += s.position + r.count;
         }
+        self.kv_rows = kv_first;
         g.stream.memcpy_htod(&seqs[..], &mut self.seqs.slice_mut(..seqs.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying a packed prefill's sequences: {e:?}", g.ordinal))?;
         self.packed = true;
         Ok(())
