@@ -453,20 +453,25 @@ fn mma_state_walk_matches_the_f32_walk() {
         let start = random(hv * dk * dv, -0.5, 0.5);
         let (gcum, u, w, p) = (g.zeros::<f32>(t * hv).unwrap(), g.zeros::<f32>(t * hv * dv).unwrap(), g.zeros::<f32>(t * hv * dk).unwrap(), g.zeros::<f32>(chunks * hv * 64 * 64).unwrap());
         let (t_, hk_, hv_, dk_, dv_, cd_) = (t as i32, hk as i32, hv as i32, dk as i32, dv as i32, cd as i32);
-        let prep = (g.ptr(&mixed), g.ptr(&beta), g.ptr(&alpha), g.ptr(&neg_a), g.ptr(&dt_bias), g.ptr(&gcum), g.ptr(&u), g.ptr(&w), g.ptr(&p), t_, hk_, hv_, dk_, dv_, cd_);
+        // The prep also writes the tensor-core walk's bf16 operands (W, q exp(G), k exp(G_last - G)).
+        let ops = g.zeros::<u16>(3 * t * hv * dk).unwrap();
+        let (wb, qb, kb) = (g.ptr(&ops), g.ptr(&ops).offset(t * hv * dk), g.ptr(&ops).offset(2 * t * hv * dk));
+        let prep = (g.ptr(&mixed), g.ptr(&beta), g.ptr(&alpha), g.ptr(&neg_a), g.ptr(&dt_bias), g.ptr(&gcum), g.ptr(&u), g.ptr(&w), g.ptr(&p), wb, qb, kb, t_, hk_, hv_, dk_, dv_, cd_);
         g.launch(k::DELTANET_CHUNK_PREP, Grid::new((chunks, hv, 1), 256), prep).unwrap();
         let mma = match dk {
             32 => k::DELTANET_CHUNK_STATE_MMA_32,
             _ => k::DELTANET_CHUNK_STATE_MMA_128,
         };
-        let mut results = Vec::new();
-        for (kernel, threads) in [(k::DELTANET_CHUNK_STATE_1, 256), (mma, 128)] {
+        use tandem_core::backend::cuda::launch::{DevPtr, StateValues};
+        let walked = |launch: &dyn Fn(DevPtr<StateValues>, DevPtr<f32>)| {
             let (state, core) = (g.upload(&start).unwrap(), g.zeros::<f32>(t * hv * dv).unwrap());
-            let args = (g.ptr(&state).reinterpret(), g.ptr(&mixed), g.ptr(&gcum), g.ptr(&u), g.ptr(&w), g.ptr(&p), g.ptr(&core), t_, hk_, hv_, dk_, dv_, cd_);
-            g.launch(kernel, Grid::new((hv, dv / 16, 1), threads), args).unwrap();
-            results.push((g.download(&core, t * hv * dv).unwrap(), g.download(&state, hv * dk * dv).unwrap()));
-        }
-        let (want, got) = (&results[0], &results[1]);
+            launch(g.ptr(&state).reinterpret(), g.ptr(&core));
+            (g.download(&core, t * hv * dv).unwrap(), g.download(&state, hv * dk * dv).unwrap())
+        };
+        let grid = |threads| Grid::new((hv, dv / 16, 1), threads);
+        let want = walked(&|state, core| g.launch(k::DELTANET_CHUNK_STATE_1, grid(256), (state, g.ptr(&mixed), g.ptr(&gcum), g.ptr(&u), g.ptr(&w), g.ptr(&p), core, t_, hk_, hv_, dk_, dv_, cd_)).unwrap());
+        let got = walked(&|state, core| g.launch(mma, grid(128), (state, g.ptr(&gcum), g.ptr(&u), wb, qb, kb, g.ptr(&p), core, t_, hv_, dk_, dv_)).unwrap());
+        let (want, got) = (&want, &got);
         for (what, a, b) in [("outputs", &got.0, &want.0), ("final state", &got.1, &want.1)] {
             let largest = b.iter().fold(0f32, |m, v| m.max(v.abs()));
             let err = max_abs_diff(a, b);

@@ -440,11 +440,12 @@ DELTANET_STEP_HEADS(deltanet_step_heads_128_bf16_state, 128, bf16_t)
 // log-decay G, the matrices A = (beta k . k^T) * decay (strictly lower) and P = (q . k^T) * decay
 // (lower with the diagonal), and by forward substitution (I + A) U = beta v and
 // (I + A) W = beta k exp(G). Writes gcum [t, hv], U [t, hv, dv], W [t, hv, dk] and
-// P [chunks, hv, 64, 64]. `mixed` holds the conv output with q and k already l2-normalised.
+// P [chunks, hv, 64, 64]; where Wb, Qb and Kb are not null, the tensor-core walk's operands in
+// bf16 as well ([t, hv, dk] each): W, q exp(G) and k exp(G_last - G), G_last the chunk's last. `mixed` holds the conv output with q and k already l2-normalised.
 // Block: 256 threads (at least dk + dv); grid: (chunks, hv).
 #define CHUNK 64
 __device__ void deltanet_chunk_prep_body(const float* mixed, const float* bproj, const float* aproj, const float* neg_a, const float* dt_bias, float* gcum, float* U,
-                                         float* W, float* P, int t, int hk, int hv, int dk, int dv, int cd) {
+                                         float* W, float* P, bf16_t* Wb, bf16_t* Qb, bf16_t* Kb, int t, int hk, int hv, int dk, int dv, int cd) {
     __shared__ float qs[CHUNK][33], ks[CHUNK][33], as[CHUNK][CHUNK + 1], gc[CHUNK], bt[CHUNK];
     int chunk = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     int c0 = chunk * CHUNK, n = min(CHUNK, t - c0);
@@ -463,6 +464,20 @@ __device__ void deltanet_chunk_prep_body(const float* mixed, const float* bproj,
         for (int i = 1; i < n; i++) gc[i] += gc[i - 1];
     __syncthreads();
     if (tid < n) gcum[(size_t)(c0 + tid) * hv + h] = gc[tid];
+    if (Qb) {
+        // The tensor-core walk's q and k operands of this head, scaled and rounded here once
+        // (its blocks of DS columns each did it for themselves): the same expressions.
+        float gl = gc[n - 1];
+        for (int e = tid; e < n * dk / 4; e += blockDim.x) {
+            int i = e / (dk / 4), d = (e % (dk / 4)) * 4;
+            const float* row = mixed + (size_t)(c0 + i) * cd;
+            float4 q = *(const float4*)&row[kh * dk + d], k = *(const float4*)&row[kd + kh * dk + d];
+            float eg = expf(gc[i]), ek = expf(gl - gc[i]);
+            size_t at = ((size_t)(c0 + i) * hv + h) * dk + d;
+            *(uint2*)&Qb[at] = make_uint2(pack_bf16x2(q.x * eg, q.y * eg), pack_bf16x2(q.z * eg, q.w * eg));
+            *(uint2*)&Kb[at] = make_uint2(pack_bf16x2(k.x * ek, k.y * ek), pack_bf16x2(k.z * ek, k.w * ek));
+        }
+    }
     // k . k^T and q . k^T, 4 x 4 entries per thread, over dk in steps of 32; the next 32
     // channels' loads in flight while these are multiplied (with the column loads below in
     // flight together too, this kernel went from 6.3 to 5.0 ms of a 9B prefill on an H200).
@@ -532,6 +547,8 @@ __device__ void deltanet_chunk_prep_body(const float* mixed, const float* bproj,
         float* dst = is_u ? U + (size_t)h * dv + d : W + (size_t)h * dk + d;
         size_t stride = (size_t)hv * (is_u ? dv : dk);
         for (int i = 0; i < n; i++) dst[(size_t)(c0 + i) * stride] = col[i];
+        if (!is_u && Wb)
+            for (int i = 0; i < n; i++) Wb[((size_t)(c0 + i) * hv + h) * dk + d] = f32_to_bf16(col[i]);
     }
 }
 
@@ -539,20 +556,21 @@ __device__ void deltanet_chunk_prep_body(const float* mixed, const float* bproj,
 // SM, 12% of its warps active): 16 prompts of 512 tokens of the 0.8B on an H100, 470-500 -> 404
 // us a launch (ncu, two rounds).
 extern "C" __global__ void __launch_bounds__(256, 2) deltanet_chunk_prep(const float* mixed, const float* bproj, const float* aproj, const float* neg_a, const float* dt_bias,
-                                                                      float* gcum, float* U, float* W, float* P, int t, int hk, int hv, int dk, int dv, int cd) {
+                                                                      float* gcum, float* U, float* W, float* P, bf16_t* Wb, bf16_t* Qb, bf16_t* Kb, int t, int hk, int hv,
+                                                                      int dk, int dv, int cd) {
     pdl_enter();
-    deltanet_chunk_prep_body(mixed, bproj, aproj, neg_a, dt_bias, gcum, U, W, P, t, hk, hv, dk, dv, cd);
+    deltanet_chunk_prep_body(mixed, bproj, aproj, neg_a, dt_bias, gcum, U, W, P, Wb, Qb, Kb, t, hk, hv, dk, dv, cd);
 }
 // Grid: (most chunks of a sequence, hv, sequences).
 extern "C" __global__ void __launch_bounds__(256, 2) deltanet_chunk_prep_packed(const u32* seqs, const float* mixed, const float* bproj, const float* aproj, const float* neg_a,
-                                                                             const float* dt_bias, float* gcum, float* U, float* W, float* P, int hk, int hv, int dk, int dv,
-                                                                             int cd) {
+                                                                             const float* dt_bias, float* gcum, float* U, float* W, float* P, bf16_t* Wb, bf16_t* Qb,
+                                                                             bf16_t* Kb, int hk, int hv, int dk, int dv, int cd) {
     pdl_enter();
     PackedSeq q = packed_seq(seqs);
     if ((int)blockIdx.x * CHUNK >= q.count) return;
-    size_t r = q.first;
-    deltanet_chunk_prep_body(mixed + r * cd, bproj + r * hv, aproj + r * hv, neg_a, dt_bias, gcum + r * hv, U + r * hv * dv, W + r * hv * dk,
-                             P + (size_t)q.chunk0 * hv * CHUNK * CHUNK, q.count, hk, hv, dk, dv, cd);
+    size_t r = q.first, rk = r * hv * dk;
+    deltanet_chunk_prep_body(mixed + r * cd, bproj + r * hv, aproj + r * hv, neg_a, dt_bias, gcum + r * hv, U + r * hv * dv, W + rk,
+                             P + (size_t)q.chunk0 * hv * CHUNK * CHUNK, Wb ? Wb + rk : Wb, Qb ? Qb + rk : Qb, Kb ? Kb + rk : Kb, q.count, hk, hv, dk, dv, cd);
 }
 
 // Part 2, the state's way through the chunks (in order), one block per (value head, DS value
@@ -705,7 +723,9 @@ __device__ __forceinline__ void for_each_state(float (&sacc)[MT_PER_WARP][2][4],
 
 // Part 2 on tensor cores (tensor-cores precision, sm_80 and later; deltanet_chunk_state is its
 // f32 reference): per chunk the same three products, V' = U - W S, O = (q exp(G)) S + P V' and
-// S <- exp(G_last) S + (k exp(G_last - G))^T V', with bf16 operands and f32 sums. The state's
+// S <- exp(G_last) S + (k exp(G_last - G))^T V', with bf16 operands and f32 sums. The operands
+// W, q exp(G) and k exp(G_last - G) come rounded from the prep (Wb, Qb, Kb): each of a head's
+// dv / 16 blocks used to load them in f32 and round them itself. The state's
 // master copy stays f32, in the registers of the last product's accumulators; a bf16 copy of
 // it (transposed: Sb[column][key channel]) is the B operand of the next chunk's first two.
 // Block (value head, 16 value columns), 4 warps: for V' and O warp w takes chunk rows 16 w..,
@@ -714,8 +734,8 @@ __device__ __forceinline__ void for_each_state(float (&sacc)[MT_PER_WARP][2][4],
 // V' transposed (Vb[column][row]) for phases 2 and 3. `dk` must equal DK.
 // Grid: (hv, dv / 16); block 128.
 template <int DK, typename S>
-__device__ void deltanet_chunk_state_mma_body(S* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P, float* core, int t,
-                                              int hk, int hv, int dv, int cd) {
+__device__ void deltanet_chunk_state_mma_body(S* state, const float* gcum, const float* U, const bf16_t* Wg, const bf16_t* Qg, const bf16_t* Kg, const float* P, float* core,
+                                              int t, int hv, int dv) {
     constexpr int DS = 16, PAD = 8, KSTEPS = DK / 16, MT = DK / 16, MT_PER_WARP = (MT + 3) / 4;
     constexpr int ROWS = CHUNK * (DK + PAD), TRANSPOSED = DK * (CHUNK + PAD), REGION = 2 * ROWS > TRANSPOSED ? 2 * ROWS : TRANSPOSED;
     __shared__ __align__(16) bf16_t region[REGION];
@@ -728,7 +748,7 @@ __device__ void deltanet_chunk_state_mma_body(S* state, const float* mixed, cons
     bf16_t(*Kt)[CHUNK + PAD] = (bf16_t(*)[CHUNK + PAD])region;
     int h = blockIdx.x, col0 = blockIdx.y * DS, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int r = lane >> 2, cp = (lane & 3) * 2;
-    int kh = h / (hv / hk), kd = hk * DK, vd = hv * dv;
+    int vd = hv * dv;
     S* sh = state + (size_t)h * DK * dv;
     // The state's elements this lane holds (for_each_state), the master copy.
     float sacc[MT_PER_WARP][2][4] = {};
@@ -742,25 +762,23 @@ __device__ void deltanet_chunk_state_mma_body(S* state, const float* mixed, cons
         a[3] = *(const u32*)&base[(row0 + r + 8) * stride + k0 + 8 + cp];
     };
     store_sb();
-    // Loads in batches of 8 float4 a thread (32 KB a block in flight), converted to bf16 once
-    // they are all in: loads issued one at a time, each waited for, made this walk slower than
-    // the f32 one. ROW4 is a row's float4s; PER4 a thread's over the chunk's rows.
-    constexpr int ROW4 = DK / 4, PER4 = CHUNK * ROW4 / 128, BATCH = PER4 < 8 ? PER4 : 8;
-    static_assert(PER4 % BATCH == 0, "whole batches");
+    // Loads of 8 bf16 (16 bytes) a piece, all of a chunk's in flight together: loads issued one
+    // at a time, each waited for, made this walk slower than the f32 one. ROW8 is a row's
+    // pieces, PER8 a thread's over the chunk's rows.
+    constexpr int ROW8 = DK / 8, PER8 = CHUNK * ROW8 / 128;
     int chunks = (t + CHUNK - 1) / CHUNK;
-    // A batch of W and q rows of a chunk, raw (q is scaled once this chunk's G is in).
-    float4 wv[BATCH], qv[BATCH];
-    auto load_wq = [&](int chunk, int b0) {
+    // Piece j of this thread of a chunk's rows of an operand (zeros past the last row).
+    auto load_rows = [&](uint4(&v)[PER8], const bf16_t* g, int chunk) {
         int c0 = chunk * CHUNK, n = min(CHUNK, t - c0);
 #pragma unroll
-        for (int j = 0; j < BATCH; j++) {
-            int e = tid + (b0 + j) * 128, i = e / ROW4, d4 = e % ROW4;
-            bool in = i < n;
-            wv[j] = in ? ((const float4*)(W + ((size_t)(c0 + i) * hv + h) * DK))[d4] : make_float4(0, 0, 0, 0);
-            qv[j] = in ? ((const float4*)(mixed + (size_t)(c0 + i) * cd + kh * DK))[d4] : make_float4(0, 0, 0, 0);
+        for (int j = 0; j < PER8; j++) {
+            int e = tid + j * 128, i = e / ROW8, d8 = e % ROW8;
+            v[j] = i < n ? ((const uint4*)(g + ((size_t)(c0 + i) * hv + h) * DK))[d8] : make_uint4(0, 0, 0, 0);
         }
     };
-    load_wq(0, 0);
+    uint4 wv[PER8], qv[PER8];
+    load_rows(wv, Wg, 0);
+    load_rows(qv, Qg, 0);
     for (int chunk = 0; chunk < chunks; chunk++) {
         int c0 = chunk * CHUNK, n = min(CHUNK, t - c0);
         __syncthreads();  // Sb is written and the last chunk's phase 3 is done with the region
@@ -779,15 +797,12 @@ __device__ void deltanet_chunk_state_mma_body(S* state, const float* mixed, cons
 #pragma unroll
         for (int q = 0; q < CHUNK * CHUNK / 4 / 128; q++) pr[q] = Pc[tid + q * 128];
         __syncthreads();
-        for (int b0 = 0; b0 < PER4; b0 += BATCH) {
-            if (b0 > 0) load_wq(chunk, b0);  // the first batch came in during the chunk before
+        // (This chunk's W and q came in during the chunk before.)
 #pragma unroll
-            for (int j = 0; j < BATCH; j++) {
-                int e = tid + (b0 + j) * 128, i = e / ROW4, d = (e % ROW4) * 4;
-                float eg = expf(gc[i]);
-                *(uint2*)&Wb[i][d] = make_uint2(pack_bf16x2(wv[j].x, wv[j].y), pack_bf16x2(wv[j].z, wv[j].w));
-                *(uint2*)&Qb[i][d] = make_uint2(pack_bf16x2(qv[j].x * eg, qv[j].y * eg), pack_bf16x2(qv[j].z * eg, qv[j].w * eg));
-            }
+        for (int j = 0; j < PER8; j++) {
+            int e = tid + j * 128, i = e / ROW8, d = (e % ROW8) * 8;
+            *(uint4*)&Wb[i][d] = wv[j];
+            *(uint4*)&Qb[i][d] = qv[j];
         }
         __syncthreads();
         // Phase 1: W S and (q exp(G)) S for this warp's 16 rows.
@@ -822,18 +837,9 @@ __device__ void deltanet_chunk_state_mma_body(S* state, const float* mixed, cons
             int e = (tid + q * 128) * 4;
             *(uint2*)&Pb[e / CHUNK][e % CHUNK] = make_uint2(pack_bf16x2(pr[q].x, pr[q].y), pack_bf16x2(pr[q].z, pr[q].w));
         }
-        // Phase 3's first batch of k rows, in flight during phase 2 (in P's registers; the
-        // walk of a 9B prefill of 2048 tokens on an H200: 8.6 -> 8.5 ms, of the 0.8B's 5.3 ->
-        // 5.1 ms).
-        float4 kv[BATCH];
-        auto load_k = [&](int b0) {
-#pragma unroll
-            for (int j = 0; j < BATCH; j++) {
-                int e = tid + (b0 + j) * 128, i = e / ROW4, d4 = e % ROW4;
-                kv[j] = i < n ? ((const float4*)(mixed + (size_t)(c0 + i) * cd + kd + kh * DK))[d4] : make_float4(0, 0, 0, 0);
-            }
-        };
-        load_k(0);
+        // Phase 3's k rows, in flight during phase 2.
+        uint4 kv[PER8];
+        load_rows(kv, Kg, chunk);
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < CHUNK / 16; kk++) {
@@ -851,22 +857,23 @@ __device__ void deltanet_chunk_state_mma_body(S* state, const float* mixed, cons
             }
         __syncthreads();  // P is done with
         // Phase 3: S <- exp(G_last) S + (k exp(G_last - G))^T V'.
-        float gl = gc[n - 1], el = expf(gl);
-        for (int b0 = 0; b0 < PER4; b0 += BATCH) {
-            if (b0 > 0) load_k(b0);
+        float el = expf(gc[n - 1]);
 #pragma unroll
-            for (int j = 0; j < BATCH; j++) {
-                int e = tid + (b0 + j) * 128, i = e / ROW4, d = (e % ROW4) * 4;
-                float ek = expf(gl - gc[i]);
-                Kt[d][i] = f32_to_bf16(kv[j].x * ek);
-                Kt[d + 1][i] = f32_to_bf16(kv[j].y * ek);
-                Kt[d + 2][i] = f32_to_bf16(kv[j].z * ek);
-                Kt[d + 3][i] = f32_to_bf16(kv[j].w * ek);
+        for (int j = 0; j < PER8; j++) {
+            int e = tid + j * 128, i = e / ROW8, d = (e % ROW8) * 8;
+            u32 pair[4] = {kv[j].x, kv[j].y, kv[j].z, kv[j].w};
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                Kt[d + 2 * c][i] = (bf16_t)(pair[c] & 0xffffu);
+                Kt[d + 2 * c + 1][i] = (bf16_t)(pair[c] >> 16);
             }
         }
         __syncthreads();
-        // The next chunk's first W and q loads, in flight while this one's state is updated.
-        if (chunk + 1 < chunks) load_wq(chunk + 1, 0);
+        // The next chunk's W and q loads, in flight while this one's state is updated.
+        if (chunk + 1 < chunks) {
+            load_rows(wv, Wg, chunk + 1);
+            load_rows(qv, Qg, chunk + 1);
+        }
 #pragma unroll
         for (int a = 0; a < MT_PER_WARP; a++) {
             int mt = warp + 4 * a;
@@ -888,11 +895,11 @@ __device__ void deltanet_chunk_state_mma_body(S* state, const float* mixed, cons
     }
     for_each_state<MT_PER_WARP, MT>(sacc, warp, r, cp, [&](float& v, int row, int col) { store_state(&sh[(size_t)row * dv + col0 + col], v); });
 }
-#define DELTANET_CHUNK_STATE_MMA(NAME, DK, S)                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128) NAME(void* state, const float* mixed, const float* gcum, const float* U, const float* W, const float* P, \
-                                                           float* core, int t, int hk, int hv, int dk, int dv, int cd) {                   \
-        pdl_enter();                                                                                                                        \
-        deltanet_chunk_state_mma_body<DK, S>((S*)state, mixed, gcum, U, W, P, core, t, hk, hv, dv, cd);                                    \
+#define DELTANET_CHUNK_STATE_MMA(NAME, DK, S)                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(128) NAME(void* state, const float* gcum, const float* U, const bf16_t* Wb, const bf16_t* Qb, const bf16_t* Kb, \
+                                                           const float* P, float* core, int t, int hv, int dk, int dv) {                                    \
+        pdl_enter();                                                                                                                                  \
+        deltanet_chunk_state_mma_body<DK, S>((S*)state, gcum, U, Wb, Qb, Kb, P, core, t, hv, dv);                                                      \
     }
 DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_32, 32, float)
 DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_64, 64, float)
@@ -906,12 +913,14 @@ DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_128_bf16_state, 128, bf16_t)
 #define PACKED_WALK_ARGS(q, S)                                                                                                           \
     (S*)states[blockIdx.z], mixed + (size_t)q.first * cd, gcum + (size_t)q.first * hv, U + (size_t)q.first * hv * dv, W + (size_t)q.first * hv * dk, \
         P + (size_t)q.chunk0 * hv * CHUNK * CHUNK, core + (size_t)q.first * hv * dv, q.count
-#define DELTANET_CHUNK_STATE_MMA_PACKED(NAME, DK, S)                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(128) NAME(void* const* states, const u32* seqs, const float* mixed, const float* gcum, const float* U,  \
-                                                           const float* W, const float* P, float* core, int hk, int hv, int dk, int dv, int cd) {    \
-        pdl_enter();                                                                                                                                 \
-        PackedSeq q = packed_seq(seqs);                                                                                                              \
-        deltanet_chunk_state_mma_body<DK, S>(PACKED_WALK_ARGS(q, S), hk, hv, dv, cd);                                                                \
+#define DELTANET_CHUNK_STATE_MMA_PACKED(NAME, DK, S)                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(128) NAME(void* const* states, const u32* seqs, const float* gcum, const float* U, const bf16_t* Wb,       \
+                                                           const bf16_t* Qb, const bf16_t* Kb, const float* P, float* core, int hv, int dk, int dv) {        \
+        pdl_enter();                                                                                                                                   \
+        PackedSeq q = packed_seq(seqs);                                                                                                                \
+        size_t r = q.first, rk = r * hv * dk;                                                                                                          \
+        deltanet_chunk_state_mma_body<DK, S>((S*)states[blockIdx.z], gcum + r * hv, U + r * hv * dv, Wb + rk, Qb + rk, Kb + rk,                        \
+                                             P + (size_t)q.chunk0 * hv * CHUNK * CHUNK, core + r * hv * dv, q.count, hv, dv);                           \
     }
 DELTANET_CHUNK_STATE_MMA_PACKED(deltanet_chunk_state_mma_packed_32, 32, float)
 DELTANET_CHUNK_STATE_MMA_PACKED(deltanet_chunk_state_mma_packed_64, 64, float)

@@ -53,9 +53,15 @@ pub type ChunkStateParams = (State, F32, F32, F32, F32, F32, F32, i32, i32, i32,
 /// q_scale); `seqs` (first row, rows, first chunk, first gathered K/V row) per sequence of a
 /// packed prefill (common.cuh: PackedSeq).
 pub type ConvRowsPackedParams = (Table, U32, F32, F32, F32, i32, i32, i32, i32, f32);
-/// deltanet.cu deltanet_chunk_state*_packed: (states, seqs, mixed, gcum, U, W, P, core, hk, hv,
+/// deltanet.cu deltanet_chunk_state_packed*: (states, seqs, mixed, gcum, U, W, P, core, hk, hv,
 /// dk, dv, cd).
 pub type ChunkStatePackedParams = (States, U32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32);
+/// deltanet.cu deltanet_chunk_state_mma_*: (state, gcum, U, W_bf16, Q_bf16, K_bf16, P, core, t, hv,
+/// dk, dv): the operands from deltanet_chunk_prep's bf16 outputs.
+pub type ChunkStateMmaParams = (State, F32, F32, Bf16, Bf16, Bf16, F32, F32, i32, i32, i32, i32);
+/// deltanet.cu deltanet_chunk_state_mma_packed_*: (states, seqs, gcum, U, W_bf16, Q_bf16, K_bf16,
+/// P, core, hv, dk, dv).
+pub type ChunkStateMmaPackedParams = (States, U32, F32, F32, Bf16, Bf16, Bf16, F32, F32, i32, i32, i32);
 /// attention.cu attention_mma_*: (q, k_bf16, v_bf16, gate, out, t, hq, hkv, pos).
 pub type AttentionMmaParams = (F32, Bf16, Bf16, F32, F32, i32, i32, i32, U32);
 /// attention.cu attention_mma_packed_*: (q, k_bf16, v_bf16, gate, out, hq, hkv, pos, seqs).
@@ -125,28 +131,29 @@ kernels! {
     DELTANET_STEP_HEADS_32_BF16_STATE = "deltanet_step_heads_32_bf16_state" as DeltaNetStepHeadsParams;
     DELTANET_STEP_HEADS_64_BF16_STATE = "deltanet_step_heads_64_bf16_state" as DeltaNetStepHeadsParams;
     DELTANET_STEP_HEADS_128_BF16_STATE = "deltanet_step_heads_128_bf16_state" as DeltaNetStepHeadsParams;
-    /// (mixed, b, a, neg_a, dt_bias, gcum, U, W, P, t, hk, hv, dk, dv, cd).
-    DELTANET_CHUNK_PREP = "deltanet_chunk_prep" as (F32, F32, F32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32, i32);
+    /// (mixed, b, a, neg_a, dt_bias, gcum, U, W, P, W_bf16, Q_bf16, K_bf16, t, hk, hv, dk, dv,
+    /// cd): the bf16 operands of the tensor-core walk where not null.
+    DELTANET_CHUNK_PREP = "deltanet_chunk_prep" as (F32, F32, F32, F32, F32, F32, F32, F32, F32, Bf16, Bf16, Bf16, i32, i32, i32, i32, i32, i32);
     DELTANET_CHUNK_STATE = "deltanet_chunk_state" as ChunkStateParams;
     DELTANET_CHUNK_STATE_1 = "deltanet_chunk_state_1" as ChunkStateParams;
-    DELTANET_CHUNK_STATE_MMA_32 = "deltanet_chunk_state_mma_32" as ChunkStateParams;
-    DELTANET_CHUNK_STATE_MMA_64 = "deltanet_chunk_state_mma_64" as ChunkStateParams;
-    DELTANET_CHUNK_STATE_MMA_128 = "deltanet_chunk_state_mma_128" as ChunkStateParams;
+    DELTANET_CHUNK_STATE_MMA_32 = "deltanet_chunk_state_mma_32" as ChunkStateMmaParams;
+    DELTANET_CHUNK_STATE_MMA_64 = "deltanet_chunk_state_mma_64" as ChunkStateMmaParams;
+    DELTANET_CHUNK_STATE_MMA_128 = "deltanet_chunk_state_mma_128" as ChunkStateMmaParams;
     DELTANET_CHUNK_STATE_BF16_STATE = "deltanet_chunk_state_bf16_state" as ChunkStateParams;
     DELTANET_CHUNK_STATE_1_BF16_STATE = "deltanet_chunk_state_1_bf16_state" as ChunkStateParams;
-    DELTANET_CHUNK_STATE_MMA_32_BF16_STATE = "deltanet_chunk_state_mma_32_bf16_state" as ChunkStateParams;
-    DELTANET_CHUNK_STATE_MMA_64_BF16_STATE = "deltanet_chunk_state_mma_64_bf16_state" as ChunkStateParams;
-    DELTANET_CHUNK_STATE_MMA_128_BF16_STATE = "deltanet_chunk_state_mma_128_bf16_state" as ChunkStateParams;
+    DELTANET_CHUNK_STATE_MMA_32_BF16_STATE = "deltanet_chunk_state_mma_32_bf16_state" as ChunkStateMmaParams;
+    DELTANET_CHUNK_STATE_MMA_64_BF16_STATE = "deltanet_chunk_state_mma_64_bf16_state" as ChunkStateMmaParams;
+    DELTANET_CHUNK_STATE_MMA_128_BF16_STATE = "deltanet_chunk_state_mma_128_bf16_state" as ChunkStateMmaParams;
     /// (seqs, mixed, b, a, neg_a, dt_bias, gcum, U, W, P, hk, hv, dk, dv, cd).
-    DELTANET_CHUNK_PREP_PACKED = "deltanet_chunk_prep_packed" as (U32, F32, F32, F32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32);
+    DELTANET_CHUNK_PREP_PACKED = "deltanet_chunk_prep_packed" as (U32, F32, F32, F32, F32, F32, F32, F32, F32, F32, Bf16, Bf16, Bf16, i32, i32, i32, i32, i32);
     DELTANET_CHUNK_STATE_PACKED = "deltanet_chunk_state_packed" as ChunkStatePackedParams;
-    DELTANET_CHUNK_STATE_MMA_PACKED_32 = "deltanet_chunk_state_mma_packed_32" as ChunkStatePackedParams;
-    DELTANET_CHUNK_STATE_MMA_PACKED_64 = "deltanet_chunk_state_mma_packed_64" as ChunkStatePackedParams;
-    DELTANET_CHUNK_STATE_MMA_PACKED_128 = "deltanet_chunk_state_mma_packed_128" as ChunkStatePackedParams;
+    DELTANET_CHUNK_STATE_MMA_PACKED_32 = "deltanet_chunk_state_mma_packed_32" as ChunkStateMmaPackedParams;
+    DELTANET_CHUNK_STATE_MMA_PACKED_64 = "deltanet_chunk_state_mma_packed_64" as ChunkStateMmaPackedParams;
+    DELTANET_CHUNK_STATE_MMA_PACKED_128 = "deltanet_chunk_state_mma_packed_128" as ChunkStateMmaPackedParams;
     DELTANET_CHUNK_STATE_PACKED_BF16_STATE = "deltanet_chunk_state_packed_bf16_state" as ChunkStatePackedParams;
-    DELTANET_CHUNK_STATE_MMA_PACKED_32_BF16_STATE = "deltanet_chunk_state_mma_packed_32_bf16_state" as ChunkStatePackedParams;
-    DELTANET_CHUNK_STATE_MMA_PACKED_64_BF16_STATE = "deltanet_chunk_state_mma_packed_64_bf16_state" as ChunkStatePackedParams;
-    DELTANET_CHUNK_STATE_MMA_PACKED_128_BF16_STATE = "deltanet_chunk_state_mma_packed_128_bf16_state" as ChunkStatePackedParams;
+    DELTANET_CHUNK_STATE_MMA_PACKED_32_BF16_STATE = "deltanet_chunk_state_mma_packed_32_bf16_state" as ChunkStateMmaPackedParams;
+    DELTANET_CHUNK_STATE_MMA_PACKED_64_BF16_STATE = "deltanet_chunk_state_mma_packed_64_bf16_state" as ChunkStateMmaPackedParams;
+    DELTANET_CHUNK_STATE_MMA_PACKED_128_BF16_STATE = "deltanet_chunk_state_mma_packed_128_bf16_state" as ChunkStateMmaPackedParams;
     /// (core, z, w, out_bf16, rows, dv, eps): in place, or into out_bf16 where not null.
     GATED_RMS_NORM = "gated_rms_norm" as (F32, F32, F32, Bf16, i32, i32, f32);
     /// (qg, q, gate, k, v, blocks, koff, q_norm, k_norm, inv_freq, hq, hkv, d, half, pos, eps).

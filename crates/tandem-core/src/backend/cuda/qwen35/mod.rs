@@ -443,6 +443,11 @@ impl GpuQwen35 {
         &self.slots
     }
 
+    /// Whether a prefill's state walk runs on tensor cores (bf16 operands, from the chunk prep).
+    fn walks_on_tensor_cores(&self) -> bool {
+        self.precision == Precision::TensorCores && self.gpu.bf16_mma
+    }
+
     /// The dtype of the recurrent states this engine makes.
     pub fn state_dtype(&self) -> StateDtype {
         self.slots.layout().dtype

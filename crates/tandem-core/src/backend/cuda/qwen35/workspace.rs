@@ -26,6 +26,9 @@ pub(super) struct Workspace {
     pub(super) gcum: CudaSlice<f32>,
     pub(super) chunk_u: CudaSlice<f32>,
     pub(super) chunk_w: CudaSlice<f32>,
+    /// The tensor-core walk's operands, bf16 [rows, hv, dk] each, one after another: W,
+    /// q exp(G) and k exp(G_last - G) (written by the chunk prep; `walk_operands`).
+    chunk_bf16: CudaSlice<u16>,
     pub(super) chunk_p: CudaSlice<f32>,
     // attention
     pub(super) qg: CudaSlice<f32>,
@@ -132,6 +135,7 @@ impl Workspace {
             gcum: g.scratch(chunked * hv)?,
             chunk_u: g.scratch(chunked * hv * dv)?,
             chunk_w: g.scratch(chunked * hv * dk)?,
+            chunk_bf16: g.scratch(if net.walks_on_tensor_cores() { 3 * chunked * hv * dk } else { 0 })?,
             // (Each sequence of a packed prefill starts a chunk of its own.)
             chunk_p: g.scratch(if chunked > 0 { chunked.div_ceil(DELTANET_CHUNK) + sequences - 1 } else { 0 } * hv * DELTANET_CHUNK * DELTANET_CHUNK)?,
             qg: g.scratch(rows * 2 * qd)?,
@@ -183,6 +187,19 @@ impl Workspace {
         g.stream.memcpy_htod(&table[..], &mut self.blocks.slice_mut(..table.len())).map_err(|e| anyhow::anyhow!("cuda:{}: copying block tables: {e:?}", g.ordinal))?;
         self.kv_width = width;
         Ok(())
+    }
+
+    /// The chunk prep's bf16 outputs for the tensor-core state walk (W, q exp(G),
+    /// k exp(G_last - G)) from row `first`; null where the walk is in f32 (the prep then writes
+    /// none).
+    pub(super) fn walk_operands(&self, net: &GpuQwen35, first: usize) -> (DevPtr<u16>, DevPtr<u16>, DevPtr<u16>) {
+        if !net.walks_on_tensor_cores() {
+            return (DevPtr::NULL, DevPtr::NULL, DevPtr::NULL);
+        }
+        let c = &net.config;
+        let each = self.chunk_bf16.len() / 3;
+        let base = net.gpu.ptr(&self.chunk_bf16).offset(first * c.linear_num_value_heads * c.linear_key_head_dim);
+        (base, base.offset(each), base.offset(2 * each))
     }
 
     /// Sequence `i`'s block table.
