@@ -453,10 +453,14 @@ fn mma_state_walk_matches_the_f32_walk() {
         let start = random(hv * dk * dv, -0.5, 0.5);
         let (gcum, u, w, p) = (g.zeros::<f32>(t * hv).unwrap(), g.zeros::<f32>(t * hv * dv).unwrap(), g.zeros::<f32>(t * hv * dk).unwrap(), g.zeros::<f32>(chunks * hv * 64 * 64).unwrap());
         let (t_, hk_, hv_, dk_, dv_, cd_) = (t as i32, hk as i32, hv as i32, dk as i32, dv as i32, cd as i32);
-        // The prep also writes the tensor-core walk's bf16 operands (W, q exp(G), k exp(G_last - G)).
+        // The prep with the tensor-core walk's bf16 operands (W, q exp(G), k exp(G_last - G)).
         let ops = g.zeros::<u16>(3 * t * hv * dk).unwrap();
         let (wb, qb, kb) = (g.ptr(&ops), g.ptr(&ops).offset(t * hv * dk), g.ptr(&ops).offset(2 * t * hv * dk));
         let prep = (g.ptr(&mixed), g.ptr(&beta), g.ptr(&alpha), g.ptr(&neg_a), g.ptr(&dt_bias), g.ptr(&gcum), g.ptr(&u), g.ptr(&w), g.ptr(&p), wb, qb, kb, t_, hk_, hv_, dk_, dv_, cd_);
+        g.launch(k::DELTANET_CHUNK_PREP, Grid::new((chunks, hv, 1), 256), prep).unwrap();
+        // And without them, for the f32 walk's W (not written where the bf16 operands are).
+        let null = tandem_core::backend::cuda::launch::DevPtr::NULL;
+        let prep = (g.ptr(&mixed), g.ptr(&beta), g.ptr(&alpha), g.ptr(&neg_a), g.ptr(&dt_bias), g.ptr(&gcum), g.ptr(&u), g.ptr(&w), g.ptr(&p), null, null, null, t_, hk_, hv_, dk_, dv_, cd_);
         g.launch(k::DELTANET_CHUNK_PREP, Grid::new((chunks, hv, 1), 256), prep).unwrap();
         let mma = match dk {
             32 => k::DELTANET_CHUNK_STATE_MMA_32,

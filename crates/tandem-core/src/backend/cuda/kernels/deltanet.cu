@@ -441,7 +441,8 @@ DELTANET_STEP_HEADS(deltanet_step_heads_128_bf16_state, 128, bf16_t)
 // (lower with the diagonal), and by forward substitution (I + A) U = beta v and
 // (I + A) W = beta k exp(G). Writes gcum [t, hv], U [t, hv, dv], W [t, hv, dk] and
 // P [chunks, hv, 64, 64]; where Wb, Qb and Kb are not null, the tensor-core walk's operands in
-// bf16 as well ([t, hv, dk] each): W, q exp(G) and k exp(G_last - G), G_last the chunk's last. `mixed` holds the conv output with q and k already l2-normalised.
+// bf16 instead of W ([t, hv, dk] each): W, q exp(G) and k exp(G_last - G), G_last the chunk's
+// last (W is then not written: only the f32 walk reads it). `mixed` holds the conv output with q and k already l2-normalised.
 // Block: 256 threads (at least dk + dv); grid: (chunks, hv).
 #define CHUNK 64
 __device__ void deltanet_chunk_prep_body(const float* mixed, const float* bproj, const float* aproj, const float* neg_a, const float* dt_bias, float* gcum, float* U,
@@ -544,11 +545,13 @@ __device__ void deltanet_chunk_prep_body(const float* mixed, const float* bproj,
             for (int jj = 0; jj < i; jj++) acc -= as[i][jj] * col[jj];
             col[i] = acc;
         }
-        float* dst = is_u ? U + (size_t)h * dv + d : W + (size_t)h * dk + d;
         size_t stride = (size_t)hv * (is_u ? dv : dk);
-        for (int i = 0; i < n; i++) dst[(size_t)(c0 + i) * stride] = col[i];
-        if (!is_u && Wb)
-            for (int i = 0; i < n; i++) Wb[((size_t)(c0 + i) * hv + h) * dk + d] = f32_to_bf16(col[i]);
+        if (!is_u && Wb) {
+            for (int i = 0; i < n; i++) Wb[(size_t)(c0 + i) * stride + h * dk + d] = f32_to_bf16(col[i]);
+        } else {
+            float* dst = is_u ? U + (size_t)h * dv + d : W + (size_t)h * dk + d;
+            for (int i = 0; i < n; i++) dst[(size_t)(c0 + i) * stride] = col[i];
+        }
     }
 }
 

@@ -113,6 +113,8 @@ static void check_chunked(int t, int hk, int hv, int dk, int dv) {
     std::vector<bf16_t> ops((size_t)3 * t * hv * dk);
     bf16_t *wb = ops.data(), *qb = wb + (size_t)t * hv * dk, *kb = qb + (size_t)t * hv * dk;
     launch(chunks, hv, 1, 256, [&] { deltanet_chunk_prep(mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), wb, qb, kb, t, hk, hv, dk, dv, cd); });
+    // And without them, for the f32 walk's W (not written where the bf16 operands are).
+    launch(chunks, hv, 1, 256, [&] { deltanet_chunk_prep(mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), nullptr, nullptr, nullptr, t, hk, hv, dk, dv, cd); });
     check_walk_operands(mixed, gcum, W, ops, t, hk, hv, dk, cd);
     launch(hv, dv / 16, 1, 256, [&] { deltanet_chunk_state_1(state.data(), mixed.data(), gcum.data(), U.data(), W.data(), P.data(), core.data(), t, hk, hv, dk, dv, cd); });
     std::vector<double> S(state0.begin(), state0.end()), want((size_t)t * vd);
@@ -304,7 +306,10 @@ static void check_chunked_packed(int hk, int hv, int dv) {
         bf16_t *wb = ops.data(), *qb = wb + (size_t)c * hv * DK, *kb = qb + (size_t)c * hv * DK;
         launch((c + CONV_RUN - 1) / CONV_RUN, (cd + 1023) / 1024, 1, 256, [&] { conv_silu_rows_4(conv1[s].data(), qkv.data() + (size_t)first * cd, taps.data(), mx, c, cd, kk, qk, DK, q_scale); });
         launch((cd + 255) / 256, 1, 1, 256, [&] { conv_state_tail(conv1[s].data(), qkv.data() + (size_t)first * cd, c, cd, kk); });
-        launch(ch, hv, 1, 256, [&] { deltanet_chunk_prep(mx, b.data() + (size_t)first * hv, a.data() + (size_t)first * hv, neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), wb, qb, kb, c, hk, hv, DK, dv, cd); });
+        for (bf16_t* out : {wb, (bf16_t*)nullptr}) {
+            bf16_t *q_out = out ? qb : nullptr, *k_out = out ? kb : nullptr;
+            launch(ch, hv, 1, 256, [&] { deltanet_chunk_prep(mx, b.data() + (size_t)first * hv, a.data() + (size_t)first * hv, neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), out, q_out, k_out, c, hk, hv, DK, dv, cd); });
+        }
         launch(hv, dv / 16, 1, 256, [&] { deltanet_chunk_state(state1[s].data(), mx, gcum.data(), U.data(), W.data(), P.data(), core1.data() + (size_t)first * vd, c, hk, hv, DK, dv, cd); });
         launch(hv, dv / 16, 1, 128, [&] { walk_mma(state1_mma[s].data(), gcum.data(), U.data(), wb, qb, kb, P.data(), core1_mma.data() + (size_t)first * vd, c, hv, DK, dv); });
     }
@@ -315,7 +320,10 @@ static void check_chunked_packed(int hk, int hv, int dv) {
     bf16_t *wb = ops.data(), *qb = wb + (size_t)t * hv * DK, *kb = qb + (size_t)t * hv * DK;
     launch((longest + CONV_RUN - 1) / CONV_RUN, (cd + 1023) / 1024, n, 256, [&] { conv_silu_rows_packed_4(convs.data(), seqs.data(), qkv.data(), taps.data(), mixed.data(), cd, kk, qk, DK, q_scale); });
     launch((cd + 255) / 256, 1, n, 256, [&] { conv_state_tail_packed(convs.data(), seqs.data(), qkv.data(), cd, kk); });
-    launch((longest + 63) / 64, hv, n, 256, [&] { deltanet_chunk_prep_packed(seqs.data(), mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), wb, qb, kb, hk, hv, DK, dv, cd); });
+    for (bf16_t* out : {wb, (bf16_t*)nullptr}) {
+        bf16_t *q_out = out ? qb : nullptr, *k_out = out ? kb : nullptr;
+        launch((longest + 63) / 64, hv, n, 256, [&] { deltanet_chunk_prep_packed(seqs.data(), mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), out, q_out, k_out, hk, hv, DK, dv, cd); });
+    }
     launch(hv, dv / 16, n, 256, [&] { deltanet_chunk_state_packed(states.data(), seqs.data(), mixed.data(), gcum.data(), U.data(), W.data(), P.data(), core.data(), hk, hv, DK, dv, cd); });
     auto packed_mma = DK == 32 ? deltanet_chunk_state_mma_packed_32 : DK == 64 ? deltanet_chunk_state_mma_packed_64 : deltanet_chunk_state_mma_packed_128;
     launch(hv, dv / 16, n, 128, [&] { packed_mma(states_mma.data(), seqs.data(), gcum.data(), U.data(), wb, qb, kb, P.data(), core_mma.data(), hv, DK, dv); });
@@ -367,7 +375,10 @@ static void check_bf16_state_builds() {
         std::vector<float> gcum(t * hv), U((size_t)t * hv * dv), W((size_t)t * hv * dk), P((size_t)chunks * hv * 64 * 64);
         std::vector<bf16_t> ops((size_t)3 * t * hv * dk);
         bf16_t *wb = ops.data(), *qb = wb + (size_t)t * hv * dk, *kb = qb + (size_t)t * hv * dk;
-        launch(chunks, hv, 1, 256, [&] { deltanet_chunk_prep(mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), wb, qb, kb, t, hk, hv, dk, dv, cd); });
+        for (bf16_t* out : {wb, (bf16_t*)nullptr}) {
+            bf16_t *q_out = out ? qb : nullptr, *k_out = out ? kb : nullptr;
+            launch(chunks, hv, 1, 256, [&] { deltanet_chunk_prep(mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), out, q_out, k_out, t, hk, hv, dk, dv, cd); });
+        }
         using Walk = void (*)(void*, const float*, const float*, const float*, const float*, const float*, float*, int, int, int, int, int, int);
         auto walks = [&](const char* what, Walk f32_build, Walk bf16_build, int threads) {
             std::vector<float> state_f = widen(start), core_f((size_t)t * vd), core_b((size_t)t * vd);

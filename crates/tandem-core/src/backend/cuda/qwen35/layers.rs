@@ -247,13 +247,12 @@ impl GpuQwen35 {
         let (wb, qb, kb) = ws.walk_operands(self, r.first);
         let prep = (conv_out, beta, alpha, g.ptr(&m.neg_a), g.ptr(&m.dt_bias), gcum, cu, cw, cp, wb, qb, kb, count, hk, hv, dk, dv, cd);
         g.launch(k::DELTANET_CHUNK_PREP, Grid::new((r.count.div_ceil(DELTANET_CHUNK), hv as usize, 1), 256), prep)?;
-        let walk = (recurrent, conv_out, gcum, cu, cw, cp, core, count, hk, hv, dk, dv, cd);
         // 16 value columns per block (kernels/deltanet.cu deltanet_chunk_state): on tensor cores
         // where the precision allows bf16 operands; else in f32, where a grid that fits on the
         // SMs gets the build that spills no registers.
         let grid = |threads| Grid::new((hv as usize, dv as usize / 16, 1), threads);
         let bf16_state = self.state_dtype() == StateDtype::Bf16;
-        if self.walks_on_tensor_cores() {
+        if self.prefills_on_tensor_cores() {
             let kernel = match (dk, bf16_state) {
                 (32, false) => k::DELTANET_CHUNK_STATE_MMA_32,
                 (64, false) => k::DELTANET_CHUNK_STATE_MMA_64,
@@ -270,7 +269,7 @@ impl GpuQwen35 {
                 (true, true) => k::DELTANET_CHUNK_STATE_1_BF16_STATE,
                 (false, true) => k::DELTANET_CHUNK_STATE_BF16_STATE,
             };
-            g.launch(kernel, grid(256), walk)?;
+            g.launch(kernel, grid(256), (recurrent, conv_out, gcum, cu, cw, cp, core, count, hk, hv, dk, dv, cd))?;
         }
         let out_bf16 = if norm_to_bf16 { g.ptr(&ws.xb).offset(r.first * vd) } else { DevPtr::NULL };
         let rows = r.count * hv as usize;
@@ -300,10 +299,9 @@ impl GpuQwen35 {
         let (wb, qb, kb) = ws.walk_operands(self, 0);
         let prep = (seqs, conv_out, g.ptr(&ws.beta), g.ptr(&ws.alpha), g.ptr(&m.neg_a), g.ptr(&m.dt_bias), gcum, cu, cw, cp, wb, qb, kb, hk_, hv_, dk_, dv_, cd_);
         g.launch(k::DELTANET_CHUNK_PREP_PACKED, Grid::new((longest.div_ceil(DELTANET_CHUNK), hv, n), 256), prep)?;
-        let walk = (recurrents, seqs, conv_out, gcum, cu, cw, cp, core, hk_, hv_, dk_, dv_, cd_);
         let grid = |threads| Grid::new((hv, dv / 16, n), threads);
         let bf16_state = self.state_dtype() == StateDtype::Bf16;
-        if self.walks_on_tensor_cores() {
+        if self.prefills_on_tensor_cores() {
             let kernel = match (dk, bf16_state) {
                 (32, false) => k::DELTANET_CHUNK_STATE_MMA_PACKED_32,
                 (64, false) => k::DELTANET_CHUNK_STATE_MMA_PACKED_64,
@@ -314,6 +312,7 @@ impl GpuQwen35 {
             };
             g.launch(kernel, grid(128), (recurrents, seqs, gcum, cu, wb, qb, kb, cp, core, hv_, dk_, dv_))?;
         } else {
+            let walk = (recurrents, seqs, conv_out, gcum, cu, cw, cp, core, hk_, hv_, dk_, dv_, cd_);
             g.launch(if bf16_state { k::DELTANET_CHUNK_STATE_PACKED_BF16_STATE } else { k::DELTANET_CHUNK_STATE_PACKED }, grid(256), walk)?;
         }
         let out_bf16 = if norm_to_bf16 { g.ptr(&ws.xb) } else { DevPtr::NULL };
@@ -430,7 +429,7 @@ impl GpuQwen35 {
             256 => k::ATTENTION_MMA_PACKED_256,
             _ => return Ok(false),
         };
-        if self.precision != Precision::TensorCores || !g.bf16_mma {
+        if !self.prefills_on_tensor_cores() {
             return Ok(false);
         }
         let n = rows.len();
@@ -465,7 +464,7 @@ impl GpuQwen35 {
             _ => None,
         };
         match mma {
-            Some(kernel) if self.precision == Precision::TensorCores && g.bf16_mma => {
+            Some(kernel) if self.prefills_on_tensor_cores() => {
                 let (rows, row) = (s.seen + s.count, hkv * d);
                 let kv: CudaSlice<u16> = g.scratch(2 * rows * row)?;
                 let (kb, vb) = (g.ptr(&kv), g.ptr(&kv).offset(rows * row));

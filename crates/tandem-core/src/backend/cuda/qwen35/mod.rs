@@ -443,8 +443,9 @@ impl GpuQwen35 {
         &self.slots
     }
 
-    /// Whether a prefill's state walk runs on tensor cores (bf16 operands, from the chunk prep).
-    fn walks_on_tensor_cores(&self) -> bool {
+    /// Whether a prefill's products, state walk and attention run on tensor cores (bf16
+    /// operands): the precision asks for them and the GPU has bf16 mma.
+    fn prefills_on_tensor_cores(&self) -> bool {
         self.precision == Precision::TensorCores && self.gpu.bf16_mma
     }
 

@@ -135,7 +135,7 @@ impl Workspace {
             gcum: g.scratch(chunked * hv)?,
             chunk_u: g.scratch(chunked * hv * dv)?,
             chunk_w: g.scratch(chunked * hv * dk)?,
-            chunk_bf16: g.scratch(if net.walks_on_tensor_cores() { 3 * chunked * hv * dk } else { 0 })?,
+            chunk_bf16: g.scratch(if net.prefills_on_tensor_cores() { 3 * chunked * hv * dk } else { 0 })?,
             // (Each sequence of a packed prefill starts a chunk of its own.)
             chunk_p: g.scratch(if chunked > 0 { chunked.div_ceil(DELTANET_CHUNK) + sequences - 1 } else { 0 } * hv * DELTANET_CHUNK * DELTANET_CHUNK)?,
             qg: g.scratch(rows * 2 * qd)?,
@@ -193,7 +193,7 @@ impl Workspace {
     /// k exp(G_last - G)) from row `first`; null where the walk is in f32 (the prep then writes
     /// none).
     pub(super) fn walk_operands(&self, net: &GpuQwen35, first: usize) -> (DevPtr<u16>, DevPtr<u16>, DevPtr<u16>) {
-        if !net.walks_on_tensor_cores() {
+        if !net.prefills_on_tensor_cores() {
             return (DevPtr::NULL, DevPtr::NULL, DevPtr::NULL);
         }
         let c = &net.config;
