@@ -233,9 +233,11 @@ fn the_serving_bench_drives_a_real_server_and_gets_every_slot_back() {
     for row in rows {
         let cells: Vec<&str> = row.split('|').map(str::trim).collect();
         // load, requests, failed, ..., slots free after, K/V blocks and state slots (a GPU
-        // engine's), swaps.
+        // engine's), swaps, the engines' busy shares.
         assert_eq!((cells[2], cells[3]), ("6", "0"), "{row}");
-        assert_eq!(&cells[cells.len() - 5..cells.len() - 1], ["3/3", "- / -", "- / -", "0"], "{row}");
+        assert_eq!(&cells[cells.len() - 6..cells.len() - 2], ["3/3", "- / -", "- / -", "0"], "{row}");
+        let busy: Vec<f64> = cells[cells.len() - 2].split(" / ").map(|c| c.trim_end_matches('%').parse().unwrap_or(0.0)).collect();
+        assert!(busy.len() == 2 && busy.iter().all(|&b| b > 0.0), "both engines worked: {row}");
         let tok_s: f64 = cells[5].parse().unwrap_or(0.0);
         assert!(tok_s > 0.0, "{row}");
         // The limit with the prefills' arithmetic is below the decode-only one, and above

@@ -251,6 +251,9 @@ struct Point {
     /// Its state slots in use, the same two times.
     state_slots: (Option<usize>, Option<usize>),
     swaps: u64,
+    /// Seconds the server's engines spent in their prefill and decode calls during the point
+    /// (`tandem_engine_busy_seconds_total`; two engines on one GPU may both be busy at once).
+    busy: (f64, f64),
 }
 
 /// The server's `/metrics` page.
@@ -359,8 +362,9 @@ pub fn run(report: &mut String, args: &Args, quick: bool) -> Result<()> {
     let stopped = server.stop();
 
     writeln!(report, "\nOne run per point, in the order listed. Percentiles over the requests of the point (ITL over every gap between text chunks). The decode limit assumes the decode engine only decodes: in flight x bandwidth / (weights + in flight x (state + K/V at {} tokens of context)), with in flight the mean number of requests being served (Little's law, at most the {} slots). The limit adds the prefills: a request's prompt takes its projections' operations at the prefill engine's measured rate ({:.3} GFLOP a token; attention, the delta rule and the LM head left out, so that the limit stays an upper bound) and its output its share of those steps; {}.\n", o.input_len + o.output_len / 2, served.slots, served.prefill_flops_per_token / 1e9, if limits.shared { "one device does both, so the two times add up" } else { "the two engines work side by side, so the slower one bounds" })?;
-    writeln!(report, "| load | requests | failed | s | output tok/s | total tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 ms | goodput tok/s (requests in SLO) | in flight | decode limit output tok/s | limit output tok/s | of limit | GPU memory GiB | slots free after | K/V blocks in use before / after | state slots in use before / after | swapped out |")?;
-    writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
+    writeln!(report, "Engines busy: the time the server's engines spent in their prefill calls and in their decode steps (waiting for the device included; sampling and bookkeeping between steps not), as a share of the point's time; two engines on one device can both be busy at once.\n")?;
+    writeln!(report, "| load | requests | failed | s | output tok/s | total tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 ms | goodput tok/s (requests in SLO) | in flight | decode limit output tok/s | limit output tok/s | of limit | GPU memory GiB | slots free after | K/V blocks in use before / after | state slots in use before / after | swapped out | engines busy: prefill / decode |")?;
+    writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
     for p in &points {
         writeln!(report, "{}", p.row(&o, &served, &limits))?;
     }
@@ -394,7 +398,9 @@ fn run_point(rt: &tokio::runtime::Runtime, server: &Server, served: &Served, nvm
     let kv_used = |m: &str| gauge(m, "tandem_kv_cache_blocks_used").map(|v| v as usize);
     let slots_used = |m: &str| gauge(m, "tandem_state_slots_used").map(|v| v as usize);
     let swapped_out = |m: &str| gauge(m, "tandem_kv_cache_swaps_total{direction=\"out\"}").unwrap_or(0.0) as u64;
+    let busy = |m: &str| ["prefill", "decode"].map(|w| gauge(m, &format!("tandem_engine_busy_seconds_total{{work=\"{w}\"}}")).unwrap_or(0.0));
     let before = metrics(rt, server.addr)?;
+    let busy_before = busy(&before);
     let (kv_before, slots_before, swaps_before) = (kv_used(&before), slots_used(&before), swapped_out(&before));
     let (outcomes, seconds) = rt.block_on(load::drive(workload, arrivals));
     sampling.store(false, Ordering::Relaxed);
@@ -402,7 +408,7 @@ fn run_point(rt: &tokio::runtime::Runtime, server: &Server, served: &Served, nvm
         let _ = s.join();
     }
     let settle = Instant::now();
-    let (mut free, mut queued, mut kv_after, mut slots_after, mut swaps) = (0, 0, None, None, 0);
+    let (mut free, mut queued, mut kv_after, mut slots_after, mut swaps, mut busy_after) = (0, 0, None, None, 0, busy_before);
     while settle.elapsed() < Duration::from_secs(30) {
         let m = metrics(rt, server.addr)?;
         free = served.slots.saturating_sub(gauge(&m, "tandem_active_sequences").unwrap_or(f64::NAN) as usize);
@@ -410,6 +416,7 @@ fn run_point(rt: &tokio::runtime::Runtime, server: &Server, served: &Served, nvm
         kv_after = kv_used(&m);
         slots_after = slots_used(&m);
         swaps = swapped_out(&m) - swaps_before;
+        busy_after = busy(&m);
         if free == served.slots && queued == 0 && kv_after <= kv_before && slots_after <= slots_before {
             break;
         }
@@ -418,7 +425,7 @@ fn run_point(rt: &tokio::runtime::Runtime, server: &Server, served: &Served, nvm
     let failed = outcomes.iter().filter(|o| o.error.is_some()).count();
     progress(&format!("{label}: {:.0} output tok/s, {failed} failed, {free}/{} slots free, {queued} queued", outcomes.iter().map(|o| o.output_tokens).sum::<usize>() as f64 / seconds, served.slots));
     let peak_gpu_memory = *peak.lock().expect("peak lock");
-    Ok(Point { label, outcomes, seconds, peak_gpu_memory, slots_free_after: (free, served.slots), kv_blocks: (kv_before, kv_after), state_slots: (slots_before, slots_after), swaps })
+    Ok(Point { label, outcomes, seconds, peak_gpu_memory, slots_free_after: (free, served.slots), kv_blocks: (kv_before, kv_after), state_slots: (slots_before, slots_after), swaps, busy: (busy_after[0] - busy_before[0], busy_after[1] - busy_before[1]) })
 }
 
 impl Point {
@@ -443,17 +450,17 @@ impl Point {
         let limit = o.output_len as f64 / if limits.shared { prefill + decode } else { prefill.max(decode) };
         let out_rate = out_tokens as f64 / self.seconds;
         let ms = |v: &[f64], p: f64| 1e3 * percentile(v, p);
+        // A workload of one output token has no gaps between tokens.
+        let itl_cell = if itl.is_empty() { "- / -".to_string() } else { format!("{:.1} / {:.1}", ms(&itl, 50.0), ms(&itl, 99.0)) };
         let blocks = |b: Option<usize>| b.map_or("-".to_string(), |b| b.to_string());
         format!(
-            "| {} | {} | {failed} | {:.1} | {out_rate:.0} | {:.0} | {:.0} / {:.0} | {:.1} / {:.1} | {:.1} | {:.0} ({}/{}) | {in_flight:.1} | {decode_limit:.0} | {limit:.0} | {:.0}% | {} | {}/{} | {} / {} | {} / {} | {} |",
+            "| {} | {} | {failed} | {:.1} | {out_rate:.0} | {:.0} | {:.0} / {:.0} | {itl_cell} | {:.1} | {:.0} ({}/{}) | {in_flight:.1} | {decode_limit:.0} | {limit:.0} | {:.0}% | {} | {}/{} | {} / {} | {} / {} | {} | {:.0}% / {:.0}% |",
             self.label,
             self.outcomes.len(),
             self.seconds,
             (in_tokens + out_tokens) as f64 / self.seconds,
             ms(&ttft, 50.0),
             ms(&ttft, 99.0),
-            ms(&itl, 50.0),
-            ms(&itl, 99.0),
             ms(&tpot, 50.0),
             good_tokens as f64 / self.seconds,
             in_slo.len(),
@@ -467,6 +474,8 @@ impl Point {
             blocks(self.state_slots.0),
             blocks(self.state_slots.1),
             self.swaps,
+            100.0 * self.busy.0 / self.seconds,
+            100.0 * self.busy.1 / self.seconds,
         )
     }
 }

@@ -180,16 +180,26 @@ impl<P: Params> Kernel<P> {
     }
 }
 
-/// A launch's shape: blocks in x, y, z and threads per block (no dynamic shared memory).
+/// A launch's shape: blocks in x, y, z, threads per block and bytes of dynamic shared memory
+/// per block (kernels/common.cuh DYNAMIC_SHARED).
 #[derive(Clone, Copy, Debug)]
 pub struct Grid {
     pub blocks: (u32, u32, u32),
     pub threads: u32,
+    pub shared: u32,
 }
+
+/// Dynamic shared memory a kernel may take without being allowed more.
+const DEFAULT_SHARED_LIMIT: u32 = 48 << 10;
 
 impl Grid {
     pub fn new(blocks: (usize, usize, usize), threads: usize) -> Grid {
-        Grid { blocks: (blocks.0 as u32, blocks.1 as u32, blocks.2 as u32), threads: threads as u32 }
+        Grid { blocks: (blocks.0 as u32, blocks.1 as u32, blocks.2 as u32), threads: threads as u32, shared: 0 }
+    }
+
+    /// The same launch with `bytes` of dynamic shared memory a block.
+    pub fn with_shared(self, bytes: usize) -> Grid {
+        Grid { shared: bytes as u32, ..self }
     }
 
     /// `blocks` blocks in x.
@@ -212,6 +222,12 @@ impl Gpu {
             let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
             attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
             attr.value.programmaticStreamSerializationAllowed = 1;
+            if grid.shared > DEFAULT_SHARED_LIMIT {
+                // SAFETY: a function of this context's module; the attribute takes a byte count.
+                unsafe { sys::cuFuncSetAttribute(f.cu_function(), sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, grid.shared as i32) }
+                    .result()
+                    .map_err(|e| anyhow::anyhow!("cuda:{}: allowing {name} {} bytes of shared memory: {e:?}", self.ordinal, grid.shared))?;
+            }
             let config = sys::CUlaunchConfig {
                 gridDimX: grid.blocks.0,
                 gridDimY: grid.blocks.1,
@@ -219,7 +235,7 @@ impl Gpu {
                 blockDimX: grid.threads,
                 blockDimY: 1,
                 blockDimZ: 1,
-                sharedMemBytes: 0,
+                sharedMemBytes: grid.shared,
                 hStream: self.stream.cu_stream(),
                 attrs: &mut attr,
                 numAttrs: (self.pdl && self.pdl_now.load(std::sync::atomic::Ordering::Relaxed)) as u32,

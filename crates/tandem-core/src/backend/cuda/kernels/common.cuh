@@ -102,6 +102,16 @@ __device__ bool last_block_of(unsigned* done, unsigned count) {
     return last;
 }
 
+// A block's dynamic shared memory as an array of T (sized at launch; a kernel is allowed more
+// than 48 KB of it only by an attribute, which `Gpu::launch` sets). One byte array underlies
+// every kernel's (an extern array can have only one type). The CPU emulation gives a block
+// `most` values of static storage instead.
+#ifdef __CUDA_ARCH__
+#define DYNAMIC_SHARED(T, name, most) extern __shared__ __align__(16) unsigned char dynamic_shared_bytes[]; T* name = reinterpret_cast<T*>(dynamic_shared_bytes)
+#else
+#define DYNAMIC_SHARED(T, name, most) alignas(16) static T name##_storage[most]; T* name = name##_storage
+#endif
+
 // Round f32 to bf16, nearest even (the operand of a tensor-core GEMM).
 __device__ __forceinline__ bf16_t f32_to_bf16(float x) {
     u32 b = __float_as_uint(x);

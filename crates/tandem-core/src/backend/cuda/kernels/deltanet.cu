@@ -263,62 +263,57 @@ DELTANET_STEP_BATCH(deltanet_step_batch_32_bf16_state, 32, bf16_t)
 DELTANET_STEP_BATCH(deltanet_step_batch_64_bf16_state, 64, bf16_t)
 DELTANET_STEP_BATCH(deltanet_step_batch_128_bf16_state, 128, bf16_t)
 
-// N consecutive floats from shared memory (16-byte aligned where N is 4: one read).
-template <int N>
-__device__ __forceinline__ void rows_of(const float* p, float (&v)[N]) {
-    if constexpr (N == 4) {
-        float4 t = *(const float4*)p;
-        v[0] = t.x, v[1] = t.y, v[2] = t.z, v[3] = t.w;
-    } else {
-#pragma unroll
-        for (int n = 0; n < N; n++) v[n] = p[n];
-    }
-}
-
 // The batched decode step's mixer with a block per value head of a sequence: block (vh, b)
 // does for sequence b's head vh what the dv / 32 blocks of deltanet_step do for it alone, in the
 // same arithmetic (every sum in the same order), so a sequence still gets the bits it gets
-// alone. Thread (warp w, lane l) holds column w * 8 + l % 8 of the head's state and rows
-// (l / 8) * DK / 4 .. of it: a warp's load is four 32-byte pieces of four rows, and the sums
-// over rows need no barrier: a thread sums its rows in deltanet_step's groups of DK / 16 (a
-// warp's rows there), and the four threads of a column add their groups' sums in that order,
-// the running sum passed down the column by shuffles. The gated norm's sum of squares over the
-// head is deltanet_step's 32-column warp sums, added in order. A token takes two barriers (the
-// conv's outputs, the head's outputs) where deltanet_step_batch takes five and a hand-over
-// between blocks, and a block holds 64 KB of state (at dk = dv = 128) where one of those held 16:
-// the SMs keep far more of the states in flight.
-// Built for square heads (dk = dv = D, known at compile time: the state's row stride is then an
-// immediate offset, which keeps a thread's 32 rows and their addresses within its registers) and
-// conv windows of up to 4 taps; a thread reads its rows of q and k four at a time.
-// Block: 4 * D threads (3 * D of them own a conv channel); grid (hv, sequences); done:
-// sequences * hk zeroed counters (with several value heads a key head, the last of its blocks
-// to finish writes the key head's q/k conv window, after all have read it).
+// alone. The head's state (64 KB at dk = dv = 128 in f32, 32 KB in bf16) goes through shared
+// memory as it is: every thread copies it in and out 16 bytes at a time, and in between one
+// thread per column walks the column's rows there, summing them in deltanet_step's row groups
+// (R = dk / 16 rows, a warp's there) and adding the groups' sums in order. A bf16 state is
+// widened as it is read from shared memory and rounded as it is written back, as deltanet_step
+// rounds it as it stores it; its half-size copy lets more blocks share an SM. Why not registers:
+// a block of 4 dv threads holding 32 values each was capped at 64 registers a thread and
+// spilled, and its 4-byte loads and stores throttled the load/store unit (at 256 sequences of
+// the 0.8B it moved the states at half the memory bandwidth). The gated norm's sum of squares
+// over the head is deltanet_step's 32-column warp sums, added in order.
+// Built for square heads (dk = dv = D, known at compile time) and conv windows of up to 4 taps.
+// Block: 2 D threads (thread c owns q/k conv channel c and, below D, v channel c); dynamic
+// shared memory: D * D state values; grid (hv, sequences); done: sequences * hk zeroed counters
+// (with several value heads a key head, the last of its blocks to finish writes the key head's
+// q/k conv window, after all have read it).
 template <int D, typename S>
 __device__ void deltanet_step_heads_body(float* conv, S* state, const float* qkv, const float* z, const float* bproj, const float* aproj, const float* taps,
                                          const float* neg_a, const float* dt_bias, const float* norm_w, float* core, unsigned* done, int hk, int hv, int dv,
                                          int cd, int kk, float eps) {
-    constexpr int DK = D, R = DK / 16, RG = DK / 4, G = RG / R, KMAX = 4, VW = R % 4 == 0 ? 4 : 1;
-    // q and k a row group apart, 16-byte aligned for the four-row reads.
-    constexpr int PAD = RG + 4;
-    __shared__ float sq[4 * PAD], sk[4 * PAD], sv[D], so[D];
+    constexpr int DK = D, R = DK / 16, KMAX = 4, THREADS = 2 * D, PIECES = D * D * (int)sizeof(S) / 16 / THREADS, BATCH = PIECES < 8 ? PIECES : 8;
+    DYNAMIC_SHARED(S, st, D * D);
+    __shared__ __align__(16) float sq[DK], sk[DK], sv[D], so[D];
     int vh = blockIdx.x, ratio = hv / hk, kh = vh / ratio, kd = hk * DK;
-    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, j = warp * 8 + (lane & 7), g = lane >> 3;
-    bool has_ch = tid < 2 * DK + D;
-    int ch = tid < DK ? kh * DK + tid : tid < 2 * DK ? kd + kh * DK + (tid - DK) : 2 * kd + vh * D + (tid - 2 * DK);
-    float win[KMAX];
-    if (has_ch) {
-#pragma unroll
-        for (int q = 0; q < KMAX; q++)
-            if (q < kk) win[q] = conv[(size_t)q * cd + ch];
-    }
-    // This thread's column of its rows: row i at sh[i * D].
-    S* sh = state + (size_t)vh * DK * D + (size_t)g * RG * D + j;
-    float s[RG];
-#pragma unroll
-    for (int i = 0; i < RG; i++) s[i] = load_state(&sh[i * D]);
+    int tid = threadIdx.x, lane = tid & 31;
+    S* sh = state + (size_t)vh * DK * D;
+    // The state into shared memory, BATCH pieces of 16 bytes a thread in flight at a time.
     // (Loaded before the wait, as deltanet_step's are.)
+    const uint4* from = (const uint4*)sh;
+    uint4* into = (uint4*)st;
+#pragma unroll
+    for (int b = 0; b < PIECES; b += BATCH) {
+        uint4 v[BATCH];
+#pragma unroll
+        for (int p = 0; p < BATCH; p++) v[p] = from[tid + (b + p) * THREADS];
+#pragma unroll
+        for (int p = 0; p < BATCH; p++) into[tid + (b + p) * THREADS] = v[p];
+    }
+    // Conv channels: q/k channel `qk` (every thread), v channel `vc` (threads below D).
+    int qk = tid < DK ? kh * DK + tid : kd + kh * DK + (tid - DK), vc = 2 * kd + vh * D + tid;
+    bool has_v = tid < D;
+    float wqk[KMAX], wv[KMAX];
+#pragma unroll
+    for (int q = 0; q < KMAX; q++) {
+        if (q < kk) wqk[q] = conv[(size_t)q * cd + qk];
+        if (q < kk && has_v) wv[q] = conv[(size_t)q * cd + vc];
+    }
     pdl_enter();
-    if (has_ch) {
+    auto conv_step = [&](float (&win)[KMAX], int ch) {
         float acc = 0.0f;
 #pragma unroll
         for (int q = 0; q < KMAX; q++) {
@@ -326,76 +321,63 @@ __device__ void deltanet_step_heads_body(float* conv, S* state, const float* qkv
             else if (q + 1 == kk) win[q] = qkv[ch];
             if (q < kk) acc = fmaf(taps[(size_t)q * cd + ch], win[q], acc);
         }
-        float y = siluf_(acc);
-        int c = tid < DK ? tid : tid - DK;
-        if (tid < DK) sq[c / RG * PAD + c % RG] = y; else if (tid < 2 * DK) sk[c / RG * PAD + c % RG] = y; else sv[tid - 2 * DK] = y;
-    }
+        return siluf_(acc);
+    };
+    float y = conv_step(wqk, qk);
+    if (tid < DK) sq[tid] = y; else sk[tid - DK] = y;
+    if (has_v) sv[tid] = conv_step(wv, vc);
     __syncthreads();
     // 1 / |q| (times 1/sqrt(dk)) and 1 / |k|, as deltanet_step's warps 0 and 1 (every warp).
     float qn, kn;
     {
         float ss = 0.0f;
-        for (int i = lane; i < DK; i += 32) ss += sq[i / RG * PAD + i % RG] * sq[i / RG * PAD + i % RG];
+        for (int i = lane; i < DK; i += 32) ss += sq[i] * sq[i];
         ss = warp_sum(ss);
         qn = 1.0f / sqrtf(ss + 1e-6f) * rsqrtf((float)DK);
         ss = 0.0f;
-        for (int i = lane; i < DK; i += 32) ss += sk[i / RG * PAD + i % RG] * sk[i / RG * PAD + i % RG];
+        for (int i = lane; i < DK; i += 32) ss += sk[i] * sk[i];
         ss = warp_sum(ss);
         kn = 1.0f / sqrtf(ss + 1e-6f) * 1.0f;
     }
-    const float *q_rows = sq + g * PAD, *k_rows = sk + g * PAD;
-    float beta = sigmoidf_(bproj[vh]);
-    float alpha = expf(neg_a[vh] * softplusf_(aproj[vh] + dt_bias[vh]));
-    // The column's sum over its rows in deltanet_step's order: group after group from 0, the
-    // running sum handed from the column's thread of row group r to that of r + 1.
-    auto column_sum = [&](const float (&part)[G]) {
-        float acc = 0.0f;
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-            if (g == r) {
-#pragma unroll
-                for (int a = 0; a < G; a++) acc += part[a];
-            }
-            acc = __shfl_sync(0xffffffffu, acc, (lane & 7) + 8 * r);
-        }
-        return acc;
-    };
-    float part[G], kv[VW], qv[VW];
-#pragma unroll
-    for (int a = 0; a < G; a++) {
+    if (has_v) {
+        // Column `tid`: the decayed state's product with k, then the update and the product
+        // with q, each a sum over row groups from group 0 (the decay recomputed, not stored).
+        int j = tid;
+        float beta = sigmoidf_(bproj[vh]);
+        float alpha = expf(neg_a[vh] * softplusf_(aproj[vh] + dt_bias[vh]));
         float m = 0.0f;
+        for (int g = 0; g < 16; g++) {
+            float part = 0.0f;
 #pragma unroll
-        for (int i0 = a * R; i0 < (a + 1) * R; i0 += VW) {
-            rows_of<VW>(k_rows + i0, kv);
-#pragma unroll
-            for (int v = 0; v < VW; v++) { s[i0 + v] *= alpha; m += s[i0 + v] * (kv[v] * kn); }
+            for (int r = 0; r < R; r++) {
+                int i = g * R + r;
+                part += (load_state(&st[i * D + j]) * alpha) * (sk[i] * kn);
+            }
+            m += part;
         }
-        part[a] = m;
-    }
-    float m = column_sum(part);
-    float u = beta * (sv[j] - m);
+        float u = beta * (sv[j] - m), o = 0.0f;
+        for (int g = 0; g < 16; g++) {
+            float part = 0.0f;
 #pragma unroll
-    for (int a = 0; a < G; a++) {
-        float o = 0.0f;
-#pragma unroll
-        for (int i0 = a * R; i0 < (a + 1) * R; i0 += VW) {
-            rows_of<VW>(k_rows + i0, kv);
-            rows_of<VW>(q_rows + i0, qv);
-#pragma unroll
-            for (int v = 0; v < VW; v++) { s[i0 + v] += (kv[v] * kn) * u; o += s[i0 + v] * (qv[v] * qn); }
+            for (int r = 0; r < R; r++) {
+                int i = g * R + r;
+                float s = load_state(&st[i * D + j]) * alpha + (sk[i] * kn) * u;
+                // Rounded where the state is bf16, as deltanet_step stores it; the output
+                // takes the value before.
+                store_state(&st[i * D + j], s);
+                part += s * (sq[i] * qn);
+            }
+            o += part;
         }
-        part[a] = o;
-    }
-    float o = column_sum(part);
-    if (g == 0) so[j] = o;
-#pragma unroll
-    for (int i = 0; i < RG; i++) store_state(&sh[i * D], s[i]);
-    if (tid >= 2 * DK && has_ch) {
+        so[j] = o;
 #pragma unroll
         for (int q = 0; q < KMAX; q++)
-            if (q < kk) conv[(size_t)q * cd + ch] = win[q];
+            if (q < kk) conv[(size_t)q * cd + vc] = wv[q];
     }
     __syncthreads();
+    // The new state out, 16 bytes at a time.
+#pragma unroll
+    for (int p = 0; p < PIECES; p++) ((uint4*)sh)[tid + p * THREADS] = into[tid + p * THREADS];
     // The gated RMSNorm over the head: deltanet_step's per-block sums of squares, in order.
     float total = 0.0f;
 #pragma unroll
@@ -403,36 +385,34 @@ __device__ void deltanet_step_heads_body(float* conv, S* state, const float* qkv
         float x = so[b * 32 + lane];
         total += warp_sum(x * x);
     }
-    if (g == 0) {
-        size_t at = (size_t)vh * D + j;
+    if (has_v) {
+        size_t at = (size_t)vh * D + tid;
         float inv = 1.0f / sqrtf(total / D + eps);
-        core[at] = norm_w[j] * (o * inv) * siluf_(z[at]);
+        core[at] = norm_w[tid] * (so[tid] * inv) * siluf_(z[at]);
     }
     // The key head's q/k window: this block's with one value head a key head, else the last
     // block's of the key head to finish (every one has read the window by then).
     if (ratio == 1 || last_block_of(&done[kh], ratio)) {
-        if (tid < 2 * DK) {
 #pragma unroll
-            for (int q = 0; q < KMAX; q++)
-                if (q < kk) conv[(size_t)q * cd + ch] = win[q];
-        }
+        for (int q = 0; q < KMAX; q++)
+            if (q < kk) conv[(size_t)q * cd + qk] = wqk[q];
         if (ratio > 1 && tid == 0) done[kh] = 0;
     }
 }
-#define DELTANET_STEP_HEADS(NAME, DK, S)                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(512, 2) NAME(float* const* convs, void* const* states, const float* qkv, const float* z, const float* b,     \
+#define DELTANET_STEP_HEADS(NAME, DK, S, BLOCKS)                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256, BLOCKS) NAME(float* const* convs, void* const* states, const float* qkv, const float* z, const float* b,     \
                                     const float* a, const float* taps, const float* na, const float* dt, const float* nw, float* core, unsigned* done,     \
                                     int hk, int hv, int dv, int cd, int kk, float eps) {                                                                  \
         size_t s = blockIdx.y, vd = (size_t)hv * dv;                                                                                                      \
         deltanet_step_heads_body<DK, S>(convs[s], (S*)states[s], qkv + s * cd, z + s * vd, b + s * hv, a + s * hv, taps, na, dt, nw, core + s * vd,             \
                                      done + s * hk, hk, hv, dv, cd, kk, eps);                                                                             \
     }
-DELTANET_STEP_HEADS(deltanet_step_heads_32, 32, float)
-DELTANET_STEP_HEADS(deltanet_step_heads_64, 64, float)
-DELTANET_STEP_HEADS(deltanet_step_heads_128, 128, float)
-DELTANET_STEP_HEADS(deltanet_step_heads_32_bf16_state, 32, bf16_t)
-DELTANET_STEP_HEADS(deltanet_step_heads_64_bf16_state, 64, bf16_t)
-DELTANET_STEP_HEADS(deltanet_step_heads_128_bf16_state, 128, bf16_t)
+DELTANET_STEP_HEADS(deltanet_step_heads_32, 32, float, 3)
+DELTANET_STEP_HEADS(deltanet_step_heads_64, 64, float, 3)
+DELTANET_STEP_HEADS(deltanet_step_heads_128, 128, float, 3)
+DELTANET_STEP_HEADS(deltanet_step_heads_32_bf16_state, 32, bf16_t, 5)
+DELTANET_STEP_HEADS(deltanet_step_heads_64_bf16_state, 64, bf16_t, 5)
+DELTANET_STEP_HEADS(deltanet_step_heads_128_bf16_state, 128, bf16_t, 5)
 
 
 // The chunked gated delta rule of a prefill (deltanet.rs chunked_body), in two kernels.

@@ -260,7 +260,7 @@ static auto per_32_columns(K kernel) {
 template <typename K>
 static auto per_value_head(K kernel) {
     return [=](const BatchedStep& s) {
-        launch(s.hv, s.n, 1, 4 * s.dv, [&] { kernel(s.convs, s.states, s.qkv, s.z, s.b, s.a, s.taps, s.neg_a, s.dt, s.norm_w, s.core, s.done, s.hk, s.hv, s.dv, s.cd, s.kk, s.eps); });
+        launch(s.hv, s.n, 1, 2 * s.dv, [&] { kernel(s.convs, s.states, s.qkv, s.z, s.b, s.a, s.taps, s.neg_a, s.dt, s.norm_w, s.core, s.done, s.hk, s.hv, s.dv, s.cd, s.kk, s.eps); });
     };
 }
 
@@ -437,6 +437,7 @@ static void check_deltanet_kernels() {
     check_batched_step<128, float>(2, 4, 128, "deltanet_step_heads_128", deltanet_step_128, per_value_head(deltanet_step_heads_128));
     check_batched_step<128, float>(2, 2, 128, "deltanet_step_heads_128", deltanet_step_128, per_value_head(deltanet_step_heads_128));
     check_batched_step<32, bf16_t>(2, 4, 32, "deltanet_step_heads_32_bf16_state", deltanet_step_32_bf16_state, per_value_head(deltanet_step_heads_32_bf16_state));
+    check_batched_step<128, bf16_t>(2, 2, 128, "deltanet_step_heads_128_bf16_state", deltanet_step_128_bf16_state, per_value_head(deltanet_step_heads_128_bf16_state));
     check_chunked(150, 2, 4, 32, 32);
     check_chunked(70, 1, 2, 128, 128);
     check_conv_and_gated_norm();

@@ -212,7 +212,8 @@ impl GpuQwen35 {
                 (_, StateDtype::Bf16) => k::DELTANET_STEP_HEADS_128_BF16_STATE,
             };
             let args = (convs, recurrents, qkv, z, beta, alpha, taps, neg_a, dt_bias, norm, core, done, shape.0, shape.1, shape.2, shape.3, shape.4, shape.5);
-            return g.launch(kernel, Grid::new((hv, n, 1), 4 * dv), args);
+            // A block per value head of a sequence, its state through shared memory.
+            return g.launch(kernel, Grid::new((hv, n, 1), 2 * dv).with_shared(dk * dv * self.state_dtype().bytes()), args);
         }
         let kernel = match (dk, self.state_dtype()) {
             (32, StateDtype::F32) => k::DELTANET_STEP_BATCH_32,
