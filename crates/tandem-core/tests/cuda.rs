@@ -426,9 +426,9 @@ fn mma_attention_matches_the_f32_tiles() {
 
 /// The tensor-core state walk (kernels/deltanet.cu deltanet_chunk_state_mma_*) against the f32 walk,
 /// its reference, from the same chunk matrices (deltanet_chunk_prep of random projections with
-/// q and k l2-normalised) and the same non-zero start state: 150 tokens (three chunks, the
-/// last partial), key and value heads of 32 and of 128 channels. bf16 operands: outputs and
-/// final state within 2% of their largest values.
+/// q and k l2-normalised; the walk's from the prep's tensor-core build) and the same non-zero
+/// start state: 150 tokens (three chunks, the last partial), key and value heads of 32 and of
+/// 128 channels. bf16 operands: outputs and final state within 2% of their largest values.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn mma_state_walk_matches_the_f32_walk() {
@@ -453,14 +453,16 @@ fn mma_state_walk_matches_the_f32_walk() {
         let start = random(hv * dk * dv, -0.5, 0.5);
         let (gcum, u, w, p) = (g.zeros::<f32>(t * hv).unwrap(), g.zeros::<f32>(t * hv * dv).unwrap(), g.zeros::<f32>(t * hv * dk).unwrap(), g.zeros::<f32>(chunks * hv * 64 * 64).unwrap());
         let (t_, hk_, hv_, dk_, dv_, cd_) = (t as i32, hk as i32, hv as i32, dk as i32, dv as i32, cd as i32);
-        // The prep with the tensor-core walk's bf16 operands (W, q exp(G), k exp(G_last - G)).
-        let ops = g.zeros::<u16>(3 * t * hv * dk).unwrap();
-        let (wb, qb, kb) = (g.ptr(&ops), g.ptr(&ops).offset(t * hv * dk), g.ptr(&ops).offset(2 * t * hv * dk));
-        let prep = (g.ptr(&mixed), g.ptr(&beta), g.ptr(&alpha), g.ptr(&neg_a), g.ptr(&dt_bias), g.ptr(&gcum), g.ptr(&u), g.ptr(&w), g.ptr(&p), wb, qb, kb, t_, hk_, hv_, dk_, dv_, cd_);
+        // The prep with the tensor-core walk's bf16 operands (W, q exp(G), k exp(G_last - G), P;
+        // its products on tensor cores, into its own U).
+        let ops = g.zeros::<u16>(3 * t * hv * dk + chunks * hv * 64 * 64).unwrap();
+        let u_mma = g.zeros::<f32>(t * hv * dv).unwrap();
+        let (wb, qb, kb, pb) = (g.ptr(&ops), g.ptr(&ops).offset(t * hv * dk), g.ptr(&ops).offset(2 * t * hv * dk), g.ptr(&ops).offset(3 * t * hv * dk));
+        let prep = (g.ptr(&mixed), g.ptr(&beta), g.ptr(&alpha), g.ptr(&neg_a), g.ptr(&dt_bias), g.ptr(&gcum), g.ptr(&u_mma), g.ptr(&w), g.ptr(&p), wb, qb, kb, pb, t_, hk_, hv_, dk_, dv_, cd_);
         g.launch(k::DELTANET_CHUNK_PREP, Grid::new((chunks, hv, 1), 256), prep).unwrap();
-        // And without them, for the f32 walk's W (not written where the bf16 operands are).
+        // And without them, all in f32, for the f32 walk.
         let null = tandem_core::backend::cuda::launch::DevPtr::NULL;
-        let prep = (g.ptr(&mixed), g.ptr(&beta), g.ptr(&alpha), g.ptr(&neg_a), g.ptr(&dt_bias), g.ptr(&gcum), g.ptr(&u), g.ptr(&w), g.ptr(&p), null, null, null, t_, hk_, hv_, dk_, dv_, cd_);
+        let prep = (g.ptr(&mixed), g.ptr(&beta), g.ptr(&alpha), g.ptr(&neg_a), g.ptr(&dt_bias), g.ptr(&gcum), g.ptr(&u), g.ptr(&w), g.ptr(&p), null, null, null, null, t_, hk_, hv_, dk_, dv_, cd_);
         g.launch(k::DELTANET_CHUNK_PREP, Grid::new((chunks, hv, 1), 256), prep).unwrap();
         let mma = match dk {
             32 => k::DELTANET_CHUNK_STATE_MMA_32,
@@ -474,7 +476,7 @@ fn mma_state_walk_matches_the_f32_walk() {
         };
         let grid = |threads| Grid::new((hv, dv / 16, 1), threads);
         let want = walked(&|state, core| g.launch(k::DELTANET_CHUNK_STATE_1, grid(256), (state, g.ptr(&mixed), g.ptr(&gcum), g.ptr(&u), g.ptr(&w), g.ptr(&p), core, t_, hk_, hv_, dk_, dv_, cd_)).unwrap());
-        let got = walked(&|state, core| g.launch(mma, grid(128), (state, g.ptr(&gcum), g.ptr(&u), wb, qb, kb, g.ptr(&p), core, t_, hv_, dk_, dv_)).unwrap());
+        let got = walked(&|state, core| g.launch(mma, grid(128).with_shared(k::chunk_state_mma_shared(dk)), (state, g.ptr(&gcum), g.ptr(&u_mma), wb, qb, kb, pb, core, t_, hv_, dk_, dv_)).unwrap());
         let (want, got) = (&want, &got);
         for (what, a, b) in [("outputs", &got.0, &want.0), ("final state", &got.1, &want.1)] {
             let largest = b.iter().fold(0f32, |m, v| m.max(v.abs()));

@@ -420,14 +420,27 @@ DELTANET_STEP_HEADS(deltanet_step_heads_128_bf16_state, 128, bf16_t, 5)
 // log-decay G, the matrices A = (beta k . k^T) * decay (strictly lower) and P = (q . k^T) * decay
 // (lower with the diagonal), and by forward substitution (I + A) U = beta v and
 // (I + A) W = beta k exp(G). Writes gcum [t, hv], U [t, hv, dv], W [t, hv, dk] and
-// P [chunks, hv, 64, 64]; where Wb, Qb and Kb are not null, the tensor-core walk's operands in
-// bf16 instead of W ([t, hv, dk] each): W, q exp(G) and k exp(G_last - G), G_last the chunk's
-// last (W is then not written: only the f32 walk reads it). `mixed` holds the conv output with q and k already l2-normalised.
+// P [chunks, hv, 64, 64]; where Wb, Qb, Kb and Pb are not null, the tensor-core walk's operands
+// in bf16 instead of W and P: W, q exp(G) and k exp(G_last - G) ([t, hv, dk] each, G_last the
+// chunk's last) and P (W and P are then not written in f32: only the f32 walk reads them).
+// `mixed` holds the conv output with q and k already l2-normalised.
+// For the tensor-core walk (Wb not null) k . k^T and q . k^T are taken on tensor cores too, from
+// q and k rounded to bf16 (f32 sums): in f32 on CUDA cores they were most of this kernel's
+// instructions. dk is then one of the walk's (a multiple of 16, at most 128).
 // Block: 256 threads (at least dk + dv); grid: (chunks, hv).
 #define CHUNK 64
 __device__ void deltanet_chunk_prep_body(const float* mixed, const float* bproj, const float* aproj, const float* neg_a, const float* dt_bias, float* gcum, float* U,
-                                         float* W, float* P, bf16_t* Wb, bf16_t* Qb, bf16_t* Kb, int t, int hk, int hv, int dk, int dv, int cd) {
-    __shared__ float qs[CHUNK][33], ks[CHUNK][33], as[CHUNK][CHUNK + 1], gc[CHUNK], bt[CHUNK];
+                                         float* W, float* P, bf16_t* Wb, bf16_t* Qb, bf16_t* Kb, bf16_t* Pb, int t, int hk, int hv, int dk, int dv, int cd) {
+    // `as` (A, for the substitution) first, then the products' operands: 32 key channels of q
+    // and k in f32 (after `as`), or all of q and k in bf16 (over `as`: written after them).
+    constexpr int RS = 128 + 8;  // a bf16 row's stride: 16-byte rows, the mma operand loads conflict-free
+    __shared__ __align__(16) unsigned char scratch[2 * CHUNK * RS * sizeof(bf16_t)];
+    __shared__ float gc[CHUNK], bt[CHUNK];
+    float(*as)[CHUNK + 1] = (float(*)[CHUNK + 1])scratch;
+    float(*qs)[33] = (float(*)[33])(scratch + sizeof(float) * CHUNK * (CHUNK + 1));
+    float(*ks)[33] = qs + CHUNK;
+    bf16_t(*q16)[RS] = (bf16_t(*)[RS])scratch;
+    bf16_t(*k16)[RS] = q16 + CHUNK;
     int chunk = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     int c0 = chunk * CHUNK, n = min(CHUNK, t - c0);
     int kh = h / (hv / hk), kd = hk * dk;
@@ -445,68 +458,107 @@ __device__ void deltanet_chunk_prep_body(const float* mixed, const float* bproj,
         for (int i = 1; i < n; i++) gc[i] += gc[i - 1];
     __syncthreads();
     if (tid < n) gcum[(size_t)(c0 + tid) * hv + h] = gc[tid];
+    // A = (beta k . k^T) * decay (strictly lower) and P = (q . k^T) * decay (lower with the
+    // diagonal) from the products' entry (i, jj).
+    auto put_a_p = [&](int i, int jj, float kk_, float qk) {
+        float decay = jj <= i ? expf(gc[i] - gc[jj]) : 0.0f;
+        as[i][jj] = jj < i ? bt[i] * kk_ * decay : 0.0f;
+        size_t at = ((size_t)chunk * hv + h) * CHUNK * CHUNK + i * CHUNK + jj;
+        if (Pb) Pb[at] = f32_to_bf16(qk * decay); else P[at] = qk * decay;
+    };
     if (Qb) {
         // The tensor-core walk's q and k operands of this head, scaled and rounded here once
-        // (its blocks of DS columns each did it for themselves): the same expressions.
+        // (its blocks of DS columns each did it for themselves): the same expressions; and q
+        // and k as they are, rounded, for the products (zeros past the last row).
         float gl = gc[n - 1];
-        for (int e = tid; e < n * dk / 4; e += blockDim.x) {
+        for (int e = tid; e < CHUNK * dk / 4; e += blockDim.x) {
             int i = e / (dk / 4), d = (e % (dk / 4)) * 4;
-            const float* row = mixed + (size_t)(c0 + i) * cd;
-            float4 q = *(const float4*)&row[kh * dk + d], k = *(const float4*)&row[kd + kh * dk + d];
-            float eg = expf(gc[i]), ek = expf(gl - gc[i]);
-            size_t at = ((size_t)(c0 + i) * hv + h) * dk + d;
-            *(uint2*)&Qb[at] = make_uint2(pack_bf16x2(q.x * eg, q.y * eg), pack_bf16x2(q.z * eg, q.w * eg));
-            *(uint2*)&Kb[at] = make_uint2(pack_bf16x2(k.x * ek, k.y * ek), pack_bf16x2(k.z * ek, k.w * ek));
-        }
-    }
-    // k . k^T and q . k^T, 4 x 4 entries per thread, over dk in steps of 32; the next 32
-    // channels' loads in flight while these are multiplied (with the column loads below in
-    // flight together too, this kernel went from 6.3 to 5.0 ms of a 9B prefill on an H200).
-    int ty = tid / 16, tx = tid % 16;
-    float accA[4][4] = {{0}}, accP[4][4] = {{0}};
-    constexpr int PER = CHUNK * 32 / 256;
-    float rq[PER], rk[PER];
-    auto load_qk = [&](int d0) {
-#pragma unroll
-        for (int j = 0; j < PER; j++) {
-            int e = tid + j * 256, i = e / 32, dd = e % 32;
-            const float* row = mixed + (size_t)(c0 + i) * cd;
-            rq[j] = i < n ? row[kh * dk + d0 + dd] : 0.0f;
-            rk[j] = i < n ? row[kd + kh * dk + d0 + dd] : 0.0f;
-        }
-    };
-    load_qk(0);
-    for (int d0 = 0; d0 < dk; d0 += 32) {
-#pragma unroll
-        for (int j = 0; j < PER; j++) {
-            int e = tid + j * 256;
-            qs[e / 32][e % 32] = rq[j];
-            ks[e / 32][e % 32] = rk[j];
+            float4 q = make_float4(0.0f, 0.0f, 0.0f, 0.0f), k = q;
+            if (i < n) {
+                const float* row = mixed + (size_t)(c0 + i) * cd;
+                q = *(const float4*)&row[kh * dk + d];
+                k = *(const float4*)&row[kd + kh * dk + d];
+                float eg = expf(gc[i]), ek = expf(gl - gc[i]);
+                size_t at = ((size_t)(c0 + i) * hv + h) * dk + d;
+                *(uint2*)&Qb[at] = make_uint2(pack_bf16x2(q.x * eg, q.y * eg), pack_bf16x2(q.z * eg, q.w * eg));
+                *(uint2*)&Kb[at] = make_uint2(pack_bf16x2(k.x * ek, k.y * ek), pack_bf16x2(k.z * ek, k.w * ek));
+            }
+            *(uint2*)&q16[i][d] = make_uint2(pack_bf16x2(q.x, q.y), pack_bf16x2(q.z, q.w));
+            *(uint2*)&k16[i][d] = make_uint2(pack_bf16x2(k.x, k.y), pack_bf16x2(k.z, k.w));
         }
         __syncthreads();
-        if (d0 + 32 < dk) load_qk(d0 + 32);
+        // k . k^T and q . k^T: warp w takes rows 16 (w / 2).. and columns 32 (w % 2).. of both
+        // (4 pieces of 16 x 8 each), k's rows being both the A operand (row-major) and the B
+        // one (column-major: column jj of k^T is row jj of k).
+        int warp = tid >> 5, lane = tid & 31, r = lane >> 2, cp = (lane & 3) * 2, row0 = (warp >> 1) * 16, col0 = (warp & 1) * 32;
+        float kk_acc[4][4] = {}, qk_acc[4][4] = {};
+        for (int k0 = 0; k0 < dk; k0 += 16) {
+            u32 ak[4], aq[4];
+            ak[0] = *(const u32*)&k16[row0 + r][k0 + cp];
+            ak[1] = *(const u32*)&k16[row0 + r + 8][k0 + cp];
+            ak[2] = *(const u32*)&k16[row0 + r][k0 + 8 + cp];
+            ak[3] = *(const u32*)&k16[row0 + r + 8][k0 + 8 + cp];
+            aq[0] = *(const u32*)&q16[row0 + r][k0 + cp];
+            aq[1] = *(const u32*)&q16[row0 + r + 8][k0 + cp];
+            aq[2] = *(const u32*)&q16[row0 + r][k0 + 8 + cp];
+            aq[3] = *(const u32*)&q16[row0 + r + 8][k0 + 8 + cp];
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) {
+                const bf16_t* b = &k16[col0 + nt * 8 + r][k0 + cp];
+                u32 b0 = *(const u32*)b, b1 = *(const u32*)(b + 8);
+                mma_bf16_16816(kk_acc[nt], ak, b0, b1);
+                mma_bf16_16816(qk_acc[nt], aq, b0, b1);
+            }
+        }
+        __syncthreads();  // `as` lies over q and k
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) put_a_p(row0 + r + (e >> 1) * 8, col0 + nt * 8 + cp + (e & 1), kk_acc[nt][e], qk_acc[nt][e]);
+    } else {
+        // k . k^T and q . k^T in f32, 4 x 4 entries per thread, over dk in steps of 32; the next
+        // 32 channels' loads in flight while these are multiplied (with the column loads below in
+        // flight together too, this kernel went from 6.3 to 5.0 ms of a 9B prefill on an H200).
+        int ty = tid / 16, tx = tid % 16;
+        float accA[4][4] = {{0}}, accP[4][4] = {{0}};
+        constexpr int PER = CHUNK * 32 / 256;
+        float rq[PER], rk[PER];
+        auto load_qk = [&](int d0) {
+#pragma unroll
+            for (int j = 0; j < PER; j++) {
+                int e = tid + j * 256, i = e / 32, dd = e % 32;
+                const float* row = mixed + (size_t)(c0 + i) * cd;
+                rq[j] = i < n ? row[kh * dk + d0 + dd] : 0.0f;
+                rk[j] = i < n ? row[kd + kh * dk + d0 + dd] : 0.0f;
+            }
+        };
+        load_qk(0);
+        for (int d0 = 0; d0 < dk; d0 += 32) {
+#pragma unroll
+            for (int j = 0; j < PER; j++) {
+                int e = tid + j * 256;
+                qs[e / 32][e % 32] = rq[j];
+                ks[e / 32][e % 32] = rk[j];
+            }
+            __syncthreads();
+            if (d0 + 32 < dk) load_qk(d0 + 32);
 #pragma unroll 8
-        for (int dd = 0; dd < 32; dd++) {
-            float qa[4], ka[4], kb[4];
+            for (int dd = 0; dd < 32; dd++) {
+                float qa[4], ka[4], kb[4];
 #pragma unroll
-            for (int r = 0; r < 4; r++) { qa[r] = qs[ty * 4 + r][dd]; ka[r] = ks[ty * 4 + r][dd]; kb[r] = ks[tx * 4 + r][dd]; }
+                for (int r = 0; r < 4; r++) { qa[r] = qs[ty * 4 + r][dd]; ka[r] = ks[ty * 4 + r][dd]; kb[r] = ks[tx * 4 + r][dd]; }
 #pragma unroll
-            for (int r = 0; r < 4; r++)
+                for (int r = 0; r < 4; r++)
 #pragma unroll
-                for (int c = 0; c < 4; c++) { accA[r][c] += ka[r] * kb[c]; accP[r][c] += qa[r] * kb[c]; }
+                    for (int c = 0; c < 4; c++) { accA[r][c] += ka[r] * kb[c]; accP[r][c] += qa[r] * kb[c]; }
+            }
+            __syncthreads();
         }
-        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) put_a_p(ty * 4 + r, tx * 4 + c, accA[r][c], accP[r][c]);
     }
-    float* Pc = P + ((size_t)chunk * hv + h) * CHUNK * CHUNK;
-#pragma unroll
-    for (int r = 0; r < 4; r++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) {
-            int i = ty * 4 + r, jj = tx * 4 + c;
-            float decay = jj <= i ? expf(gc[i] - gc[jj]) : 0.0f;
-            as[i][jj] = jj < i ? bt[i] * accA[r][c] * decay : 0.0f;
-            Pc[i * CHUNK + jj] = accP[r][c] * decay;
-        }
     __syncthreads();
     // Forward substitution, one column of U (threads < dv) or W (the next dk) per thread, the
     // column in registers (the loops are unrolled).
@@ -539,21 +591,21 @@ __device__ void deltanet_chunk_prep_body(const float* mixed, const float* bproj,
 // SM, 12% of its warps active): 16 prompts of 512 tokens of the 0.8B on an H100, 470-500 -> 404
 // us a launch (ncu, two rounds).
 extern "C" __global__ void __launch_bounds__(256, 2) deltanet_chunk_prep(const float* mixed, const float* bproj, const float* aproj, const float* neg_a, const float* dt_bias,
-                                                                      float* gcum, float* U, float* W, float* P, bf16_t* Wb, bf16_t* Qb, bf16_t* Kb, int t, int hk, int hv,
-                                                                      int dk, int dv, int cd) {
+                                                                      float* gcum, float* U, float* W, float* P, bf16_t* Wb, bf16_t* Qb, bf16_t* Kb, bf16_t* Pb, int t, int hk,
+                                                                      int hv, int dk, int dv, int cd) {
     pdl_enter();
-    deltanet_chunk_prep_body(mixed, bproj, aproj, neg_a, dt_bias, gcum, U, W, P, Wb, Qb, Kb, t, hk, hv, dk, dv, cd);
+    deltanet_chunk_prep_body(mixed, bproj, aproj, neg_a, dt_bias, gcum, U, W, P, Wb, Qb, Kb, Pb, t, hk, hv, dk, dv, cd);
 }
 // Grid: (most chunks of a sequence, hv, sequences).
 extern "C" __global__ void __launch_bounds__(256, 2) deltanet_chunk_prep_packed(const u32* seqs, const float* mixed, const float* bproj, const float* aproj, const float* neg_a,
                                                                              const float* dt_bias, float* gcum, float* U, float* W, float* P, bf16_t* Wb, bf16_t* Qb,
-                                                                             bf16_t* Kb, int hk, int hv, int dk, int dv, int cd) {
+                                                                             bf16_t* Kb, bf16_t* Pb, int hk, int hv, int dk, int dv, int cd) {
     pdl_enter();
     PackedSeq q = packed_seq(seqs);
     if ((int)blockIdx.x * CHUNK >= q.count) return;
-    size_t r = q.first, rk = r * hv * dk;
-    deltanet_chunk_prep_body(mixed + r * cd, bproj + r * hv, aproj + r * hv, neg_a, dt_bias, gcum + r * hv, U + r * hv * dv, W + rk,
-                             P + (size_t)q.chunk0 * hv * CHUNK * CHUNK, Wb ? Wb + rk : Wb, Qb ? Qb + rk : Qb, Kb ? Kb + rk : Kb, q.count, hk, hv, dk, dv, cd);
+    size_t r = q.first, rk = r * hv * dk, rp = (size_t)q.chunk0 * hv * CHUNK * CHUNK;
+    deltanet_chunk_prep_body(mixed + r * cd, bproj + r * hv, aproj + r * hv, neg_a, dt_bias, gcum + r * hv, U + r * hv * dv, W + rk, P + rp, Wb ? Wb + rk : Wb,
+                             Qb ? Qb + rk : Qb, Kb ? Kb + rk : Kb, Pb ? Pb + rp : Pb, q.count, hk, hv, dk, dv, cd);
 }
 
 // Part 2, the state's way through the chunks (in order), one block per (value head, DS value
@@ -707,32 +759,79 @@ __device__ __forceinline__ void for_each_state(float (&sacc)[MT_PER_WARP][2][4],
 // Part 2 on tensor cores (tensor-cores precision, sm_80 and later; deltanet_chunk_state is its
 // f32 reference): per chunk the same three products, V' = U - W S, O = (q exp(G)) S + P V' and
 // S <- exp(G_last) S + (k exp(G_last - G))^T V', with bf16 operands and f32 sums. The operands
-// W, q exp(G) and k exp(G_last - G) come rounded from the prep (Wb, Qb, Kb): each of a head's
-// dv / 16 blocks used to load them in f32 and round them itself. The state's
-// master copy stays f32, in the registers of the last product's accumulators; a bf16 copy of
-// it (transposed: Sb[column][key channel]) is the B operand of the next chunk's first two.
+// W, q exp(G), k exp(G_last - G) and P come in bf16 from the prep (Wb, Qb, Kb, Pb), written once
+// a head rather than rounded by each of its dv / 16 blocks. The state's master copy stays f32,
+// in the registers of the last product's accumulators; a bf16 copy of it (transposed:
+// Sb[column][key channel]) is the B operand of the next chunk's first two.
 // Block (value head, 16 value columns), 4 warps: for V' and O warp w takes chunk rows 16 w..,
-// for the state key channels 16 (w + 4 j)... Shared memory, bf16: W and q exp(G) as rows
-// (phase 1), then P in their place (phase 2), then k exp(G_last - G) transposed (phase 3);
-// V' transposed (Vb[column][row]) for phases 2 and 3. `dk` must equal DK.
-// Grid: (hv, dv / 16); block 128.
+// for the state key channels 16 (w + 4 j)... The operands go from global to shared memory by
+// asynchronous copies, each into a buffer of its own, issued a phase or two before they are
+// needed: W and q of the next chunk once phase 1 is done with this one's, P of the next once
+// phase 2 is, k of this chunk as it starts. They used to go through registers (255 a thread:
+// two blocks an SM) into one region that the phases took in turn. k is kept as rows: phase 3's
+// A operand is k^T, and ldmatrix transposes its 8 x 8 pieces as it loads them (the walk used to
+// write k transposed, 2 bytes at a time, 16 lanes of a warp into one bank). V' transposed
+// (Vb[column][row]) for phases 2 and 3. `dk` must equal DK. Dynamic shared memory:
+// CHUNK_STATE_MMA_SHARED(DK) bytes. Grid: (hv, dv / 16); block 128.
+// (layers.rs chunk_state_mma_shared computes the same.)
+#define CHUNK_PAD 8
+#define CHUNK_STATE_MMA_SHARED(DK) (2 * ((3 * CHUNK + 16) * ((DK) + CHUNK_PAD) + (CHUNK + 16) * (CHUNK + CHUNK_PAD)))
 template <int DK, typename S>
-__device__ void deltanet_chunk_state_mma_body(S* state, const float* gcum, const float* U, const bf16_t* Wg, const bf16_t* Qg, const bf16_t* Kg, const float* P, float* core,
+__device__ void deltanet_chunk_state_mma_body(S* state, const float* gcum, const float* U, const bf16_t* Wg, const bf16_t* Qg, const bf16_t* Kg, const bf16_t* Pg, float* core,
                                               int t, int hv, int dv) {
-    constexpr int DS = 16, PAD = 8, KSTEPS = DK / 16, MT = DK / 16, MT_PER_WARP = (MT + 3) / 4;
-    constexpr int ROWS = CHUNK * (DK + PAD), TRANSPOSED = DK * (CHUNK + PAD), REGION = 2 * ROWS > TRANSPOSED ? 2 * ROWS : TRANSPOSED;
-    __shared__ __align__(16) bf16_t region[REGION];
-    __shared__ __align__(16) bf16_t Sb[DS][DK + PAD];
-    __shared__ __align__(16) bf16_t Vb[DS][CHUNK + PAD];
-    __shared__ float gc[CHUNK];
-    bf16_t(*Wb)[DK + PAD] = (bf16_t(*)[DK + PAD])region;
-    bf16_t(*Qb)[DK + PAD] = (bf16_t(*)[DK + PAD])(region + ROWS);
-    bf16_t(*Pb)[CHUNK + PAD] = (bf16_t(*)[CHUNK + PAD])region;
-    bf16_t(*Kt)[CHUNK + PAD] = (bf16_t(*)[CHUNK + PAD])region;
+    constexpr int DS = 16, KSTEPS = DK / 16, MT = DK / 16, MT_PER_WARP = (MT + 3) / 4;
+    constexpr int RS = DK + CHUNK_PAD, PS = CHUNK + CHUNK_PAD;  // row strides: 16-byte rows, conflict-free operand loads
+    DYNAMIC_SHARED(bf16_t, smem, CHUNK_STATE_MMA_SHARED(DK) / 2);
+    bf16_t(*Wb)[RS] = (bf16_t(*)[RS])smem;
+    bf16_t(*Qb)[RS] = Wb + CHUNK;
+    bf16_t(*Kr)[RS] = Qb + CHUNK;
+    bf16_t(*Sb)[RS] = Kr + CHUNK;
+    bf16_t(*Pb)[PS] = (bf16_t(*)[PS])(Sb + DS);
+    bf16_t(*Vb)[PS] = Pb + CHUNK;
     int h = blockIdx.x, col0 = blockIdx.y * DS, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int r = lane >> 2, cp = (lane & 3) * 2;
     int vd = hv * dv;
     S* sh = state + (size_t)h * DK * dv;
+    int chunks = (t + CHUNK - 1) / CHUNK;
+    if (chunks == 0) return;
+    // A chunk's rows of a [t, hv, DK] operand into `dst`, 16 bytes a copy (zeros past the last
+    // row), and a chunk's P (all 64 x 64 written by the prep).
+    auto copy_rows = [&](bf16_t(*dst)[RS], const bf16_t* g, int chunk) {
+        constexpr int ROW8 = DK / 8;
+        int c0 = chunk * CHUNK, n = min(CHUNK, t - c0);
+#pragma unroll
+        for (int j = 0; j < CHUNK * ROW8 / 128; j++) {
+            int e = tid + j * 128, i = e / ROW8, d = (e % ROW8) * 8;
+            copy16_async(&dst[i][d], g + ((size_t)(c0 + min(i, n - 1)) * hv + h) * DK + d, i < n);
+        }
+    };
+    auto copy_p = [&](int chunk) {
+        const bf16_t* pc = Pg + ((size_t)chunk * hv + h) * CHUNK * CHUNK;
+#pragma unroll
+        for (int j = 0; j < CHUNK * CHUNK / 8 / 128; j++) {
+            int e = tid + j * 128, i = e / (CHUNK / 8), c = (e % (CHUNK / 8)) * 8;
+            copy16_async(&Pb[i][c], pc + i * CHUNK + c, true);
+        }
+    };
+    // A chunk's last G and this lane's entries of its U, loaded a chunk ahead into registers.
+    float glast, unext[2][4];
+    auto load_g_u = [&](int chunk) {
+        int c0 = chunk * CHUNK, n = min(CHUNK, t - c0);
+        glast = gcum[(size_t)(c0 + n - 1) * hv + h];
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int i = warp * 16 + r + (e >> 1) * 8, c = nt * 8 + cp + (e & 1);
+                unext[nt][e] = i < n ? U[((size_t)(c0 + i) * hv + h) * dv + col0 + c] : 0.0f;
+            }
+    };
+    copy_rows(Wb, Wg, 0);
+    copy_rows(Qb, Qg, 0);
+    copy_async_commit();
+    copy_p(0);
+    copy_async_commit();
+    load_g_u(0);
     // The state's elements this lane holds (for_each_state), the master copy.
     float sacc[MT_PER_WARP][2][4] = {};
     for_each_state<MT_PER_WARP, MT>(sacc, warp, r, cp, [&](float& v, int row, int col) { v = load_state(&sh[(size_t)row * dv + col0 + col]); });
@@ -745,49 +844,20 @@ __device__ void deltanet_chunk_state_mma_body(S* state, const float* gcum, const
         a[3] = *(const u32*)&base[(row0 + r + 8) * stride + k0 + 8 + cp];
     };
     store_sb();
-    // Loads of 8 bf16 (16 bytes) a piece, all of a chunk's in flight together: loads issued one
-    // at a time, each waited for, made this walk slower than the f32 one. ROW8 is a row's
-    // pieces, PER8 a thread's over the chunk's rows.
-    constexpr int ROW8 = DK / 8, PER8 = CHUNK * ROW8 / 128;
-    int chunks = (t + CHUNK - 1) / CHUNK;
-    // Piece j of this thread of a chunk's rows of an operand (zeros past the last row).
-    auto load_rows = [&](uint4(&v)[PER8], const bf16_t* g, int chunk) {
-        int c0 = chunk * CHUNK, n = min(CHUNK, t - c0);
-#pragma unroll
-        for (int j = 0; j < PER8; j++) {
-            int e = tid + j * 128, i = e / ROW8, d8 = e % ROW8;
-            v[j] = i < n ? ((const uint4*)(g + ((size_t)(c0 + i) * hv + h) * DK))[d8] : make_uint4(0, 0, 0, 0);
-        }
-    };
-    uint4 wv[PER8], qv[PER8];
-    load_rows(wv, Wg, 0);
-    load_rows(qv, Qg, 0);
+    // Each chunk commits three groups of copies, in this order: its k, the next chunk's W and q,
+    // the next chunk's P; a phase waits for its own (copy_async_wait: at most N later groups
+    // still in flight), then a barrier makes every thread's copies visible.
     for (int chunk = 0; chunk < chunks; chunk++) {
         int c0 = chunk * CHUNK, n = min(CHUNK, t - c0);
-        __syncthreads();  // Sb is written and the last chunk's phase 3 is done with the region
-        if (tid < CHUNK) gc[tid] = tid < n ? gcum[(size_t)(c0 + tid) * hv + h] : 0.0f;
-        // This chunk's U and P, used after phase 1: their loads run meanwhile.
-        float ur[2][4];
-        float4 pr[CHUNK * CHUNK / 4 / 128];
+        float ur[2][4], el = expf(glast);
 #pragma unroll
         for (int nt = 0; nt < 2; nt++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int i = warp * 16 + r + (e >> 1) * 8, c = nt * 8 + cp + (e & 1);
-                ur[nt][e] = i < n ? U[((size_t)(c0 + i) * hv + h) * dv + col0 + c] : 0.0f;
-            }
-        const float4* Pc = (const float4*)(P + ((size_t)chunk * hv + h) * CHUNK * CHUNK);
-#pragma unroll
-        for (int q = 0; q < CHUNK * CHUNK / 4 / 128; q++) pr[q] = Pc[tid + q * 128];
-        __syncthreads();
-        // (This chunk's W and q came in during the chunk before.)
-#pragma unroll
-        for (int j = 0; j < PER8; j++) {
-            int e = tid + j * 128, i = e / ROW8, d = (e % ROW8) * 8;
-            *(uint4*)&Wb[i][d] = wv[j];
-            *(uint4*)&Qb[i][d] = qv[j];
-        }
-        __syncthreads();
+            for (int e = 0; e < 4; e++) ur[nt][e] = unext[nt][e];
+        copy_async_wait<1>();  // this chunk's W and q (its P may still be in flight)
+        __syncthreads();       // and every thread is past the last chunk's phase 3
+        copy_rows(Kr, Kg, chunk);
+        copy_async_commit();
         // Phase 1: W S and (q exp(G)) S for this warp's 16 rows.
         float vacc[2][4], oacc[2][4];
 #pragma unroll
@@ -797,8 +867,8 @@ __device__ void deltanet_chunk_state_mma_body(S* state, const float* gcum, const
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; kk++) {
             u32 aw[4], aq[4];
-            a_frag(aw, &Wb[0][0], DK + PAD, warp * 16, kk * 16);
-            a_frag(aq, &Qb[0][0], DK + PAD, warp * 16, kk * 16);
+            a_frag(aw, &Wb[0][0], RS, warp * 16, kk * 16);
+            a_frag(aq, &Qb[0][0], RS, warp * 16, kk * 16);
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
                 u32 b0 = *(const u32*)&Sb[nt * 8 + r][kk * 16 + cp], b1 = *(const u32*)&Sb[nt * 8 + r][kk * 16 + 8 + cp];
@@ -814,20 +884,18 @@ __device__ void deltanet_chunk_state_mma_body(S* state, const float* gcum, const
                 Vb[c][i] = f32_to_bf16(i < n ? ur[nt][e] - vacc[nt][e] : 0.0f);
             }
         __syncthreads();  // Vb is whole; W and q are done with
-        // Phase 2: O += P V'.
-#pragma unroll
-        for (int q = 0; q < CHUNK * CHUNK / 4 / 128; q++) {
-            int e = (tid + q * 128) * 4;
-            *(uint2*)&Pb[e / CHUNK][e % CHUNK] = make_uint2(pack_bf16x2(pr[q].x, pr[q].y), pack_bf16x2(pr[q].z, pr[q].w));
+        if (chunk + 1 < chunks) {
+            copy_rows(Wb, Wg, chunk + 1);
+            copy_rows(Qb, Qg, chunk + 1);
         }
-        // Phase 3's k rows, in flight during phase 2.
-        uint4 kv[PER8];
-        load_rows(kv, Kg, chunk);
+        copy_async_commit();
+        copy_async_wait<2>();  // this chunk's P
         __syncthreads();
+        // Phase 2: O += P V'.
 #pragma unroll
         for (int kk = 0; kk < CHUNK / 16; kk++) {
             u32 ap[4];
-            a_frag(ap, &Pb[0][0], CHUNK + PAD, warp * 16, kk * 16);
+            a_frag(ap, &Pb[0][0], PS, warp * 16, kk * 16);
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) mma_bf16_16816(oacc[nt], ap, *(const u32*)&Vb[nt * 8 + r][kk * 16 + cp], *(const u32*)&Vb[nt * 8 + r][kk * 16 + 8 + cp]);
         }
@@ -838,25 +906,12 @@ __device__ void deltanet_chunk_state_mma_body(S* state, const float* gcum, const
                 int i = warp * 16 + r + (e >> 1) * 8, c = nt * 8 + cp + (e & 1);
                 if (i < n) core[(size_t)(c0 + i) * vd + h * dv + col0 + c] = oacc[nt][e];
             }
-        __syncthreads();  // P is done with
+        if (chunk + 1 < chunks) load_g_u(chunk + 1);
+        copy_async_wait<1>();  // this chunk's k
+        __syncthreads();       // P is done with
+        if (chunk + 1 < chunks) copy_p(chunk + 1);
+        copy_async_commit();
         // Phase 3: S <- exp(G_last) S + (k exp(G_last - G))^T V'.
-        float el = expf(gc[n - 1]);
-#pragma unroll
-        for (int j = 0; j < PER8; j++) {
-            int e = tid + j * 128, i = e / ROW8, d = (e % ROW8) * 8;
-            u32 pair[4] = {kv[j].x, kv[j].y, kv[j].z, kv[j].w};
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                Kt[d + 2 * c][i] = (bf16_t)(pair[c] & 0xffffu);
-                Kt[d + 2 * c + 1][i] = (bf16_t)(pair[c] >> 16);
-            }
-        }
-        __syncthreads();
-        // The next chunk's W and q loads, in flight while this one's state is updated.
-        if (chunk + 1 < chunks) {
-            load_rows(wv, Wg, chunk + 1);
-            load_rows(qv, Qg, chunk + 1);
-        }
 #pragma unroll
         for (int a = 0; a < MT_PER_WARP; a++) {
             int mt = warp + 4 * a;
@@ -867,22 +922,27 @@ __device__ void deltanet_chunk_state_mma_body(S* state, const float* gcum, const
                 for (int e = 0; e < 4; e++) sacc[a][nt][e] *= el;
 #pragma unroll
             for (int kk = 0; kk < CHUNK / 16; kk++) {
+                // k^T's rows mt 16.. (key channels), columns kk 16.. (chunk rows): lane l
+                // points at chunk row kk 16 + 8 (m / 2) + l % 8, channels mt 16 + 8 (m % 2)..
+                // of piece m = l / 8, which ldmatrix gives back transposed as a[m].
                 u32 ak[4];
-                a_frag(ak, &Kt[0][0], CHUNK + PAD, mt * 16, kk * 16);
+                int m = lane >> 3;
+                ldmatrix_x4<true>(ak, &Kr[kk * 16 + (m >> 1) * 8 + (lane & 7)][mt * 16 + (m & 1) * 8]);
 #pragma unroll
                 for (int nt = 0; nt < 2; nt++) mma_bf16_16816(sacc[a][nt], ak, *(const u32*)&Vb[nt * 8 + r][kk * 16 + cp], *(const u32*)&Vb[nt * 8 + r][kk * 16 + 8 + cp]);
             }
         }
-        // Sb was last read in phase 1 (several barriers ago): the next chunk's copy goes in now.
+        // Sb was last read in phase 1 (two barriers ago): the next chunk's copy goes in now.
         store_sb();
     }
+    copy_async_wait<0>();
     for_each_state<MT_PER_WARP, MT>(sacc, warp, r, cp, [&](float& v, int row, int col) { store_state(&sh[(size_t)row * dv + col0 + col], v); });
 }
 #define DELTANET_CHUNK_STATE_MMA(NAME, DK, S)                                                                                                         \
     extern "C" __global__ void __launch_bounds__(128) NAME(void* state, const float* gcum, const float* U, const bf16_t* Wb, const bf16_t* Qb, const bf16_t* Kb, \
-                                                           const float* P, float* core, int t, int hv, int dk, int dv) {                                    \
+                                                           const bf16_t* Pb, float* core, int t, int hv, int dk, int dv) {                                  \
         pdl_enter();                                                                                                                                  \
-        deltanet_chunk_state_mma_body<DK, S>((S*)state, gcum, U, Wb, Qb, Kb, P, core, t, hv, dv);                                                      \
+        deltanet_chunk_state_mma_body<DK, S>((S*)state, gcum, U, Wb, Qb, Kb, Pb, core, t, hv, dv);                                                     \
     }
 DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_32, 32, float)
 DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_64, 64, float)
@@ -898,12 +958,12 @@ DELTANET_CHUNK_STATE_MMA(deltanet_chunk_state_mma_128_bf16_state, 128, bf16_t)
         P + (size_t)q.chunk0 * hv * CHUNK * CHUNK, core + (size_t)q.first * hv * dv, q.count
 #define DELTANET_CHUNK_STATE_MMA_PACKED(NAME, DK, S)                                                                                                   \
     extern "C" __global__ void __launch_bounds__(128) NAME(void* const* states, const u32* seqs, const float* gcum, const float* U, const bf16_t* Wb,       \
-                                                           const bf16_t* Qb, const bf16_t* Kb, const float* P, float* core, int hv, int dk, int dv) {        \
+                                                           const bf16_t* Qb, const bf16_t* Kb, const bf16_t* Pb, float* core, int hv, int dk, int dv) {      \
         pdl_enter();                                                                                                                                   \
         PackedSeq q = packed_seq(seqs);                                                                                                                \
         size_t r = q.first, rk = r * hv * dk;                                                                                                          \
         deltanet_chunk_state_mma_body<DK, S>((S*)states[blockIdx.z], gcum + r * hv, U + r * hv * dv, Wb + rk, Qb + rk, Kb + rk,                        \
-                                             P + (size_t)q.chunk0 * hv * CHUNK * CHUNK, core + r * hv * dv, q.count, hv, dv);                           \
+                                             Pb + (size_t)q.chunk0 * hv * CHUNK * CHUNK, core + r * hv * dv, q.count, hv, dv);                          \
     }
 DELTANET_CHUNK_STATE_MMA_PACKED(deltanet_chunk_state_mma_packed_32, 32, float)
 DELTANET_CHUNK_STATE_MMA_PACKED(deltanet_chunk_state_mma_packed_64, 64, float)

@@ -71,13 +71,14 @@ static void check_deltanet_step(int hk, int hv, int dv, void (*kernel)(float*, v
     check_counters(name, done);
 }
 
-// The prep's bf16 operands of the tensor-core walk, each the f32 value it stands for rounded
-// (as the walk rounded them itself before): W; q exp(G); k exp(G_last - G), G_last the last of
-// the row's chunk.
+// The prep's bf16 operands of the tensor-core walk: q exp(G) and k exp(G_last - G) (G_last the
+// last of the row's chunk), each the f32 value it stands for rounded (as the walk rounded them
+// itself before), and W within bf16's reach of the f32 prep's (its products took bf16 q and k).
 static void check_walk_operands(const std::vector<float>& mixed, const std::vector<float>& gcum, const std::vector<float>& W, const std::vector<bf16_t>& ops, int t, int hk,
                                 int hv, int dk, int cd) {
     size_t each = (size_t)t * hv * dk;
     bool same = true;
+    std::vector<float> w_op(each);
     for (int i = 0; i < t; i++)
         for (int h = 0; h < hv; h++) {
             int kh = h / (hv / hk), last = std::min((i / 64) * 64 + 63, t - 1);
@@ -85,11 +86,13 @@ static void check_walk_operands(const std::vector<float>& mixed, const std::vect
             for (int d = 0; d < dk; d++) {
                 size_t at = ((size_t)i * hv + h) * dk + d;
                 float q = mixed[(size_t)i * cd + kh * dk + d], k = mixed[(size_t)i * cd + hk * dk + kh * dk + d];
-                same &= ops[at] == f32_to_bf16(W[at]) && ops[each + at] == f32_to_bf16(q * expf(g)) && ops[2 * each + at] == f32_to_bf16(k * expf(gl - g));
+                same &= ops[each + at] == f32_to_bf16(q * expf(g)) && ops[2 * each + at] == f32_to_bf16(k * expf(gl - g));
+                w_op[at] = bf16_to_f32(ops[at]);
             }
         }
     failures += !same;
-    printf("%s deltanet_chunk_prep's bf16 walk operands, %d rows, dk %d: W, q exp(G), k exp(G_last - G), each rounded\n", same ? "ok  " : "FAIL", t, dk);
+    printf("%s deltanet_chunk_prep's bf16 walk operands, %d rows, dk %d: q exp(G), k exp(G_last - G), each rounded\n", same ? "ok  " : "FAIL", t, dk);
+    compare("deltanet_chunk_prep's bf16 W, " + std::to_string(t) + " rows, dk " + std::to_string(dk) + ", against the f32 prep's", w_op, std::vector<double>(W.begin(), W.end()), 1e-2);
 }
 
 // The chunked rule of a prefill (deltanet_chunk_prep, then the state walk: the f32
@@ -109,13 +112,24 @@ static void check_chunked(int t, int hk, int hv, int dk, int dv) {
             double inv = 1 / std::sqrt(ss + 1e-6) * (head < hk ? 1 / std::sqrt((double)dk) : 1);
             for (int i = 0; i < dk; i++) v[i] = (float)(v[i] * inv);
         }
-    // The prep with the tensor-core walk's bf16 operands (W, q exp(G), k exp(G_last - G)).
+    // The prep with the tensor-core walk's bf16 operands (W, q exp(G), k exp(G_last - G); its
+    // products on tensor cores: its own U and P).
     std::vector<bf16_t> ops((size_t)3 * t * hv * dk);
     bf16_t *wb = ops.data(), *qb = wb + (size_t)t * hv * dk, *kb = qb + (size_t)t * hv * dk;
-    launch(chunks, hv, 1, 256, [&] { deltanet_chunk_prep(mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), wb, qb, kb, t, hk, hv, dk, dv, cd); });
-    // And without them, for the f32 walk's W (not written where the bf16 operands are).
-    launch(chunks, hv, 1, 256, [&] { deltanet_chunk_prep(mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), nullptr, nullptr, nullptr, t, hk, hv, dk, dv, cd); });
+    std::vector<float> gcum_mma(gcum.size()), U_mma(U.size());
+    std::vector<bf16_t> P16(P.size());
+    launch(chunks, hv, 1, 256, [&] { deltanet_chunk_prep(mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum_mma.data(), U_mma.data(), W.data(), P.data(), wb, qb, kb, P16.data(), t, hk, hv, dk, dv, cd); });
+    // And without them, all in f32, for the f32 walk.
+    launch(chunks, hv, 1, 256, [&] { deltanet_chunk_prep(mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), nullptr, nullptr, nullptr, nullptr, t, hk, hv, dk, dv, cd); });
+    bool same_g = gcum_mma == gcum;
+    failures += !same_g;
+    printf("%s deltanet_chunk_prep's G, %d rows, dk %d: the same with and without the bf16 operands\n", same_g ? "ok  " : "FAIL", t, dk);
     check_walk_operands(mixed, gcum, W, ops, t, hk, hv, dk, cd);
+    std::string prep = "deltanet_chunk_prep on tensor cores, " + std::to_string(t) + " rows, dk " + std::to_string(dk);
+    compare(prep + ": U", U_mma, std::vector<double>(U.begin(), U.end()), 1e-2);
+    std::vector<float> P_mma(P.size());
+    for (size_t i = 0; i < P.size(); i++) P_mma[i] = bf16_to_f32(P16[i]);
+    compare(prep + ": P (in bf16)", P_mma, std::vector<double>(P.begin(), P.end()), 1e-2);
     launch(hv, dv / 16, 1, 256, [&] { deltanet_chunk_state_1(state.data(), mixed.data(), gcum.data(), U.data(), W.data(), P.data(), core.data(), t, hk, hv, dk, dv, cd); });
     std::vector<double> S(state0.begin(), state0.end()), want((size_t)t * vd);
     for (int tok = 0; tok < t; tok++)
@@ -135,7 +149,7 @@ static void check_chunked(int t, int hk, int hv, int dk, int dv) {
     std::vector<float> core_mma(core.size()), state_mma = state0;
     launch(hv, dv / 16, 1, 128, [&] {
         auto walk = dk == 32 ? deltanet_chunk_state_mma_32 : dk == 64 ? deltanet_chunk_state_mma_64 : deltanet_chunk_state_mma_128;
-        walk(state_mma.data(), gcum.data(), U.data(), wb, qb, kb, P.data(), core_mma.data(), t, hv, dk, dv);
+        walk(state_mma.data(), gcum.data(), U_mma.data(), wb, qb, kb, P16.data(), core_mma.data(), t, hv, dk, dv);
     });
     compare(name + ", tensor cores: outputs", core_mma, std::vector<double>(core.begin(), core.end()), 2e-2);
     compare(name + ", tensor cores: state", state_mma, std::vector<double>(state.begin(), state.end()), 2e-2);
@@ -301,32 +315,32 @@ static void check_chunked_packed(int hk, int hv, int dv) {
     for (int s = 0, first = 0; s < n; first += counts[s], s++) {
         int c = counts[s], ch = (c + 63) / 64;
         float* mx = mixed1.data() + (size_t)first * cd;
-        std::vector<float> gcum((size_t)c * hv), U((size_t)c * hv * dv), W((size_t)c * hv * DK), P((size_t)ch * hv * 64 * 64);
+        std::vector<float> gcum((size_t)c * hv), U((size_t)c * hv * dv), W((size_t)c * hv * DK), P((size_t)ch * hv * 64 * 64), U_mma(U.size());
+        std::vector<bf16_t> P16(P.size());
         std::vector<bf16_t> ops((size_t)3 * c * hv * DK);
         bf16_t *wb = ops.data(), *qb = wb + (size_t)c * hv * DK, *kb = qb + (size_t)c * hv * DK;
         launch((c + CONV_RUN - 1) / CONV_RUN, (cd + 1023) / 1024, 1, 256, [&] { conv_silu_rows_4(conv1[s].data(), qkv.data() + (size_t)first * cd, taps.data(), mx, c, cd, kk, qk, DK, q_scale); });
         launch((cd + 255) / 256, 1, 1, 256, [&] { conv_state_tail(conv1[s].data(), qkv.data() + (size_t)first * cd, c, cd, kk); });
-        for (bf16_t* out : {wb, (bf16_t*)nullptr}) {
-            bf16_t *q_out = out ? qb : nullptr, *k_out = out ? kb : nullptr;
-            launch(ch, hv, 1, 256, [&] { deltanet_chunk_prep(mx, b.data() + (size_t)first * hv, a.data() + (size_t)first * hv, neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), out, q_out, k_out, c, hk, hv, DK, dv, cd); });
-        }
+        const float *bs = b.data() + (size_t)first * hv, *as = a.data() + (size_t)first * hv;
+        launch(ch, hv, 1, 256, [&] { deltanet_chunk_prep(mx, bs, as, neg_a.data(), dt.data(), gcum.data(), U_mma.data(), W.data(), P.data(), wb, qb, kb, P16.data(), c, hk, hv, DK, dv, cd); });
+        launch(ch, hv, 1, 256, [&] { deltanet_chunk_prep(mx, bs, as, neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), nullptr, nullptr, nullptr, nullptr, c, hk, hv, DK, dv, cd); });
         launch(hv, dv / 16, 1, 256, [&] { deltanet_chunk_state(state1[s].data(), mx, gcum.data(), U.data(), W.data(), P.data(), core1.data() + (size_t)first * vd, c, hk, hv, DK, dv, cd); });
-        launch(hv, dv / 16, 1, 128, [&] { walk_mma(state1_mma[s].data(), gcum.data(), U.data(), wb, qb, kb, P.data(), core1_mma.data() + (size_t)first * vd, c, hv, DK, dv); });
+        launch(hv, dv / 16, 1, 128, [&] { walk_mma(state1_mma[s].data(), gcum.data(), U_mma.data(), wb, qb, kb, P16.data(), core1_mma.data() + (size_t)first * vd, c, hv, DK, dv); });
     }
     // Packed: each kernel once for the three.
     std::vector<float> mixed((size_t)t * cd), core((size_t)t * vd), core_mma((size_t)t * vd);
-    std::vector<float> gcum((size_t)t * hv), U((size_t)t * hv * dv), W((size_t)t * hv * DK), P((size_t)chunks * hv * 64 * 64);
+    std::vector<float> gcum((size_t)t * hv), U((size_t)t * hv * dv), W((size_t)t * hv * DK), P((size_t)chunks * hv * 64 * 64), U_mma(U.size());
+    std::vector<bf16_t> P16(P.size());
     std::vector<bf16_t> ops((size_t)3 * t * hv * DK);
     bf16_t *wb = ops.data(), *qb = wb + (size_t)t * hv * DK, *kb = qb + (size_t)t * hv * DK;
     launch((longest + CONV_RUN - 1) / CONV_RUN, (cd + 1023) / 1024, n, 256, [&] { conv_silu_rows_packed_4(convs.data(), seqs.data(), qkv.data(), taps.data(), mixed.data(), cd, kk, qk, DK, q_scale); });
     launch((cd + 255) / 256, 1, n, 256, [&] { conv_state_tail_packed(convs.data(), seqs.data(), qkv.data(), cd, kk); });
-    for (bf16_t* out : {wb, (bf16_t*)nullptr}) {
-        bf16_t *q_out = out ? qb : nullptr, *k_out = out ? kb : nullptr;
-        launch((longest + 63) / 64, hv, n, 256, [&] { deltanet_chunk_prep_packed(seqs.data(), mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), out, q_out, k_out, hk, hv, DK, dv, cd); });
-    }
+    int most = (longest + 63) / 64;
+    launch(most, hv, n, 256, [&] { deltanet_chunk_prep_packed(seqs.data(), mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U_mma.data(), W.data(), P.data(), wb, qb, kb, P16.data(), hk, hv, DK, dv, cd); });
+    launch(most, hv, n, 256, [&] { deltanet_chunk_prep_packed(seqs.data(), mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), nullptr, nullptr, nullptr, nullptr, hk, hv, DK, dv, cd); });
     launch(hv, dv / 16, n, 256, [&] { deltanet_chunk_state_packed(states.data(), seqs.data(), mixed.data(), gcum.data(), U.data(), W.data(), P.data(), core.data(), hk, hv, DK, dv, cd); });
     auto packed_mma = DK == 32 ? deltanet_chunk_state_mma_packed_32 : DK == 64 ? deltanet_chunk_state_mma_packed_64 : deltanet_chunk_state_mma_packed_128;
-    launch(hv, dv / 16, n, 128, [&] { packed_mma(states_mma.data(), seqs.data(), gcum.data(), U.data(), wb, qb, kb, P.data(), core_mma.data(), hv, DK, dv); });
+    launch(hv, dv / 16, n, 128, [&] { packed_mma(states_mma.data(), seqs.data(), gcum.data(), U_mma.data(), wb, qb, kb, P16.data(), core_mma.data(), hv, DK, dv); });
     bool same = mixed == mixed1 && core == core1 && core_mma == core1_mma;
     for (int s = 0; s < n; s++) same &= conv[s] == conv1[s] && state[s] == state1[s] && state_mma[s] == state1_mma[s];
     failures += !same;
@@ -373,12 +387,11 @@ static void check_bf16_state_builds() {
         const int t = 70, chunks = 2;
         auto mixed = random((size_t)t * cd, -0.3, 0.3), b = random(t * hv, -2, 2), a = random(t * hv, -2, 2);
         std::vector<float> gcum(t * hv), U((size_t)t * hv * dv), W((size_t)t * hv * dk), P((size_t)chunks * hv * 64 * 64);
-        std::vector<bf16_t> ops((size_t)3 * t * hv * dk);
+        std::vector<bf16_t> ops((size_t)3 * t * hv * dk), P16(P.size());
+        std::vector<float> U_mma(U.size());
         bf16_t *wb = ops.data(), *qb = wb + (size_t)t * hv * dk, *kb = qb + (size_t)t * hv * dk;
-        for (bf16_t* out : {wb, (bf16_t*)nullptr}) {
-            bf16_t *q_out = out ? qb : nullptr, *k_out = out ? kb : nullptr;
-            launch(chunks, hv, 1, 256, [&] { deltanet_chunk_prep(mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), out, q_out, k_out, t, hk, hv, dk, dv, cd); });
-        }
+        launch(chunks, hv, 1, 256, [&] { deltanet_chunk_prep(mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U_mma.data(), W.data(), P.data(), wb, qb, kb, P16.data(), t, hk, hv, dk, dv, cd); });
+        launch(chunks, hv, 1, 256, [&] { deltanet_chunk_prep(mixed.data(), b.data(), a.data(), neg_a.data(), dt.data(), gcum.data(), U.data(), W.data(), P.data(), nullptr, nullptr, nullptr, nullptr, t, hk, hv, dk, dv, cd); });
         using Walk = void (*)(void*, const float*, const float*, const float*, const float*, const float*, float*, int, int, int, int, int, int);
         auto walks = [&](const char* what, Walk f32_build, Walk bf16_build, int threads) {
             std::vector<float> state_f = widen(start), core_f((size_t)t * vd), core_b((size_t)t * vd);
@@ -389,12 +402,12 @@ static void check_bf16_state_builds() {
         };
         walks("deltanet_chunk_state", deltanet_chunk_state, deltanet_chunk_state_bf16_state, 256);
         walks("deltanet_chunk_state_1", deltanet_chunk_state_1, deltanet_chunk_state_1_bf16_state, 256);
-        using MmaWalk = void (*)(void*, const float*, const float*, const bf16_t*, const bf16_t*, const bf16_t*, const float*, float*, int, int, int, int);
+        using MmaWalk = void (*)(void*, const float*, const float*, const bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*, float*, int, int, int, int);
         auto mma_walks = [&](const char* what, MmaWalk f32_build, MmaWalk bf16_build) {
             std::vector<float> state_f = widen(start), core_f((size_t)t * vd), core_b((size_t)t * vd);
             std::vector<bf16_t> state_b = start;
-            launch(hv, dv / 16, 1, 128, [&] { f32_build(state_f.data(), gcum.data(), U.data(), wb, qb, kb, P.data(), core_f.data(), t, hv, dk, dv); });
-            launch(hv, dv / 16, 1, 128, [&] { bf16_build(state_b.data(), gcum.data(), U.data(), wb, qb, kb, P.data(), core_b.data(), t, hv, dk, dv); });
+            launch(hv, dv / 16, 1, 128, [&] { f32_build(state_f.data(), gcum.data(), U_mma.data(), wb, qb, kb, P16.data(), core_f.data(), t, hv, dk, dv); });
+            launch(hv, dv / 16, 1, 128, [&] { bf16_build(state_b.data(), gcum.data(), U_mma.data(), wb, qb, kb, P16.data(), core_b.data(), t, hv, dk, dv); });
             report(what, core_f == core_b && to_bf16(state_f) == state_b);
         };
         mma_walks("deltanet_chunk_state_mma_32", deltanet_chunk_state_mma_32, deltanet_chunk_state_mma_32_bf16_state);
@@ -410,15 +423,15 @@ static void check_bf16_state_builds() {
             report(what, core_f == core_b && to_bf16(state_f) == state_b);
         };
         packed("deltanet_chunk_state_packed", deltanet_chunk_state_packed, deltanet_chunk_state_packed_bf16_state, 256);
-        using MmaPackedWalk = void (*)(void* const*, const u32*, const float*, const float*, const bf16_t*, const bf16_t*, const bf16_t*, const float*, float*, int, int, int);
+        using MmaPackedWalk = void (*)(void* const*, const u32*, const float*, const float*, const bf16_t*, const bf16_t*, const bf16_t*, const bf16_t*, float*, int, int, int);
         {
             MmaPackedWalk f32_build = deltanet_chunk_state_mma_packed_32, bf16_build = deltanet_chunk_state_mma_packed_32_bf16_state;
             std::vector<float> state_f = widen(start), core_f((size_t)t * vd), core_b((size_t)t * vd);
             std::vector<bf16_t> state_b = start;
             void* sf[1] = {state_f.data()};
             void* sb[1] = {state_b.data()};
-            launch(hv, dv / 16, 1, 128, [&] { f32_build(sf, seqs.data(), gcum.data(), U.data(), wb, qb, kb, P.data(), core_f.data(), hv, dk, dv); });
-            launch(hv, dv / 16, 1, 128, [&] { bf16_build(sb, seqs.data(), gcum.data(), U.data(), wb, qb, kb, P.data(), core_b.data(), hv, dk, dv); });
+            launch(hv, dv / 16, 1, 128, [&] { f32_build(sf, seqs.data(), gcum.data(), U_mma.data(), wb, qb, kb, P16.data(), core_f.data(), hv, dk, dv); });
+            launch(hv, dv / 16, 1, 128, [&] { bf16_build(sb, seqs.data(), gcum.data(), U_mma.data(), wb, qb, kb, P16.data(), core_b.data(), hv, dk, dv); });
             report("deltanet_chunk_state_mma_packed_32", core_f == core_b && to_bf16(state_f) == state_b);
         }
     }

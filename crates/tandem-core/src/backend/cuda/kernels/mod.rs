@@ -56,12 +56,21 @@ pub type ConvRowsPackedParams = (Table, U32, F32, F32, F32, i32, i32, i32, i32, 
 /// deltanet.cu deltanet_chunk_state_packed*: (states, seqs, mixed, gcum, U, W, P, core, hk, hv,
 /// dk, dv, cd).
 pub type ChunkStatePackedParams = (States, U32, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32);
-/// deltanet.cu deltanet_chunk_state_mma_*: (state, gcum, U, W_bf16, Q_bf16, K_bf16, P, core, t, hv,
-/// dk, dv): the operands from deltanet_chunk_prep's bf16 outputs.
-pub type ChunkStateMmaParams = (State, F32, F32, Bf16, Bf16, Bf16, F32, F32, i32, i32, i32, i32);
+/// deltanet.cu deltanet_chunk_state_mma_*: (state, gcum, U, W_bf16, Q_bf16, K_bf16, P_bf16, core, t,
+/// hv, dk, dv): the operands from deltanet_chunk_prep's bf16 outputs.
+pub type ChunkStateMmaParams = (State, F32, F32, Bf16, Bf16, Bf16, Bf16, F32, i32, i32, i32, i32);
 /// deltanet.cu deltanet_chunk_state_mma_packed_*: (states, seqs, gcum, U, W_bf16, Q_bf16, K_bf16,
-/// P, core, hv, dk, dv).
-pub type ChunkStateMmaPackedParams = (States, U32, F32, F32, Bf16, Bf16, Bf16, F32, F32, i32, i32, i32);
+/// P_bf16, core, hv, dk, dv).
+pub type ChunkStateMmaPackedParams = (States, U32, F32, F32, Bf16, Bf16, Bf16, Bf16, F32, i32, i32, i32);
+
+/// The tensor-core state walks' dynamic shared memory in bytes for key heads of `dk` channels
+/// (deltanet.cu CHUNK_STATE_MMA_SHARED): a chunk's W, q and k rows, the state's bf16 copy (16
+/// columns), P and V' (16 columns), bf16 rows padded by 8.
+pub fn chunk_state_mma_shared(dk: usize) -> usize {
+    const CHUNK: usize = 64;
+    const PAD: usize = 8;
+    2 * ((3 * CHUNK + 16) * (dk + PAD) + (CHUNK + 16) * (CHUNK + PAD))
+}
 /// attention.cu attention_mma_*: (q, k_bf16, v_bf16, gate, out, t, hq, hkv, pos).
 pub type AttentionMmaParams = (F32, Bf16, Bf16, F32, F32, i32, i32, i32, U32);
 /// attention.cu attention_mma_packed_*: (q, k_bf16, v_bf16, gate, out, hq, hkv, pos, seqs).
@@ -133,7 +142,7 @@ kernels! {
     DELTANET_STEP_HEADS_128_BF16_STATE = "deltanet_step_heads_128_bf16_state" as DeltaNetStepHeadsParams;
     /// (mixed, b, a, neg_a, dt_bias, gcum, U, W, P, W_bf16, Q_bf16, K_bf16, t, hk, hv, dk, dv,
     /// cd): the bf16 operands of the tensor-core walk where not null.
-    DELTANET_CHUNK_PREP = "deltanet_chunk_prep" as (F32, F32, F32, F32, F32, F32, F32, F32, F32, Bf16, Bf16, Bf16, i32, i32, i32, i32, i32, i32);
+    DELTANET_CHUNK_PREP = "deltanet_chunk_prep" as (F32, F32, F32, F32, F32, F32, F32, F32, F32, Bf16, Bf16, Bf16, Bf16, i32, i32, i32, i32, i32, i32);
     DELTANET_CHUNK_STATE = "deltanet_chunk_state" as ChunkStateParams;
     DELTANET_CHUNK_STATE_1 = "deltanet_chunk_state_1" as ChunkStateParams;
     DELTANET_CHUNK_STATE_MMA_32 = "deltanet_chunk_state_mma_32" as ChunkStateMmaParams;
@@ -145,7 +154,7 @@ kernels! {
     DELTANET_CHUNK_STATE_MMA_64_BF16_STATE = "deltanet_chunk_state_mma_64_bf16_state" as ChunkStateMmaParams;
     DELTANET_CHUNK_STATE_MMA_128_BF16_STATE = "deltanet_chunk_state_mma_128_bf16_state" as ChunkStateMmaParams;
     /// (seqs, mixed, b, a, neg_a, dt_bias, gcum, U, W, P, hk, hv, dk, dv, cd).
-    DELTANET_CHUNK_PREP_PACKED = "deltanet_chunk_prep_packed" as (U32, F32, F32, F32, F32, F32, F32, F32, F32, F32, Bf16, Bf16, Bf16, i32, i32, i32, i32, i32);
+    DELTANET_CHUNK_PREP_PACKED = "deltanet_chunk_prep_packed" as (U32, F32, F32, F32, F32, F32, F32, F32, F32, F32, Bf16, Bf16, Bf16, Bf16, i32, i32, i32, i32, i32);
     DELTANET_CHUNK_STATE_PACKED = "deltanet_chunk_state_packed" as ChunkStatePackedParams;
     DELTANET_CHUNK_STATE_MMA_PACKED_32 = "deltanet_chunk_state_mma_packed_32" as ChunkStateMmaPackedParams;
     DELTANET_CHUNK_STATE_MMA_PACKED_64 = "deltanet_chunk_state_mma_packed_64" as ChunkStateMmaPackedParams;

@@ -245,8 +245,8 @@ impl GpuQwen35 {
         g.launch(k::CONV_STATE_TAIL, Grid::x(cd.div_ceil(256), 256), (conv, qkv, count, cd as i32, kk as i32))?;
         let (gcum, cu, cw, cp) = (g.ptr(&ws.gcum), g.ptr(&ws.chunk_u), g.ptr(&ws.chunk_w), g.ptr(&ws.chunk_p));
         let (hk, hv, dk, dv, cd) = (hk as i32, hv as i32, dk as i32, dv as i32, cd as i32);
-        let (wb, qb, kb) = ws.walk_operands(self, r.first);
-        let prep = (conv_out, beta, alpha, g.ptr(&m.neg_a), g.ptr(&m.dt_bias), gcum, cu, cw, cp, wb, qb, kb, count, hk, hv, dk, dv, cd);
+        let ops = ws.walk_operands(self, r.first);
+        let prep = (conv_out, beta, alpha, g.ptr(&m.neg_a), g.ptr(&m.dt_bias), gcum, cu, cw, cp, ops.w, ops.q, ops.k, ops.p, count, hk, hv, dk, dv, cd);
         g.launch(k::DELTANET_CHUNK_PREP, Grid::new((r.count.div_ceil(DELTANET_CHUNK), hv as usize, 1), 256), prep)?;
         // 16 value columns per block (kernels/deltanet.cu deltanet_chunk_state): on tensor cores
         // where the precision allows bf16 operands; else in f32, where a grid that fits on the
@@ -262,7 +262,7 @@ impl GpuQwen35 {
                 (64, true) => k::DELTANET_CHUNK_STATE_MMA_64_BF16_STATE,
                 (_, true) => k::DELTANET_CHUNK_STATE_MMA_128_BF16_STATE,
             };
-            g.launch(kernel, grid(128), (recurrent, gcum, cu, wb, qb, kb, cp, core, count, hv, dk, dv))?;
+            g.launch(kernel, grid(128).with_shared(k::chunk_state_mma_shared(dk as usize)), (recurrent, gcum, cu, ops.w, ops.q, ops.k, ops.p, core, count, hv, dk, dv))?;
         } else {
             let kernel = match ((hv * dv / 16) as u32 <= g.sms, bf16_state) {
                 (true, false) => k::DELTANET_CHUNK_STATE_1,
@@ -297,8 +297,8 @@ impl GpuQwen35 {
         g.launch(k::CONV_STATE_TAIL_PACKED, Grid::new((cd.div_ceil(256), 1, n), 256), (convs, seqs, qkv, cd as i32, kk as i32))?;
         let (gcum, cu, cw, cp) = (g.ptr(&ws.gcum), g.ptr(&ws.chunk_u), g.ptr(&ws.chunk_w), g.ptr(&ws.chunk_p));
         let (hk_, hv_, dk_, dv_, cd_) = (hk as i32, hv as i32, dk as i32, dv as i32, cd as i32);
-        let (wb, qb, kb) = ws.walk_operands(self, 0);
-        let prep = (seqs, conv_out, g.ptr(&ws.beta), g.ptr(&ws.alpha), g.ptr(&m.neg_a), g.ptr(&m.dt_bias), gcum, cu, cw, cp, wb, qb, kb, hk_, hv_, dk_, dv_, cd_);
+        let ops = ws.walk_operands(self, 0);
+        let prep = (seqs, conv_out, g.ptr(&ws.beta), g.ptr(&ws.alpha), g.ptr(&m.neg_a), g.ptr(&m.dt_bias), gcum, cu, cw, cp, ops.w, ops.q, ops.k, ops.p, hk_, hv_, dk_, dv_, cd_);
         g.launch(k::DELTANET_CHUNK_PREP_PACKED, Grid::new((longest.div_ceil(DELTANET_CHUNK), hv, n), 256), prep)?;
         let grid = |threads| Grid::new((hv, dv / 16, n), threads);
         let bf16_state = self.state_dtype() == StateDtype::Bf16;
@@ -311,7 +311,7 @@ impl GpuQwen35 {
                 (64, true) => k::DELTANET_CHUNK_STATE_MMA_PACKED_64_BF16_STATE,
                 (_, true) => k::DELTANET_CHUNK_STATE_MMA_PACKED_128_BF16_STATE,
             };
-            g.launch(kernel, grid(128), (recurrents, seqs, gcum, cu, wb, qb, kb, cp, core, hv_, dk_, dv_))?;
+            g.launch(kernel, grid(128).with_shared(k::chunk_state_mma_shared(dk)), (recurrents, seqs, gcum, cu, ops.w, ops.q, ops.k, ops.p, core, hv_, dk_, dv_))?;
         } else {
             let walk = (recurrents, seqs, conv_out, gcum, cu, cw, cp, core, hk_, hv_, dk_, dv_, cd_);
             g.launch(if bf16_state { k::DELTANET_CHUNK_STATE_PACKED_BF16_STATE } else { k::DELTANET_CHUNK_STATE_PACKED }, grid(256), walk)?;

@@ -2,6 +2,16 @@
 
 use super::*;
 
+/// The tensor-core state walk's bf16 operands, written by the chunk prep (workspace.rs
+/// walk_operands).
+#[derive(Clone, Copy)]
+pub(super) struct WalkOperands {
+    pub w: DevPtr<u16>,
+    pub q: DevPtr<u16>,
+    pub k: DevPtr<u16>,
+    pub p: DevPtr<u16>,
+}
+
 /// The buffers of one forward call over `rows` token rows (of one or several sequences); each
 /// layer reuses them.
 pub(super) struct Workspace {
@@ -190,16 +200,16 @@ impl Workspace {
     }
 
     /// The chunk prep's bf16 outputs for the tensor-core state walk (W, q exp(G),
-    /// k exp(G_last - G)) from row `first`; null where the walk is in f32 (the prep then writes
-    /// none).
-    pub(super) fn walk_operands(&self, net: &GpuQwen35, first: usize) -> (DevPtr<u16>, DevPtr<u16>, DevPtr<u16>) {
+    /// k exp(G_last - G) from row `first`, and P over `chunk_p`, which the walk then reads in
+    /// bf16); null where the walk is in f32 (the prep then writes none, and P in f32).
+    pub(super) fn walk_operands(&self, net: &GpuQwen35, first: usize) -> WalkOperands {
         if !net.prefills_on_tensor_cores() {
-            return (DevPtr::NULL, DevPtr::NULL, DevPtr::NULL);
+            return WalkOperands { w: DevPtr::NULL, q: DevPtr::NULL, k: DevPtr::NULL, p: DevPtr::NULL };
         }
         let c = &net.config;
         let each = self.chunk_bf16.len() / 3;
         let base = net.gpu.ptr(&self.chunk_bf16).offset(first * c.linear_num_value_heads * c.linear_key_head_dim);
-        (base, base.offset(each), base.offset(2 * each))
+        WalkOperands { w: base, q: base.offset(each), k: base.offset(2 * each), p: net.gpu.ptr(&self.chunk_p).reinterpret() }
     }
 
     /// Sequence `i`'s block table.
