@@ -243,6 +243,8 @@ DELTANET_STEP(deltanet_step_128_bf16_state, 128, bf16_t)
 // block x of deltanet_step does for it alone (the same arithmetic), on its conv window
 // convs[b] and state states[b]; each sequence has its own hand-over buffers. Grid:
 // (hv * dv / 32, sequences); pss: sequences * hv * (dv / 32) * 8 floats; done: sequences * hk.
+// Sequence b's projections are row b of one matrix of rows of `in_row` values (the batched
+// step's input projections in one product): qkv, z, b and a point at their first row.
 // A block's work is a chain of waits (its state tile's loads, the conv, five barriers, the
 // stores): the SM hides one block's chain behind another's loads, so more blocks per SM move
 // the states faster. At 64 registers two fit; capped at 40 (a few bytes spilled) three do: at
@@ -251,9 +253,9 @@ DELTANET_STEP(deltanet_step_128_bf16_state, 128, bf16_t)
 #define DELTANET_STEP_BATCH(NAME, DK, S)                                                                                                     \
     extern "C" __global__ void __launch_bounds__(512, 3) NAME(float* const* convs, void* const* states, const float* qkv, const float* z, const float* b,     \
                                     const float* a, const float* taps, const float* na, const float* dt, const float* nw, float* core, float* pss,          \
-                                    unsigned* done, int hk, int hv, int dv, int cd, int kk, float eps) {                                                   \
-        size_t s = blockIdx.y, vd = (size_t)hv * dv;                                                                                                      \
-        deltanet_step_body<DK, S>(convs[s], (S*)states[s], qkv + s * cd, z + s * vd, b + s * hv, a + s * hv, taps, na, dt, nw, core + s * vd,                    \
+                                    unsigned* done, int hk, int hv, int dv, int cd, int in_row, int kk, float eps) {                                       \
+        size_t s = blockIdx.y, vd = (size_t)hv * dv, in = s * in_row;                                                                                     \
+        deltanet_step_body<DK, S>(convs[s], (S*)states[s], qkv + in, z + in, b + in, a + in, taps, na, dt, nw, core + s * vd,                                   \
                                pss + s * (vd / 32) * 8, done + s * hk, 1, hk, hv, dv, cd, kk, eps);                                                        \
     }
 DELTANET_STEP_BATCH(deltanet_step_batch_32, 32, float)
@@ -280,7 +282,7 @@ DELTANET_STEP_BATCH(deltanet_step_batch_128_bf16_state, 128, bf16_t)
 // Block: 2 D threads (thread c owns q/k conv channel c and, below D, v channel c); dynamic
 // shared memory: D * D state values; grid (hv, sequences); done: sequences * hk zeroed counters
 // (with several value heads a key head, the last of its blocks to finish writes the key head's
-// q/k conv window, after all have read it).
+// q/k conv window, after all have read it). The projections as deltanet_step_batch's (in_row).
 template <int D, typename S>
 __device__ void deltanet_step_heads_body(float* conv, S* state, const float* qkv, const float* z, const float* bproj, const float* aproj, const float* taps,
                                          const float* neg_a, const float* dt_bias, const float* norm_w, float* core, unsigned* done, int hk, int hv, int dv,
@@ -402,9 +404,9 @@ __device__ void deltanet_step_heads_body(float* conv, S* state, const float* qkv
 #define DELTANET_STEP_HEADS(NAME, DK, S, BLOCKS)                                                                                             \
     extern "C" __global__ void __launch_bounds__(256, BLOCKS) NAME(float* const* convs, void* const* states, const float* qkv, const float* z, const float* b,     \
                                     const float* a, const float* taps, const float* na, const float* dt, const float* nw, float* core, unsigned* done,     \
-                                    int hk, int hv, int dv, int cd, int kk, float eps) {                                                                  \
-        size_t s = blockIdx.y, vd = (size_t)hv * dv;                                                                                                      \
-        deltanet_step_heads_body<DK, S>(convs[s], (S*)states[s], qkv + s * cd, z + s * vd, b + s * hv, a + s * hv, taps, na, dt, nw, core + s * vd,             \
+                                    int hk, int hv, int dv, int cd, int in_row, int kk, float eps) {                                                      \
+        size_t s = blockIdx.y, vd = (size_t)hv * dv, in = s * in_row;                                                                                     \
+        deltanet_step_heads_body<DK, S>(convs[s], (S*)states[s], qkv + in, z + in, b + in, a + in, taps, na, dt, nw, core + s * vd,                            \
                                      done + s * hk, hk, hv, dv, cd, kk, eps);                                                                             \
     }
 DELTANET_STEP_HEADS(deltanet_step_heads_32, 32, float, 3)

@@ -220,20 +220,23 @@ struct BatchedStep {
     const float *qkv, *z, *b, *a, *taps, *neg_a, *dt, *norm_w;
     float* core;
     unsigned* done;
-    int n, hk, hv, dv, cd, kk;
+    int n, hk, hv, dv, cd, in_row, kk;
     float eps;
 };
 using StepAlone = void (*)(float*, void*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, const float*, float*, float*, unsigned*, int, int, int, int, int, int, float);
 
 // A batched step's kernel (launched by `run`) against deltanet_step on each sequence alone (one
-// token each, every sequence its own conv window and state, states of type S): outputs,
-// windows and states bit for bit, hand-over counters back at zero.
+// token each, every sequence its own conv window and state, states of type S; its projections a
+// row of qkv, z, b and a, as the batched step's one product writes them): outputs, windows and
+// states bit for bit, hand-over counters back at zero.
 template <int DK, typename S, typename Run>
 static void check_batched_step(int hk, int hv, int dv, const char* name, StepAlone alone, Run run) {
     const int n = 3, kk = 4, cd = 2 * hk * DK + hv * dv, vd = hv * dv, blocks = hv * dv / 32;
     const float eps = 1e-6f;
     auto taps = random((size_t)kk * cd, -0.7, 0.7), neg_a = random(hv, -2, -0.2), dt = random(hv, -1, 1), norm_w = random(dv, 0.5, 1.5);
-    auto qkv = random((size_t)n * cd, -2, 2), z = random((size_t)n * vd, -2, 2), b = random((size_t)n * hv, -2, 2), a = random((size_t)n * hv, -2, 2);
+    const int in_row = cd + vd + 2 * hv;
+    auto in = random((size_t)n * in_row, -2, 2);
+    const float *qkv = in.data(), *z = qkv + cd, *b = z + vd, *a = b + hv;
     std::vector<std::vector<float>> conv(n), conv1(n);
     std::vector<std::vector<S>> state(n), state1(n);
     std::vector<float*> convs(n);
@@ -249,12 +252,13 @@ static void check_batched_step(int hk, int hv, int dv, const char* name, StepAlo
     }
     std::vector<float> core((size_t)n * vd);
     std::vector<unsigned> done(n * hk, 0);
-    run(BatchedStep{convs.data(), states.data(), qkv.data(), z.data(), b.data(), a.data(), taps.data(), neg_a.data(), dt.data(), norm_w.data(), core.data(), done.data(), n, hk, hv, dv, cd, kk, eps});
+    run(BatchedStep{convs.data(), states.data(), qkv, z, b, a, taps.data(), neg_a.data(), dt.data(), norm_w.data(), core.data(), done.data(), n, hk, hv, dv, cd, in_row, kk, eps});
     bool same = all_zero(done);
     for (int s = 0; s < n; s++) {
         std::vector<float> core1(vd), pss1((size_t)blocks * 8);
         std::vector<unsigned> done1(hk, 0);
-        launch(blocks, 1, 1, 512, [&] { alone(conv1[s].data(), state1[s].data(), qkv.data() + (size_t)s * cd, z.data() + (size_t)s * vd, b.data() + s * hv, a.data() + s * hv, taps.data(), neg_a.data(), dt.data(), norm_w.data(), core1.data(), pss1.data(), done1.data(), 1, hk, hv, dv, cd, kk, eps); });
+        size_t at = (size_t)s * in_row;
+        launch(blocks, 1, 1, 512, [&] { alone(conv1[s].data(), state1[s].data(), qkv + at, z + at, b + at, a + at, taps.data(), neg_a.data(), dt.data(), norm_w.data(), core1.data(), pss1.data(), done1.data(), 1, hk, hv, dv, cd, kk, eps); });
         same &= std::equal(core1.begin(), core1.end(), core.begin() + (size_t)s * vd) && conv1[s] == conv[s] && state1[s] == state[s];
     }
     failures += !same;
@@ -266,7 +270,7 @@ template <typename K>
 static auto per_32_columns(K kernel) {
     return [=](const BatchedStep& s) {
         std::vector<float> pss((size_t)s.n * (s.hv * s.dv / 32) * 8);
-        launch(s.hv * s.dv / 32, s.n, 1, 512, [&] { kernel(s.convs, s.states, s.qkv, s.z, s.b, s.a, s.taps, s.neg_a, s.dt, s.norm_w, s.core, pss.data(), s.done, s.hk, s.hv, s.dv, s.cd, s.kk, s.eps); });
+        launch(s.hv * s.dv / 32, s.n, 1, 512, [&] { kernel(s.convs, s.states, s.qkv, s.z, s.b, s.a, s.taps, s.neg_a, s.dt, s.norm_w, s.core, pss.data(), s.done, s.hk, s.hv, s.dv, s.cd, s.in_row, s.kk, s.eps); });
     };
 }
 
@@ -274,7 +278,7 @@ static auto per_32_columns(K kernel) {
 template <typename K>
 static auto per_value_head(K kernel) {
     return [=](const BatchedStep& s) {
-        launch(s.hv, s.n, 1, 2 * s.dv, [&] { kernel(s.convs, s.states, s.qkv, s.z, s.b, s.a, s.taps, s.neg_a, s.dt, s.norm_w, s.core, s.done, s.hk, s.hv, s.dv, s.cd, s.kk, s.eps); });
+        launch(s.hv, s.n, 1, 2 * s.dv, [&] { kernel(s.convs, s.states, s.qkv, s.z, s.b, s.a, s.taps, s.neg_a, s.dt, s.norm_w, s.core, s.done, s.hk, s.hv, s.dv, s.cd, s.in_row, s.kk, s.eps); });
     };
 }
 
@@ -378,8 +382,8 @@ static void check_bf16_state_builds() {
         float* convs_b[1] = {conv1_b.data()};
         void* states_f[1] = {state1_f.data()};
         void* states_b[1] = {state1_b.data()};
-        launch(blocks, 1, 1, 512, [&] { deltanet_step_batch_32(convs_f, states_f, qkv.data(), z.data(), b.data(), a.data(), taps.data(), neg_a.data(), dt.data(), norm_w.data(), core1_f.data(), pss.data(), done.data(), hk, hv, dv, cd, kk, eps); });
-        launch(blocks, 1, 1, 512, [&] { deltanet_step_batch_32_bf16_state(convs_b, states_b, qkv.data(), z.data(), b.data(), a.data(), taps.data(), neg_a.data(), dt.data(), norm_w.data(), core1_b.data(), pss.data(), done.data(), hk, hv, dv, cd, kk, eps); });
+        launch(blocks, 1, 1, 512, [&] { deltanet_step_batch_32(convs_f, states_f, qkv.data(), z.data(), b.data(), a.data(), taps.data(), neg_a.data(), dt.data(), norm_w.data(), core1_f.data(), pss.data(), done.data(), hk, hv, dv, cd, cd, kk, eps); });
+        launch(blocks, 1, 1, 512, [&] { deltanet_step_batch_32_bf16_state(convs_b, states_b, qkv.data(), z.data(), b.data(), a.data(), taps.data(), neg_a.data(), dt.data(), norm_w.data(), core1_b.data(), pss.data(), done.data(), hk, hv, dv, cd, cd, kk, eps); });
         report("deltanet_step_batch_32", core1_f == core1_b && conv1_f == conv1_b && to_bf16(state1_f) == state1_b);
     }
     {

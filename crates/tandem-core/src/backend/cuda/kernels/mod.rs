@@ -42,11 +42,12 @@ pub type ConvRowsParams = (F32, F32, F32, F32, i32, i32, i32, i32, i32, f32);
 /// block_ss, done, t, hk, hv, dv, cd, kk, eps).
 pub type DeltaNetStepParams = (F32, State, F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, U32, i32, i32, i32, i32, i32, i32, f32);
 /// deltanet.cu deltanet_step_batch_*: (convs, states, qkv, z, b, a, taps, neg_a, dt_bias,
-/// norm_w, core, block_ss, done, hk, hv, dv, cd, kk, eps).
-pub type DeltaNetStepBatchParams = (Table, States, F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, U32, i32, i32, i32, i32, i32, f32);
+/// norm_w, core, block_ss, done, hk, hv, dv, cd, in_row, kk, eps): qkv, z, b and a the first row
+/// of each in one matrix of the sequences' projections, rows of `in_row` values.
+pub type DeltaNetStepBatchParams = (Table, States, F32, F32, F32, F32, F32, F32, F32, F32, F32, F32, U32, i32, i32, i32, i32, i32, i32, f32);
 /// deltanet.cu deltanet_step_heads_*: (convs, states, qkv, z, b, a, taps, neg_a, dt_bias, norm_w,
-/// core, done, hk, hv, dv, cd, kk, eps).
-pub type DeltaNetStepHeadsParams = (Table, States, F32, F32, F32, F32, F32, F32, F32, F32, F32, U32, i32, i32, i32, i32, i32, f32);
+/// core, done, hk, hv, dv, cd, in_row, kk, eps), the projections as deltanet_step_batch's.
+pub type DeltaNetStepHeadsParams = (Table, States, F32, F32, F32, F32, F32, F32, F32, F32, F32, U32, i32, i32, i32, i32, i32, i32, f32);
 /// deltanet.cu deltanet_chunk_state*: (state, mixed, gcum, U, W, P, core, t, hk, hv, dk, dv, cd).
 pub type ChunkStateParams = (State, F32, F32, F32, F32, F32, F32, i32, i32, i32, i32, i32, i32);
 /// deltanet.cu conv_silu_rows_packed_*: (convs, seqs, qkv, taps, out, cd, kk, qk_channels, dk,

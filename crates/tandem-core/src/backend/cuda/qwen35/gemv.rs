@@ -89,7 +89,7 @@ impl GpuQwen35 {
         let ws = &ws;
         let (x, h) = (g.ptr(&ws.x), self.config.hidden_size);
         // Per kind: its name and, per layer of that kind, (input norm, [(matrix, out)], input).
-        type Launch<'a> = (Option<&'a CudaSlice<f32>>, Vec<(&'a GpuMatrix, DevPtr<f32>)>, DevPtr<f32>);
+        type Launch<'a> = (Option<&'a CudaSlice<f32>>, Vec<(MatrixRows, DevPtr<f32>)>, DevPtr<f32>);
         let mut kinds: Vec<(&str, Vec<Launch>)> = ["DeltaNet in (qkv, z, b, a)", "DeltaNet out (+ residual)", "attention in (q + gate, k, v)", "attention out (+ residual)", "MLP gate, up (+ SwiGLU)", "MLP down (+ residual)"]
             .into_iter()
             .map(|what| (what, Vec::new()))
@@ -97,16 +97,17 @@ impl GpuQwen35 {
         for l in &self.layers {
             match &l.mixer {
                 GpuMixer::DeltaNet(m) => {
-                    kinds[0].1.push((Some(&l.input_norm), vec![(&m.in_proj_qkv, g.ptr(&ws.qkv)), (&m.in_proj_z, g.ptr(&ws.z)), (&m.in_proj_b, g.ptr(&ws.beta)), (&m.in_proj_a, g.ptr(&ws.alpha))], x));
-                    kinds[1].1.push((None, vec![(&m.out_proj, x)], g.ptr(&ws.core)));
+                    let [qkv, z, b, a] = m.in_projs(g, &self.config);
+                    kinds[0].1.push((Some(&l.input_norm), vec![(qkv, g.ptr(&ws.qkv)), (z, g.ptr(&ws.z)), (b, g.ptr(&ws.beta)), (a, g.ptr(&ws.alpha))], x));
+                    kinds[1].1.push((None, vec![(m.out_proj.all(g), x)], g.ptr(&ws.core)));
                 }
                 GpuMixer::Attention(m) => {
-                    kinds[2].1.push((Some(&l.input_norm), vec![(&m.q_proj, g.ptr(&ws.qg)), (&m.k_proj, g.ptr(&ws.k)), (&m.v_proj, g.ptr(&ws.v))], x));
-                    kinds[3].1.push((None, vec![(&m.o_proj, x)], g.ptr(&ws.attn)));
+                    kinds[2].1.push((Some(&l.input_norm), vec![(m.q_proj.all(g), g.ptr(&ws.qg)), (m.k_proj.all(g), g.ptr(&ws.k)), (m.v_proj.all(g), g.ptr(&ws.v))], x));
+                    kinds[3].1.push((None, vec![(m.o_proj.all(g), x)], g.ptr(&ws.attn)));
                 }
             }
-            kinds[4].1.push((Some(&l.post_attention_norm), vec![(&l.gate_proj, g.ptr(&ws.ffn_gate)), (&l.up_proj, g.ptr(&ws.ffn_up))], x));
-            kinds[5].1.push((None, vec![(&l.down_proj, x)], g.ptr(&ws.ffn_gate)));
+            kinds[4].1.push((Some(&l.post_attention_norm), vec![(l.gate_proj.all(g), g.ptr(&ws.ffn_gate)), (l.up_proj.all(g), g.ptr(&ws.ffn_up))], x));
+            kinds[5].1.push((None, vec![(l.down_proj.all(g), x)], g.ptr(&ws.ffn_gate)));
         }
         let mut out = Vec::new();
         let mut time = |what: &str, rows: usize, cols: usize, bytes: usize, count: usize, work: &dyn Fn() -> Result<()>| -> Result<()> {
@@ -142,7 +143,7 @@ impl GpuQwen35 {
             let (rows, cols) = (mats.iter().map(|m| m.0.rows).sum::<usize>(), mats[0].0.cols);
             time(what, rows, cols, rows * cols * 2, list.len(), &|| {
                 list.iter().try_for_each(|(norm, mats, input)| {
-                    let mats: Vec<(DevPtr<u16>, DevPtr<f32>, usize)> = mats.iter().map(|&(m, o)| (g.ptr(&m.w), o, m.rows)).collect();
+                    let mats: Vec<(DevPtr<u16>, DevPtr<f32>, usize)> = mats.iter().map(|&(m, o)| (m.w, o, m.rows)).collect();
                     match norm {
                         Some(n) => self.gemv(ws, GemvInput::Norm(g.ptr(n)), &mats, *input, cols, 1, output),
                         None => self.gemv(ws, GemvInput::Plain, &mats, *input, cols, 1, output),

@@ -78,12 +78,12 @@ impl GpuQwen35 {
     /// Several products of the RMS-normalised input `rms_norm(x[t, k]) * norm`: for decode-sized
     /// t one GEMV for all of them (it normalises as it reads), else the norm into `ws.xn` (or,
     /// for tensor cores, in bf16 into `ws.xb`) and a GEMM each.
-    pub(super) fn project(&self, ws: &Workspace, x: DevPtr<f32>, norm: &CudaSlice<f32>, t: usize, mats: &[(&GpuMatrix, DevPtr<f32>)]) -> Result<()> {
+    pub(super) fn project(&self, ws: &Workspace, x: DevPtr<f32>, norm: &CudaSlice<f32>, t: usize, mats: &[(MatrixRows, DevPtr<f32>)]) -> Result<()> {
         let g = &self.gpu;
         let k = mats[0].0.cols;
         debug_assert!(mats.iter().all(|(m, _)| m.cols == k));
         if ws.takes_gemv(t) && mats.len() <= 4 {
-            let list: Vec<(DevPtr<u16>, DevPtr<f32>, usize)> = mats.iter().map(|&(m, out)| (g.ptr(&m.w), out, m.rows)).collect();
+            let list: Vec<(DevPtr<u16>, DevPtr<f32>, usize)> = mats.iter().map(|&(m, out)| (m.w, out, m.rows)).collect();
             return self.gemv(ws, GemvInput::Norm(g.ptr(norm)), &list, x, k, t, GemvOut::Write);
         }
         let input = match self.precision {
@@ -98,7 +98,7 @@ impl GpuQwen35 {
                 GemmInput::Bf16(xb)
             }
         };
-        mats.iter().try_for_each(|&(m, out)| self.gemm(input, t, g.ptr(&m.w), m.rows, k, out, false))
+        mats.iter().try_for_each(|&(m, out)| self.gemm(input, t, m.w, m.rows, k, out, false))
     }
 
     /// `x += input · Wᵀ`: a block's output added to the residual stream (by the GEMV or GEMM
@@ -124,14 +124,17 @@ impl GpuQwen35 {
     pub(super) fn deltanet(&self, m: &DeltaNet, norm: &CudaSlice<f32>, ws: &Workspace, t: usize, states: &mut [&mut GpuState], rows: &[Rows], li: usize) -> Result<()> {
         let g = &self.gpu;
         let x = g.ptr(&ws.x);
-        self.project(ws, x, norm, t, &[(&m.in_proj_qkv, g.ptr(&ws.qkv)), (&m.in_proj_z, g.ptr(&ws.z)), (&m.in_proj_b, g.ptr(&ws.beta)), (&m.in_proj_a, g.ptr(&ws.alpha))])?;
-        // Where every sequence takes the prefill path and the out projection is a tensor-core
-        // GEMM, the gated norm writes that GEMM's bf16 operand itself.
-        let norm_to_bf16 = t > GEMV_MAX_T && self.precision == Precision::TensorCores && rows.iter().all(|r| r.count > GEMV_MAX_T);
         if ws.batched {
+            // The four projections in one product, each sequence's row of the four together.
+            self.project(ws, x, norm, t, &[(m.in_proj.all(g), g.ptr(&ws.in_proj))])?;
             self.deltanet_step_batch(m, ws, li, ws.sequences)?;
             return self.project_residual(ws, Input::F32(g.ptr(&ws.core)), t, &m.out_proj);
         }
+        let [qkv, z, b, a] = m.in_projs(g, &self.config);
+        self.project(ws, x, norm, t, &[(qkv, g.ptr(&ws.qkv)), (z, g.ptr(&ws.z)), (b, g.ptr(&ws.beta)), (a, g.ptr(&ws.alpha))])?;
+        // Where every sequence takes the prefill path and the out projection is a tensor-core
+        // GEMM, the gated norm writes that GEMM's bf16 operand itself.
+        let norm_to_bf16 = t > GEMV_MAX_T && self.precision == Precision::TensorCores && rows.iter().all(|r| r.count > GEMV_MAX_T);
         if ws.packed {
             self.deltanet_chunked_packed(m, ws, li, rows, norm_to_bf16)?;
             let input = if norm_to_bf16 { Input::Bf16Ready } else { Input::F32(g.ptr(&ws.core)) };
@@ -199,9 +202,13 @@ impl GpuQwen35 {
         let g = &self.gpu;
         let (hk, hv, dk, dv) = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
         let (convs, recurrents) = ws.layer_tables(g, li, n);
-        let (qkv, z, beta, alpha, core, done) = (g.ptr(&ws.qkv), g.ptr(&ws.z), g.ptr(&ws.beta), g.ptr(&ws.alpha), g.ptr(&ws.core), g.ptr(&ws.step_done));
+        // Each sequence's projections: a row of `in_proj`'s product, qkv then z, b and a.
+        let (cd, vd) = (c.linear_conv_dim(), c.linear_value_dim());
+        let qkv = g.ptr(&ws.in_proj);
+        let (z, beta, alpha) = (qkv.offset(cd), qkv.offset(cd + vd), qkv.offset(cd + vd + hv));
+        let (core, done) = (g.ptr(&ws.core), g.ptr(&ws.step_done));
         let (taps, neg_a, dt_bias, norm) = (g.ptr(&m.conv_taps), g.ptr(&m.neg_a), g.ptr(&m.dt_bias), g.ptr(&m.norm));
-        let shape = (hk as i32, hv as i32, dv as i32, c.linear_conv_dim() as i32, c.linear_conv_kernel_dim as i32, c.rms_norm_eps);
+        let shape = (hk as i32, hv as i32, dv as i32, cd as i32, m.in_proj.rows as i32, c.linear_conv_kernel_dim as i32, c.rms_norm_eps);
         if n >= self.step_heads_from() && step_heads_fit(c) {
             let kernel = match (dk, self.state_dtype()) {
                 (32, StateDtype::F32) => k::DELTANET_STEP_HEADS_32,
@@ -211,7 +218,7 @@ impl GpuQwen35 {
                 (64, StateDtype::Bf16) => k::DELTANET_STEP_HEADS_64_BF16_STATE,
                 (_, StateDtype::Bf16) => k::DELTANET_STEP_HEADS_128_BF16_STATE,
             };
-            let args = (convs, recurrents, qkv, z, beta, alpha, taps, neg_a, dt_bias, norm, core, done, shape.0, shape.1, shape.2, shape.3, shape.4, shape.5);
+            let args = (convs, recurrents, qkv, z, beta, alpha, taps, neg_a, dt_bias, norm, core, done, shape.0, shape.1, shape.2, shape.3, shape.4, shape.5, shape.6);
             // A block per value head of a sequence, its state through shared memory.
             return g.launch(kernel, Grid::new((hv, n, 1), 2 * dv).with_shared(dk * dv * self.state_dtype().bytes()), args);
         }
@@ -223,7 +230,7 @@ impl GpuQwen35 {
             (64, StateDtype::Bf16) => k::DELTANET_STEP_BATCH_64_BF16_STATE,
             (_, StateDtype::Bf16) => k::DELTANET_STEP_BATCH_128_BF16_STATE,
         };
-        let args = (convs, recurrents, qkv, z, beta, alpha, taps, neg_a, dt_bias, norm, core, g.ptr(&ws.step_ss), done, shape.0, shape.1, shape.2, shape.3, shape.4, shape.5);
+        let args = (convs, recurrents, qkv, z, beta, alpha, taps, neg_a, dt_bias, norm, core, g.ptr(&ws.step_ss), done, shape.0, shape.1, shape.2, shape.3, shape.4, shape.5, shape.6);
         g.launch(kernel, Grid::new((hv * dv / 32, n, 1), 512), args)
     }
 
@@ -332,7 +339,7 @@ impl GpuQwen35 {
         let (hq, hkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let x = g.ptr(&ws.x);
         let (qg, kp, vp, q, gate, attn) = (g.ptr(&ws.qg), g.ptr(&ws.k), g.ptr(&ws.v), g.ptr(&ws.q), g.ptr(&ws.gate), g.ptr(&ws.attn));
-        self.project(ws, x, norm, t, &[(&m.q_proj, qg), (&m.k_proj, kp), (&m.v_proj, vp)])?;
+        self.project(ws, x, norm, t, &[(m.q_proj.all(g), qg), (m.k_proj.all(g), kp), (m.v_proj.all(g), vp)])?;
         let row = hkv * d;
         if ws.batched {
             let most = visible.unwrap_or_else(|| states.iter().map(|s| s.position + 1).max().unwrap_or(1));
@@ -518,7 +525,7 @@ impl GpuQwen35 {
     fn mlp_exact(&self, l: &Layer, ws: &Workspace, t: usize) -> Result<()> {
         let g = &self.gpu;
         let (gate, up) = (g.ptr(&ws.ffn_gate), g.ptr(&ws.ffn_up));
-        self.project(ws, g.ptr(&ws.x), &l.post_attention_norm, t, &[(&l.gate_proj, gate), (&l.up_proj, up)])?;
+        self.project(ws, g.ptr(&ws.x), &l.post_attention_norm, t, &[(l.gate_proj.all(g), gate), (l.up_proj.all(g), up)])?;
         let n = t * l.down_proj.cols;
         g.launch(k::SWIGLU, Grid::x(n.div_ceil(1024), 256), (gate, up, DevPtr::NULL, n as i32))?;
         self.project_residual(ws, Input::F32(gate), t, &l.down_proj)

@@ -145,22 +145,52 @@ enum GemvOut {
     SwiGlu,
 }
 
+/// A weight matrix on the device: bf16, `rows` x `cols`, row-major.
 struct GpuMatrix {
     w: CudaSlice<u16>,
     rows: usize,
     cols: usize,
 }
 
+/// Rows of a `GpuMatrix` (all of them, or a block of a stacked matrix): what the products take.
+#[derive(Clone, Copy)]
+struct MatrixRows {
+    w: DevPtr<u16>,
+    rows: usize,
+    cols: usize,
+}
+
+impl GpuMatrix {
+    fn all(&self, g: &Gpu) -> MatrixRows {
+        MatrixRows { w: g.ptr(&self.w), rows: self.rows, cols: self.cols }
+    }
+
+    /// Rows `first..first + rows`.
+    fn rows(&self, g: &Gpu, first: usize, rows: usize) -> MatrixRows {
+        debug_assert!(first + rows <= self.rows);
+        MatrixRows { w: g.ptr(&self.w).offset(first * self.cols), rows, cols: self.cols }
+    }
+}
+
 struct DeltaNet {
-    in_proj_qkv: GpuMatrix,
-    in_proj_z: GpuMatrix,
-    in_proj_b: GpuMatrix,
-    in_proj_a: GpuMatrix,
+    /// The four input projections stacked in one matrix: qkv (conv_dim rows), z (value_dim),
+    /// b and a (a row per value head each). A batched decode step takes them in one product
+    /// (its mixer reads each sequence's row of the four), a prefill or a lone sequence each
+    /// alone (`in_projs`).
+    in_proj: GpuMatrix,
     conv_taps: CudaSlice<f32>,
     dt_bias: CudaSlice<f32>,
     neg_a: CudaSlice<f32>,
     norm: CudaSlice<f32>,
     out_proj: GpuMatrix,
+}
+
+impl DeltaNet {
+    /// The input projections' rows of `in_proj`: qkv, z, b, a.
+    fn in_projs(&self, g: &Gpu, c: &Qwen35Config) -> [MatrixRows; 4] {
+        let (cd, vd, hv) = (c.linear_conv_dim(), c.linear_value_dim(), c.linear_num_value_heads);
+        [self.in_proj.rows(g, 0, cd), self.in_proj.rows(g, cd, vd), self.in_proj.rows(g, cd + vd, hv), self.in_proj.rows(g, cd + vd + hv, hv)]
+    }
 }
 
 struct Attention {
@@ -329,17 +359,28 @@ impl GpuQwen35 {
         if c.head_dim > 256 || c.head_dim % 16 != 0 {
             bail!("the CUDA attention kernels take head dims that are a multiple of 16 up to 256 (this model: {})", c.head_dim);
         }
-        let mut weight_bytes = 0;
-        let mut mat = |m: &Matrix, name: &str| -> Result<GpuMatrix> {
-            let WeightData::Bf16(b) = &m.data else {
-                bail!("{name}: the CUDA engine runs bf16 weights; this matrix is {:?} (drop --quant for a GPU engine)", m.dtype());
-            };
-            if m.cols % 8 != 0 {
-                bail!("{name}: {} columns; the CUDA GEMV needs a multiple of 8", m.cols);
+        let weight_bytes = std::cell::Cell::new(0);
+        // Matrices of the same columns stacked into one, their rows in the order given (one
+        // matrix: itself).
+        let stacked = |parts: &[(&Matrix, &str)]| -> Result<GpuMatrix> {
+            let mut data = Vec::with_capacity(parts.len());
+            for &(m, name) in parts {
+                let WeightData::Bf16(b) = &m.data else {
+                    bail!("{name}: the CUDA engine runs bf16 weights; this matrix is {:?} (drop --quant for a GPU engine)", m.dtype());
+                };
+                if m.cols % 8 != 0 {
+                    bail!("{name}: {} columns; the CUDA GEMV needs a multiple of 8", m.cols);
+                }
+                if m.cols != parts[0].0.cols {
+                    bail!("{name}: {} columns where {} has {}; they are stacked into one matrix", m.cols, parts[0].1, parts[0].0.cols);
+                }
+                weight_bytes.set(weight_bytes.get() + m.bytes());
+                data.push(b.as_slice());
             }
-            weight_bytes += m.bytes();
-            Ok(GpuMatrix { w: gpu.upload(b.as_slice())?, rows: m.rows, cols: m.cols })
+            let w = if let [one] = data[..] { gpu.upload(one)? } else { gpu.upload(&data.concat())? };
+            Ok(GpuMatrix { w, rows: parts.iter().map(|p| p.0.rows).sum(), cols: parts[0].0.cols })
         };
+        let mat = |m: &Matrix, name: &str| stacked(&[(m, name)]);
         let tied = std::ptr::eq(net.lm_head_data_ptr(), net.embed_data_ptr());
         let lm_head = if tied { None } else { Some(mat(&net.lm_head, "lm_head")?) };
         let WeightData::Bf16(e) = &net.embed_tokens.data else { bail!("embed_tokens: the CUDA engine runs bf16 weights") };
@@ -352,10 +393,12 @@ impl GpuQwen35 {
             let p = format!("layers.{i}");
             let mixer = match &l.mixer {
                 Mixer::DeltaNet(d) => GpuMixer::DeltaNet(DeltaNet {
-                    in_proj_qkv: mat(&d.in_proj_qkv, &format!("{p}.in_proj_qkv"))?,
-                    in_proj_z: mat(&d.in_proj_z, &format!("{p}.in_proj_z"))?,
-                    in_proj_b: mat(&d.in_proj_b, &format!("{p}.in_proj_b"))?,
-                    in_proj_a: mat(&d.in_proj_a, &format!("{p}.in_proj_a"))?,
+                    in_proj: stacked(&[
+                        (&d.in_proj_qkv, &format!("{p}.in_proj_qkv")),
+                        (&d.in_proj_z, &format!("{p}.in_proj_z")),
+                        (&d.in_proj_b, &format!("{p}.in_proj_b")),
+                        (&d.in_proj_a, &format!("{p}.in_proj_a")),
+                    ])?,
                     conv_taps: gpu.upload(&d.conv_taps)?,
                     dt_bias: gpu.upload(&d.dt_bias)?,
                     neg_a: gpu.upload(&d.neg_a)?,
@@ -385,8 +428,9 @@ impl GpuQwen35 {
             });
         }
         if tied {
-            weight_bytes += net.embed_tokens.bytes();
+            weight_bytes.set(weight_bytes.get() + net.embed_tokens.bytes());
         }
+        let weight_bytes = weight_bytes.get();
         let final_norm = gpu.upload(&net.final_norm)?;
         let inv_freq = gpu.upload(&net.inv_freq)?;
         let staging = Arc::new(Mutex::new(Staging::default()));

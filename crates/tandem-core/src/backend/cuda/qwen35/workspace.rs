@@ -26,6 +26,9 @@ pub(super) struct Workspace {
     /// The normalised rows of an exact prefill's GEMM input.
     pub(super) xn: CudaSlice<f32>,
     // DeltaNet
+    /// A batched step's input projections, a row of qkv, z, b and a per sequence (the stacked
+    /// `DeltaNet::in_proj`'s product); other forwards write the four below.
+    pub(super) in_proj: CudaSlice<f32>,
     pub(super) qkv: CudaSlice<f32>,
     pub(super) conv_out: CudaSlice<f32>,
     pub(super) z: CudaSlice<f32>,
@@ -108,6 +111,8 @@ impl Workspace {
             Precision::Exact => GEMV_MAX_T,
         };
         let mut ws = Workspace::with(net, n, n, n, gemv_max)?;
+        let c = &net.config;
+        ws.in_proj = net.gpu.scratch(n * (c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads))?;
         ws.batched = true;
         Ok(ws)
     }
@@ -136,6 +141,7 @@ impl Workspace {
             x: g.scratch(rows * h)?,
             rms_inv: g.scratch(rows.min(GEMV_MAX_T))?,
             xn: g.scratch(xn)?,
+            in_proj: g.scratch(0)?,
             qkv: g.scratch(rows * cd)?,
             conv_out: g.scratch(rows * cd)?,
             z: g.scratch(rows * vd)?,
