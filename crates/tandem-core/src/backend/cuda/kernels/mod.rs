@@ -95,7 +95,7 @@ kernels! {
     /// (gate, up, out_bf16, n): silu(gate) * up into gate, or into out_bf16 where not null.
     SWIGLU = "swiglu" as (F32, F32, Bf16, i32);
     /// (gate, up, out, n), all bf16.
-    SWIGLU_BF16 = "swiglu_bf16" as (Bf16, Bf16, Bf16, i32);
+    SWIGLU_BF16 = "swiglu_bf16" as (Bf16, Bf16, Bf16, i32, i32, i32);
     /// (x, y, n): f32 rounded to bf16.
     TO_BF16 = "to_bf16" as (F32, Bf16, i32);
     GEMV_T1_PLAIN = "gemv_t1_plain" as GemvParams;

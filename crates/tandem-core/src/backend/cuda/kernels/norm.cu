@@ -80,17 +80,22 @@ extern "C" __global__ void swiglu(float* gate, const float* up, bf16_t* out_bf16
     else *(float4*)&gate[i] = y;
 }
 
-// out = silu(gate) * up from bf16 gate and up (a tensor-core prefill's GEMM outputs), in bf16
-// (the down projection's operand). Four values a thread, as swiglu. Grid: ceil(n / 1024);
-// block 256.
-extern "C" __global__ void swiglu_bf16(const bf16_t* gate, const bf16_t* up, bf16_t* out, int n) {
+// out = silu(gate) * up from bf16 gate and up (the tensor-core GEMM's outputs), in bf16 (the
+// down projection's operand): n values, rows of f; row r of gate and of up at r * in_row (one
+// product of the stacked gate and up matrices writes rows of both: in_row = 2 f, up = gate + f).
+// Four values a thread, as swiglu (f a multiple of 4). Grid: ceil(n / 1024); block 256.
+extern "C" __global__ void swiglu_bf16(const bf16_t* gate, const bf16_t* up, bf16_t* out, int n, int f, int in_row) {
     pdl_enter();
     int i = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
     if (i + 4 > n) {
-        for (; i < n; i++) out[i] = f32_to_bf16(siluf_(bf16_to_f32(gate[i])) * bf16_to_f32(up[i]));
+        for (; i < n; i++) {
+            size_t at = (size_t)(i / f) * in_row + i % f;
+            out[i] = f32_to_bf16(siluf_(bf16_to_f32(gate[at])) * bf16_to_f32(up[at]));
+        }
         return;
     }
-    uint2 g = *(const uint2*)&gate[i], u = *(const uint2*)&up[i];
+    size_t at = (size_t)(i / f) * in_row + i % f;
+    uint2 g = *(const uint2*)&gate[at], u = *(const uint2*)&up[at];
     float y[4];
     u32 gw[2] = {g.x, g.y}, uw[2] = {u.x, u.y};
 #pragma unroll

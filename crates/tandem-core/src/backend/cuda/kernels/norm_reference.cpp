@@ -46,9 +46,24 @@ static void check_norms() {
             double g = bf16_to_f32(gb[i]);
             want_b[i] = g * sigmoid(g) * bf16_to_f32(ub[i]);
         }
-        launch((n + 1023) / 1024, 1, 1, 256, [&] { swiglu_bf16(gb.data(), ub.data(), ob.data(), n); });
+        launch((n + 1023) / 1024, 1, 1, 256, [&] { swiglu_bf16(gb.data(), ub.data(), ob.data(), n, n, n); });
         for (int i = 0; i < n; i++) from_bf16[i] = bf16_to_f32(ob[i]);
         compare("swiglu_bf16, 1002 values", from_bf16, want_b, 4e-3);
+        // The first 996 values as 3 rows of 332 whose gate and up share rows (the stacked
+        // matrices' product: gate then up in each row of 664): the same bits.
+        {
+            const int rows = 3, f = 332, m = rows * f;
+            std::vector<bf16_t> gu((size_t)2 * m), oc(m);
+            for (int r = 0; r < rows; r++)
+                for (int c = 0; c < f; c++) {
+                    gu[(size_t)r * 2 * f + c] = gb[r * f + c];
+                    gu[(size_t)r * 2 * f + f + c] = ub[r * f + c];
+                }
+            launch((m + 1023) / 1024, 1, 1, 256, [&] { swiglu_bf16(gu.data(), gu.data() + f, oc.data(), m, f, 2 * f); });
+            bool same = std::equal(oc.begin(), oc.end(), ob.begin());
+            failures += !same;
+            printf("%s swiglu_bf16, 3 rows of 332 from gate and up in one matrix: the bits of separate rows\n", same ? "ok  " : "FAIL");
+        }
         launch((n + 1023) / 1024, 1, 1, 256, [&] { to_bf16(x.data(), ob.data(), n); });
         for (int i = 0; i < n; i++) xb[i] = bf16_to_f32(ob[i]);
         compare("to_bf16, 1002 values", xb, std::vector<double>(x.begin(), x.end()), 4e-3);

@@ -106,7 +106,8 @@ impl GpuQwen35 {
                     kinds[3].1.push((None, vec![(m.o_proj.all(g), x)], g.ptr(&ws.attn)));
                 }
             }
-            kinds[4].1.push((Some(&l.post_attention_norm), vec![(l.gate_proj.all(g), g.ptr(&ws.ffn_gate)), (l.up_proj.all(g), g.ptr(&ws.ffn_up))], x));
+            let [gate, up] = l.gate_up(g);
+            kinds[4].1.push((Some(&l.post_attention_norm), vec![(gate, g.ptr(&ws.ffn_gate)), (up, g.ptr(&ws.ffn_up))], x));
             kinds[5].1.push((None, vec![(l.down_proj.all(g), x)], g.ptr(&ws.ffn_gate)));
         }
         let mut out = Vec::new();

@@ -498,26 +498,26 @@ impl GpuQwen35 {
     /// One GEMV for gate and up that writes silu(gate) * up itself, one for down.
     fn mlp_gemv(&self, l: &Layer, ws: &Workspace, t: usize) -> Result<()> {
         let g = &self.gpu;
-        let mats = [(g.ptr(&l.gate_proj.w), g.ptr(&ws.ffn_gate), l.gate_proj.rows), (g.ptr(&l.up_proj.w), g.ptr(&ws.ffn_up), l.up_proj.rows)];
-        self.gemv(ws, GemvInput::Norm(g.ptr(&l.post_attention_norm)), &mats, g.ptr(&ws.x), l.gate_proj.cols, t, GemvOut::SwiGlu)?;
+        let [gate, up] = l.gate_up(g);
+        let mats = [(gate.w, g.ptr(&ws.ffn_gate), gate.rows), (up.w, g.ptr(&ws.ffn_up), up.rows)];
+        self.gemv(ws, GemvInput::Norm(g.ptr(&l.post_attention_norm)), &mats, g.ptr(&ws.x), gate.cols, t, GemvOut::SwiGlu)?;
         self.project_residual(ws, Input::F32(g.ptr(&ws.ffn_gate)), t, &l.down_proj)
     }
 
-    /// Gate and up rounded to bf16 by their GEMMs (as a bf16 model computes them), which halves
-    /// what they write and the SwiGLU reads (its 32 launches of a 9B prefill of 2048 tokens on
-    /// an H200: 2.0 ms from f32, 1.4 ms from bf16); the SwiGLU writes the down projection's
-    /// bf16 operand, which adds into x.
+    /// Gate and up in one GEMM of the stacked matrix (a row of both per input row), rounded to
+    /// bf16 (as a bf16 model computes them), which halves what it writes and the SwiGLU reads
+    /// (its 32 launches of a 9B prefill of 2048 tokens on an H200: 2.0 ms from f32, 1.4 ms
+    /// from bf16); the SwiGLU writes the down projection's bf16 operand, which adds into x.
     fn mlp_tensor_cores(&self, l: &Layer, ws: &Workspace, t: usize) -> Result<()> {
         let g = &self.gpu;
         let (x, xb) = (g.ptr(&ws.x), g.ptr(&ws.xb));
-        // The f32 gate and up buffers hold bf16 rows on this path.
-        let (gate, up) = (g.ptr(&ws.ffn_gate).reinterpret::<u16>(), g.ptr(&ws.ffn_up).reinterpret::<u16>());
-        let (h, f) = (l.gate_proj.cols, l.gate_proj.rows);
+        // The f32 gate buffer holds the product's bf16 rows on this path (t x 2f values).
+        let gate_up = g.ptr(&ws.ffn_gate).reinterpret::<u16>();
+        let (h, f) = (l.gate_up_proj.cols, l.gate_up_proj.rows / 2);
         self.rms_norm(x, g.ptr(&l.post_attention_norm), NormOut::Bf16(xb), t, h)?;
-        g.gemm_bf16(xb, t, g.ptr(&l.gate_proj.w), f, h, GemmOut::Bf16(gate))?;
-        g.gemm_bf16(xb, t, g.ptr(&l.up_proj.w), f, h, GemmOut::Bf16(up))?;
+        g.gemm_bf16(xb, t, g.ptr(&l.gate_up_proj.w), 2 * f, h, GemmOut::Bf16(gate_up))?;
         let n = t * f;
-        g.launch(k::SWIGLU_BF16, Grid::x(n.div_ceil(1024), 256), (gate, up, xb, n as i32))?;
+        g.launch(k::SWIGLU_BF16, Grid::x(n.div_ceil(1024), 256), (gate_up, gate_up.offset(f), xb, n as i32, f as i32, 2 * f as i32))?;
         self.gemm(GemmInput::Bf16(xb), t, g.ptr(&l.down_proj.w), l.down_proj.rows, f, x, true)
     }
 
@@ -525,7 +525,8 @@ impl GpuQwen35 {
     fn mlp_exact(&self, l: &Layer, ws: &Workspace, t: usize) -> Result<()> {
         let g = &self.gpu;
         let (gate, up) = (g.ptr(&ws.ffn_gate), g.ptr(&ws.ffn_up));
-        self.project(ws, g.ptr(&ws.x), &l.post_attention_norm, t, &[(l.gate_proj.all(g), gate), (l.up_proj.all(g), up)])?;
+        let [gate_rows, up_rows] = l.gate_up(g);
+        self.project(ws, g.ptr(&ws.x), &l.post_attention_norm, t, &[(gate_rows, gate), (up_rows, up)])?;
         let n = t * l.down_proj.cols;
         g.launch(k::SWIGLU, Grid::x(n.div_ceil(1024), 256), (gate, up, DevPtr::NULL, n as i32))?;
         self.project_residual(ws, Input::F32(gate), t, &l.down_proj)

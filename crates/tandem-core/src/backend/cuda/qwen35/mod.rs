@@ -213,9 +213,18 @@ struct Layer {
     input_norm: CudaSlice<f32>,
     post_attention_norm: CudaSlice<f32>,
     mixer: GpuMixer,
-    gate_proj: GpuMatrix,
-    up_proj: GpuMatrix,
+    /// The MLP's gate and up projections stacked in one matrix (intermediate_size rows each):
+    /// a tensor-core product takes both at once (`gate_up`).
+    gate_up_proj: GpuMatrix,
     down_proj: GpuMatrix,
+}
+
+impl Layer {
+    /// The gate's and the up projection's rows of `gate_up_proj`.
+    fn gate_up(&self, g: &Gpu) -> [MatrixRows; 2] {
+        let f = self.gate_up_proj.rows / 2;
+        [self.gate_up_proj.rows(g, 0, f), self.gate_up_proj.rows(g, f, f)]
+    }
 }
 
 pub struct GpuQwen35 {
@@ -422,8 +431,7 @@ impl GpuQwen35 {
                 input_norm: gpu.upload(&l.input_norm)?,
                 post_attention_norm: gpu.upload(&l.post_attention_norm)?,
                 mixer,
-                gate_proj: mat(&l.mlp.gate_proj, &format!("{p}.gate_proj"))?,
-                up_proj: mat(&l.mlp.up_proj, &format!("{p}.up_proj"))?,
+                gate_up_proj: stacked(&[(&l.mlp.gate_proj, &format!("{p}.gate_proj")), (&l.mlp.up_proj, &format!("{p}.up_proj"))])?,
                 down_proj: mat(&l.mlp.down_proj, &format!("{p}.down_proj"))?,
             });
         }
