@@ -74,6 +74,7 @@ inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v)
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
 inline void warp_sync() { g_block->warps[threadIdx.x >> 5]->arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int m) {
     int w = threadIdx.x >> 5, l = threadIdx.x & 31;

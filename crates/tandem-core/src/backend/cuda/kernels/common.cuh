@@ -201,6 +201,66 @@ __device__ __forceinline__ void ldmatrix_x4(u32* r, const bf16_t* p) {
 #endif
 }
 
+// A block's copy of `bytes` (a multiple of 16, both ends 16-byte aligned) between global and
+// shared memory by the copy engine (cp.async.bulk, sm_90 and later): one thread issues it and
+// the block goes on; elsewhere the block's threads copy 16 bytes at a time. Every thread of the
+// block calls each of these. bulk_load_start begins a load that completes on `bar` (a shared
+// 8-byte mbarrier, which it sets up: one load per barrier), bulk_load_wait waits for it (and is
+// a barrier). bulk_store_start writes shared memory back after the threads' last writes there
+// (it is a barrier); bulk_store_wait returns once the copy engine has read it all, so that the
+// block may reuse or release it (the global writes complete in the background).
+__device__ __forceinline__ void bulk_load_start(void* dst, const void* src, u32 bytes, unsigned long long* bar) {
+#if __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0) {
+        unsigned b = (unsigned)__cvta_generic_to_shared(bar), d = (unsigned)__cvta_generic_to_shared(dst);
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
+        // In pieces of 16 KB, all completing on the one barrier.
+        for (u32 at = 0; at < bytes; at += 16384) {
+            u32 n = bytes - at < 16384 ? bytes - at : 16384;
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(d + at), "l"((const char*)src + at), "r"(n), "r"(b)
+                         : "memory");
+        }
+    }
+#else
+    for (u32 i = threadIdx.x; i < bytes / 16; i += blockDim.x) ((uint4*)dst)[i] = ((const uint4*)src)[i];
+#endif
+}
+__device__ __forceinline__ void bulk_load_wait(unsigned long long* bar) {
+    // (Also makes thread 0's set-up of the barrier seen before anyone waits on it.)
+    __syncthreads();
+#if __CUDA_ARCH__ >= 900
+    unsigned b = (unsigned)__cvta_generic_to_shared(bar), done = 0;
+    while (!done)
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }" : "=r"(done) : "r"(b) : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_store_start(void* dst, const void* src, u32 bytes) {
+#if __CUDA_ARCH__ >= 900
+    // The threads' shared-memory writes made visible to the copy engine, then one thread copies.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned s = (unsigned)__cvta_generic_to_shared(src);
+        for (u32 at = 0; at < bytes; at += 16384) {
+            u32 n = bytes - at < 16384 ? bytes - at : 16384;
+            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"((char*)dst + at), "r"(s + at), "r"(n) : "memory");
+        }
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+#else
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < bytes / 16; i += blockDim.x) ((uint4*)dst)[i] = ((const uint4*)src)[i];
+#endif
+}
+__device__ __forceinline__ void bulk_store_wait() {
+#if __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+#endif
+    __syncthreads();
+}
+
 // The kernels of several sequences packed into one forward, one sequence per blockIdx.z (the
 // *_packed kernels of deltanet.cu and attention.cu): each does what its one-sequence kernel does
 // on that sequence's rows, state and caches alone (the same arithmetic, bit for bit), so that a

@@ -127,6 +127,9 @@ __device__ __forceinline__ void store_state(bf16_t* p, float v) { *p = f32_to_bf
 // their sum of squares per token, and the last block of the key head to finish (a counter in
 // `done`, which it resets) normalises them all and writes the q/k window.
 // Block: 512 threads; t <= 8; partial_ss: hv * (dv / 32) * 8 floats; done: hk zeroed counters.
+// The roundings the batched kernels must repeat to the bit (deltanet_step_batch_*,
+// deltanet_step_heads_*) are written out (__fmul_rn, fmaf, __fadd_rn): left to the compiler,
+// a product and a sum may be fused in one kernel and not in another.
 template <int DK, typename S>
 __device__ void deltanet_step_body(float* conv, S* state, const float* qkv, const float* z, const float* bproj, const float* aproj, const float* taps,
                                    const float* neg_a, const float* dt_bias, const float* norm_w, float* core, float* partial_ss, unsigned* done, int t, int hk,
@@ -170,7 +173,7 @@ __device__ void deltanet_step_body(float* conv, S* state, const float* qkv, cons
         if (tid < 64) {
             const float* v = tid < 32 ? sq : sk;
             float ss = 0.0f;
-            for (int i = lane; i < DK; i += 32) ss += v[i] * v[i];
+            for (int i = lane; i < DK; i += 32) ss = fmaf(v[i], v[i], ss);
             ss = warp_sum(ss);
             if (lane == 0) stats[warp] = 1.0f / sqrtf(ss + 1e-6f) * (warp == 0 ? rsqrtf((float)DK) : 1.0f);
         }
@@ -180,7 +183,10 @@ __device__ void deltanet_step_body(float* conv, S* state, const float* qkv, cons
         float alpha = expf(neg_a[vh] * softplusf_(aproj[tok * hv + vh] + dt_bias[vh]));
         float m = 0.0f;
 #pragma unroll
-        for (int i = 0; i < R; i++) { s[i] *= alpha; m += s[i] * (sk[warp * R + i] * kn); }
+        for (int i = 0; i < R; i++) {
+            s[i] = __fmul_rn(s[i], alpha);
+            m = fmaf(s[i], __fmul_rn(sk[warp * R + i], kn), m);
+        }
         red[warp][lane] = m;
         __syncthreads();
         m = 0.0f;
@@ -189,7 +195,10 @@ __device__ void deltanet_step_body(float* conv, S* state, const float* qkv, cons
         float u = beta * (sv[lane] - m);
         float o = 0.0f;
 #pragma unroll
-        for (int i = 0; i < R; i++) { s[i] += (sk[warp * R + i] * kn) * u; o += s[i] * (sq[warp * R + i] * qn); }
+        for (int i = 0; i < R; i++) {
+            s[i] = fmaf(__fmul_rn(sk[warp * R + i], kn), u, s[i]);
+            o = fmaf(s[i], __fmul_rn(sq[warp * R + i], qn), o);
+        }
         __syncthreads();  // every warp has read red
         red[warp][lane] = o;
         __syncthreads();
@@ -198,7 +207,7 @@ __device__ void deltanet_step_body(float* conv, S* state, const float* qkv, cons
 #pragma unroll
             for (int w = 0; w < WARPS; w++) o += red[w][lane];
             core[(size_t)tok * vd + vh * dv + j] = o;
-            float ss = warp_sum(o * o);
+            float ss = warp_sum(__fmul_rn(o, o));
             if (lane == 0) partial_ss[(size_t)blockIdx.x * TMAX + tok] = ss;
         }
         __syncthreads();  // sq, sk, sv and red are rewritten by the next token
@@ -222,7 +231,7 @@ __device__ void deltanet_step_body(float* conv, S* state, const float* qkv, cons
         float total = 0.0f;
         for (int b = 0; b < blocks_per_head; b++) total += __ldcg(&partial_ss[(size_t)(h * blocks_per_head + b) * TMAX + tok]);
         size_t at = (size_t)tok * vd + h * dv + c;
-        float inv = 1.0f / sqrtf(total / dv + eps);
+        float inv = 1.0f / sqrtf(__fadd_rn(__fdiv_rn(total, (float)dv), eps));
         core[at] = norm_w[c] * (__ldcg(&core[at]) * inv) * siluf_(z[at]);
     }
     if (tid == 0) done[kh] = 0;
@@ -268,43 +277,75 @@ DELTANET_STEP_BATCH(deltanet_step_batch_128_bf16_state, 128, bf16_t)
 // The batched decode step's mixer with a block per value head of a sequence: block (vh, b)
 // does for sequence b's head vh what the dv / 32 blocks of deltanet_step do for it alone, in the
 // same arithmetic (every sum in the same order), so a sequence still gets the bits it gets
-// alone. The head's state (64 KB at dk = dv = 128 in f32, 32 KB in bf16) goes through shared
-// memory as it is: every thread copies it in and out 16 bytes at a time, and in between one
-// thread per column walks the column's rows there, summing them in deltanet_step's row groups
-// (R = dk / 16 rows, a warp's there) and adding the groups' sums in order. A bf16 state is
-// widened as it is read from shared memory and rounded as it is written back, as deltanet_step
-// rounds it as it stores it; its half-size copy lets more blocks share an SM. Why not registers:
-// a block of 4 dv threads holding 32 values each was capped at 64 registers a thread and
-// spilled, and its 4-byte loads and stores throttled the load/store unit (at 256 sequences of
-// the 0.8B it moved the states at half the memory bandwidth). The gated norm's sum of squares
-// over the head is deltanet_step's 32-column warp sums, added in order.
+// alone. The head's state (64 KB at dk = dv = 128 in f32, 32 KB in bf16) comes into shared
+// memory by the copy engine (common.cuh bulk_load_start), which the block starts first and
+// waits for after the conv; and goes back the same way. In between every thread walks K rows
+// of 4 columns (at dk = 128, 16 rows), each row
+// group's (R = dk / 16 rows, deltanet_step's warp's rows) sum of each column to shared memory,
+// the groups' sums added in order per column there; the block's other inputs are read while
+// the state is on its way. Why: copied in and out by the threads (16-byte loads and stores) and
+// walked by one thread per column, the copies and the walk were a chain of waits with no load
+// in flight for most of it; held in registers instead (no copies), the block's 32 loads and
+// stores a thread jammed the load/store queue (lg_throttle) and it was slower still. At 256
+// sequences of the 0.8B on an H200 (ncu): f32 states 206-213 -> 174-175 us a layer (57 -> 68%
+// of the DRAM peak), bf16 129-134 -> 121-122 us.
+// A bf16 state is widened as it is read and rounded as it is written back, as deltanet_step
+// rounds it as it stores it. The gated norm's sum of squares over the head is deltanet_step's
+// 32-column warp sums, added in order.
 // Built for square heads (dk = dv = D, known at compile time) and conv windows of up to 4 taps.
 // Block: 2 D threads (thread c owns q/k conv channel c and, below D, v channel c); dynamic
 // shared memory: D * D state values; grid (hv, sequences); done: sequences * hk zeroed counters
 // (with several value heads a key head, the last of its blocks to finish writes the key head's
 // q/k conv window, after all have read it). The projections as deltanet_step_batch's (in_row).
+template <typename S>
+struct StatePiece;
+// 4 neighbouring values of a state's row, as stored: 16 bytes of f32 or 8 of bf16 (the same
+// shape for both keeps a bf16 block's registers to half an f32 one's).
+template <>
+struct StatePiece<float> {
+    u32 w[4];
+    __device__ __forceinline__ float get(int e) const { return __uint_as_float(w[e]); }
+    __device__ __forceinline__ void set(int e, float v) { w[e] = __float_as_uint(v); }
+    __device__ __forceinline__ static StatePiece load(const float* p) {
+        uint4 v = *(const uint4*)p;
+        return {{v.x, v.y, v.z, v.w}};
+    }
+    __device__ __forceinline__ void store(float* p) const { *(uint4*)p = make_uint4(w[0], w[1], w[2], w[3]); }
+};
+template <>
+struct StatePiece<bf16_t> {
+    u32 w[2];
+    __device__ __forceinline__ float get(int e) const { return bf16_to_f32((bf16_t)(w[e >> 1] >> (16 * (e & 1)))); }
+    __device__ __forceinline__ void set(int e, float v) {
+        u32 b = f32_to_bf16(v);
+        w[e >> 1] = (e & 1) ? (w[e >> 1] & 0xffffu) | (b << 16) : (w[e >> 1] & 0xffff0000u) | b;
+    }
+    __device__ __forceinline__ static StatePiece load(const bf16_t* p) {
+        uint2 v = *(const uint2*)p;
+        return {{v.x, v.y}};
+    }
+    __device__ __forceinline__ void store(bf16_t* p) const { *(uint2*)p = make_uint2(w[0], w[1]); }
+};
 template <int D, typename S>
 __device__ void deltanet_step_heads_body(float* conv, S* state, const float* qkv, const float* z, const float* bproj, const float* aproj, const float* taps,
                                          const float* neg_a, const float* dt_bias, const float* norm_w, float* core, unsigned* done, int hk, int hv, int dv,
                                          int cd, int kk, float eps) {
-    constexpr int DK = D, R = DK / 16, KMAX = 4, THREADS = 2 * D, PIECES = D * D * (int)sizeof(S) / 16 / THREADS, BATCH = PIECES < 8 ? PIECES : 8;
+    using Piece = StatePiece<S>;
+    // E values a piece, LPR lanes a row, RPI rows a warp's piece, K rows a thread (GROUPS row
+    // groups of R): at dk = 128, 16 rows of 4 columns.
+    constexpr int DK = D, R = DK / 16, KMAX = 4, THREADS = 2 * D, WARPS = THREADS / 32, E = 4, LPR = D / E, RPI = 32 / LPR,
+                  K = D / (WARPS * RPI), GROUPS = K / R;
+    static_assert(LPR <= 32 && K % R == 0, "a thread's rows are whole row groups");
+    constexpr u32 BYTES = D * D * sizeof(S);
     DYNAMIC_SHARED(S, st, D * D);
-    __shared__ __align__(16) float sq[DK], sk[DK], sv[D], so[D];
+    __shared__ __align__(16) float sq[DK], sk[DK], sv[D], so[D], su[D], red[16][D];
+    __shared__ __align__(8) unsigned long long loaded;
     int vh = blockIdx.x, ratio = hv / hk, kh = vh / ratio, kd = hk * DK;
-    int tid = threadIdx.x, lane = tid & 31;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int c0 = (lane % LPR) * E, r0 = (warp * RPI + lane / LPR) * K;
     S* sh = state + (size_t)vh * DK * D;
-    // The state into shared memory, BATCH pieces of 16 bytes a thread in flight at a time.
-    // (Loaded before the wait, as deltanet_step's are.)
-    const uint4* from = (const uint4*)sh;
-    uint4* into = (uint4*)st;
-#pragma unroll
-    for (int b = 0; b < PIECES; b += BATCH) {
-        uint4 v[BATCH];
-#pragma unroll
-        for (int p = 0; p < BATCH; p++) v[p] = from[tid + (b + p) * THREADS];
-#pragma unroll
-        for (int p = 0; p < BATCH; p++) into[tid + (b + p) * THREADS] = v[p];
-    }
+    // (Started before the wait, as deltanet_step's loads are.)
+    bulk_load_start(st, sh, BYTES, &loaded);
     // Conv channels: q/k channel `qk` (every thread), v channel `vc` (threads below D).
     int qk = tid < DK ? kh * DK + tid : kd + kh * DK + (tid - DK), vc = 2 * kd + vh * D + tid;
     bool has_v = tid < D;
@@ -315,6 +356,11 @@ __device__ void deltanet_step_heads_body(float* conv, S* state, const float* qkv
         if (q < kk && has_v) wv[q] = conv[(size_t)q * cd + vc];
     }
     pdl_enter();
+    // Every other input read now, while the state is on its way (each read after the wait
+    // would add a round trip to memory to the block's chain).
+    float b_in = bproj[vh], a_in = aproj[vh], na = neg_a[vh], dt = dt_bias[vh];
+    size_t at = (size_t)vh * D + tid;
+    float z_in = has_v ? z[at] : 0.0f;
     auto conv_step = [&](float (&win)[KMAX], int ch) {
         float acc = 0.0f;
 #pragma unroll
@@ -327,70 +373,90 @@ __device__ void deltanet_step_heads_body(float* conv, S* state, const float* qkv
     };
     float y = conv_step(wqk, qk);
     if (tid < DK) sq[tid] = y; else sk[tid - DK] = y;
-    if (has_v) sv[tid] = conv_step(wv, vc);
-    __syncthreads();
-    // 1 / |q| (times 1/sqrt(dk)) and 1 / |k|, as deltanet_step's warps 0 and 1 (every warp).
-    float qn, kn;
-    {
-        float ss = 0.0f;
-        for (int i = lane; i < DK; i += 32) ss += sq[i] * sq[i];
-        ss = warp_sum(ss);
-        qn = 1.0f / sqrtf(ss + 1e-6f) * rsqrtf((float)DK);
-        ss = 0.0f;
-        for (int i = lane; i < DK; i += 32) ss += sk[i] * sk[i];
-        ss = warp_sum(ss);
-        kn = 1.0f / sqrtf(ss + 1e-6f) * 1.0f;
-    }
     if (has_v) {
-        // Column `tid`: the decayed state's product with k, then the update and the product
-        // with q, each a sum over row groups from group 0 (the decay recomputed, not stored).
-        int j = tid;
-        float beta = sigmoidf_(bproj[vh]);
-        float alpha = expf(neg_a[vh] * softplusf_(aproj[vh] + dt_bias[vh]));
-        float m = 0.0f;
-        for (int g = 0; g < 16; g++) {
-            float part = 0.0f;
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                int i = g * R + r;
-                part += (load_state(&st[i * D + j]) * alpha) * (sk[i] * kn);
-            }
-            m += part;
-        }
-        float u = beta * (sv[j] - m), o = 0.0f;
-        for (int g = 0; g < 16; g++) {
-            float part = 0.0f;
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                int i = g * R + r;
-                float s = load_state(&st[i * D + j]) * alpha + (sk[i] * kn) * u;
-                // Rounded where the state is bf16, as deltanet_step stores it; the output
-                // takes the value before.
-                store_state(&st[i * D + j], s);
-                part += s * (sq[i] * qn);
-            }
-            o += part;
-        }
-        so[j] = o;
+        sv[tid] = conv_step(wv, vc);
 #pragma unroll
         for (int q = 0; q < KMAX; q++)
             if (q < kk) conv[(size_t)q * cd + vc] = wv[q];
     }
-    __syncthreads();
-    // The new state out, 16 bytes at a time.
+    bulk_load_wait(&loaded);
+    // 1 / |q| (times 1/sqrt(dk)) and 1 / |k|, as deltanet_step's warps 0 and 1 (every warp).
+    float qn, kn;
+    {
+        float ss = 0.0f;
+        for (int i = lane; i < DK; i += 32) ss = fmaf(sq[i], sq[i], ss);
+        ss = warp_sum(ss);
+        qn = 1.0f / sqrtf(ss + 1e-6f) * rsqrtf((float)DK);
+        ss = 0.0f;
+        for (int i = lane; i < DK; i += 32) ss = fmaf(sk[i], sk[i], ss);
+        ss = warp_sum(ss);
+        kn = 1.0f / sqrtf(ss + 1e-6f) * 1.0f;
+    }
+    float beta = sigmoidf_(b_in);
+    float alpha = expf(na * softplusf_(a_in + dt));
+    // Column c's 16 row groups' sums, added in order.
+    auto column_sum = [&](int c) {
+        float sum = 0.0f;
 #pragma unroll
-    for (int p = 0; p < PIECES; p++) ((uint4*)sh)[tid + p * THREADS] = into[tid + p * THREADS];
+        for (int g = 0; g < 16; g++) sum += red[g][c];
+        return sum;
+    };
+    // Each row group's share of each column's product of the decayed state with k.
+#pragma unroll
+    for (int gl = 0; gl < GROUPS; gl++) {
+        int i0 = r0 + gl * R;
+        Piece s[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) s[r] = Piece::load(&st[(i0 + r) * D + c0]);
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            float part = 0.0f;
+#pragma unroll
+            for (int r = 0; r < R; r++) part = fmaf(__fmul_rn(s[r].get(e), alpha), __fmul_rn(sk[i0 + r], kn), part);
+            red[i0 / R][c0 + e] = part;
+        }
+    }
+    __syncthreads();
+    // Column `tid`: the groups' sums in order, then its update's scale u.
+    if (has_v) su[tid] = beta * (sv[tid] - column_sum(tid));
+    __syncthreads();
+    // The update (the decay recomputed, not kept) and each row group's share of the product
+    // with q.
+#pragma unroll
+    for (int gl = 0; gl < GROUPS; gl++) {
+        int i0 = r0 + gl * R;
+        Piece s[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) s[r] = Piece::load(&st[(i0 + r) * D + c0]);
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            float u = su[c0 + e], part = 0.0f;
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                float x = fmaf(__fmul_rn(sk[i0 + r], kn), u, __fmul_rn(s[r].get(e), alpha));
+                // Rounded where the state is bf16, as deltanet_step stores it; the output
+                // takes the value before.
+                s[r].set(e, x);
+                part = fmaf(x, __fmul_rn(sq[i0 + r], qn), part);
+            }
+            red[i0 / R][c0 + e] = part;
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++) s[r].store(&st[(i0 + r) * D + c0]);
+    }
+    bulk_store_start(sh, st, BYTES);
+    if (has_v) so[tid] = column_sum(tid);
+    __syncthreads();
     // The gated RMSNorm over the head: deltanet_step's per-block sums of squares, in order.
     float total = 0.0f;
 #pragma unroll
     for (int b = 0; b < D / 32; b++) {
         float x = so[b * 32 + lane];
-        total += warp_sum(x * x);
+        total += warp_sum(__fmul_rn(x, x));
     }
     if (has_v) {
-        size_t at = (size_t)vh * D + tid;
-        float inv = 1.0f / sqrtf(total / D + eps);
-        core[at] = norm_w[tid] * (so[tid] * inv) * siluf_(z[at]);
+        float inv = 1.0f / sqrtf(__fadd_rn(__fdiv_rn(total, (float)D), eps));
+        core[at] = norm_w[tid] * (so[tid] * inv) * siluf_(z_in);
     }
     // The key head's q/k window: this block's with one value head a key head, else the last
     // block's of the key head to finish (every one has read the window by then).
@@ -400,6 +466,7 @@ __device__ void deltanet_step_heads_body(float* conv, S* state, const float* qkv
             if (q < kk) conv[(size_t)q * cd + qk] = wqk[q];
         if (ratio > 1 && tid == 0) done[kh] = 0;
     }
+    bulk_store_wait();
 }
 #define DELTANET_STEP_HEADS(NAME, DK, S, BLOCKS)                                                                                             \
     extern "C" __global__ void __launch_bounds__(256, BLOCKS) NAME(float* const* convs, void* const* states, const float* qkv, const float* z, const float* b,     \
@@ -412,9 +479,9 @@ __device__ void deltanet_step_heads_body(float* conv, S* state, const float* qkv
 DELTANET_STEP_HEADS(deltanet_step_heads_32, 32, float, 3)
 DELTANET_STEP_HEADS(deltanet_step_heads_64, 64, float, 3)
 DELTANET_STEP_HEADS(deltanet_step_heads_128, 128, float, 3)
-DELTANET_STEP_HEADS(deltanet_step_heads_32_bf16_state, 32, bf16_t, 5)
-DELTANET_STEP_HEADS(deltanet_step_heads_64_bf16_state, 64, bf16_t, 5)
-DELTANET_STEP_HEADS(deltanet_step_heads_128_bf16_state, 128, bf16_t, 5)
+DELTANET_STEP_HEADS(deltanet_step_heads_32_bf16_state, 32, bf16_t, 4)
+DELTANET_STEP_HEADS(deltanet_step_heads_64_bf16_state, 64, bf16_t, 4)
+DELTANET_STEP_HEADS(deltanet_step_heads_128_bf16_state, 128, bf16_t, 4)
 
 
 // The chunked gated delta rule of a prefill (deltanet.rs chunked_body), in two kernels.

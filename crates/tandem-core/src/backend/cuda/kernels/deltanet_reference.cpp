@@ -451,6 +451,8 @@ static void check_deltanet_kernels() {
     check_batched_step<128, float>(2, 4, 128, "deltanet_step_batch_128", deltanet_step_128, per_32_columns(deltanet_step_batch_128));
     check_batched_step<32, float>(2, 4, 32, "deltanet_step_heads_32", deltanet_step_32, per_value_head(deltanet_step_heads_32));
     check_batched_step<32, float>(4, 4, 32, "deltanet_step_heads_32", deltanet_step_32, per_value_head(deltanet_step_heads_32));
+    check_batched_step<64, float>(2, 4, 64, "deltanet_step_heads_64", deltanet_step_64, per_value_head(deltanet_step_heads_64));
+    check_batched_step<64, bf16_t>(2, 2, 64, "deltanet_step_heads_64_bf16_state", deltanet_step_64_bf16_state, per_value_head(deltanet_step_heads_64_bf16_state));
     check_batched_step<128, float>(2, 4, 128, "deltanet_step_heads_128", deltanet_step_128, per_value_head(deltanet_step_heads_128));
     check_batched_step<128, float>(2, 2, 128, "deltanet_step_heads_128", deltanet_step_128, per_value_head(deltanet_step_heads_128));
     check_batched_step<32, bf16_t>(2, 4, 32, "deltanet_step_heads_32_bf16_state", deltanet_step_32_bf16_state, per_value_head(deltanet_step_heads_32_bf16_state));

@@ -64,13 +64,15 @@ pub type ChunkStateMmaParams = (State, F32, F32, Bf16, Bf16, Bf16, Bf16, F32, i3
 /// P_bf16, core, hv, dk, dv).
 pub type ChunkStateMmaPackedParams = (States, U32, F32, F32, Bf16, Bf16, Bf16, Bf16, F32, i32, i32, i32);
 
+/// Tokens per chunk of the chunked delta rule (deltanet.cu CHUNK, cpu kernels/deltanet.rs CHUNK).
+pub const DELTANET_CHUNK: usize = 64;
+
 /// The tensor-core state walks' dynamic shared memory in bytes for key heads of `dk` channels
 /// (deltanet.cu CHUNK_STATE_MMA_SHARED): a chunk's W, q and k rows, the state's bf16 copy (16
 /// columns), P and V' (16 columns), bf16 rows padded by 8.
 pub fn chunk_state_mma_shared(dk: usize) -> usize {
-    const CHUNK: usize = 64;
     const PAD: usize = 8;
-    2 * ((3 * CHUNK + 16) * (dk + PAD) + (CHUNK + 16) * (CHUNK + PAD))
+    2 * ((3 * DELTANET_CHUNK + 16) * (dk + PAD) + (DELTANET_CHUNK + 16) * (DELTANET_CHUNK + PAD))
 }
 /// attention.cu attention_mma_*: (q, k_bf16, v_bf16, gate, out, t, hq, hkv, pos).
 pub type AttentionMmaParams = (F32, Bf16, Bf16, F32, F32, i32, i32, i32, U32);

@@ -203,12 +203,12 @@ impl GpuQwen35 {
         let (hk, hv, dk, dv) = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
         let (convs, recurrents) = ws.layer_tables(g, li, n);
         // Each sequence's projections: a row of `in_proj`'s product, qkv then z, b and a.
-        let (cd, vd) = (c.linear_conv_dim(), c.linear_value_dim());
-        let qkv = g.ptr(&ws.in_proj);
-        let (z, beta, alpha) = (qkv.offset(cd), qkv.offset(cd + vd), qkv.offset(cd + vd + hv));
+        let starts = DeltaNet::in_proj_starts(c);
+        let row = g.ptr(&ws.in_proj);
+        let (qkv, z, beta, alpha) = (row, row.offset(starts[1]), row.offset(starts[2]), row.offset(starts[3]));
         let (core, done) = (g.ptr(&ws.core), g.ptr(&ws.step_done));
         let (taps, neg_a, dt_bias, norm) = (g.ptr(&m.conv_taps), g.ptr(&m.neg_a), g.ptr(&m.dt_bias), g.ptr(&m.norm));
-        let shape = (hk as i32, hv as i32, dv as i32, cd as i32, m.in_proj.rows as i32, c.linear_conv_kernel_dim as i32, c.rms_norm_eps);
+        let shape = (hk as i32, hv as i32, dv as i32, c.linear_conv_dim() as i32, starts[4] as i32, c.linear_conv_kernel_dim as i32, c.rms_norm_eps);
         if n >= self.step_heads_from() && step_heads_fit(c) {
             let kernel = match (dk, self.state_dtype()) {
                 (32, StateDtype::F32) => k::DELTANET_STEP_HEADS_32,

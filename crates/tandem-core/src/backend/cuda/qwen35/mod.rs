@@ -46,6 +46,7 @@ use self::state_slots::{SlotLayout, SlotPool, StateDtype, StateSlot};
 use self::workspace::Workspace;
 use self::layers::NormOut;
 use super::kernels as k;
+use super::kernels::DELTANET_CHUNK;
 use super::launch::{DevPtr, Grid, StateValues};
 use super::{GemmOut, Gpu, Pinned, Staging};
 use crate::model::config::{LayerType, Qwen35Config};
@@ -95,9 +96,10 @@ fn decode_gemm_from_for(c: &Qwen35Config) -> usize {
 /// From how many sequences a batched decode step runs the DeltaNet mixer with a block per value
 /// head (kernels/deltanet.cu deltanet_step_heads_*) rather than per 32 columns of one
 /// (deltanet_step_batch_*): the same bits either way. Measured by `tandem bench --sections cuda`
-/// (the two kernels interleaved; H100, 2026-11-26), the mixer's time per step: the 0.8B 0.211 /
-/// 0.220 ms at 2 sequences, 0.225 / 0.239 at 4, 4.82 / 5.77 at 256 (the whole step 1.09x); the
-/// 9B 0.332 / 0.326 at 2, 0.389 / 0.479 at 4, 12.7 / 14.7 at 256.
+/// (the two kernels interleaved), the mixer's time per step per 32 columns / per value head:
+/// H200, 2026-11-26, the 0.8B 0.216 / 0.200 ms at 2 sequences (the whole step 0.93x), 0.230 /
+/// 0.204 at 4 (1.01x), 5.66 / 3.09 at 256 (1.40x); H100, 2026-11-26, with an earlier per-head
+/// kernel, the 9B 0.332 / 0.326 at 2, 0.389 / 0.479 at 4, 12.7 / 14.7 at 256.
 const STEP_HEADS_FROM: usize = 4;
 /// Blocks per logits row of the greedy pick (kernels/sample.cu argmax_rows; at most 256).
 const ARGMAX_SPANS: usize = 64;
@@ -109,8 +111,6 @@ const GEMV_STREAM_K: usize = 1024;
 /// The fewest positions a captured decode step's attention is sized for (graph.rs: a step
 /// serves every position up to its span, a power of two, and is captured again past it).
 const KV_MIN_ROWS: usize = 256;
-/// Tokens per chunk of the chunked delta rule (kernels/deltanet.cu CHUNK, cpu kernels/deltanet.rs CHUNK).
-const DELTANET_CHUNK: usize = 64;
 /// Tokens per thread of a prefill's conv (kernels/deltanet.cu CONV_RUN).
 const CONV_RUN: usize = 8;
 /// The values per sequence of a packed prefill's `seqs` (kernels/common.cuh: PackedSeq).
@@ -186,10 +186,17 @@ struct DeltaNet {
 }
 
 impl DeltaNet {
+    /// Where qkv, z, b and a start among `in_proj`'s rows (and so among the values of a row of
+    /// its product), and its rows in all.
+    fn in_proj_starts(c: &Qwen35Config) -> [usize; 5] {
+        let (cd, vd, hv) = (c.linear_conv_dim(), c.linear_value_dim(), c.linear_num_value_heads);
+        [0, cd, cd + vd, cd + vd + hv, cd + vd + 2 * hv]
+    }
+
     /// The input projections' rows of `in_proj`: qkv, z, b, a.
     fn in_projs(&self, g: &Gpu, c: &Qwen35Config) -> [MatrixRows; 4] {
-        let (cd, vd, hv) = (c.linear_conv_dim(), c.linear_value_dim(), c.linear_num_value_heads);
-        [self.in_proj.rows(g, 0, cd), self.in_proj.rows(g, cd, vd), self.in_proj.rows(g, cd + vd, hv), self.in_proj.rows(g, cd + vd + hv, hv)]
+        let s = DeltaNet::in_proj_starts(c);
+        std::array::from_fn(|i| self.in_proj.rows(g, s[i], s[i + 1] - s[i]))
     }
 }
 

@@ -100,7 +100,7 @@ pub(super) struct Workspace {
 impl Workspace {
     /// The workspace of a forward call: products of up to `GEMV_MAX_T` rows take the GEMV.
     pub(super) fn new(net: &GpuQwen35, rows: usize, sequences: usize, logit_rows: usize) -> Result<Workspace> {
-        Workspace::with(net, rows, sequences, logit_rows, GEMV_MAX_T)
+        Workspace::with(net, rows, sequences, logit_rows, GEMV_MAX_T, false)
     }
 
     /// The workspace of a batched decode step of `n` sequences (one row each): its products
@@ -110,11 +110,7 @@ impl Workspace {
             Precision::TensorCores => (net.decode_gemm_from - 1).clamp(1, GEMV_MAX_T),
             Precision::Exact => GEMV_MAX_T,
         };
-        let mut ws = Workspace::with(net, n, n, n, gemv_max)?;
-        let c = &net.config;
-        ws.in_proj = net.gpu.scratch(n * (c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads))?;
-        ws.batched = true;
-        Ok(ws)
+        Workspace::with(net, n, n, n, gemv_max, true)
     }
 
     /// Whether a product of `t` rows takes the GEMV (else the GEMM).
@@ -122,7 +118,9 @@ impl Workspace {
         t <= self.gemv_max
     }
 
-    fn with(net: &GpuQwen35, rows: usize, sequences: usize, logit_rows: usize, gemv_max: usize) -> Result<Workspace> {
+    /// A batched step's workspace (`batched`) has the stacked input projections' product in
+    /// `in_proj` and none of a prefill's DeltaNet buffers (it never prefills).
+    fn with(net: &GpuQwen35, rows: usize, sequences: usize, logit_rows: usize, gemv_max: usize, batched: bool) -> Result<Workspace> {
         let c = &net.config;
         let g = &net.gpu;
         let (h, cd, vd, hv, f) = (c.hidden_size, c.linear_conv_dim(), c.linear_value_dim(), c.linear_num_value_heads, c.intermediate_size);
@@ -131,7 +129,8 @@ impl Workspace {
         let xb = if rows > gemv_max && net.precision == Precision::TensorCores { rows * widest } else { 1 };
         let xn = if rows > gemv_max && net.precision == Precision::Exact { rows * h } else { 1 };
         let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
-        let chunked = if rows > GEMV_MAX_T { rows } else { 0 };
+        let chunked = if rows > GEMV_MAX_T && !batched { rows } else { 0 };
+        let (stacked, split) = if batched { (rows, 0) } else { (0, rows) };
         // Rows of the decode attention: a few of one sequence, or one of each of a batch.
         let decode_rows = rows.min(GEMV_MAX_T).max(sequences);
         Ok(Workspace {
@@ -141,13 +140,13 @@ impl Workspace {
             x: g.scratch(rows * h)?,
             rms_inv: g.scratch(rows.min(GEMV_MAX_T))?,
             xn: g.scratch(xn)?,
-            in_proj: g.scratch(0)?,
-            qkv: g.scratch(rows * cd)?,
-            conv_out: g.scratch(rows * cd)?,
-            z: g.scratch(rows * vd)?,
+            in_proj: g.scratch(stacked * DeltaNet::in_proj_starts(c)[4])?,
+            qkv: g.scratch(split * cd)?,
+            conv_out: g.scratch(split * cd)?,
+            z: g.scratch(split * vd)?,
             core: g.scratch(rows * vd)?,
-            beta: g.scratch(rows * hv)?,
-            alpha: g.scratch(rows * hv)?,
+            beta: g.scratch(split * hv)?,
+            alpha: g.scratch(split * hv)?,
             gcum: g.scratch(chunked * hv)?,
             chunk_u: g.scratch(chunked * hv * dv)?,
             chunk_w: g.scratch(chunked * hv * dk)?,
@@ -173,7 +172,7 @@ impl Workspace {
             tables: g.scratch(if sequences > 1 { 2 * c.layer_types.len() * sequences } else { 1 })?,
             blocks: g.scratch(sequences * MAX_CONTEXT / KV_BLOCK)?,
             kv_width: 0,
-            batched: false,
+            batched,
             packed: false,
             seqs: g.scratch(if sequences > 1 { PACKED_SEQ_FIELDS * sequences } else { 1 })?,
             kv_rows: 0,
