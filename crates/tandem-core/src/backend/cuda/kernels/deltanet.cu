@@ -280,10 +280,9 @@ DELTANET_STEP_BATCH(deltanet_step_batch_128_bf16_state, 128, bf16_t)
 // alone. The head's state (64 KB at dk = dv = 128 in f32, 32 KB in bf16) comes into shared
 // memory by the copy engine (common.cuh bulk_load_start), which the block starts first and
 // waits for after the conv; and goes back the same way. In between every thread walks K rows
-// of 4 columns (at dk = 128, 16 rows), each row
-// group's (R = dk / 16 rows, deltanet_step's warp's rows) sum of each column to shared memory,
-// the groups' sums added in order per column there; the block's other inputs are read while
-// the state is on its way. Why: copied in and out by the threads (16-byte loads and stores) and
+// of 4 columns (at dk = 128, 16 rows), writing each row group's (R = dk / 16 rows,
+// deltanet_step's warp's rows) sum of each column to shared memory, where the groups' sums are
+// added in order per column; the block's other inputs are read while the state is on its way. Why: copied in and out by the threads (16-byte loads and stores) and
 // walked by one thread per column, the copies and the walk were a chain of waits with no load
 // in flight for most of it; held in registers instead (no copies), the block's 32 loads and
 // stores a thread jammed the load/store queue (lg_throttle) and it was slower still. At 256
