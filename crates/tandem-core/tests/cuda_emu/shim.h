@@ -93,6 +93,16 @@ inline float __shfl_sync(unsigned, float v, int src) {
     return r;
 }
 inline unsigned __shfl_xor_sync(unsigned mask, unsigned v, int m) { return __float_as_uint(__shfl_xor_sync(mask, __uint_as_float(v), m)); }
+// Whether any lane of the warp passes a true predicate (every lane calls it).
+inline bool __any_sync(unsigned, bool p) {
+    int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    g_block->xbuf[w][l] = p ? 1.0f : 0.0f;
+    warp_sync();
+    bool any = false;
+    for (int i = 0; i < 32; i++) any = any || g_block->xbuf[w][i] != 0.0f;
+    warp_sync();
+    return any;
+}
 inline float bf16_value(uint32_t bits) { return __uint_as_float(bits << 16); }
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, d += a . b, for the calling lane: lane l
 // (group g = l / 4, t = l % 4) holds A[g (+8)][2t (+1) (+8)] in a[0..4] (a[1]: row + 8, a[2]:

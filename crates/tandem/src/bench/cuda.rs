@@ -278,7 +278,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
                 let total: f64 = profile.iter().map(|p| p.1).sum();
                 writeln!(batch_profile, "\n{spec}, a step of {n} sequences: {:.2} ms of kernels ({} launches):\n", total / profiled as f64, profile.iter().map(|p| p.2).sum::<usize>() / profiled)?;
                 writeln!(batch_profile, "| kernel | ms per step | launches per step | share |\n|---|---|---|---|")?;
-                for (name, ms, count) in profile.iter().take(12) {
+                for (name, ms, count) in profile.iter().take(20) {
                     writeln!(batch_profile, "| {name} | {:.3} | {} | {:.0}% |", ms / profiled as f64, count / profiled, 100.0 * ms / total)?;
                 }
             }
@@ -331,7 +331,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
 {spec}, {n} prompts of {prompt} tokens packed: {total:.1} ms of kernels ({} launches):
 ", profile.iter().map(|p| p.2).sum::<usize>())?;
                 writeln!(pack_profile, "| kernel | ms | launches | share |\n|---|---|---|---|")?;
-                for (name, ms, count) in profile.iter().take(12) {
+                for (name, ms, count) in profile.iter().take(20) {
                     writeln!(pack_profile, "| {name} | {ms:.2} | {count} | {:.0}% |", 100.0 * ms / total)?;
                 }
             }
@@ -421,7 +421,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
 /// `steps` batched decode steps of `states` launched kernel by kernel (after one more, unprofiled)
 /// and profiled with CUDA events: each kernel's milliseconds and launches over the steps. The
 /// engine replays its graphs again afterwards.
-pub(super) fn profile_batched_steps(g: &mut GpuQwen35, ids: &[u32], states: &mut [&mut GpuState], steps: usize) -> Result<Vec<(&'static str, f64, usize)>> {
+pub(super) fn profile_batched_steps(g: &mut GpuQwen35, ids: &[u32], states: &mut [&mut GpuState], steps: usize) -> Result<Vec<(std::borrow::Cow<'static, str>, f64, usize)>> {
     g.graphs = false;
     g.decode_batch(ids, states)?;
     g.gpu.start_profile();

@@ -215,7 +215,7 @@ impl Gpu {
         use cudarc::driver::sys;
         let name = kernel.name;
         let f = self.kernels.get(name).with_context(|| format!("no kernel {name}"))?;
-        self.timed(name, || {
+        self.timed(|| name.into(), || {
             let mut slots = args.slots();
             let mut params: Vec<*mut std::ffi::c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut std::ffi::c_void).collect();
             // SAFETY: a plain-data union; the driver reads the member its id names.

@@ -4,6 +4,7 @@
 //! for, not linked: tandem builds and runs on machines without CUDA, and there asking for a GPU
 //! is an error that says what is missing.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -46,8 +47,11 @@ pub struct Gpu {
     /// tensor-core prefill's attention kernel needs them.
     pub bf16_mma: bool,
     /// While profiling: each launch's kernel with events recorded before and after it.
-    profile: std::sync::Mutex<Option<Vec<(&'static str, CudaEvent, CudaEvent)>>>,
+    profile: std::sync::Mutex<Option<Vec<ProfiledLaunch>>>,
 }
+
+/// A launch being profiled: its kernel's name and the events recorded before and after it.
+type ProfiledLaunch = (Cow<'static, str>, CudaEvent, CudaEvent);
 
 /// Page-locked host memory of one GPU's context: copies between it and the GPU run
 /// asynchronously on the stream and can be captured into a CUDA graph.
@@ -298,13 +302,15 @@ impl Gpu {
     }
 
     /// Queue `work` on the stream; while profiling, between two events recorded under `name`.
-    fn timed(&self, name: &'static str, work: impl FnOnce() -> Result<()>) -> Result<()> {
+    /// Run `work`, which queues one launch, between two events while profiling (`name` is
+    /// asked for only then).
+    fn timed(&self, name: impl FnOnce() -> Cow<'static, str>, work: impl FnOnce() -> Result<()>) -> Result<()> {
         let mut profile = self.profile.lock().unwrap_or_else(|e| e.into_inner());
         let event = || self.stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.ordinal));
         let before = if profile.is_some() { Some(event()?) } else { None };
         work()?;
         if let (Some(list), Some(before)) = (profile.as_mut(), before) {
-            list.push((name, before, event()?));
+            list.push((name(), before, event()?));
         }
         Ok(())
     }
@@ -317,12 +323,12 @@ impl Gpu {
 
     /// Stop profiling: each kernel's name, total milliseconds and number of launches, the most
     /// time first.
-    pub fn finish_profile(&self) -> Result<Vec<(&'static str, f64, usize)>> {
+    pub fn finish_profile(&self) -> Result<Vec<(Cow<'static, str>, f64, usize)>> {
         let list = self.profile.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_default();
         self.synchronize()?;
-        let mut by_name: HashMap<&'static str, (f64, usize)> = HashMap::new();
-        for (name, a, b) in &list {
-            let ms = a.elapsed_ms(b).map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.ordinal))? as f64;
+        let mut by_name: HashMap<Cow<'static, str>, (f64, usize)> = HashMap::new();
+        for (name, a, b) in list {
+            let ms = a.elapsed_ms(&b).map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", self.ordinal))? as f64;
             let e = by_name.entry(name).or_default();
             e.0 += ms;
             e.1 += 1;
@@ -392,7 +398,8 @@ impl Gpu {
             GemmOut::Bf16(p) => (p.addr(), cudaDataType::CUDA_R_16BF),
         };
         // SAFETY: the three buffers hold t·k bf16, n·k bf16 and t·n values of out_type.
-        self.timed("cuBLAS GEMM (bf16)", || unsafe {
+        // Profiled by shape: the step's GEMMs differ tenfold in how well cuBLAS fills the GPU.
+        self.timed(|| format!("cuBLAS GEMM (bf16), {t} rows, {k} -> {n}").into(), || unsafe {
             cudarc::cublas::result::gemm_ex(
                 *self.blas.handle(),
                 cublasOperation_t::CUBLAS_OP_T,

@@ -160,8 +160,9 @@ static void check_chunked(int t, int hk, int hv, int dk, int dv) {
 static void check_conv_and_gated_norm() {
     const float eps = 1e-6f;
     // The conv with the l2 norm of the q and k heads: runs of tokens (the last partial),
-    // channels past the last of a block's lanes, both builds (kernels of 4 and of 6 taps).
-    for (auto [t, cd, hk, dk, kk] : {std::tuple{37, 300, 2, 16, 4}, {20, 1288, 2, 128, 6}}) {
+    // channels past the last of a block's lanes, both builds (kernels of 4, 3 and 6 taps: the
+    // first build with its taps known and not).
+    for (auto [t, cd, hk, dk, kk] : {std::tuple{37, 300, 2, 16, 4}, {29, 520, 1, 32, 3}, {20, 1288, 2, 128, 6}}) {
         const int qk = 2 * hk * dk;
         const double q_scale = 1 / std::sqrt((double)dk);
         auto conv = random((size_t)kk * cd, -1, 1), qkv = random((size_t)t * cd, -2, 2), taps = random((size_t)kk * cd, -0.7, 0.7);
