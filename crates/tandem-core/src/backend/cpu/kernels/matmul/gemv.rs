@@ -131,15 +131,10 @@ pub unsafe fn gemv_rows(x: &[f32], w: &Matrix, rows: &RowSet, out: *mut f32) {
     #[cfg(target_arch = "x86_64")]
     match crate::backend::cpu::kernels::isa() {
         crate::backend::cpu::kernels::Isa::Avx512 if w.cols.is_multiple_of(16) => return avx512::gemv_rows(x, w, rows, out),
-        crate::backend::cpu::kernels::Isa::Avx512 | crate::backend::cpu::kernels::Isa::Avx2 => return gemv_rows_avx2(x, w, rows, out),
+        crate::backend::cpu::kernels::Isa::Avx512 | crate::backend::cpu::kernels::Isa::Avx2 => return avx2::gemv_rows_multi(x, 1, w, rows, out),
         crate::backend::cpu::kernels::Isa::Portable => {}
     }
     gemv_rows_portable(x, w, rows, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-unsafe fn gemv_rows_avx2(x: &[f32], w: &Matrix, rows: &RowSet, out: *mut f32) {
-    avx2::gemv_rows_multi(x, 1, w, rows, out)
 }
 
 /// Portable body (vectorised by the compiler for the caller's target features): widen a row to
@@ -152,6 +147,25 @@ unsafe fn gemv_rows_portable(x: &[f32], w: &Matrix, rows: &RowSet, out: *mut f32
         let scale = widen_row_range(w, r, 0, k, &mut row);
         *out.add(r) = dot(x, &row) * scale;
     }
+}
+
+/// A SIMD GEMV's dispatch on `$w`'s weight dtype: `$kernel!(first weight, element type, load,
+/// scale of row r)` with the calling module's `load_bf16`, `load_f16`, `load_i8` and `$load_f32`
+/// (int8 rows scaled by their factor, the others by 1).
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_weight_dtype {
+    ($w:expr, $kernel:ident, $load_f32:ident) => {{
+        let one = |_r: usize| 1.0f32;
+        match &$w.data {
+            WeightData::Bf16(b) => $kernel!(b.as_slice().as_ptr(), u16, load_bf16, one),
+            WeightData::F16(b) => $kernel!(b.as_slice().as_ptr(), u16, load_f16, one),
+            WeightData::F32(b) => $kernel!(b.as_slice().as_ptr(), f32, $load_f32, one),
+            WeightData::Int8 { q, scales, .. } => {
+                let s = scales.as_slice();
+                $kernel!(q.as_slice().as_ptr(), i8, load_i8, |r: usize| s[r])
+            }
+        }
+    }};
 }
 
 /// The GEMV on AVX2 (and on AVX-512 for rows that are not whole 16-lane pieces): the
@@ -255,16 +269,7 @@ mod avx2 {
                 }
             }};
         }
-        let one = |_r: usize| 1.0f32;
-        match &w.data {
-            WeightData::Bf16(b) => kernel!(b.as_slice().as_ptr(), u16, load_bf16, one),
-            WeightData::F16(b) => kernel!(b.as_slice().as_ptr(), u16, load_f16, one),
-            WeightData::F32(b) => kernel!(b.as_slice().as_ptr(), f32, _mm256_loadu_ps, one),
-            WeightData::Int8 { q, scales, .. } => {
-                let s = scales.as_slice();
-                kernel!(q.as_slice().as_ptr(), i8, load_i8, |r: usize| s[r])
-            }
-        }
+        by_weight_dtype!(w, kernel, _mm256_loadu_ps)
     }
 
     /// `R` weight rows (at `p`) × `G` tokens (x rows at `x`, `k` apart), over the first `k16`
@@ -455,16 +460,7 @@ mod avx512 {
                 }
             }};
         }
-        let one = |_r: usize| 1.0f32;
-        match &w.data {
-            WeightData::Bf16(b) => kernel!(b.as_slice().as_ptr(), u16, load_bf16, one),
-            WeightData::F16(b) => kernel!(b.as_slice().as_ptr(), u16, load_f16, one),
-            WeightData::F32(b) => kernel!(b.as_slice().as_ptr(), f32, _mm512_loadu_ps, one),
-            WeightData::Int8 { q, scales, .. } => {
-                let s = scales.as_slice();
-                kernel!(q.as_slice().as_ptr(), i8, load_i8, |r: usize| s[r])
-            }
-        }
+        by_weight_dtype!(w, kernel, _mm512_loadu_ps)
     }
 
     /// A tile of four rows (`quad`) or one, and `g` (1..=TILE_TOKENS) tokens.
@@ -560,16 +556,7 @@ mod avx512 {
                 })
             }};
         }
-        let one = |_r: usize| 1.0f32;
-        match &w.data {
-            WeightData::Bf16(b) => kernel!(b.as_slice().as_ptr(), u16, load_bf16, one),
-            WeightData::F16(b) => kernel!(b.as_slice().as_ptr(), u16, load_f16, one),
-            WeightData::F32(b) => kernel!(b.as_slice().as_ptr(), f32, _mm512_loadu_ps, one),
-            WeightData::Int8 { q, scales, .. } => {
-                let s = scales.as_slice();
-                kernel!(q.as_slice().as_ptr(), i8, load_i8, |r: usize| s[r])
-            }
-        }
+        by_weight_dtype!(w, kernel, _mm512_loadu_ps)
     }
 }
 
