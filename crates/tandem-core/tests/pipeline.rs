@@ -69,7 +69,7 @@ fn run_pipeline(net: &Qwen35, config: &PipelineConfig, prompts: &[Vec<u32>], max
 }
 
 fn config(mode: Mode, prefill: &str, decode: &str, transfer: Transfer, max_batch: usize) -> PipelineConfig {
-    PipelineConfig { mode, prefill: EngineSpec::parse(prefill).unwrap(), decode: EngineSpec::parse(decode).unwrap(), transfer, max_batch, max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS, kv_cache: KvBudget::Unlimited }
+    PipelineConfig { mode, prefill: EngineSpec::parse(prefill).unwrap(), decode: EngineSpec::parse(decode).unwrap(), transfer, max_batch, max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS, kv_cache: KvBudget::Unlimited, trace: None }
 }
 
 #[test]
@@ -95,6 +95,37 @@ fn every_mode_dispatch_and_transfer_gives_the_reference_greedy_tokens() {
         }
     }
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "the decode side removes state files it loaded");
+}
+
+/// `--trace` writes every prefill call, sampling and decode step as a Chrome trace event: the
+/// file is a JSON array whose prefills cover every prompt token once, whose samplings are the
+/// decode steps' sequences plus each request's last token, on the engines' tracks.
+#[test]
+fn the_trace_accounts_for_every_prompt_token_and_step() {
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let prompts: Vec<Vec<u32>> = reference_prompts().into_iter().map(|c| c.0).collect();
+    let dir = common::scratch("pipeline-trace");
+    let configs = [
+        (config(Mode::Hybrid, "cpu:threads=1", "cpu:threads=1", Transfer::Move, 3), ["prefill engine", "decode engine"]),
+        (PipelineConfig { max_prefill_tokens: 5, ..config(Mode::AllOnDecodeEngine, "cpu:threads=2", "cpu:threads=2", Transfer::Move, 3) }, ["engine", "engine"]),
+    ];
+    for (i, (c, tracks)) in configs.into_iter().enumerate() {
+        let path = dir.join(format!("trace-{i}.json"));
+        let c = PipelineConfig { trace: Some(path.clone()), ..c };
+        let got = run_pipeline(&m.net, &c, &prompts, 6);
+        assert!(got.iter().all(|g| !g.is_empty()));
+        let events: Vec<serde_json::Value> = serde_json::from_slice(&std::fs::read(&path).unwrap()).expect("the trace is a JSON array");
+        let sum = |name: &str, field: &str| -> u64 { events.iter().filter(|e| e["name"] == name).map(|e| e["args"][field].as_u64().unwrap()).sum() };
+        let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
+        assert_eq!(sum("prefill", "tokens"), prompt_tokens as u64, "{:?}: prefilled tokens", c.mode);
+        assert_eq!(sum("sample", "sequences"), sum("decode step", "sequences") + prompts.len() as u64, "{:?}: every sampled token is applied but each request's last", c.mode);
+        for e in &events {
+            assert_eq!(e["ph"], "X");
+            assert!(e["ts"].as_f64().unwrap() >= 0.0 && e["dur"].as_f64().unwrap() >= 0.0, "{e}");
+            let track = if e["name"] == "prefill" { tracks[0] } else { tracks[1] };
+            assert_eq!(e["tid"], track, "{:?}: {e}", c.mode);
+        }
+    }
 }
 
 /// The CUDA placements give the reference's greedy tokens: GPU with GPU, host to GPU, GPU to

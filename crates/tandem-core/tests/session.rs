@@ -125,6 +125,7 @@ fn typed_ahead_equals_sent_at_once_equals_the_whole_history() {
         max_batch: 4,
         max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS,
         kv_cache: KvBudget::Unlimited,
+        trace: None,
     };
     // Replies end at max_tokens (the last token carried into the next turn) and, with a stop
     // id the tiny model does sample, at a stop token.
@@ -161,6 +162,7 @@ fn an_abandoned_turn_leaves_the_conversation_as_it_was() {
         max_batch: 1,
         max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS,
         kv_cache: KvBudget::Unlimited,
+        trace: None,
     };
     pipeline::run(&m.net, &config, |p| {
         let scaffold = Scaffold::from_template(&ChatTemplate::qwen35(), None, false).unwrap();

@@ -3,6 +3,7 @@
 //! dependency), and the engine and sampling options that generate, chat and serve share.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::str::FromStr;
 
 use anyhow::{bail, Context, Result};
@@ -84,7 +85,7 @@ impl Args {
 }
 
 /// Options of every command that runs the pipeline (generate, chat).
-pub const ENGINE_OPTIONS: [&str; 12] = ["threads", "cores", "quant", "isa", "prefill", "decode", "mode", "transfer", "max-batch", "max-prefill-tokens", "gpu-memory-utilization", "kv-cache-memory"];
+pub const ENGINE_OPTIONS: [&str; 13] = ["threads", "cores", "quant", "isa", "prefill", "decode", "mode", "transfer", "max-batch", "max-prefill-tokens", "gpu-memory-utilization", "kv-cache-memory", "trace"];
 
 /// The pipeline asked for on the command line. Without `--prefill`/`--decode` one engine does
 /// everything (on `--threads`/`--cores`, default all cores); with them, the default mode is
@@ -115,6 +116,7 @@ pub fn pipeline_config(args: &Args) -> Result<PipelineConfig> {
         max_batch: args.get("max-batch", 8)?,
         max_prefill_tokens: args.get("max-prefill-tokens", PipelineConfig::MAX_PREFILL_TOKENS)?,
         kv_cache: kv_budget(args, KvBudget::Unlimited)?,
+        trace: args.str("trace").map(PathBuf::from),
     };
     if config.max_batch == 0 {
         bail!("--max-batch must be at least 1");

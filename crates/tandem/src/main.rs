@@ -58,6 +58,9 @@ ENGINES (generate, chat):
                          the GPU's memory once the model is loaded, or this size (default: it
                          grows as the GPU allows; tandem serve: 0.9); a CPU decode engine's
                          memory budget: this size of K/V (default: no limit)
+  --trace FILE           write a timeline of the engines' work (every prefill call, sampling and
+                         decode step, with its size) in the Chrome trace format (Perfetto,
+                         chrome://tracing; scripts/trace_summary.py sums it up)
   --threads N | --cores 0,1
                          without --prefill/--decode: one engine on N threads or these cores
                          (default: one engine on all cores)

@@ -20,6 +20,7 @@ use crate::backend::cuda::qwen35::{device_pool::PoolFull, kv_cache::KV_BLOCK};
 use super::host_budget::{HostBudget, Lease};
 use super::request::{Event, Finish, Request, Timings};
 use super::swap_file::SwapFile;
+use super::trace::Work;
 use super::EngineTime;
 use crate::bridge::handoff;
 use crate::engine::Engine;
@@ -374,7 +375,9 @@ fn step(engine: &Engine, active: &mut Vec<Active>, time: &EngineTime) -> Vec<Dev
     // Every sequence's next token at once (a GPU draws all its rows in one launch).
     let cancelled: Vec<bool> = active.iter().map(|a| a.request.cancel.load(Ordering::Relaxed)).collect();
     let mut seqs: Vec<(&mut DeviceState, &mut Sampler)> = active.iter_mut().zip(&cancelled).filter(|(_, &c)| !c).map(|(a, _)| (&mut a.state, &mut a.sampler)).collect();
+    let started = Instant::now();
     let mut picks = engine.sample(&mut seqs).into_iter();
+    time.span(started, || Work::Sample { sequences: seqs.len() });
     drop(seqs);
     let mut i = 0;
     for cancelled in cancelled {
@@ -434,6 +437,7 @@ fn step(engine: &Engine, active: &mut Vec<Active>, time: &EngineTime) -> Vec<Dev
     let started = Instant::now();
     let decoded = engine.decode(&tokens, &mut states);
     EngineTime::add(&time.decode_ns, started);
+    time.span(started, || Work::Decode { sequences: states.len(), positions: states.iter().map(|s| s.position()).sum() });
     if let Err(e) = decoded {
         // A step that fails fails every sequence in it (inputs are checked before anything is
         // applied, so no state was changed).

@@ -16,10 +16,12 @@ pub mod host_budget;
 mod prefill;
 pub mod request;
 mod swap_file;
+pub mod trace;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -34,6 +36,7 @@ use crate::model::Qwen35;
 use crate::sampling::SamplingParams;
 use crate::state::State;
 use host_budget::HostBudget;
+use trace::{Trace, Work};
 
 /// The study's three modes: which engines a request's prefill and decode run on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,6 +83,8 @@ pub struct PipelineConfig {
     pub max_prefill_tokens: usize,
     /// The memory the decode engine's K/V cache may take.
     pub kv_cache: KvBudget,
+    /// Where to write a timeline of the engines' work (`trace.rs`), if anywhere.
+    pub trace: Option<PathBuf>,
 }
 
 /// How much memory a decode engine's K/V cache may take: a GPU engine's pool of blocks that
@@ -156,11 +161,20 @@ struct EngineTime {
     /// Sequences swapped out of the K/V cache to host memory, and back (decode.rs).
     swapped_out: AtomicU64,
     swapped_in: AtomicU64,
+    /// Every span of work, with `--trace`.
+    trace: Option<Trace>,
 }
 
 impl EngineTime {
     fn add(counter: &AtomicU64, since: Instant) {
         counter.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Trace `work` from `started` to now (with `--trace`); `work` is only made then.
+    fn span(&self, started: Instant, work: impl FnOnce() -> Work) {
+        if let Some(t) = &self.trace {
+            t.span(started, work());
+        }
     }
 }
 
@@ -293,7 +307,8 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
         bail!("the prefill token budget must be at least 1");
     }
     let (req_tx, req_rx) = channel::<(Request, Instant)>();
-    let engine_time = Arc::new(EngineTime::default());
+    let trace = config.trace.as_deref().map(Trace::create).transpose()?;
+    let engine_time = Arc::new(EngineTime { trace, ..EngineTime::default() });
     let host = host_budget_for(net, config)?;
     let mut pipeline = Pipeline { requests: req_tx, engine_time: Arc::clone(&engine_time), kv: None, host: host.clone() };
     let host = host.map(|(h, _)| h);
@@ -314,11 +329,11 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
             Mode::AllOnPrefillEngine | Mode::AllOnDecodeEngine => {
                 let spec = if config.mode == Mode::AllOnPrefillEngine { &config.prefill } else { &config.decode };
                 let (ready, go) = (ready_tx.clone(), go_for());
-                threads.push(s.spawn(move || {
+                threads.push(std::thread::Builder::new().name("engine".into()).spawn_scoped(s, move || {
                     if let Some(engine) = start_engine(spec, net, &ready, go, "engine") {
                         decode::single_engine_loop(&engine, prefill::Queue::new(req_rx), max_batch, max_prefill_tokens, host, time);
                     }
-                }));
+                }).context("starting the engine thread")?);
                 "engine"
             }
             Mode::Hybrid => {
@@ -328,7 +343,7 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                 let one_gpu = matches!((config.prefill.device, config.decode.device), (Device::Cuda(a), Device::Cuda(b)) if a == b);
                 let (pool_tx, pool_rx) = channel::<(Arc<KvPool>, Arc<SlotPool>)>();
                 let (go_p, go_d) = (go_for(), go_for());
-                threads.push(s.spawn(move || {
+                threads.push(std::thread::Builder::new().name("prefill engine".into()).spawn_scoped(s, move || {
                     if let Some(mut engine) = start_engine(&config.prefill, net, &ready_p, go_p, "prefill engine") {
                         if one_gpu {
                             // (No pool comes if the decode engine failed to start; then nothing runs.)
@@ -340,8 +355,8 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                         }
                         prefill::prefill_loop(&engine, prefill::Queue::new(req_rx), to_decode, max_prefill_tokens, host, time);
                     }
-                }));
-                threads.push(s.spawn(move || {
+                }).context("starting the prefill engine thread")?);
+                threads.push(std::thread::Builder::new().name("decode engine".into()).spawn_scoped(s, move || {
                     if let Some(engine) = start_engine(&config.decode, net, &ready_d, go_d, "decode engine") {
                         if let (true, Some(pools)) = (one_gpu, engine.pools()) {
                             let _ = pool_tx.send(pools);
@@ -349,7 +364,7 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                         drop(pool_tx);
                         decode::decode_loop(&engine, from_prefill, max_batch, host, time);
                     }
-                }));
+                }).context("starting the decode engine thread")?);
                 "decode engine"
             }
         };

@@ -10,6 +10,7 @@ use std::time::Instant;
 use super::decode::{cannot_hold, kv_limit, Handoff};
 use super::host_budget::{HostBudget, Lease};
 use super::request::{Event, Finish, Request, Timings};
+use super::trace::Work;
 use super::EngineTime;
 use crate::bridge::handoff::{self, SendError};
 use crate::backend::cuda::qwen35::{device_pool::PoolFull, kv_cache::KV_BLOCK};
@@ -376,6 +377,7 @@ pub(super) fn apply_chunks<'p>(engine: &Engine, prefills: impl Iterator<Item = O
         chunks.iter_mut().map(|(p, len)| engine.prefill(&p.request.tokens[p.applied..p.applied + *len], &mut p.state)).collect()
     };
     EngineTime::add(&time.prefill_ns, started);
+    time.span(started, || Work::Prefill { prompts: chunks.len(), tokens: chunks.iter().map(|(_, len)| len).sum() });
     for ((i, (p, len)), result) in at.into_iter().zip(chunks).zip(results) {
         outcomes[i] = Some(match result {
             Ok(stats) => {

@@ -89,6 +89,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
     let mut steps_alone = String::new();
     let mut batches = String::new();
     let mut batch_profile = String::new();
+    let (mut serving_steps, mut serving_profile) = (String::new(), String::new());
     let mut packs = String::new();
     let mut pack_profile = String::new();
     let (mut state_errors, mut state_speed) = (String::new(), String::new());
@@ -284,6 +285,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
             }
         }
 
+        super::serving_step::measure(&mut g, spec, vocab, prompt, decode_steps, reps, &mut serving_steps, &mut serving_profile)?;
         super::step_heads::compare(&mut g, spec, &tokens, decode_steps, reps, &mut step_heads)?;
         super::state_dtype::compare(&mut g, spec, &tokens, decode_steps, reps, &mut state_errors, &mut state_speed)?;
 
@@ -392,6 +394,12 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
     )?;
     writeln!(report, "\n### The decode GEMVs alone (one token; each kind through every layer's matrices, a CUDA graph of 40 launches or more, median of 5 replays)\n\n| model | GEMV | weights | MB | µs per launch | GB/s | of bandwidth |\n|---|---|---|---|---|---|---|\n{gemvs}")?;
     writeln!(report, "\n### Batched decode (one step for every sequence, replayed from its batch-size bucket's graph; one sequence: its own graph). From 2 to 8 sequences the products by the GEMV and by the tensor-core GEMM, interleaved; (default): the path the engine takes\n\n| model | sequences | products | aggregate tok/s | vs one |\n|---|---|---|---|---|\n{batches}{batch_profile}")?;
+    writeln!(
+        report,
+        "\n### A batched step at a prompt's context (the serving batch: {} sequences of a model under 4 GB of weights, {} of a larger one; each prefilled with {prompt} tokens, then {decode_steps} steps a run, median of {reps}, min - max; the kernels one by one after them)\n\n| model | sequences | positions | ms per step | tok/s |\n|---|---|---|---|---|\n{serving_steps}{serving_profile}",
+        super::serving_step::sequences(0),
+        super::serving_step::sequences(usize::MAX)
+    )?;
     writeln!(
         report,
         "\n### The batched step's DeltaNet mixer: a block per 32 columns of a value head against a block per value head (the same bits; the whole step's rate with each, interleaved, {decode_steps} steps a run, median of {reps}, min - max; the mixer kernels' time per step by CUDA events, kernel by kernel)\n\n| model | sequences | mixer ms per step (per 32 columns / per head) | tok/s per 32 columns | tok/s per head | per head / per 32 columns | default |\n|---|---|---|---|---|---|---|\n{step_heads}"

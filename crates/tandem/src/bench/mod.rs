@@ -32,6 +32,7 @@ mod load;
 mod nvml;
 pub mod pipeline;
 mod serve;
+mod serving_step;
 mod state_dtype;
 mod step_heads;
 mod study;
@@ -80,6 +81,7 @@ starts tandem serve on a loopback port and drives it with streamed random-token 
 TTFT and ITL p50/p99, goodput within the SLO, GPU memory, and each point's physical limit from
 the decode engine's memory bandwidth, measured first. Requests per point: two per client, or
 15 s of arrivals (--requests N for all). --quick: concurrency 1 and 4, 64 in / 16 out.
+--trace FILE: the server's timeline of its engines' work over every point (tandem serve --trace).
 ";
 
 /// What a run produces: the Markdown report, every raw measurement (the JSON file) and the
@@ -137,7 +139,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             "model", "threads", "cores", "quant", "prompts", "decode-tokens", "reps", "out", "isa", "sections", "prefill", "decode", "device", "mode", "transfer",
             // The serve section's.
             "input-len", "output-len", "concurrency", "rates", "requests", "max-concurrent", "max-prefill-tokens", "temperature", "top-k", "top-p", "slo-ttft-ms", "slo-tpot-ms", "gpu-memory-utilization",
-            "kv-cache-memory",
+            "kv-cache-memory", "trace",
         ],
         &["quick"],
     )?;
@@ -517,6 +519,7 @@ fn pipeline_config(args: &Args) -> Result<tandem_core::pipeline::PipelineConfig>
         max_batch: 8,
         max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS,
         kv_cache: KvBudget::Unlimited,
+        trace: None,
     })
 }
 

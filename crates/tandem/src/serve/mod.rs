@@ -58,6 +58,7 @@ OPTIONS:
                            prompts that wait into one, up to this many (default 8192); one
                            engine doing both (--mode decode-engine) applies this many per step
                            between decode steps, a longer prompt in chunks (chunked prefill)
+  --trace FILE             a timeline of the engines' work, as for tandem generate
   --max-concurrent N       sequences running at once: the decode batch (default 8)
   --max-queue N            requests waiting for a sequence past that; more are refused with 429
                            and Retry-After (default 64)

@@ -71,7 +71,7 @@ static void check_attention(int t, int pos0, int d, int hq, int hkv, int capacit
         int chunk = std::max(64, (capacity + 63) / 64), splits = (capacity + chunk - 1) / chunk;
         std::vector<float> part((size_t)t * hq * splits * (d + 2));
         std::vector<unsigned> done(t * hq, 0);
-        launch(t, hq, splits, 128, [&] { attention(q.data(), cache.table.data(), cache.koff, gate.data(), got.data(), part.data(), done.data(), hq, hkv, d, chunk, splits, &pos); });
+        launch(t, hkv, splits, 128, [&] { attention(q.data(), cache.table.data(), cache.koff, gate.data(), got.data(), part.data(), done.data(), hq, hkv, d, chunk, splits, &pos); });
         name = "attention (decode, " + std::to_string(splits) + " chunks of " + std::to_string(chunk) + ")";
         check_counters(name + " after " + std::to_string(pos0), done);
     } else {
@@ -128,7 +128,7 @@ static void check_attention_batch() {
     std::vector<unsigned> done(n * hq, 0);
     int koff = batch[0].koff;
     launch(n, hq + hkv, 1, d, [&] { qk_norm_rope_batch(qg.data(), q.data(), gate.data(), k.data(), v.data(), tables.data(), width, koff, q_norm.data(), k_norm.data(), inv_freq.data(), hq, hkv, d, half, posv.data(), eps); });
-    launch(n, hq, splits, 128, [&] { attention_batch(q.data(), tables.data(), width, koff, gate.data(), out.data(), part.data(), done.data(), hq, hkv, d, chunk, splits, posv.data()); });
+    launch(n, hkv, splits, 128, [&] { attention_batch(q.data(), tables.data(), width, koff, gate.data(), out.data(), part.data(), done.data(), hq, hkv, d, chunk, splits, posv.data()); });
     bool same = all_zero(done);
     for (int b = 0; b < n; b++) {
         size_t at = (size_t)b * hq * d;
@@ -137,7 +137,7 @@ static void check_attention_batch() {
         u32 p = pos[b];
         float* const* table = alone[b].table.data();
         launch(1, hq + hkv, 1, d, [&] { qk_norm_rope(qg.data() + (size_t)b * hq * 2 * d, q1.data(), g1.data(), k.data() + (size_t)b * hkv * d, v.data() + (size_t)b * hkv * d, table, koff, q_norm.data(), k_norm.data(), inv_freq.data(), hq, hkv, d, half, &p, eps); });
-        launch(1, hq, splits, 128, [&] { attention(q1.data(), table, koff, g1.data(), o1.data(), p1.data(), d1.data(), hq, hkv, d, chunk, splits, &p); });
+        launch(1, hkv, splits, 128, [&] { attention(q1.data(), table, koff, g1.data(), o1.data(), p1.data(), d1.data(), hq, hkv, d, chunk, splits, &p); });
         same &= std::equal(q1.begin(), q1.end(), q.begin() + at) && std::equal(g1.begin(), g1.end(), gate.begin() + at) && std::equal(o1.begin(), o1.end(), out.begin() + at);
         // Every block the same: the new row where both wrote it, the rest untouched.
         for (size_t i = 0; i < batch[b].blocks.size(); i++) same &= batch[b].blocks[i] == alone[b].blocks[i];
@@ -204,6 +204,9 @@ static void check_attention_kernels() {
     check_attention(1, 12, 32, 4, 2, 16);
     check_attention(3, 300, 256, 8, 2, 512);
     check_attention(1, 4999, 256, 8, 2, 8192);
+    // Groups of 8 query heads and of 1 (a key/value head each).
+    check_attention(2, 200, 128, 8, 1, 512);
+    check_attention(1, 40, 64, 2, 2, 64);
     check_attention(150, 100, 32, 4, 2);
     check_attention(70, 0, 256, 8, 2);
     check_attention_mma<32>(150, 100, 4, 2, attention_mma_32);

@@ -397,7 +397,7 @@ impl GpuQwen35 {
         debug_assert!(chunk <= ATTN_CHUNK && splits <= ATTN_SPLITS);
         // (The hand-over buffers serve one sequence at a time: the launches run in order.)
         let args = (s.q, s.blocks, s.koff, s.gate, s.out, g.ptr(&ws.attn_part), g.ptr(&ws.attn_done), hq as i32, hkv as i32, d as i32, chunk as i32, splits as i32, s.pos);
-        g.launch(k::ATTENTION, Grid::new((s.count, hq, splits), 128), args)
+        g.launch(k::ATTENTION, Grid::new((s.count, hkv, splits), 128).with_shared(attention_shared(hq / hkv, chunk)), args)
     }
 
     /// One token of each sequence of a batched step: its q/k norms and RoPE into its caches,
@@ -419,7 +419,7 @@ impl GpuQwen35 {
         let splits = most.div_ceil(chunk);
         debug_assert!(chunk <= ATTN_CHUNK && splits <= ATTN_SPLITS);
         let args = (q, blocks, width, koff, gate, attn, g.ptr(&ws.attn_part), g.ptr(&ws.attn_done), hq_, hkv_, d_, chunk as i32, splits as i32, pos);
-        g.launch(k::ATTENTION_BATCH, Grid::new((n, hq, splits), 128), args)
+        g.launch(k::ATTENTION_BATCH, Grid::new((n, hkv, splits), 128).with_shared(attention_shared(hq / hkv, chunk)), args)
     }
 
     /// The rows of every sequence of a packed prefill on tensor cores, each kernel of
@@ -546,4 +546,10 @@ struct AttentionRows {
     pos: DevPtr<u32>,
     count: usize,
     seen: usize,
+}
+
+/// The decode attention's shared memory a block: the scores of `group` query heads over a chunk
+/// of `chunk` positions.
+fn attention_shared(group: usize, chunk: usize) -> usize {
+    group * chunk * std::mem::size_of::<f32>()
 }

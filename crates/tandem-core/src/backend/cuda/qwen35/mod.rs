@@ -73,6 +73,9 @@ pub enum Precision {
 pub const MAX_CONTEXT: usize = ATTN_SPLITS * ATTN_CHUNK;
 const ATTN_SPLITS: usize = 64;
 const ATTN_CHUNK: usize = 1024;
+/// Query heads per key/value head that one block of the decode attention serves at most
+/// (kernels/attention.cu).
+const ATTN_GROUP_MAX: usize = 8;
 /// Products of at most this many tokens take the GEMV kernels, and sequences of at most this
 /// many rows the one-launch DeltaNet step and the untiled attention.
 const GEMV_MAX_T: usize = 8;
@@ -374,6 +377,13 @@ impl GpuQwen35 {
         }
         if c.head_dim > 256 || c.head_dim % 16 != 0 {
             bail!("the CUDA attention kernels take head dims that are a multiple of 16 up to 256 (this model: {})", c.head_dim);
+        }
+        if c.num_key_value_heads == 0 || !c.num_attention_heads.is_multiple_of(c.num_key_value_heads) || c.num_attention_heads / c.num_key_value_heads > ATTN_GROUP_MAX {
+            bail!(
+                "the CUDA decode attention takes a whole number of query heads per key/value head, up to {ATTN_GROUP_MAX} (this model: {} query heads, {} key/value heads)",
+                c.num_attention_heads,
+                c.num_key_value_heads
+            );
         }
         let weight_bytes = std::cell::Cell::new(0);
         // Matrices of the same columns stacked into one, their rows in the order given (one

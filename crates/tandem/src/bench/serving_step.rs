@@ -1,0 +1,55 @@
+//! A batched decode step as a server runs it: many sequences at a prompt's length of context
+//! (the other batched measurements start from 13-token prompts, where attention reads almost
+//! nothing). 256 sequences of a model whose weights fit in 4 GB, 64 of a larger one (the
+//! serving targets' batches), each prefilled with `context` tokens (packed, 16 prompts a
+//! forward); then the step's rate with its graph replayed, and its kernels one by one.
+
+use std::fmt::Write as _;
+
+use anyhow::Result;
+use tandem_core::backend::cuda::qwen35::{GpuQwen35, GpuState};
+
+use super::cuda::{batched_rate, profile_batched_steps};
+use super::{progress, stats};
+
+/// The batch of a serving step for a model of `weight_bytes`.
+pub fn sequences(weight_bytes: usize) -> usize {
+    if weight_bytes < 4 << 30 {
+        256
+    } else {
+        64
+    }
+}
+
+/// A row of the rate table (`rates`) and the step's kernel profile (`profile`).
+pub fn measure(g: &mut GpuQwen35, spec: &str, vocab: usize, context: usize, decode_steps: usize, reps: usize, rates: &mut String, profile: &mut String) -> Result<()> {
+    let n = sequences(g.weight_bytes());
+    progress(&format!("{spec}: {n} sequences at {context} positions"));
+    // Each sequence a different window of one token stream.
+    let tokens: Vec<u32> = (0..(context + 64) as u32).map(|i| (i * 7919 + 13) % vocab as u32).collect();
+    let mut states = (0..n).map(|_| g.new_state()).collect::<Result<Vec<GpuState>>>()?;
+    for (i, group) in states.chunks_mut(16).enumerate() {
+        let prompts: Vec<&[u32]> = (0..group.len()).map(|j| &tokens[(16 * i + j) % 64..(16 * i + j) % 64 + context]).collect();
+        let mut refs: Vec<_> = group.iter_mut().collect();
+        g.prefill_batch(&prompts, &mut refs)?;
+    }
+    let ids: Vec<u32> = (0..n as u32).map(|i| 100 + i).collect();
+    let mut refs: Vec<_> = states.iter_mut().collect();
+    // The graph's capture and a warm-up.
+    g.decode_batch(&ids, &mut refs)?;
+    let mut samples = Vec::new();
+    for _ in 0..reps {
+        samples.push(batched_rate(g, &ids, &mut refs, decode_steps)?);
+    }
+    let (rate, lo, hi) = stats(&mut samples);
+    writeln!(rates, "| {spec} | {n} | {context} to {} | {:.2} | {rate:.0} ({lo:.0} - {hi:.0}) |", context + (reps + 1) * decode_steps, 1e3 * n as f64 / rate)?;
+    let profiled = 4;
+    let kernels = profile_batched_steps(g, &ids, &mut refs, profiled)?;
+    let total: f64 = kernels.iter().map(|p| p.1).sum();
+    writeln!(profile, "\n{spec}, a step of {n} sequences at about {context} positions: {:.2} ms of kernels ({} launches):\n", total / profiled as f64, kernels.iter().map(|p| p.2).sum::<usize>() / profiled)?;
+    writeln!(profile, "| kernel | ms per step | launches per step | share |\n|---|---|---|---|")?;
+    for (name, ms, count) in kernels.iter().take(20) {
+        writeln!(profile, "| {name} | {:.3} | {} | {:.0}% |", ms / profiled as f64, count / profiled, 100.0 * ms / total)?;
+    }
+    Ok(())
+}
