@@ -285,7 +285,9 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
             }
         }
 
-        super::serving_step::measure(&mut g, spec, vocab, prompt, decode_steps, reps, &mut serving_steps, &mut serving_profile)?;
+        let (rates, profile) = super::serving_step::measure(&mut g, spec, vocab, prompt, decode_steps, reps)?;
+        serving_steps += &rates;
+        serving_profile += &profile;
         super::step_heads::compare(&mut g, spec, &tokens, decode_steps, reps, &mut step_heads)?;
         super::state_dtype::compare(&mut g, spec, &tokens, decode_steps, reps, &mut state_errors, &mut state_speed)?;
 

@@ -21,8 +21,9 @@ pub fn sequences(weight_bytes: usize) -> usize {
     }
 }
 
-/// A row of the rate table (`rates`) and the step's kernel profile (`profile`).
-pub fn measure(g: &mut GpuQwen35, spec: &str, vocab: usize, context: usize, decode_steps: usize, reps: usize, rates: &mut String, profile: &mut String) -> Result<()> {
+/// A row of the rate table, and the step's kernel profile.
+pub fn measure(g: &mut GpuQwen35, spec: &str, vocab: usize, context: usize, decode_steps: usize, reps: usize) -> Result<(String, String)> {
+    let (mut rates, mut profile) = (String::new(), String::new());
     let n = sequences(g.weight_bytes());
     progress(&format!("{spec}: {n} sequences at {context} positions"));
     // Each sequence a different window of one token stream.
@@ -51,5 +52,5 @@ pub fn measure(g: &mut GpuQwen35, spec: &str, vocab: usize, context: usize, deco
     for (name, ms, count) in kernels.iter().take(20) {
         writeln!(profile, "| {name} | {:.3} | {} | {:.0}% |", ms / profiled as f64, count / profiled, 100.0 * ms / total)?;
     }
-    Ok(())
+    Ok((rates, profile))
 }
