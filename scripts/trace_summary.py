@@ -74,6 +74,11 @@ def main():
         print("\nDecode steps by batch size (ms: median, min-max), alone or while a prefill of another engine runs:")
         print("\n| sequences | steps | ms alone | steps with a prefill | ms with a prefill | sampling ms |")
         print("|---|---|---|---|---|---|")
+        # Each track's view of the prefills on the other tracks: the intervals and their starts.
+        others = {}
+        for tid in {e["tid"] for e in steps}:
+            other = [(s, t) for s, t, ptid in prefills if ptid != tid]
+            others[tid] = (other, [s for s, _ in other])
         buckets = [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 1 << 30]
         for lo, hi in zip(buckets, buckets[1:]):
             mine = [e for e in steps if lo <= e["args"]["sequences"] < hi]
@@ -81,8 +86,7 @@ def main():
                 continue
             alone, shared = [], []
             for e in mine:
-                other = [(s, t) for s, t, tid in prefills if tid != e["tid"]]
-                starts = [s for s, _ in other]
+                other, starts = others[e["tid"]]
                 (shared if overlaps(other, starts, e["ts"], e["ts"] + e["dur"]) else alone).append(e["dur"] / 1e3)
             samp = [e["dur"] / 1e3 for e in samples if lo <= e["args"]["sequences"] < hi]
             label = f"{lo}" if hi == lo + 1 else f"{lo}-{min(hi - 1, 4096)}"

@@ -15,7 +15,6 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 use std::sync::mpsc::{channel, Sender};
-use std::sync::Mutex;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -59,7 +58,7 @@ impl Work {
 pub struct Trace {
     origin: Instant,
     /// None once the trace is closing.
-    events: Mutex<Option<Sender<String>>>,
+    events: Option<Sender<String>>,
     writer: Option<JoinHandle<()>>,
 }
 
@@ -99,7 +98,7 @@ impl Trace {
                 let _ = out.flush();
             })
             .context("starting the trace writer")?;
-        Ok(Trace { origin: Instant::now(), events: Mutex::new(Some(tx)), writer: Some(writer) })
+        Ok(Trace { origin: Instant::now(), events: Some(tx), writer: Some(writer) })
     }
 
     /// Record `work` from `started` to now, on the track of the calling thread (named after
@@ -118,7 +117,7 @@ impl Trace {
             work.args()
         );
         // A writer that stopped (a full disk) has said so; the engines go on without it.
-        if let Some(tx) = self.events.lock().ok().as_deref().and_then(Option::as_ref) {
+        if let Some(tx) = &self.events {
             let _ = tx.send(event);
         }
     }
@@ -127,9 +126,7 @@ impl Trace {
 impl Drop for Trace {
     /// Close the array and wait for the file to be complete.
     fn drop(&mut self) {
-        if let Ok(mut events) = self.events.lock() {
-            events.take();
-        }
+        self.events.take();
         if let Some(w) = self.writer.take() {
             let _ = w.join();
         }

@@ -274,14 +274,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
             if n == 256 {
                 // Where the largest batched step goes, kernel by kernel.
                 let mut refs: Vec<_> = states.iter_mut().collect();
-                let profiled = 4;
-                let profile = profile_batched_steps(&mut g, &ids, &mut refs, profiled)?;
-                let total: f64 = profile.iter().map(|p| p.1).sum();
-                writeln!(batch_profile, "\n{spec}, a step of {n} sequences: {:.2} ms of kernels ({} launches):\n", total / profiled as f64, profile.iter().map(|p| p.2).sum::<usize>() / profiled)?;
-                writeln!(batch_profile, "| kernel | ms per step | launches per step | share |\n|---|---|---|---|")?;
-                for (name, ms, count) in profile.iter().take(20) {
-                    writeln!(batch_profile, "| {name} | {:.3} | {} | {:.0}% |", ms / profiled as f64, count / profiled, 100.0 * ms / total)?;
-                }
+                batch_profile += &batched_step_profile(&mut g, &ids, &mut refs, &format!("{spec}, a step of {n} sequences"))?;
             }
         }
 
@@ -441,6 +434,21 @@ pub(super) fn profile_batched_steps(g: &mut GpuQwen35, ids: &[u32], states: &mut
     let profile = g.gpu.finish_profile();
     g.graphs = true;
     profile
+}
+
+/// Four batched decode steps of `states` profiled kernel by kernel (`profile_batched_steps`), as
+/// a Markdown table under `title`: each kernel's milliseconds and launches per step, the 20
+/// that take longest.
+pub(super) fn batched_step_profile(g: &mut GpuQwen35, ids: &[u32], states: &mut [&mut GpuState], title: &str) -> Result<String> {
+    let profiled = 4;
+    let profile = profile_batched_steps(g, ids, states, profiled)?;
+    let total: f64 = profile.iter().map(|p| p.1).sum();
+    let mut out = format!("\n{title}: {:.2} ms of kernels ({} launches):\n\n", total / profiled as f64, profile.iter().map(|p| p.2).sum::<usize>() / profiled);
+    out += "| kernel | ms per step | launches per step | share |\n|---|---|---|---|\n";
+    for (name, ms, count) in profile.iter().take(20) {
+        writeln!(out, "| {name} | {:.3} | {} | {:.0}% |", ms / profiled as f64, count / profiled, 100.0 * ms / total)?;
+    }
+    Ok(out)
 }
 
 /// Tokens per second of `steps` batched decode steps of `states`, back to back.

@@ -4,12 +4,10 @@
 //! serving targets' batches), each prefilled with `context` tokens (packed, 16 prompts a
 //! forward); then the step's rate with its graph replayed, and its kernels one by one.
 
-use std::fmt::Write as _;
-
 use anyhow::Result;
 use tandem_core::backend::cuda::qwen35::{GpuQwen35, GpuState};
 
-use super::cuda::{batched_rate, profile_batched_steps};
+use super::cuda::{batched_rate, batched_step_profile};
 use super::{progress, stats};
 
 /// The batch of a serving step for a model of `weight_bytes`.
@@ -23,7 +21,6 @@ pub fn sequences(weight_bytes: usize) -> usize {
 
 /// A row of the rate table, and the step's kernel profile.
 pub fn measure(g: &mut GpuQwen35, spec: &str, vocab: usize, context: usize, decode_steps: usize, reps: usize) -> Result<(String, String)> {
-    let (mut rates, mut profile) = (String::new(), String::new());
     let n = sequences(g.weight_bytes());
     progress(&format!("{spec}: {n} sequences at {context} positions"));
     // Each sequence a different window of one token stream.
@@ -43,14 +40,9 @@ pub fn measure(g: &mut GpuQwen35, spec: &str, vocab: usize, context: usize, deco
         samples.push(batched_rate(g, &ids, &mut refs, decode_steps)?);
     }
     let (rate, lo, hi) = stats(&mut samples);
-    writeln!(rates, "| {spec} | {n} | {context} to {} | {:.2} | {rate:.0} ({lo:.0} - {hi:.0}) |", context + (reps + 1) * decode_steps, 1e3 * n as f64 / rate)?;
-    let profiled = 4;
-    let kernels = profile_batched_steps(g, &ids, &mut refs, profiled)?;
-    let total: f64 = kernels.iter().map(|p| p.1).sum();
-    writeln!(profile, "\n{spec}, a step of {n} sequences at about {context} positions: {:.2} ms of kernels ({} launches):\n", total / profiled as f64, kernels.iter().map(|p| p.2).sum::<usize>() / profiled)?;
-    writeln!(profile, "| kernel | ms per step | launches per step | share |\n|---|---|---|---|")?;
-    for (name, ms, count) in kernels.iter().take(20) {
-        writeln!(profile, "| {name} | {:.3} | {} | {:.0}% |", ms / profiled as f64, count / profiled, 100.0 * ms / total)?;
-    }
-    Ok((rates, profile))
+    // The prompt, the warm-up step, then the timed steps.
+    let last = context + 1 + reps * decode_steps;
+    let row = format!("| {spec} | {n} | {context} to {last} | {:.2} | {rate:.0} ({lo:.0} - {hi:.0}) |\n", 1e3 * n as f64 / rate);
+    let profile = batched_step_profile(g, &ids, &mut refs, &format!("{spec}, a step of {n} sequences at {last} positions and on"))?;
+    Ok((row, profile))
 }

@@ -83,7 +83,7 @@ extern "C" __global__ void qk_norm_rope_batch(const float* qg, float* q, float* 
 // query heads that share that key/value head (GQA's group), so that each key and value row is
 // read once for all of them. (A block per query head read every row once per head of its group,
 // and scored a row with one warp's scalar loads: 4.0 ms of a 256-sequence step of the 0.8B at
-// 512-640 positions on an H200, 43% of the step, at 16% of the DRAM's bandwidth.) A warp scores
+// 512-614 positions on an H200, 43% of the step, at 16% of the DRAM's bandwidth.) A warp scores
 // two rows at a time, each lane taking four channels at a time of the keys and of up to
 // ATTN_PASS query heads of the group (held in registers; a larger group takes more passes);
 // scores go to shared memory, one row of `chunk` a head; a warp per head finds their max and

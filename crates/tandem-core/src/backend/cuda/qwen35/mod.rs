@@ -378,9 +378,10 @@ impl GpuQwen35 {
         if c.head_dim > 256 || c.head_dim % 16 != 0 {
             bail!("the CUDA attention kernels take head dims that are a multiple of 16 up to 256 (this model: {})", c.head_dim);
         }
-        if c.num_key_value_heads == 0 || !c.num_attention_heads.is_multiple_of(c.num_key_value_heads) || c.num_attention_heads / c.num_key_value_heads > ATTN_GROUP_MAX {
+        // (A whole number of query heads per key/value head: the config's own check.)
+        if c.num_attention_heads / c.num_key_value_heads > ATTN_GROUP_MAX {
             bail!(
-                "the CUDA decode attention takes a whole number of query heads per key/value head, up to {ATTN_GROUP_MAX} (this model: {} query heads, {} key/value heads)",
+                "the CUDA decode attention takes up to {ATTN_GROUP_MAX} query heads per key/value head (this model: {} query heads, {} key/value heads)",
                 c.num_attention_heads,
                 c.num_key_value_heads
             );
