@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Write a reference file for `tandem verify` from any Qwen3.5 checkpoint, with Hugging Face
-transformers (the reference implementation) in float32 on the CPU.
+transformers (the reference implementation) in float32 on the CPU, or in float64 (--dtype
+float64: the same formulas with rounding errors 2^29 times smaller, which tells which of two
+float32 computations is nearer the exact result; stored as float32).
 
     python3 scripts/make_reference.py CHECKPOINT_DIR OUT.safetensors [--lengths 1,7,64,100,300]
-        [--greedy 16] [--seed 0] [--prompts-from OTHER_REFERENCE.safetensors]
+        [--greedy 16] [--seed 0] [--prompts-from OTHER_REFERENCE.safetensors] [--dtype float64]
 
 For each prompt pK the file holds (the layout of the golden fixtures):
   pK.input_ids [L] i64, pK.prefill_logits [L, vocab] f32,
@@ -23,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
-def load_model(path):
+def load_model(path, dtype):
     import transformers
 
     last_error = None
@@ -32,7 +34,7 @@ def load_model(path):
         if cls is None:
             continue
         try:
-            model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+            model = cls.from_pretrained(path, dtype=dtype, attn_implementation="eager")
             return model.eval()
         except Exception as e:  # noqa: BLE001 - try the next class, report the last failure
             last_error = e
@@ -108,10 +110,11 @@ def main():
     ap.add_argument("--greedy", type=int, default=16, help="greedy continuation steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompts-from", help="take the prompts (pK.input_ids) of another reference file")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="the precision the model computes in")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
-    model = load_model(args.checkpoint)
+    model = load_model(args.checkpoint, getattr(torch, args.dtype))
     tc = text_config(model)
     if args.prompts_from:
         src = load_file(args.prompts_from)
@@ -131,7 +134,7 @@ def main():
     meta = {
         "linear_state_at": "prompt",
         "rope_inv_freq": "bf16" if rounded else "f32",
-        "generator": f"scripts/make_reference.py, transformers {__import__('transformers').__version__}, torch {torch.__version__}",
+        "generator": f"scripts/make_reference.py, transformers {__import__('transformers').__version__}, torch {torch.__version__}, {args.dtype}",
     }
     save_file(tensors, args.out, metadata=meta)
     print(f"wrote {args.out}: {len(prompts)} prompts, conventions {meta}", file=sys.stderr)

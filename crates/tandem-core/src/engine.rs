@@ -494,10 +494,6 @@ impl<'m> Engine<'m> {
                     DeviceState::Host(s) => s,
                     DeviceState::Gpu(_) => unreachable!("moved here"),
                 }).collect();
-                if let [state] = &mut host[..] {
-                    self.net.forward(pool, tokens, state, Logits::Last)?;
-                    return Ok(());
-                }
                 self.net.decode_batch(pool, tokens, &mut host)
             }
             Backend::Cuda(g) => {

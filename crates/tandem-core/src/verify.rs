@@ -26,15 +26,21 @@ use crate::state::{LayerState, State};
 /// Logits: `LOGIT_REL_TOL` of the largest reference logit of the item, and never less than
 /// `LOGIT_TOL` (so the tolerance scales with the logits as the states' does, and a model whose
 /// logits are five times larger is held to the same relative error). States: relative to the
-/// tensor's largest value. (A caution for kernel work: at a few positions of the golden fixture
-/// a DeltaNet head output nearly cancels, and there a change of f32 summation order alone moves
-/// logits by up to 3e-4.)
+/// tensor's largest value.
+///
+/// Why 5e-4: the reference is itself a float32 computation. At a few positions of the golden
+/// fixture a DeltaNet head output nearly cancels, and there rounding is amplified: the
+/// reference implementation's own float32 logits of its 300-token prompt differ from the same
+/// model computed in float64 by up to 2.07e-3 (4.4e-4 of the largest logit, 4.75; at
+/// position 72; `scripts/make_reference.py --dtype float64`). A tighter tolerance would fail
+/// the reference itself. A wrong formula moves these logits by far more (the fixture's
+/// weights are drawn at a scale where it does).
 pub const LOGIT_TOL: f32 = 1e-3;
-pub const LOGIT_REL_TOL: f32 = 2e-4;
+pub const LOGIT_REL_TOL: f32 = 5e-4;
 pub const STATE_REL_TOL: f32 = 1e-3;
 
 /// The absolute tolerance of logits whose reference is `want`: `LOGIT_REL_TOL` of its largest
-/// magnitude, at least `LOGIT_TOL` (the golden fixture's logits, up to 4.75, get `LOGIT_TOL`).
+/// magnitude, at least `LOGIT_TOL` (the golden fixture's logits, up to 4.75, get 2.4e-3).
 pub fn logit_tolerance(want: &[f32]) -> f32 {
     LOGIT_TOL.max(LOGIT_REL_TOL * largest_magnitude(want))
 }
@@ -262,14 +268,14 @@ fn rel_check(item: String, got: &[f32], want: &[f32]) -> Check {
 mod tests {
     use super::*;
 
-    /// The same relative logit error passes whatever the logits' scale; the golden fixture's
-    /// logits (up to 4.75) keep the absolute 1e-3.
+    /// The same relative logit error passes whatever the logits' scale; small logits keep the
+    /// absolute 1e-3.
     #[test]
     fn the_logit_tolerance_scales_with_the_logits() {
         let vocab = 64;
-        let want: Vec<f32> = (0..2 * vocab).map(|i| 4.75 * ((i * 37 % 101) as f32 / 50.0 - 1.0)).collect();
+        let want: Vec<f32> = (0..2 * vocab).map(|i| 1.5 * ((i * 37 % 101) as f32 / 50.0 - 1.0)).collect();
         let scale = largest_magnitude(&want);
-        assert!(scale > 4.7 && scale <= 4.75);
+        assert!(scale > 1.45 && scale <= 1.5);
         assert_eq!(logit_tolerance(&want), LOGIT_TOL);
         let off_by = |want: &[f32], err: f32| {
             let mut got = want.to_vec();
@@ -280,10 +286,10 @@ mod tests {
         assert!(!off_by(&want, 1.1e-3).passed());
         // Five times larger logits, five times the error: the same relative error passes.
         let large: Vec<f32> = want.iter().map(|v| 5.0 * v).collect();
-        let check = off_by(&large, 4.5e-3);
+        let check = off_by(&large, 3.6e-3);
         assert!(check.passed(), "{check:?}");
         assert!((check.tolerance - LOGIT_REL_TOL * 5.0 * scale).abs() < 1e-6, "{check:?}");
-        assert!(check.detail.contains("tolerance max(1e-3, 2e-4 x max |ref|"), "{}", check.detail);
-        assert!(!off_by(&large, 6e-3).passed());
+        assert!(check.detail.contains("tolerance max(1e-3, 5e-4 x max |ref|"), "{}", check.detail);
+        assert!(!off_by(&large, 4e-3).passed());
     }
 }

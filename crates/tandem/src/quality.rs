@@ -81,8 +81,8 @@ pub fn compare(pool: &Pool, a: &Qwen35, b: &Qwen35, name: &str, ids: &[u32], gre
         let (ia, ib) = (argmax(&sa.last_logits[..vocab]), argmax(&sb.last_logits[..vocab]));
         ga.push(ia);
         gb.push(ib);
-        a.forward(pool, &[ia], &mut sa, Logits::Last)?;
-        b.forward(pool, &[ib], &mut sb, Logits::Last)?;
+        a.decode_batch(pool, &[ia], &mut [&mut sa])?;
+        b.decode_batch(pool, &[ib], &mut [&mut sb])?;
     }
     let first = ga.iter().zip(&gb).position(|(x, y)| x != y);
     Ok(QualityRow {

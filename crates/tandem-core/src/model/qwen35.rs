@@ -24,8 +24,7 @@ pub struct Qwen35 {
     pub(crate) final_norm: Vec<f32>,
     pub(crate) layers: Vec<DecoderLayer>,
     pub(crate) inv_freq: Vec<f32>,
-    /// Round the input of every product of more than `GEMV_MAX_TOKENS` rows to bf16 (see
-    /// `set_gemm_inputs_bf16`).
+    /// Round the input of every product to bf16 (see `set_gemm_inputs_bf16`).
     pub(crate) gemm_inputs_bf16: bool,
 }
 

@@ -378,7 +378,7 @@ fn kernels(
     for (_, net) in &nets {
         let mut st = State::new(&net.config);
         net.forward(&pool, &prompt_of(8), &mut st, Logits::Last)?;
-        net.forward(&pool, &[1], &mut st, Logits::Last)?;
+        net.decode_batch(&pool, &[1], &mut [&mut st])?;
     }
     let mut bar = Bar::new("kernels", reps * nets.len() * (prompts.len() + 1));
     // The ceilings again, just before each run (about a quarter of a second).
@@ -401,7 +401,8 @@ fn kernels(
             let t = Instant::now();
             for _ in 0..decode_tokens {
                 let id = argmax(&logits[..vocab.min(logits.len())]);
-                logits = net.forward(&pool, &[id], &mut st, Logits::Last)?;
+                net.decode_batch(&pool, &[id], &mut [&mut st])?;
+                logits = std::mem::take(&mut st.last_logits);
             }
             samples.push(Sample { quant: q.clone(), kind: "decode", tokens: decode_tokens, seconds: t.elapsed().as_secs_f64(), bandwidth, fma_peak });
             bar.tick();

@@ -6,8 +6,8 @@
 use anyhow::{bail, Context, Result};
 
 use crate::backend::cpu::kernels::attention::attention_head;
-use crate::backend::cpu::kernels::deltanet::{self, ChunkScratch};
-use crate::backend::cpu::kernels::matmul::{decode_group, gemm_group, matmul_group};
+use crate::backend::cpu::kernels::deltanet;
+use crate::backend::cpu::kernels::matmul::{decode_group, matmul_group};
 use crate::backend::cpu::kernels::norm::{gated_rms_norm_inplace, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, softplus, swiglu_inplace};
 use crate::backend::cpu::kernels::rope::{apply_rope, cos_sin};
 use crate::backend::cpu::pool::Pool;
@@ -16,7 +16,7 @@ use crate::model::tensor::Matrix;
 use crate::model::{Logits, Qwen35};
 use crate::state::{LayerState, State};
 
-/// The most tokens one pass of `forward` applies (a multiple of the DeltaNet chunk).
+/// The most tokens one pass of `forward` applies.
 pub const MAX_TOKENS_PER_PASS: usize = 2 * deltanet::CHUNK;
 
 impl Qwen35 {
@@ -26,8 +26,9 @@ impl Qwen35 {
     /// `state.last_logits` always ends up holding the last token's logits.
     ///
     /// Long inputs run in pieces of `MAX_TOKENS_PER_PASS`, which bounds the activations' memory
-    /// and changes no result: the pieces start on DeltaNet chunk boundaries, so every chunk,
-    /// every product and every attention row is computed exactly as in one pass.
+    /// and changes no result: a token's products, its delta-rule step and its attention row
+    /// have the same bits in a call of any size, so `tokens` applied in any pieces (here, or a
+    /// prompt continued from a cached state) give what one pass gives.
     pub fn forward(&self, pool: &Pool, tokens: &[u32], state: &mut State, which: Logits) -> Result<Vec<f32>> {
         self.check(tokens, state, tokens.len())?;
         let mut logits = Vec::new();
@@ -54,7 +55,7 @@ impl Qwen35 {
         }
         self.check(tokens, state, valid)?;
         let rows = tokens.len();
-        self.forward_pass(&self.pass(pool, Kernels::Gemm), tokens, &mut [Segment { state, rows: 0..rows, valid }], Logits::Last);
+        self.forward_pass(&self.pass(pool, Kernels::Prompt), tokens, &mut [Segment { state, rows: 0..rows, valid }], Logits::Last);
         Ok(())
     }
 
@@ -117,7 +118,9 @@ impl Qwen35 {
         rms_norm_inplace(&mut final_x, &self.final_norm, c.rms_norm_eps);
         let (n, v) = (rows.len(), c.vocab_size);
         let mut logits = vec![0f32; n * v];
-        pass.products(&final_x, n, &mut [(&self.lm_head, &mut logits)]);
+        // Each row's logits in the one-token order, as a decode step computes them: a token's
+        // logits then have the same bits whichever call and kernels produced its hidden state.
+        pass.with_kernels(Kernels::Decode).products(&final_x, n, &mut [(&self.lm_head, &mut logits)]);
         let last_rows: Vec<&[f32]> = match which {
             Logits::All => vec![&logits[(n - 1) * v..]],
             Logits::Last => logits.chunks_exact(v).collect(),
@@ -179,52 +182,31 @@ impl Qwen35 {
 
         // The delta rule, (segment, value head) pairs split over the pool. Value head h reads
         // key head h / (Hv/Hk); each pair owns its slice of a recurrent state and of `core`.
-        // Pad rows have q = k = v = 0, β = 0 and g = 0: no decay and no write.
+        // Token by token, in prefill too: the state after a token then has the same bits
+        // however the prompt was cut into calls (the chunked form, `deltanet::chunked`, groups
+        // 64 tokens into one update, so a prompt continued from a cached state part way into
+        // a chunk would round differently from a cold prefill). On these cores the recurrence
+        // costs a few per cent of a prefill token's products. Pad rows are skipped.
         let group = hv / hk;
         let mut core = vec![0f32; t * vd];
         let core_ptr = SharedMut(core.as_mut_ptr());
-        let seg_rows: Vec<(std::ops::Range<usize>, usize)> = segs.iter().map(|s| (s.rows.clone(), s.valid)).collect();
+        let seg_rows: Vec<(usize, usize)> = segs.iter().map(|s| (s.rows.start, s.valid)).collect();
         pass.pool.for_ranges(segs.len() * hv, 1, &|tasks| {
             let core_ptr = core_ptr;
-            let mut scratch = ChunkScratch::default();
-            let (mut qh, mut kh, mut vh, mut beta, mut g, mut oh) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
             for task in tasks {
                 let (si, head) = (task / hv, task % hv);
-                let (rows, valid) = (&seg_rows[si], seg_rows[si].1);
-                // One real token: the recurrent step on it alone (its pads would change nothing).
-                let n = if valid == 1 { 1 } else { rows.0.len() };
-                for buf in [&mut qh, &mut kh] {
-                    buf.clear();
-                    buf.resize(n * dk, 0.0);
-                }
-                vh.clear();
-                vh.resize(n * dv, 0.0);
-                oh.resize(n * dv, 0.0);
-                beta.clear();
-                beta.resize(n, 0.0);
-                g.clear();
-                g.resize(n, 0.0);
-                let kh_idx = head / group;
-                for i in 0..valid.min(n) {
-                    let r = rows.0.start + i;
-                    let row = &mixed_qkv[r * cd..(r + 1) * cd];
-                    qh[i * dk..(i + 1) * dk].copy_from_slice(&row[kh_idx * dk..(kh_idx + 1) * dk]);
-                    kh[i * dk..(i + 1) * dk].copy_from_slice(&row[kd + kh_idx * dk..kd + (kh_idx + 1) * dk]);
-                    vh[i * dv..(i + 1) * dv].copy_from_slice(&row[2 * kd + head * dv..2 * kd + (head + 1) * dv]);
-                    beta[i] = sigmoid(b[r * hv + head]);
-                    g[i] = m.neg_a[head] * softplus(a[r * hv + head] + m.dt_bias[head]);
-                }
+                let (row0, valid) = seg_rows[si];
+                let kh = head / group;
                 // SAFETY: (segment, head) slices of the states and of `core` are disjoint
                 // between tasks.
                 let s = unsafe { std::slice::from_raw_parts_mut(recurrent_of[si].0.add(head * dk * dv), dk * dv) };
-                if n == 1 {
-                    deltanet::recurrent_step(s, &qh, &kh, &vh, beta[0], g[0], &mut oh);
-                } else {
-                    deltanet::chunked(s, &qh, &kh, &vh, &beta, &g, &mut oh, &mut scratch);
-                }
-                for i in 0..valid {
-                    let r = rows.0.start + i;
-                    unsafe { std::ptr::copy_nonoverlapping(oh.as_ptr().add(i * dv), core_ptr.0.add(r * vd + head * dv), dv) };
+                for r in row0..row0 + valid {
+                    let row = &mixed_qkv[r * cd..(r + 1) * cd];
+                    let (q, k, v) = (&row[kh * dk..(kh + 1) * dk], &row[kd + kh * dk..kd + (kh + 1) * dk], &row[2 * kd + head * dv..2 * kd + (head + 1) * dv]);
+                    let beta = sigmoid(b[r * hv + head]);
+                    let g = m.neg_a[head] * softplus(a[r * hv + head] + m.dt_bias[head]);
+                    let out = unsafe { std::slice::from_raw_parts_mut(core_ptr.0.add(r * vd + head * dv), dv) };
+                    deltanet::recurrent_step(s, q, k, v, beta, g, out);
                 }
             }
         });
@@ -319,11 +301,10 @@ impl Qwen35 {
 /// Which product kernels a pass takes.
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Kernels {
-    /// A prompt: the GEMV up to `GEMV_MAX_TOKENS` rows, the GEMM past.
+    /// A prompt or a static-shape dispatch: the GEMM's sums whatever the row count, so that a
+    /// row computes the same bits in a call of any size (a prompt in pieces, a padded dispatch,
+    /// a prefill that continues a cached state).
     Prompt,
-    /// A static-shape dispatch: the GEMM whatever the row count, so that a one-row dispatch
-    /// computes exactly what the same row computes inside a padded one.
-    Gemm,
     /// A decode step of a batch: the GEMV whatever the row count, so that each sequence gets
     /// the bits it would get alone.
     Decode,
@@ -337,7 +318,11 @@ struct Pass<'p> {
     bf16_inputs: bool,
 }
 
-impl Pass<'_> {
+impl<'p> Pass<'p> {
+    fn with_kernels(&self, kernels: Kernels) -> Pass<'p> {
+        Pass { pool: self.pool, kernels, bf16_inputs: self.bf16_inputs }
+    }
+
     fn products(&self, x: &[f32], t: usize, jobs: &mut [(&Matrix, &mut [f32])]) {
         let rounded: Vec<f32>;
         let x = if self.bf16_inputs {
@@ -348,7 +333,6 @@ impl Pass<'_> {
         };
         match self.kernels {
             Kernels::Prompt => matmul_group(self.pool, x, t, jobs),
-            Kernels::Gemm => gemm_group(self.pool, x, t, jobs),
             Kernels::Decode => decode_group(self.pool, x, t, jobs),
         }
     }
@@ -449,6 +433,38 @@ mod tests {
         assert!(one == pieces, "states differ");
     }
 
+    /// A prompt applied in pieces cut anywhere (a cached prefix continued, a turn prefilled in
+    /// parts, pieces of one token to past a pass) reaches the state and the last logits of one
+    /// call, bit for bit, with the weights as stored and quantized to int8.
+    #[test]
+    fn a_prompt_cut_anywhere_equals_one_call_exactly() {
+        let pool = Pool::new(2);
+        let _same_kernels = crate::backend::cpu::kernels::hold_isa();
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
+        let tokens: Vec<u32> = (0..300u32).map(|i| (i * 211 + 7) % 1024).collect();
+        let mut seed = 0x5eed_u64;
+        for m in [tiny(), crate::model::load::LoadedModel::load_int8(dir.to_str().unwrap(), &pool).unwrap()] {
+            let mut whole = State::new(&m.net.config);
+            m.net.forward(&pool, &tokens, &mut whole, Logits::Last).unwrap();
+            for trial in 0..5 {
+                let mut st = State::new(&m.net.config);
+                let mut at = 0;
+                let mut cuts = Vec::new();
+                while at < tokens.len() {
+                    // Mostly short pieces (the narrow kernel's sizes), now and then a long one.
+                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    let r = (seed >> 33) as usize;
+                    let len = if r.is_multiple_of(4) { 1 + r % 150 } else { 1 + r % 9 };
+                    let end = (at + len).min(tokens.len());
+                    m.net.forward(&pool, &tokens[at..end], &mut st, Logits::Last).unwrap();
+                    cuts.push(end);
+                    at = end;
+                }
+                assert!(st == whole, "trial {trial}: pieces ending at {cuts:?} reach another state than one call");
+            }
+        }
+    }
+
     fn tiny() -> crate::model::load::LoadedModel {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
         crate::model::load::LoadedModel::load(dir.to_str().unwrap()).unwrap()
@@ -513,7 +529,7 @@ mod tests {
             .collect();
         let mut alone = states.clone();
         for (st, &tok) in alone.iter_mut().zip(tokens) {
-            m.net.forward(pool, &[tok], st, Logits::Last).unwrap();
+            m.net.decode_batch(pool, &[tok], &mut [st]).unwrap();
         }
         let mut refs: Vec<&mut State> = states.iter_mut().collect();
         m.net.decode_batch(pool, tokens, &mut refs).unwrap();

@@ -2,8 +2,9 @@
 //!
 //! State `S` is `[Dk, Dv]` row-major (row = key channel). Inputs per token: `q`, `k` (already
 //! l2-normalised, q scaled by 1/√Dk), `v`, the write strength `beta` and the log-decay `g ≤ 0`.
-//! `recurrent_step` is the per-token definition (decode); `chunked` is the WY/UT-transform form
-//! used for multi-token prefill; the test below holds them to each other.
+//! `recurrent_step` is the per-token definition, which the CPU engine runs for decode and
+//! prefill alike (`forward.rs` says why); `chunked` is the WY/UT-transform form that the
+//! reference implementation and the GPU's prefill use; the test below holds them to each other.
 
 
 /// Chunk length of the chunked algorithm (the reference's, so rounding follows the same grouping).

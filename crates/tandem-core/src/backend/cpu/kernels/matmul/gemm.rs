@@ -90,21 +90,28 @@ fn pack_block_plain(x: &[f32], tokens: usize, k: usize, from: usize, block: &mut
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn pack_block_avx512(x: &[f32], tokens: usize, k: usize, block: &mut [f32]) -> usize {
-    use std::arch::x86_64::*;
     let whole = k / 16 * 16;
     for m0 in (0..tokens).step_by(16) {
         for kk0 in (0..whole).step_by(16) {
-            let mut rows = [_mm512_setzero_ps(); 16];
-            for (i, r) in rows.iter_mut().enumerate().take(tokens - m0) {
-                *r = _mm512_loadu_ps(x.as_ptr().add((m0 + i) * k + kk0));
-            }
-            let cols = transpose16(rows);
-            for (c, v) in cols.iter().enumerate() {
-                _mm512_storeu_ps(block.as_mut_ptr().add((kk0 + c) * TB + m0), *v);
-            }
+            transpose16_at(x.as_ptr().add(m0 * k + kk0), k, tokens - m0, block.as_mut_ptr().add(kk0 * TB + m0), TB);
         }
     }
     whole
+}
+
+/// 16 values of each of `rows` rows (at most 16; the rest taken as zero) at `src`, rows
+/// `src_stride` apart, written transposed: value `c` of row `r` to `dst[c * dst_stride + r]`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn transpose16_at(src: *const f32, src_stride: usize, rows: usize, dst: *mut f32, dst_stride: usize) {
+    use std::arch::x86_64::*;
+    let mut r = [_mm512_setzero_ps(); 16];
+    for (i, v) in r.iter_mut().enumerate().take(rows) {
+        *v = _mm512_loadu_ps(src.add(i * src_stride));
+    }
+    for (c, v) in transpose16(r).iter().enumerate() {
+        _mm512_storeu_ps(dst.add(c * dst_stride), *v);
+    }
 }
 
 /// 16 × 16 f32 transpose: `out[c]` lane `r` = `rows[r]` lane `c`.

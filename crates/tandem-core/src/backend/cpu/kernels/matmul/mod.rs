@@ -1,7 +1,13 @@
 //! `out = x · Wᵀ` for a weight matrix in its stored dtype: the GEMV of decode (one token, or
 //! one per sequence of a batch: bound by how fast the weights stream from memory, and past a
-//! few tokens by FMA throughput) and the GEMM of prefill (many tokens: bound by FMA
-//! throughput). `matmul_ref` is the plain definition the fast paths are tested against.
+//! few tokens by FMA throughput) and the GEMM of prefill (bound by FMA throughput; for a few
+//! tokens the narrow kernel, which sums as the GEMM does). `matmul_ref` is the plain
+//! definition the fast paths are tested against.
+//!
+//! The two orders are each kept whatever the number of tokens: a decode step's sequence gets
+//! the bits it would get alone (GEMV order), and a prompt's token gets the same bits whether
+//! it is prefilled in one call or in pieces (GEMM order), which is what lets a cached state
+//! continue a prompt exactly as a cold prefill would.
 //!
 //! Work is cut into units (a few rows of a GEMV, a few output columns of a GEMM) that the
 //! pool's workers take in turn from a queue, and the products that read the same input (q, k
@@ -49,21 +55,19 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-/// Most tokens of a prompt that take the GEMV; past this, the packed GEMM (a decode step takes
-/// the GEMV whatever its size, `decode_group`; the two cross between 128 and 256 tokens for
-/// rows of 1024, docs/results/2026-11-25-cpu-batched-decode.md).
-pub const GEMV_MAX_TOKENS: usize = 8;
-
-/// `out = x · Wᵀ` on the pool: GEMV for up to `GEMV_MAX_TOKENS` tokens, packed GEMM for more.
+/// `out = x · Wᵀ` for a prompt's `t` tokens: the GEMM's sums whatever `t` (see `matmul_group`).
 pub fn matmul(pool: &Pool, x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) {
     matmul_group(pool, x, t, &mut [(w, out)]);
 }
 
-/// `out_i = x · W_iᵀ` for every `(W_i, out_i)` of the group, all in one pool call.
+/// `out_i = x · W_iᵀ` for every `(W_i, out_i)` of the group, all in one pool call: a prompt's
+/// products, each token's outputs the same bits whatever `t` (the narrow kernel up to
+/// `NARROW_MAX_TOKENS` tokens, the packed GEMM past, both summing in one order), so that a
+/// prompt applied in pieces of any size computes what it computes in one call.
 pub fn matmul_group(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])]) {
     let jobs = checked_jobs(x, t, products);
-    if t <= GEMV_MAX_TOKENS {
-        gemv_group(pool, x, t, &jobs);
+    if t <= NARROW_MAX_TOKENS {
+        narrow::narrow_group(pool, x, t, &jobs);
     } else {
         gemm::gemm_group(pool, x, t, &jobs);
     }
@@ -77,8 +81,8 @@ pub fn decode_group(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, 
     gemv_group(pool, x, t, &jobs);
 }
 
-/// `out_i = x · W_iᵀ` for every product of the group as a GEMM, whatever `t` (a static-shape
-/// dispatch: its rows compute the same whether or not other rows come with them).
+/// `out_i = x · W_iᵀ` by the packed GEMM whatever `t` (for tests and measurements: the
+/// narrow kernel must give its bits).
 pub fn gemm_group(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])]) {
     let jobs = checked_jobs(x, t, products);
     gemm::gemm_group(pool, x, t, &jobs);
@@ -108,8 +112,10 @@ fn locate(units: &[usize], mut u: usize) -> (usize, usize) {
 
 mod gemv;
 pub mod gemm;
+pub mod narrow;
 
 use gemv::gemv_group;
+pub use narrow::NARROW_MAX_TOKENS;
 
 /// Columns `k0..k0 + kc` of row `r` as f32 into `buf`; returns the factor to apply to a dot
 /// with them (the int8 row scale, else 1).
@@ -210,8 +216,9 @@ pub(super) mod tests {
         });
     }
 
-    /// Every path (GEMV, GEMM with full and partial tiles) on every instruction set this CPU
-    /// has, against the f64 reference, for every weight dtype, on one and on three threads.
+    /// Every path (GEMV, narrow kernel, GEMM with full and partial tiles) on every instruction
+    /// set this CPU has, against the f64 reference, for every weight dtype, on one and on three
+    /// threads; and each order kept whatever the number of tokens.
     #[test]
     fn matmul_matches_reference_for_every_isa_dtype_and_shape() {
         crate::backend::cpu::kernels::for_each_isa(|_| matmul_cases());
@@ -221,46 +228,47 @@ pub(super) mod tests {
         let mut seed = 7;
         for threads in [1, 3] {
             let pool = Pool::new(threads);
-            for &(t, n, k) in &[(1, 5, 16), (1, 33, 96), (1, 70, 1024), (1, 7, 800), (2, 17, 48), (3, 9, 64), (8, 70, 1024), (5, 7, 800), (13, 64, 256), (25, 100, 300), (12, 32, 600), (33, 70, 1024), (9, 23, 48), (6, 9, 128), (17, 13, 192)] {
+            for &(t, n, k) in &[(1, 5, 16), (1, 33, 96), (1, 70, 1024), (1, 7, 800), (2, 17, 48), (3, 9, 64), (8, 70, 1024), (5, 7, 800), (13, 64, 256), (25, 100, 300), (12, 32, 600), (33, 70, 1024), (9, 23, 48), (6, 9, 128), (17, 13, 192), (7, 40, 300)] {
                 let x: Vec<f32> = (0..t * k).map(|_| lcg(&mut seed)).collect();
                 for w in &test_matrices(n, k, &mut seed) {
                     let mut want = vec![0f32; t * n];
                     let mut got = vec![0f32; t * n];
                     matmul_ref(&x, t, w, &mut want);
                     matmul(&pool, &x, t, w, &mut got);
-                    // The int8 GEMV (VNNI) rounds each token's x to int16: at most half a step
-                    // (max|x| / 65534) per input.
-                    let x_max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-                    let int8 = w.dtype() == crate::model::tensor::DType::I8;
-                    let tol = |r: usize, gemv: bool| {
-                        let rounding = if int8 && gemv { (0..k).map(|c| weight(w, r, c).abs()).sum::<f32>() * x_max / 65534.0 } else { 0.0 };
-                        2e-6 * (k as f32).sqrt() * 4.0 + rounding
-                    };
+                    let f32_tol = 2e-6 * (k as f32).sqrt() * 4.0;
                     for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                        assert!((a - b).abs() <= tol(i % n, t <= GEMV_MAX_TOKENS), "{} t={t} n={n} k={k} [{i}]: {a} vs {b}", w.dtype());
+                        assert!((a - b).abs() <= f32_tol, "{} t={t} n={n} k={k} [{i}]: {a} vs {b}", w.dtype());
+                    }
+                    // A prompt's product: the packed GEMM's bits at any t (the narrow kernel
+                    // below NARROW_MAX_TOKENS), and the same bits for the tokens in two calls.
+                    let mut gemm_out = vec![0f32; t * n];
+                    gemm_group(&pool, &x, t, &mut [(w, &mut gemm_out)]);
+                    assert!(gemm_out == got, "{} t={t} n={n} k={k}: the prompt's product differs from the packed GEMM", w.dtype());
+                    for cut in [1, t / 2, t - 1].into_iter().filter(|&c| c > 0 && c < t) {
+                        let mut pieces = vec![0f32; t * n];
+                        let (head, tail) = pieces.split_at_mut(cut * n);
+                        matmul(&pool, &x[..cut * k], cut, w, head);
+                        matmul(&pool, &x[cut * k..], t - cut, w, tail);
+                        assert!(pieces == got, "{} t={t} n={n} k={k}: cut at {cut}, the pieces differ from one call", w.dtype());
                     }
                     // A decode step's product, at any number of tokens: each token gets the
                     // one-token GEMV's bits (every dtype), and the reference within tolerance.
+                    // The int8 GEMV (VNNI) rounds each token's x to int16: at most half a
+                    // step (max|x| / 65534) per input.
+                    let x_max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let int8 = w.dtype() == crate::model::tensor::DType::I8;
+                    let tol = |r: usize| f32_tol + if int8 { (0..k).map(|c| weight(w, r, c).abs()).sum::<f32>() * x_max / 65534.0 } else { 0.0 };
                     let mut step = vec![0f32; t * n];
                     decode_group(&pool, &x, t, &mut [(w, &mut step)]);
-                    if t <= GEMV_MAX_TOKENS {
-                        assert!(step == got, "{} t={t}: a decode step differs from the GEMV", w.dtype());
-                    }
                     for (i, (a, b)) in step.iter().zip(&want).enumerate() {
-                        assert!((a - b).abs() <= tol(i % n, true), "decode step {} t={t} n={n} k={k} [{i}]: {a} vs {b}", w.dtype());
+                        assert!((a - b).abs() <= tol(i % n), "decode step {} t={t} n={n} k={k} [{i}]: {a} vs {b}", w.dtype());
                     }
                     if t > 1 {
                         for m in 0..t {
                             let mut alone = vec![0f32; n];
-                            matmul(&pool, &x[m * k..(m + 1) * k], 1, w, &mut alone);
+                            decode_group(&pool, &x[m * k..(m + 1) * k], 1, &mut [(w, &mut alone)]);
                             assert!(alone == step[m * n..(m + 1) * n], "{} t={t}: token {m} of a decode step differs from its one-token product", w.dtype());
                         }
-                    }
-                    // The GEMM also runs single rows (static-shape dispatches).
-                    let mut gemm_out = vec![0f32; t * n];
-                    gemm_group(&pool, &x, t, &mut [(w, &mut gemm_out)]);
-                    for (i, (a, b)) in gemm_out.iter().zip(&want).enumerate() {
-                        assert!((a - b).abs() <= 2e-6 * (k as f32).sqrt() * 4.0, "GEMM {} t={t} n={n} k={k} [{i}]: {a} vs {b}", w.dtype());
                     }
                 }
             }
