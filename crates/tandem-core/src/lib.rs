@@ -16,6 +16,7 @@ pub mod chat;
 pub mod engine;
 pub mod model;
 pub mod pipeline;
+pub mod prefix_cache;
 pub mod rng;
 pub mod sampling;
 pub mod session;
