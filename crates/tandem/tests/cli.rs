@@ -240,10 +240,11 @@ fn the_serving_bench_drives_a_real_server_and_gets_every_slot_back() {
         assert!(busy.len() == 2 && busy.iter().all(|&b| b > 0.0), "both engines worked: {row}");
         let tok_s: f64 = cells[5].parse().unwrap_or(0.0);
         assert!(tok_s > 0.0, "{row}");
-        // The limit with the prefills' arithmetic is below the decode-only one, and above
-        // what was served.
+        // The limit with the prefills' arithmetic is at most the decode-only one (equal as
+        // printed, whole tokens a second, where a tiny model's prompts cost next to nothing),
+        // and above what was served.
         let (decode_limit, limit): (f64, f64) = (cells[12].parse().unwrap_or(0.0), cells[13].parse().unwrap_or(0.0));
-        assert!(tok_s < limit && limit < decode_limit, "{row}");
+        assert!(tok_s < limit && limit <= decode_limit, "{row}");
     }
     let bad = tandem(&["bench", "--sections", "serve", "--concurrency", "0"]);
     assert!(!bad.status.success() && stderr(&bad).contains("--concurrency"), "{}", stderr(&bad));
