@@ -36,6 +36,7 @@ fn request(id: u64, tokens: Vec<u32>, max_tokens: usize, events: std::sync::mpsc
         vocab: 1024,
         stop_ids: vec![],
         return_state: false,
+        snapshots: Vec::new(),
         cancel: Arc::new(AtomicBool::new(false)),
         events,
     }
@@ -60,6 +61,7 @@ fn run_pipeline(net: &Qwen35, config: &PipelineConfig, prompts: &[Vec<u32>], max
                     done += 1;
                 }
                 Event::Failed { id, error } => panic!("request {id} failed: {error}"),
+                Event::Snapshot { .. } => {}
             }
         }
         assert_eq!(done, prompts.len());
@@ -390,6 +392,7 @@ fn a_request_cancelled_in_the_queue_is_never_prefilled() {
                     Event::Done { id: 2, finish, .. } => assert_eq!(finish, Finish::Length),
                     Event::Done { .. } => unreachable!(),
                     Event::Failed { error, .. } => panic!("{error}"),
+                    Event::Snapshot { .. } => {}
                 }
             }
             assert_eq!(tokens, [0, 3], "{mode:?}");
@@ -446,6 +449,7 @@ fn a_cpu_budget_swaps_sequences_to_disk_and_keeps_their_tokens() {
                     Event::Token { id, token } => out[id as usize].push(token),
                     Event::Done { finish, .. } => assert_eq!(finish, Finish::Length),
                     Event::Failed { id, error } => panic!("{:?}: request {id} failed: {error}", c.mode),
+                    Event::Snapshot { .. } => {}
                 }
             }
             assert!(peak <= 2 * c.max_batch, "{peak} slots held");
@@ -511,6 +515,7 @@ fn a_small_kv_cache_swaps_sequences_and_keeps_their_tokens() {
                     Event::Token { id, token } => out[id as usize].push(token),
                     Event::Done { finish, .. } => assert_eq!(finish, Finish::Length),
                     Event::Failed { id, error } => panic!("{:?}: request {id} failed: {error}", c.mode),
+                    Event::Snapshot { .. } => {}
                 }
             }
             // A finished sequence's blocks come back just after its last event: wait for them.
@@ -590,6 +595,7 @@ fn state_slots_bound_the_requests_in_flight() {
                 Event::Token { id, token } => out[id as usize].push(token),
                 Event::Done { finish, .. } => assert_eq!(finish, Finish::Length),
                 Event::Failed { id, error } => panic!("request {id} failed: {error}"),
+                Event::Snapshot { .. } => {}
             }
         }
         let waited = std::time::Instant::now();

@@ -58,6 +58,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
                 vocab: model.sampleable_vocab(),
                 stop_ids: model.stop_ids.clone(),
                 return_state: false,
+                snapshots: Vec::new(),
                 cancel: Arc::new(AtomicBool::new(false)),
                 events: events.clone(),
             })?;
@@ -93,6 +94,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
                     }
                 }
                 Event::Failed { id, error } => bail!("request {}: {error}", id + 1),
+                Event::Snapshot { .. } => {}
             }
         }
         Ok(results)

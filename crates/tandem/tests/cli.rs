@@ -249,3 +249,33 @@ fn the_serving_bench_drives_a_real_server_and_gets_every_slot_back() {
     let bad = tandem(&["bench", "--sections", "serve", "--concurrency", "0"]);
     assert!(!bad.status.success() && stderr(&bad).contains("--concurrency"), "{}", stderr(&bad));
 }
+
+/// The prefix-cache bench: every workload with the cache on and off, the cache covering
+/// prompt tokens only when on and never more than the ideal, every request answered.
+#[test]
+fn the_prefix_cache_bench_measures_each_workload_on_and_off() {
+    let o = tandem(&["bench", "--sections", "prefix-cache", "--quick", "--model", "synthetic:tiny", "--threads", "1"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    for workload in ["questions", "agent", "few-shot", "no reuse"] {
+        for cache in ["on", "off"] {
+            let row = out.lines().find(|l| l.starts_with(&format!("| {workload} | {cache} | 1 |"))).unwrap_or_else(|| panic!("no {workload} row, cache {cache}:\n{out}"));
+            let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+            // (the empty cell before the first |), workload, cache, rep, requests, prompt
+            // tokens, ideal, cached, of ideal, ...
+            let n = |i: usize| cells[i].parse::<usize>().unwrap_or_else(|_| panic!("{row}"));
+            let (requests, prompt, ideal, cached) = (n(4), n(5), n(6), n(7));
+            assert!(requests > 0 && ideal <= prompt, "{row}");
+            // One request at a time, no cache covers more than what finished requests applied.
+            if workload != "agent" {
+                assert!(cached <= ideal, "{row}");
+            }
+            match (workload, cache) {
+                (_, "off") | ("no reuse", _) => assert_eq!(cached, 0, "nothing cached: {row}"),
+                // The quick sizes share at least 150 tokens a prompt after the first.
+                _ => assert!(cached * 10 >= ideal * 8, "most of the ideal is cached: {row}"),
+            }
+        }
+    }
+    assert!(out.contains("| questions alone | off | 1 |"), "{out}");
+}

@@ -245,6 +245,7 @@ impl Pipeline {
             vocab: params.vocab,
             stop_ids: params.stop_ids.clone(),
             return_state: true,
+            snapshots: Vec::new(),
             cancel: Arc::new(AtomicBool::new(false)),
             events,
         })?;
@@ -257,6 +258,7 @@ impl Pipeline {
                 }
                 Event::Done { finish, timings, state, .. } => return Ok(Generated { tokens: out, finish, timings, state }),
                 Event::Failed { error, .. } => bail!("{error}"),
+                Event::Snapshot { .. } => {}
             }
         }
         bail!("the pipeline stopped before the request finished")

@@ -169,7 +169,7 @@ pub(super) fn prefill_loop(engine: &Engine, mut queue: Queue, mut bridge: handof
                 Prefilled::Done(p) => p,
                 Prefilled::Answered => continue,
                 Prefilled::NoRoom(request) => {
-                    retry.push(request);
+                    retry.push(*request);
                     continue;
                 }
             };
@@ -202,27 +202,50 @@ pub(super) enum Prefilled {
     Answered,
     /// The K/V cache had no room for it (nothing was applied): the request as it came, to go
     /// back to the queue.
-    NoRoom((Request, Instant)),
+    NoRoom(Box<(Request, Instant)>),
 }
 
 /// Prefill `batch` on `engine`, each prompt whole: in one forward where the engine packs
-/// prompts, else one after another. Entry i is what became of request i.
+/// prompts, else one after another; a request that asked for snapshots part way has its prompt
+/// applied in pieces up to each (the pieces of the batch's requests packed together in turn).
+/// Entry i is what became of request i.
 pub(super) fn prefill_requests(engine: &Engine, host: Option<&Arc<HostBudget>>, batch: Vec<(Request, Instant)>, time: &EngineTime) -> Vec<Prefilled> {
     let mut started: Vec<Started> = batch.into_iter().map(|(request, submitted)| Prefill::start(engine, host, request, submitted)).collect();
-    let outcomes = apply_chunks(engine, started.iter_mut().map(|p| p.as_mut().ok().and_then(Option::as_mut)), Prefill::remaining, time);
+    // What ended each prefill's run of pieces: None while it has more to apply, and for one
+    // with nothing to apply (a checkpoint continued as it is).
+    let mut ended: Vec<Option<Chunk>> = started.iter().map(|_| None).collect();
+    loop {
+        let running = started.iter_mut().zip(&ended).map(|(p, end)| p.as_mut().ok().and_then(Option::as_mut).filter(|p| end.is_none() && p.remaining() > 0));
+        let outcomes = apply_chunks(engine, running, Prefill::to_next_stop, time);
+        if outcomes.iter().all(Option::is_none) {
+            break;
+        }
+        for ((p, end), outcome) in started.iter_mut().zip(&mut ended).zip(outcomes) {
+            match outcome {
+                Some(Chunk::Applied) => {
+                    let p = p.as_mut().ok().and_then(Option::as_mut).expect("a prefill that applied a piece");
+                    p.send_snapshot();
+                    if p.remaining() == 0 {
+                        *end = Some(Chunk::Applied);
+                    }
+                }
+                Some(other) => *end = Some(other),
+                None => {}
+            }
+        }
+    }
     started
         .into_iter()
-        .zip(outcomes)
+        .zip(ended)
         .map(|(p, outcome)| match (p, outcome) {
             // No free state slot: back to the queue.
-            (Err(request), _) => Prefilled::NoRoom(*request),
+            (Err(request), _) => Prefilled::NoRoom(request),
             (Ok(None), _) => Prefilled::Answered,
-            // Applied, or nothing to apply (a checkpoint continued as it is).
             (Ok(Some(p)), None | Some(Chunk::Applied)) => Prefilled::Done(Box::new(p)),
             (Ok(Some(p)), Some(Chunk::NoRoom(why))) => match p.unstart() {
-                (request, Ok(())) => Prefilled::NoRoom(request),
+                (request, Ok(())) => Prefilled::NoRoom(Box::new(request)),
                 ((request, _), Err(e)) => {
-                    let _ = request.events.send(Event::Failed { id: request.id, error: format!("{why}; then bringing its starting state back: {e:#}") });
+                    let _ = request.events.send(Event::Failed { id: request.id, error: format!("{why}; then bringing its state back: {e:#}") });
                     Prefilled::Answered
                 }
             },
@@ -315,18 +338,36 @@ impl Prefill {
         self.request.tokens.len() - self.applied
     }
 
+    /// Prompt tokens to apply before the next snapshot the request asked for (or its end).
+    pub(super) fn to_next_stop(&self) -> usize {
+        let end = self.request.tokens.len();
+        self.request.snapshots.iter().find(|&&s| s > self.applied).map_or(end, |&s| s.min(end)) - self.applied
+    }
+
+    /// Send the snapshot the request asked for at this point, if it did. A copy that fails (a
+    /// GPU that cannot copy out the state also fails the next forward, which answers the
+    /// request) is left out: a snapshot only saves later work.
+    pub(super) fn send_snapshot(&self) {
+        if self.applied == 0 || !self.request.snapshots.contains(&self.applied) {
+            return;
+        }
+        if let Ok(state) = self.state.snapshot() {
+            let _ = self.request.events.send(Event::Snapshot { id: self.request.id, state });
+        }
+    }
+
     /// K/V blocks the request still has to take to hold its whole prompt and first token (none
     /// under a CPU budget: its lease holds them from the start).
     pub(super) fn kv_blocks_short(&self) -> usize {
         blocks_short(self.lease.as_ref(), &self.state, self.state.position() + self.remaining() + 1)
     }
 
-    /// The request as it was queued, nothing of its prompt applied: its starting checkpoint
-    /// (a state with positions) back in `start`, in host memory; with an error where the
-    /// checkpoint could not be brought back (the request must then be answered with it).
+    /// The request to queue again, to go on where it stopped: what was applied of its prompt
+    /// is in its starting state (`start`, in host memory; a fresh state where nothing was), the
+    /// rest is its prompt. With an error where the state could not be brought back (the
+    /// request must then be answered with it).
     pub(super) fn unstart(self) -> ((Request, Instant), anyhow::Result<()>) {
-        debug_assert_eq!(self.applied, 0, "a prefill with tokens applied cannot go back to the queue");
-        let Prefill { mut request, submitted, state, .. } = self;
+        let Prefill { mut request, submitted, state, applied, .. } = self;
         let mut brought = Ok(());
         if state.position() > 0 {
             match state.into_host() {
@@ -334,6 +375,8 @@ impl Prefill {
                 Err(e) => brought = Err(e),
             }
         }
+        request.tokens.drain(..applied);
+        request.snapshots = request.snapshots.iter().filter(|&&s| s > applied).map(|&s| s - applied).collect();
         ((request, submitted), brought)
     }
 
@@ -416,7 +459,7 @@ mod tests {
 
     fn send(to: &Sender<(Request, Instant)>, id: u64, prompt: usize) {
         let (events, _) = channel();
-        let request = Request { id, start: None, tokens: vec![1; prompt], max_tokens: 1, sampling: SamplingParams::default(), vocab: 8, stop_ids: vec![], return_state: false, cancel: Arc::new(AtomicBool::new(false)), events };
+        let request = Request { id, start: None, tokens: vec![1; prompt], max_tokens: 1, sampling: SamplingParams::default(), vocab: 8, stop_ids: vec![], return_state: false, snapshots: vec![], cancel: Arc::new(AtomicBool::new(false)), events };
         to.send((request, Instant::now())).unwrap();
     }
 

@@ -1,6 +1,6 @@
 //! What flows through the pipeline for one request: the `Request` a caller submits, the
-//! `Event`s it gets back (tokens as they are sampled, then how it finished, with its timings
-//! and, when asked, its final state).
+//! `Event`s it gets back (snapshots of the state where asked, tokens as they are sampled, then
+//! how it finished, with its timings and, when asked, its final state).
 
 use std::sync::atomic::AtomicBool;
 use std::sync::mpsc::Sender;
@@ -26,6 +26,9 @@ pub struct Request {
     pub stop_ids: Vec<u32>,
     /// Send the final state back in `Done` (to checkpoint a conversation).
     pub return_state: bool,
+    /// Where to send back a copy of the state while the prompt is applied (`Event::Snapshot`):
+    /// after these many of `tokens`, ascending, each in 1..=tokens.len() (for a prefix cache).
+    pub snapshots: Vec<usize>,
     /// Set to stop the request; its state is dropped.
     pub cancel: Arc<AtomicBool>,
     /// Where this request's events go.
@@ -87,6 +90,9 @@ impl Timings {
 }
 
 pub enum Event {
+    /// A copy of the state part way into the prompt (or at its end), as `snapshots` asked;
+    /// before the request's tokens.
+    Snapshot { id: u64, state: State },
     Token { id: u64, token: u32 },
     Done { id: u64, finish: Finish, timings: Timings, state: Option<State> },
     Failed { id: u64, error: String },
@@ -96,7 +102,7 @@ impl Event {
     /// The request the event belongs to.
     pub fn id(&self) -> u64 {
         match self {
-            Event::Token { id, .. } | Event::Done { id, .. } | Event::Failed { id, .. } => *id,
+            Event::Snapshot { id, .. } | Event::Token { id, .. } | Event::Done { id, .. } | Event::Failed { id, .. } => *id,
         }
     }
 }

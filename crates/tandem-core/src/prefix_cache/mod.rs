@@ -1,6 +1,9 @@
 //! Reusing the state of a prompt's prefix across requests: a radix tree over token ids with
-//! state snapshots at its nodes (`tree`).
+//! state snapshots at its nodes (`tree`), and the cache a server shares across its requests
+//! on top of it (`cache`).
 
+pub mod cache;
 pub mod tree;
 
+pub use cache::{CacheStats, Found, Pin, PrefixCache};
 pub use tree::{Match, NodeId, PrefixTree};

@@ -64,6 +64,15 @@ impl DeviceState {
         matches!(self, DeviceState::Host(s) if s.in_file())
     }
 
+    /// A copy of the state in this process's memory (from the GPU where it lives there); the
+    /// state itself goes on as it was.
+    pub fn snapshot(&self) -> Result<State> {
+        match self {
+            DeviceState::Host(s) => Ok(s.clone()),
+            DeviceState::Gpu(s) => s.download(),
+        }
+    }
+
     /// The state in this process's memory, whole (copied from the GPU or out of its file).
     pub fn into_host(self) -> Result<State> {
         match self {

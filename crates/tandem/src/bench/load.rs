@@ -69,7 +69,11 @@ pub enum Arrivals {
 pub struct Outcome {
     pub error: Option<String>,
     pub prompt_tokens: usize,
+    /// Prompt tokens the server's prefix cache covered (`prompt_tokens_details`).
+    pub cached_tokens: usize,
     pub output_tokens: usize,
+    /// The reply's token ids, where the request asked for them (`return_token_ids`).
+    pub token_ids: Vec<u32>,
     /// From sending the request to its first text chunk.
     pub ttft: f64,
     /// Between consecutive text chunks.
@@ -140,8 +144,14 @@ pub async fn drive(w: Arc<Workload>, arrivals: Arrivals) -> (Vec<Outcome>, f64) 
 
 /// Request `i` of `w`, timed; a failure is an outcome with its error.
 async fn send(w: &Workload, i: usize) -> Outcome {
+    send_body(w.addr, &w.body(i)).await
+}
+
+/// One streamed `/v1/completions` request of this JSON body, timed; a failure is an outcome
+/// with its error.
+pub async fn send_body(addr: SocketAddr, body: &str) -> Outcome {
     let start = Instant::now();
-    let result = tokio::time::timeout(REQUEST_TIMEOUT, stream_completion(w.addr, &w.body(i), start)).await;
+    let result = tokio::time::timeout(REQUEST_TIMEOUT, stream_completion(addr, body, start)).await;
     let result = result.unwrap_or_else(|_| Err(anyhow::anyhow!("no complete answer within {} s", REQUEST_TIMEOUT.as_secs())));
     result.unwrap_or_else(|e| Outcome { error: Some(format!("{e:#}")), latency: start.elapsed().as_secs_f64(), ..Outcome::default() })
 }
@@ -175,6 +185,10 @@ async fn stream_completion(addr: SocketAddr, body: &str, start: Instant) -> Resu
                 if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
                     out.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0) as usize;
                     out.output_tokens = u["completion_tokens"].as_u64().unwrap_or(0) as usize;
+                    out.cached_tokens = u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0) as usize;
+                }
+                if let Some(ids) = v["choices"].get(0).and_then(|c| c["token_ids"].as_array()) {
+                    out.token_ids.extend(ids.iter().filter_map(Value::as_u64).map(|id| id as u32));
                 }
                 let text = v["choices"].get(0).and_then(|c| c["text"].as_str()).unwrap_or("");
                 if !text.is_empty() {

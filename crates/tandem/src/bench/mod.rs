@@ -31,6 +31,7 @@ pub mod limits;
 mod load;
 mod nvml;
 pub mod pipeline;
+mod prefix_cache;
 mod serve;
 mod serving_step;
 mod state_dtype;
@@ -41,7 +42,7 @@ mod svg;
 /// The report's sections, in order (the study's tables 1-7 after the engine kernels).
 const SECTIONS: [&str; 8] = ["kernels", "modes", "dispatch", "transfer", "multiturn", "concurrency", "crossover", "energy"];
 /// Sections run only when named, each on its own.
-const OWN_SECTIONS: [&str; 2] = ["cuda", "serve"];
+const OWN_SECTIONS: [&str; 3] = ["cuda", "serve", "prefix-cache"];
 
 pub const USAGE: &str = "\
 tandem bench [--model M] [--prefill PLACEMENT] [--decode PLACEMENT] [--quant bf16,int8]
@@ -82,6 +83,18 @@ TTFT and ITL p50/p99, goodput within the SLO, GPU memory, and each point's physi
 the decode engine's memory bandwidth, measured first. Requests per point: two per client, or
 15 s of arrivals (--requests N for all). --quick: concurrency 1 and 4, 64 in / 16 out.
 --trace FILE: the server's timeline of its engines' work over every point (tandem serve --trace).
+
+--sections prefix-cache [--model M] [engine options as for tandem serve] [--reps 2]
+                 [--system-len 2000] [--questions 200] [--conversations 16] [--turns 10]
+                 [--shared-len 1500] [--few-shot 100] [--output-len 32]
+                 [--no-reuse-requests 64] [--no-reuse-len 512]
+                 [--prefix-cache-memory 4GiB] [--prefix-snapshot-every N]:
+tandem serve's prefix cache on four workloads, each with the cache on and off (a fresh server
+of each per repetition, in alternating order): a shared system prompt with short questions
+after it (and the questions alone), agent conversations adding tool results turn by turn,
+few-shot prompts sharing a long run of examples, random prompts that share nothing. Hit rate
+against the ideal (the prompt tokens finished requests applied), TTFT p50/p99, output tok/s,
+the cache's memory. --quick: the tiny sizes of a test.
 ";
 
 /// What a run produces: the Markdown report, every raw measurement (the JSON file) and the
@@ -140,6 +153,8 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             // The serve section's.
             "input-len", "output-len", "concurrency", "rates", "requests", "max-concurrent", "max-prefill-tokens", "temperature", "top-k", "top-p", "slo-ttft-ms", "slo-tpot-ms", "gpu-memory-utilization",
             "kv-cache-memory", "trace",
+            // The prefix-cache section's.
+            "system-len", "questions", "conversations", "turns", "shared-len", "few-shot", "prefix-cache-memory", "prefix-snapshot-every", "no-reuse-requests", "no-reuse-len",
         ],
         &["quick"],
     )?;
@@ -152,6 +167,13 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         started();
         let mut report = String::from("# tandem bench (serving)\n\n");
         let result = serve::run(&mut report, &args, quick);
+        print!("{report}");
+        return result.map(|()| ExitCode::SUCCESS);
+    }
+    if sections == ["prefix-cache"] {
+        started();
+        let mut report = String::from("# tandem bench (prefix cache)\n\n");
+        let result = prefix_cache::run(&mut report, &args, quick);
         print!("{report}");
         return result.map(|()| ExitCode::SUCCESS);
     }

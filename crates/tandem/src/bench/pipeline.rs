@@ -452,6 +452,7 @@ pub fn concurrency(rec: &mut Record, model: &LoadedModel, config: &PipelineConfi
                         vocab,
                         stop_ids: vec![],
                         return_state: false,
+                        snapshots: Vec::new(),
                         cancel: Default::default(),
                         events: tx.clone(),
                     })?;
@@ -468,7 +469,7 @@ pub fn concurrency(rec: &mut Record, model: &LoadedModel, config: &PipelineConfi
                             generated += timings.generated;
                         }
                         Event::Failed { error, .. } => bail!("{error}"),
-                        Event::Token { .. } => {}
+                        Event::Token { .. } | Event::Snapshot { .. } => {}
                     }
                 }
                 let wall = start.elapsed().as_secs_f64();

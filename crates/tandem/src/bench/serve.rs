@@ -87,16 +87,16 @@ impl Options {
 }
 
 /// The server under test: a `tandem serve` child process.
-struct Server {
+pub(super) struct Server {
     child: Child,
-    addr: SocketAddr,
+    pub(super) addr: SocketAddr,
     /// What the server wrote to stderr, for the report of a failure.
     log: Arc<Mutex<Vec<String>>>,
     started_in: Duration,
 }
 
 impl Server {
-    fn start(args: &[String]) -> Result<Server> {
+    pub(super) fn start(args: &[String]) -> Result<Server> {
         let exe = std::env::current_exe().context("finding the tandem executable")?;
         let started = Instant::now();
         let mut child = Command::new(&exe).arg("serve").args(args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().with_context(|| format!("starting {} serve", exe.display()))?;
@@ -129,18 +129,18 @@ impl Server {
         Ok(server)
     }
 
-    fn log_tail(&self) -> String {
+    pub(super) fn log_tail(&self) -> String {
         let log = self.log.lock().expect("log lock");
         log[log.len().saturating_sub(20)..].join("\n")
     }
 
     /// The server's start-up line (engines, slots, capacity).
-    fn banner(&self) -> String {
+    pub(super) fn banner(&self) -> String {
         self.log.lock().expect("log lock").iter().find(|l| l.starts_with("tandem serve:")).cloned().unwrap_or_default()
     }
 
     /// Stop with SIGTERM (the server finishes what is in flight), killing it if it lingers.
-    fn stop(mut self) -> Result<()> {
+    pub(super) fn stop(mut self) -> Result<()> {
         // SAFETY: kill(2) on our own child's pid.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -166,7 +166,7 @@ impl Drop for Server {
 }
 
 /// A gauge's value from a Prometheus text page.
-fn gauge(metrics: &str, name: &str) -> Option<f64> {
+pub(super) fn gauge(metrics: &str, name: &str) -> Option<f64> {
     metrics.lines().find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
 }
 
@@ -257,7 +257,7 @@ struct Point {
 }
 
 /// The server's `/metrics` page.
-fn metrics(rt: &tokio::runtime::Runtime, addr: SocketAddr) -> Result<String> {
+pub(super) fn metrics(rt: &tokio::runtime::Runtime, addr: SocketAddr) -> Result<String> {
     let (status, text) = rt.block_on(load::get(addr, "/metrics"))?;
     if status != 200 {
         bail!("GET /metrics answered {status}");

@@ -68,8 +68,15 @@ pub struct Options {
     pub stream: bool,
     /// `stream_options.include_usage`: a last chunk with the usage.
     pub include_usage: bool,
-    /// tandem's extension: a conversation's cached states are matched within its session.
+    /// tandem's extension: the conversation's latest states are pinned in the prefix cache
+    /// while the session is live, and each reply's end is prefilled for its next turn.
     pub session_id: Option<String>,
+    /// vLLM's extension: the prompt matches only cached states made under the same salt (to
+    /// keep users' prefixes apart).
+    pub cache_salt: Option<String>,
+    /// vLLM's extension: each choice (each streamed delta) also carries the ids of its tokens
+    /// (`token_ids`), so that a client can send them back exactly in its next prompt.
+    pub return_token_ids: bool,
     /// vLLM's extension: generate `max_tokens` even past the model's end-of-turn tokens (what
     /// load generators send, so that every request has the asked-for length).
     pub ignore_eos: bool,
@@ -212,7 +219,12 @@ fn options(f: &Fields, max_tokens_keys: &[&str]) -> Result<Options, ApiError> {
         None => false,
     };
     let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
-    Ok(Options { model: f.str("model")?.map(str::to_string), max_tokens, sampling, stop, stream, include_usage, session_id: f.str("session_id")?.map(str::to_string), ignore_eos })
+    let cache_salt = f.str("cache_salt")?.map(str::to_string);
+    if cache_salt.as_deref() == Some("") {
+        return Err(ApiError::invalid("cache_salt", "cache_salt must not be empty"));
+    }
+    let return_token_ids = f.bool("return_token_ids")?.unwrap_or(false);
+    Ok(Options { model: f.str("model")?.map(str::to_string), max_tokens, sampling, stop, stream, include_usage, session_id: f.str("session_id")?.map(str::to_string), cache_salt, return_token_ids, ignore_eos })
 }
 
 /// The text of a message's `content`: a string, or an array of `{"type": "text", "text"}` parts.
@@ -299,6 +311,7 @@ pub struct TypingRequest {
     pub model: Option<String>,
     pub messages: Vec<Message>,
     pub session_id: String,
+    pub cache_salt: Option<String>,
     pub enable_thinking: bool,
 }
 
@@ -308,7 +321,7 @@ pub fn parse_typing(body: &[u8]) -> Result<TypingRequest, ApiError> {
     if chat.messages.last().is_some_and(|m| m.role != "user") {
         return Err(ApiError::invalid("messages", "the last message is the one being typed: its role must be user"));
     }
-    Ok(TypingRequest { model: chat.options.model, messages: chat.messages, session_id, enable_thinking: chat.enable_thinking })
+    Ok(TypingRequest { model: chat.options.model, messages: chat.messages, session_id, cache_salt: chat.options.cache_salt, enable_thinking: chat.enable_thinking })
 }
 
 /// Which endpoint a response is for.
@@ -330,6 +343,8 @@ impl Endpoint {
 /// The parts of a response that do not change from chunk to chunk.
 pub struct ResponseHead {
     pub endpoint: Endpoint,
+    /// Choices carry `token_ids` (`return_token_ids`).
+    pub token_ids: bool,
     pub id: String,
     pub created: u64,
     pub model: String,
@@ -338,7 +353,7 @@ pub struct ResponseHead {
 pub struct Usage {
     pub prompt: usize,
     pub completion: usize,
-    /// Prompt tokens whose state came from the session cache.
+    /// Prompt tokens whose state came from the prefix cache.
     pub cached: usize,
 }
 
@@ -370,17 +385,25 @@ impl ResponseHead {
         v
     }
 
+    fn with_ids(&self, mut choice: Value, ids: &[u32]) -> Value {
+        if self.token_ids {
+            choice["token_ids"] = json!(ids);
+        }
+        choice
+    }
+
     /// The whole response of a request that did not stream.
-    pub fn complete(&self, text: &str, finish: &str, usage: &Usage) -> Value {
+    pub fn complete(&self, text: &str, ids: &[u32], finish: &str, usage: &Usage) -> Value {
         let choice = match self.endpoint {
             Endpoint::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": null}),
             Endpoint::Completion => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null}),
         };
-        self.wrap(false, json!([choice]), Some(usage))
+        self.wrap(false, json!([self.with_ids(choice, ids)]), Some(usage))
     }
 
-    /// A streamed chunk: the first one of a chat carries the role; the last one the finish.
-    pub fn chunk(&self, text: &str, first: bool, finish: Option<&str>) -> Value {
+    /// A streamed chunk: the first one of a chat carries the role; the last one the finish;
+    /// `ids`: the tokens sampled since the previous chunk.
+    pub fn chunk(&self, text: &str, ids: &[u32], first: bool, finish: Option<&str>) -> Value {
         let choice = match self.endpoint {
             Endpoint::Chat => {
                 let delta = match (first, finish) {
@@ -392,7 +415,7 @@ impl ResponseHead {
             }
             Endpoint::Completion => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null}),
         };
-        self.wrap(true, json!([choice]), None)
+        self.wrap(true, json!([self.with_ids(choice, ids)]), None)
     }
 
     /// `stream_options.include_usage`: a chunk with no choices and the usage.

@@ -1,19 +1,21 @@
-//! One request from prompt tokens to text: find the longest cached state the prompt starts
-//! with, checkpoint the prompt's last turn boundary for the conversation's next request, run
-//! the rest through the engines, and turn the sampled tokens into text deltas (stopping at a
-//! stop string). The same `Completion` feeds a streamed and a whole response.
+//! One request from prompt tokens to text: continue the deepest state in the prefix cache that
+//! the prompt passes, run the rest through the engines (their prefill sending back snapshots
+//! for the cache where the prompt leaves what earlier requests applied, at its last turn
+//! boundary, every so many tokens, at its end), and turn the sampled tokens into text deltas
+//! (stopping at a stop string). The same `Completion` feeds a streamed and a whole response.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
 use axum::http::StatusCode;
+use tandem_core::chat::Message;
 use tandem_core::pipeline::{self, Event, Finish};
+use tandem_core::prefix_cache::Pin;
 use tandem_core::state::State;
 use tandem_core::tokenizer::StreamDecoder;
 
 use super::api::{ApiError, Endpoint, Options, Usage};
-use super::cache::{Hit, Kind};
 use super::engines::{Running, Slot};
 use super::metrics::add;
 use super::App;
@@ -25,6 +27,8 @@ pub struct Prepared {
     pub max_tokens: usize,
     pub options: Options,
     pub arrived: Instant,
+    /// A chat's messages and thinking switch (to find the tokens its next turn starts with).
+    pub conversation: Option<(Vec<Message>, bool)>,
 }
 
 impl Prepared {
@@ -50,14 +54,15 @@ impl Prepared {
             None if room == 0 => return Err(too_long(", which leaves no room to generate".into())),
             None => room,
         };
-        Ok(Prepared { endpoint, prompt, max_tokens, options, arrived })
+        Ok(Prepared { endpoint, prompt, max_tokens, options, arrived, conversation: None })
     }
 }
 
-/// What a generation yields, in order: text deltas, then one `Finished` or `Failed`.
+/// What a generation yields, in order: text deltas (with the ids of the tokens sampled since
+/// the previous one), then one `Finished` (with the ids not yet given) or `Failed`.
 pub enum Piece {
-    Text(String),
-    Finished { finish: &'static str, usage: Usage },
+    Text(String, Vec<u32>),
+    Finished { finish: &'static str, usage: Usage, ids: Vec<u32> },
     Failed(ApiError),
 }
 
@@ -69,9 +74,14 @@ pub struct Completion {
     admitted: Instant,
     prompt: Vec<u32>,
     reused: usize,
+    salt: Option<String>,
     session: Option<String>,
-    /// Tokens sampled so far.
+    conversation: Option<(Vec<Message>, bool)>,
+    /// Tokens sampled so far, and how many of them went out with a piece.
     ids: Vec<u32>,
+    ids_given: usize,
+    /// The text sent so far.
+    text: String,
     decoder: StreamDecoder,
     stops: StopStrings,
     arrived: Instant,
@@ -87,22 +97,76 @@ fn turn_boundary(app: &App, prompt: &[u32]) -> Option<usize> {
     prompt.iter().rposition(|&t| t == im_start).filter(|&b| b > 0)
 }
 
-/// The cached state to start from (on a blocking thread: it copies a state).
-pub async fn lookup(app: &Arc<App>, prompt: &[u32], session: Option<&str>) -> Option<Hit> {
-    let (app, prompt, session) = (Arc::clone(app), prompt.to_vec(), session.map(str::to_string));
-    tokio::task::spawn_blocking(move || app.cache.lock().expect("cache lock").lookup(&prompt, session.as_deref())).await.ok().flatten()
+/// What the prefix cache has for a prompt.
+pub struct Cached {
+    /// The state to continue (None: start fresh).
+    pub state: Option<State>,
+    /// The prompt tokens it covers.
+    pub reused: usize,
+    /// Where the prefill should stop for snapshots (counts of the prompt's tokens, past
+    /// `reused`, the prompt's end last; none with the cache off).
+    pub stops: Vec<usize>,
 }
 
-/// Keep a copy of `state` in the cache (on a blocking thread).
-async fn checkpoint(app: &Arc<App>, tokens: Vec<u32>, state: &State, session: Option<String>, kind: Kind) {
-    checkpoint_owned(app, tokens, state.clone(), session, kind).await
+/// The deepest cached state `prompt` passes (copied out on a blocking thread); `count`: a
+/// request's own lookup, counted in the metrics.
+pub async fn lookup(app: &Arc<App>, salt: Option<&str>, prompt: &[u32], count: bool) -> Cached {
+    if app.cache_memory == 0 {
+        return Cached { state: None, reused: 0, stops: Vec::new() };
+    }
+    let (app, prompt, salt) = (Arc::clone(app), prompt.to_vec(), salt.map(str::to_string));
+    let copied = tokio::task::spawn_blocking(move || {
+        let found = {
+            let mut cache = app.cache.lock().expect("cache lock");
+            let found = cache.lookup(salt.as_deref(), &prompt);
+            if count {
+                cache.count(&found);
+            }
+            found
+        };
+        // The copy is the request's own: eviction never touches a state in use.
+        Cached { state: found.state.map(|s| State::clone(&s)), reused: found.reused, stops: found.stops }
+    });
+    copied.await.unwrap_or(Cached { state: None, reused: 0, stops: Vec::new() })
 }
 
-/// Keep `state` in the cache (on a blocking thread: eviction frees states).
-pub async fn checkpoint_owned(app: &Arc<App>, tokens: Vec<u32>, state: State, session: Option<String>, kind: Kind) {
+/// Keep snapshots in the cache (on a blocking thread: eviction frees states); the last one is
+/// pinned as `session`'s `pin` where given.
+async fn keep(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>, states: Vec<State>, pin: Option<(String, Pin)>) {
     let app = Arc::clone(app);
-    let _ = tokio::task::spawn_blocking(move || app.cache.lock().expect("cache lock").insert(tokens, state, session, kind)).await;
+    let _ = tokio::task::spawn_blocking(move || {
+        let mut cache = app.cache.lock().expect("cache lock");
+        let last = states.len().saturating_sub(1);
+        for (i, state) in states.into_iter().enumerate() {
+            let n = state.position;
+            let pin = pin.as_ref().filter(|_| i == last).map(|(s, p)| (s.as_str(), *p));
+            cache.insert(salt.as_deref(), &tokens[..n], state, pin);
+        }
+    })
+    .await;
 }
+
+/// Make sure the cache holds the state after exactly `tokens`: prefill what the deepest
+/// snapshot on their path lacks (stopping for snapshots where they leave the tree, and so on),
+/// and pin it for `pin`'s session. Returns the tokens the cache covered and those prefilled.
+pub async fn remember(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>, pin: Option<(String, Pin)>) -> anyhow::Result<(usize, usize)> {
+    let found = lookup(app, salt.as_deref(), &tokens, false).await;
+    if found.reused == tokens.len() {
+        if let Some((session, kind)) = &pin {
+            app.cache.lock().expect("cache lock").pin_existing(salt.as_deref(), &tokens, session, *kind);
+        }
+        return Ok((found.reused, 0));
+    }
+    let inner: Vec<usize> = found.stops.iter().filter(|&&s| s < tokens.len()).map(|&s| s - found.reused).collect();
+    let (mut states, last) = app.engines.prefill(found.state, tokens[found.reused..].to_vec(), inner).await?;
+    states.push(last);
+    let prefilled = tokens.len() - found.reused;
+    keep(app, salt, tokens, states, pin).await;
+    Ok((found.reused, prefilled))
+}
+
+/// The longest a session's request waits for its previous reply end's prefill.
+const REPLY_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 fn server_error(e: anyhow::Error) -> ApiError {
     ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", format!("{e:#}"))
@@ -118,33 +182,29 @@ impl Completion {
             e
         })?;
         let admitted = Instant::now();
-        let session = p.options.session_id.clone();
-        let caching = app.session_memory > 0;
-        let hit = if caching { lookup(app, &p.prompt, session.as_deref()).await } else { None };
-        let c = &app.metrics.counters;
-        let (mut start, mut done) = match hit {
-            Some(h) => {
-                add(&c.session_hits, 1);
-                (Some(h.state), h.reused)
-            }
-            None => {
-                add(&c.session_misses, 1);
-                (None, 0)
-            }
-        };
-        let reused = done;
-        add(&c.prompt_tokens, p.prompt.len());
-        add(&c.reused_tokens, reused);
-        add(&c.prefilled_tokens, p.prompt.len() - reused);
-        // Prefill up to the turn boundary first and keep that state for the next turn.
-        if let Some(b) = turn_boundary(app, &p.prompt).filter(|&b| caching && b > done) {
-            let state = app.engines.prefill(start.take(), p.prompt[done..b].to_vec()).await.map_err(server_error)?;
-            checkpoint(app, p.prompt[..b].to_vec(), &state, session.clone(), Kind::Checkpoint).await;
-            start = Some(state);
-            done = b;
+        let (session, salt) = (p.options.session_id.clone(), p.options.cache_salt.clone());
+        // A session's previous reply end may still be on the prefill engine: its next turn
+        // continues it rather than prefilling the same tokens beside it.
+        let pending = session.as_ref().and_then(|s| app.replies.lock().expect("replies lock").get(s).cloned());
+        if let Some(mut done) = pending {
+            let _ = tokio::time::timeout(REPLY_WAIT, done.wait_for(|d| *d)).await;
         }
+        let found = lookup(app, salt.as_deref(), &p.prompt, true).await;
+        let c = &app.metrics.counters;
+        let reused = found.reused;
+        add(&c.prompt_tokens, p.prompt.len());
+        add(&c.prefilled_tokens, p.prompt.len() - reused);
+        // Besides the cache's stops, one at the prompt's last turn boundary: the part of a chat
+        // prompt that its next turn renders the same way.
+        let mut stops = found.stops;
+        if let Some(b) = turn_boundary(app, &p.prompt).filter(|&b| !stops.is_empty() && b > reused) {
+            stops.push(b);
+            stops.sort_unstable();
+            stops.dedup();
+        }
+        let snapshots = stops.iter().map(|&s| s - reused).collect();
         let params = pipeline::RequestParams { max_tokens: p.max_tokens, sampling: p.options.sampling.clone(), vocab: app.vocab, stop_ids: if p.options.ignore_eos { Vec::new() } else { app.stop_ids.clone() } };
-        let running = app.engines.submit(start, p.prompt[done..].to_vec(), params, caching).map_err(server_error)?;
+        let running = app.engines.submit(found.state, p.prompt[reused..].to_vec(), params, snapshots).map_err(server_error)?;
         Ok(Completion {
             app: Arc::clone(app),
             endpoint: p.endpoint,
@@ -153,8 +213,12 @@ impl Completion {
             admitted,
             prompt: p.prompt,
             reused,
+            salt,
             session,
+            conversation: p.conversation,
             ids: Vec::new(),
+            ids_given: 0,
+            text: String::new(),
             decoder: StreamDecoder::new(),
             stops: StopStrings::new(p.options.stop),
             arrived: p.arrived,
@@ -173,12 +237,24 @@ impl Completion {
                 return None;
             }
             match self.running.events.recv().await {
+                Some(Event::Snapshot { state, .. }) => self.snapshot(state).await,
                 Some(Event::Token { token, .. }) => self.token(token),
-                Some(Event::Done { finish, state, .. }) => self.finish(finish, state),
+                Some(Event::Done { finish, .. }) => self.finish(finish),
                 Some(Event::Failed { error, .. }) => self.fail(anyhow::anyhow!(error)),
                 None => self.fail(anyhow::anyhow!("the engines stopped before the request finished")),
             }
         }
+    }
+
+    /// A snapshot of the prompt's prefill, for the cache; the prompt's end is pinned as the
+    /// session's latest state.
+    async fn snapshot(&mut self, state: State) {
+        let n = state.position;
+        if n > self.prompt.len() {
+            return;
+        }
+        let pin = self.session.clone().filter(|_| n == self.prompt.len()).map(|s| (s, Pin::Latest));
+        keep(&self.app, self.salt.clone(), self.prompt[..n].to_vec(), vec![state], pin).await;
     }
 
     fn token(&mut self, token: u32) {
@@ -197,7 +273,10 @@ impl Completion {
         };
         let (out, stopped) = self.stops.push(&text);
         if !out.is_empty() {
-            self.pending.push_back(Piece::Text(out));
+            self.text.push_str(&out);
+            let ids = self.ids[self.ids_given..].to_vec();
+            self.ids_given = self.ids.len();
+            self.pending.push_back(Piece::Text(out, ids));
         }
         if stopped {
             // The rest of the reply is not wanted: the engine drops the sequence.
@@ -206,7 +285,7 @@ impl Completion {
         }
     }
 
-    fn finish(&mut self, finish: Finish, state: Option<State>) {
+    fn finish(&mut self, finish: Finish) {
         let tail = match self.decoder.finish(&self.app.tokenizer) {
             Ok(t) => t,
             Err(e) => return self.fail(e),
@@ -216,29 +295,60 @@ impl Completion {
             out.push_str(&self.stops.flush());
         }
         if !out.is_empty() {
-            self.pending.push_back(Piece::Text(out));
-        }
-        // The final state covers the prompt and the reply's tokens that were applied: all of a
-        // stopped reply's (the stop token is not), all but the last of one that hit its length.
-        if let Some(state) = state {
-            let applied = match finish {
-                Finish::Length => self.ids.len().saturating_sub(1),
-                _ => self.ids.len(),
-            };
-            let mut tokens = self.prompt.clone();
-            tokens.extend(&self.ids[..applied]);
-            if state.position == tokens.len() {
-                self.app.cache.lock().expect("cache lock").insert(tokens, state, self.session.clone(), Kind::Checkpoint);
-            }
+            self.text.push_str(&out);
+            let ids = self.ids[self.ids_given..].to_vec();
+            self.ids_given = self.ids.len();
+            self.pending.push_back(Piece::Text(out, ids));
         }
         self.end(if stopped || finish == Finish::Stop { "stop" } else { "length" });
     }
 
+    /// In a session, the state its next turn starts from: the prompt and the reply as the next
+    /// request will send them (a chat's history rendered again, which may differ from what
+    /// the model saw: Qwen3.5's template drops an earlier reply's thinking block), prefilled
+    /// in the background by the prefill engine and pinned for the session. The prefill gives
+    /// the bits a cold prefill of those tokens gives (the decode engine's own state does not).
+    fn remember_reply(&self) {
+        let Some(session) = self.session.clone().filter(|_| self.app.cache_memory > 0) else { return };
+        let (app, salt) = (Arc::clone(&self.app), self.salt.clone());
+        let tokens = match &self.conversation {
+            Some((messages, thinking)) => Err((messages.clone(), *thinking, self.text.clone())),
+            None => Ok([&self.prompt[..], &self.ids[..]].concat()),
+        };
+        // The session's next request waits for this prefill (see `start`): registered before
+        // the client can see the reply end.
+        let (done, waiting) = tokio::sync::watch::channel(false);
+        app.replies.lock().expect("replies lock").insert(session.clone(), waiting.clone());
+        tokio::spawn(async move {
+            let made = async {
+                let tokens = match tokens {
+                    Ok(t) => t,
+                    Err((messages, thinking, reply)) => {
+                        let a = Arc::clone(&app);
+                        tokio::task::spawn_blocking(move || a.next_turn_lead(&messages, &reply, thinking)).await.map_err(|e| anyhow::anyhow!("{e}"))?.map_err(|e| anyhow::anyhow!("{}", e.message))?
+                    }
+                };
+                remember(&app, salt, tokens, Some((session.clone(), Pin::Latest))).await
+            };
+            match made.await {
+                Ok(_) => add(&app.metrics.counters.reply_prefills, 1),
+                Err(e) => eprintln!("tandem serve: prefilling a reply's end for its session: {e:#}"),
+            }
+            let _ = done.send(true);
+            let mut replies = app.replies.lock().expect("replies lock");
+            if replies.get(&session).is_some_and(|w| w.same_channel(&waiting)) {
+                replies.remove(&session);
+            }
+        });
+    }
+
     fn end(&mut self, finish: &'static str) {
         self.done = true;
+        self.remember_reply();
         self.app.metrics.outcome(self.endpoint.name(), finish);
         let usage = Usage { prompt: self.prompt.len(), completion: self.ids.len(), cached: self.reused };
-        self.pending.push_back(Piece::Finished { finish, usage });
+        let ids = self.ids[self.ids_given..].to_vec();
+        self.pending.push_back(Piece::Finished { finish, usage, ids });
     }
 
     fn fail(&mut self, e: anyhow::Error) {

@@ -77,7 +77,7 @@ impl Engines {
                 // Ends when every sender is gone: the Engines and the pipeline's requests.
                 for event in rx {
                     let id = event.id();
-                    let last = !matches!(event, Event::Token { .. });
+                    let last = !matches!(event, Event::Token { .. } | Event::Snapshot { .. });
                     let mut routes = router_routes.lock().expect("routes lock");
                     let target = if last { routes.remove(&id) } else { routes.get(&id).cloned() };
                     drop(routes);
@@ -161,9 +161,9 @@ impl Engines {
     }
 
     /// Run `tokens` applied to `start` (a fresh state when None), then sample as `params` says
-    /// (`max_tokens` 0: prefill only, the state comes back in `Done`; so does the final state
-    /// with `return_state`).
-    pub fn submit(&self, start: Option<State>, tokens: Vec<u32>, params: RequestParams, return_state: bool) -> anyhow::Result<Running> {
+    /// (`max_tokens` 0: prefill only, the state comes back in `Done`); `snapshots`: where the
+    /// prefill sends back copies of the state (`Event::Snapshot`, counts of `tokens`).
+    pub fn submit(&self, start: Option<State>, tokens: Vec<u32>, params: RequestParams, snapshots: Vec<usize>) -> anyhow::Result<Running> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::unbounded_channel();
         self.routes.lock().expect("routes lock").insert(id, tx);
@@ -177,21 +177,27 @@ impl Engines {
             sampling: params.sampling,
             vocab: params.vocab,
             stop_ids: params.stop_ids,
-            return_state,
+            return_state: false,
+            snapshots,
             cancel,
             events: self.events.clone(),
         })?;
         Ok(running)
     }
 
-    /// Prefill `tokens` into `start` (fresh when None) and return the state.
-    pub async fn prefill(&self, start: Option<State>, tokens: Vec<u32>) -> anyhow::Result<State> {
+    /// Prefill `tokens` into `start` (fresh when None): the snapshots taken where `snapshots`
+    /// says, and the final state.
+    pub async fn prefill(&self, start: Option<State>, tokens: Vec<u32>, snapshots: Vec<usize>) -> anyhow::Result<(Vec<State>, State)> {
         let prefill_only = RequestParams { max_tokens: 0, sampling: SamplingParams::default(), vocab: usize::MAX, stop_ids: Vec::new() };
-        let mut running = self.submit(start, tokens, prefill_only, true)?;
-        match running.events.recv().await {
-            Some(Event::Done { state: Some(state), .. }) => Ok(state),
-            Some(Event::Failed { error, .. }) => anyhow::bail!("{error}"),
-            _ => anyhow::bail!("the engines stopped before the prefill finished"),
+        let mut running = self.submit(start, tokens, prefill_only, snapshots)?;
+        let mut taken = Vec::new();
+        loop {
+            match running.events.recv().await {
+                Some(Event::Snapshot { state, .. }) => taken.push(state),
+                Some(Event::Done { state: Some(state), .. }) => return Ok((taken, state)),
+                Some(Event::Failed { error, .. }) => anyhow::bail!("{error}"),
+                _ => anyhow::bail!("the engines stopped before the prefill finished"),
+            }
         }
     }
 }

@@ -8,6 +8,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use tandem_core::backend::cuda::qwen35::device_pool::PoolLevel;
+use tandem_core::prefix_cache::CacheStats;
 
 /// Time to first token: from the request's arrival to its first token, queueing included.
 const TTFT_BUCKETS: [f64; 15] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
@@ -51,11 +52,10 @@ pub struct Counters {
     pub prompt_tokens: AtomicU64,
     /// Prompt tokens actually prefilled (the rest came from cached states).
     pub prefilled_tokens: AtomicU64,
-    pub reused_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
-    pub session_hits: AtomicU64,
-    pub session_misses: AtomicU64,
     pub typing_requests: AtomicU64,
+    /// Sessions' reply ends prefilled in the background for their next turns.
+    pub reply_prefills: AtomicU64,
 }
 
 /// What the served model and engines are, fixed at start-up: what a load generator needs to
@@ -96,10 +96,18 @@ pub struct Gauges {
     pub swaps: (u64, u64),
     pub queued: usize,
     pub active: usize,
-    pub session_bytes: usize,
-    pub session_entries: usize,
+    pub cache: CacheGauges,
     pub prefill_busy: Duration,
     pub decode_busy: Duration,
+}
+
+/// The prefix cache's readings.
+#[derive(Default)]
+pub struct CacheGauges {
+    pub bytes: usize,
+    pub snapshots: usize,
+    pub sessions: usize,
+    pub stats: CacheStats,
 }
 
 fn gauge(out: &mut String, name: &str, help: &str, v: f64) {
@@ -157,10 +165,8 @@ impl Metrics {
         counter(&mut out, "tandem_prompt_tokens_total", "Prompt tokens of requests served.", &c.prompt_tokens);
         counter(&mut out, "tandem_prefilled_tokens_total", "Prompt tokens prefilled (not covered by a cached state).", &c.prefilled_tokens);
         counter(&mut out, "tandem_generation_tokens_total", "Tokens generated.", &c.generation_tokens);
-        counter(&mut out, "tandem_session_hits_total", "Requests that continued a cached conversation state.", &c.session_hits);
-        counter(&mut out, "tandem_session_misses_total", "Requests that found no cached state to continue.", &c.session_misses);
-        counter(&mut out, "tandem_session_reused_tokens_total", "Prompt tokens covered by cached states.", &c.reused_tokens);
         counter(&mut out, "tandem_typing_requests_total", "Typing-ahead requests served.", &c.typing_requests);
+        counter(&mut out, "tandem_prefix_cache_reply_prefills_total", "Sessions' reply ends prefilled in the background for their next turns.", &c.reply_prefills);
         if let Some(kv) = &g.kv {
             pool_gauges(&mut out, kv, ["tandem_kv_cache_blocks", "tandem_kv_cache_block_bytes"], "K/V cache blocks", "one K/V cache block");
         }
@@ -169,8 +175,22 @@ impl Metrics {
         }
         let _ = writeln!(out, "# HELP tandem_kv_cache_swaps_total Sequences swapped out of the K/V cache to make room (a GPU engine's to host memory, a CPU engine's to disk), and back.\n# TYPE tandem_kv_cache_swaps_total counter");
         let _ = writeln!(out, "tandem_kv_cache_swaps_total{{direction=\"out\"}} {}\ntandem_kv_cache_swaps_total{{direction=\"in\"}} {}", g.swaps.0, g.swaps.1);
-        gauge(&mut out, "tandem_session_memory_bytes", "Bytes of cached conversation states.", g.session_bytes as f64);
-        gauge(&mut out, "tandem_session_entries", "Cached conversation states.", g.session_entries as f64);
+        let (pc, st) = (&g.cache, &g.cache.stats);
+        for (name, help, v) in [
+            ("lookups", "Requests that looked their prompt up in the prefix cache.", st.lookups),
+            ("hits", "Requests that continued a cached state.", st.hits),
+            ("hit_tokens", "Prompt tokens covered by the cached states continued (not prefilled).", st.hit_tokens),
+            ("matched_tokens", "Prompt tokens matching what earlier requests applied (what a snapshot at every token would cover).", st.matched_tokens),
+            ("inserted", "Snapshots kept.", st.inserted),
+            ("evictions", "Snapshots evicted to keep the budget.", st.evicted),
+            ("sessions_released", "Sessions whose pinned snapshots were let go to keep the budget.", st.sessions_released),
+        ] {
+            let name = format!("tandem_prefix_cache_{name}_total");
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+        }
+        let _ = writeln!(out, "# HELP tandem_prefix_cache_bytes Bytes of state snapshots in the prefix cache, by memory tier.\n# TYPE tandem_prefix_cache_bytes gauge\ntandem_prefix_cache_bytes{{tier=\"host\"}} {}", pc.bytes);
+        let _ = writeln!(out, "# HELP tandem_prefix_cache_snapshots State snapshots in the prefix cache, by memory tier.\n# TYPE tandem_prefix_cache_snapshots gauge\ntandem_prefix_cache_snapshots{{tier=\"host\"}} {}", pc.snapshots);
+        gauge(&mut out, "tandem_prefix_cache_pinned_sessions", "Sessions whose latest states are pinned in the prefix cache.", pc.sessions as f64);
         let _ = writeln!(out, "# HELP tandem_engine_busy_seconds_total Time the engines spent computing, by kind of work.\n# TYPE tandem_engine_busy_seconds_total counter");
         let _ = writeln!(out, "tandem_engine_busy_seconds_total{{work=\"prefill\"}} {}", g.prefill_busy.as_secs_f64());
         let _ = writeln!(out, "tandem_engine_busy_seconds_total{{work=\"decode\"}} {}", g.decode_busy.as_secs_f64());
@@ -195,8 +215,8 @@ mod tests {
         m.ttft(Duration::from_millis(70));
         m.ttft(Duration::from_secs(100));
         m.outcome("chat", "stop");
-        add(&m.counters.session_hits, 2);
-        let g = Gauges { kv: None, slots: None, swaps: (0, 0), queued: 1, active: 2, session_bytes: 10, session_entries: 1, prefill_busy: Duration::from_millis(1500), decode_busy: Duration::ZERO };
+        let cache = CacheGauges { bytes: 10, snapshots: 1, sessions: 0, stats: CacheStats { hits: 2, ..CacheStats::default() } };
+        let g = Gauges { kv: None, slots: None, swaps: (0, 0), queued: 1, active: 2, cache, prefill_busy: Duration::from_millis(1500), decode_busy: Duration::ZERO };
         let text = m.render(&g);
         for line in [
             "tandem_time_to_first_token_seconds_bucket{le=\"0.0025\"} 0",
@@ -207,7 +227,8 @@ mod tests {
             "tandem_time_to_first_token_seconds_count 3",
             "tandem_queue_depth 1",
             "tandem_sequence_slots 8",
-            "tandem_session_hits_total 2",
+            "tandem_prefix_cache_hits_total 2",
+            "tandem_prefix_cache_bytes{tier=\"host\"} 10",
             "tandem_engine_busy_seconds_total{work=\"prefill\"} 1.5",
             "tandem_requests_total{endpoint=\"chat\",outcome=\"stop\"} 1",
         ] {

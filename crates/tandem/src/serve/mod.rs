@@ -1,18 +1,18 @@
 //! `tandem serve`: an OpenAI-compatible HTTP server over the two-engine pipeline.
 //!
-//! request → `routes` (parse, render the chat template, tokenize) → `completion` (the session
-//! cache's longest matching state, a checkpoint at the turn boundary) → `engines` (admission,
+//! request → `routes` (parse, render the chat template, tokenize) → `completion` (the deepest
+//! state of the prefix cache the prompt passes, snapshots asked of its prefill) → `engines` (admission,
 //! the pipeline's engine threads, events routed back) → text deltas → JSON or SSE.
 //!
 //! The HTTP side runs on a small tokio runtime; the model runs only on the engines' threads.
 
 mod api;
-mod cache;
 mod engines;
 mod completion;
 mod metrics;
 mod routes;
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,12 +25,12 @@ use tandem_core::chat::{ChatTemplate, Message};
 use tandem_core::backend::cuda::qwen35::state_slots::SlotLayout;
 use tandem_core::engine::Device;
 use tandem_core::pipeline::{self, KvBudget, Mode};
+use tandem_core::prefix_cache::PrefixCache;
 use tandem_core::session::HOLD_BACK;
 use tandem_core::tokenizer::Tokenizer;
 
 use crate::args::{kv_budget, parse_size, pipeline_config, Args, ENGINE_OPTIONS};
 use api::ApiError;
-use cache::StateCache;
 use engines::Engines;
 use metrics::{Metrics, Served};
 
@@ -47,7 +47,9 @@ ENDPOINTS:
   POST /v1/chat/typing        tandem's extension: {messages, session_id}, the last message being
                               typed; prefills it ahead so that sending it costs no prefill
   Request options: max_tokens (max_completion_tokens), temperature (default 1), top_p, top_k,
-  seed, stop (up to 4 strings), n=1, stream, stream_options.include_usage, session_id,
+  seed, stop (up to 4 strings), n=1, stream, stream_options.include_usage, session_id (pins
+  the conversation's latest states in the prefix cache and prefills each reply's end for the
+  next turn), cache_salt (match only cached states made under the same salt),
   ignore_eos (generate max_tokens past end-of-turn tokens),
   chat_template_kwargs.enable_thinking (default off). Unknown fields are ignored.
 
@@ -72,13 +74,22 @@ OPTIONS:
   --kv-cache-memory SIZE   or a K/V cache of this size, e.g. 20GiB; a CPU decode engine's budget
                            (K/V of this size and two state slots per --max-concurrent; default:
                            no limit), its sequences swapped out to files in $TMPDIR and back
-  --session-memory SIZE    memory for cached conversation states, e.g. 512MiB, 4GiB; 0 turns
-                           conversation reuse off (default 2GiB)
+  --prefix-cache-memory SIZE
+                           host memory for the prefix cache's state snapshots, e.g. 512MiB,
+                           4GiB; 0 turns the cache off (default 2GiB with a CPU prefill engine,
+                           0 with a GPU one, which recomputes a prompt of a few thousand tokens
+                           faster than it copies a state from host memory; also
+                           --session-memory)
+  --prefix-snapshot-every N
+                           a prefill also stops for a snapshot every N prompt tokens, so that
+                           prompts that part from a long prompt late continue near where they
+                           part (default 1024; 0: only where prompts part and at their ends)
   --served-model-name NAME the model's name in the API (default: --model as given)
 
-Conversations are reused without any client change: a request whose prompt starts with the
-tokens of a cached state (the last turn boundary of an earlier prompt, or the end of an earlier
-reply) continues that state and prefills only the rest.
+Prefixes are reused without any client change: a request continues the deepest cached state
+its prompt passes (the end of an earlier prompt, the point where two prompts part, the last
+turn boundary of a chat, every N tokens of a long prompt, a session's reply end) and prefills
+only the rest; the result is the one a cold prefill of the whole prompt gives.
 ";
 
 /// Everything the handlers share.
@@ -94,8 +105,11 @@ pub struct App {
     max_context: usize,
     max_concurrent: usize,
     max_queue: usize,
-    session_memory: usize,
-    cache: Mutex<StateCache>,
+    /// The prefix cache's budget (0: off).
+    cache_memory: usize,
+    cache: Mutex<PrefixCache>,
+    /// Sessions whose reply end is being prefilled in the background: done when it is.
+    replies: Mutex<HashMap<String, tokio::sync::watch::Receiver<bool>>>,
     metrics: Metrics,
     started: u64,
     next_id: AtomicU64,
@@ -137,10 +151,24 @@ impl App {
         stable.truncate(stable.len().saturating_sub(HOLD_BACK));
         Ok((stable, self.chat_prompt(messages, enable_thinking)?))
     }
+
+    /// The tokens a conversation's next turn starts with once `reply` answered `messages`: the
+    /// conversation rendered with the reply and a next user message, up to that message (less
+    /// its last token, which may merge with the message's first characters).
+    fn next_turn_lead(&self, messages: &[Message], reply: &str, enable_thinking: bool) -> Result<Vec<u32>, ApiError> {
+        let mut marked = messages.to_vec();
+        marked.push(Message::new("assistant", reply));
+        marked.push(Message::new("user", TYPING_MARK));
+        let rendered = self.render(&marked, false, enable_thinking)?;
+        let (before, _) = rendered.split_once(TYPING_MARK).ok_or_else(|| ApiError::bad_request("the chat template drops the last message"))?;
+        let mut lead = self.encode(before)?;
+        lead.pop();
+        Ok(lead)
+    }
 }
 
 pub fn run(argv: &[String]) -> Result<ExitCode> {
-    let mut with_value = vec!["model", "host", "port", "max-concurrent", "max-queue", "max-context", "session-memory", "served-model-name"];
+    let mut with_value = vec!["model", "host", "port", "max-concurrent", "max-queue", "max-context", "prefix-cache-memory", "session-memory", "prefix-snapshot-every", "served-model-name"];
     with_value.extend(ENGINE_OPTIONS.iter().filter(|o| **o != "max-batch"));
     let args = Args::parse(argv, &with_value, &[])?;
     let max_concurrent: usize = args.get("max-concurrent", 8)?;
@@ -148,8 +176,21 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         bail!("--max-concurrent must be at least 1");
     }
     let max_queue: usize = args.get("max-queue", 64)?;
-    let session_memory = parse_size("session-memory", args.str("session-memory").unwrap_or("2GiB"))?;
+    let snapshot_every: usize = args.get("prefix-snapshot-every", 1024)?;
     let mut config = pipeline_config(&args)?;
+    // The engine that prefills takes the snapshots and continues them. The cache keeps them
+    // in host memory, which a CPU engine reads at once; a GPU engine copies each across
+    // (state and K/V, out and back), which costs more than its own prefill of prompts of a
+    // few thousand tokens: off there unless asked for.
+    let prefiller = if config.mode == Mode::AllOnDecodeEngine { &config.decode } else { &config.prefill };
+    let prefill_on_gpu = matches!(prefiller.device, Device::Cuda(_));
+    let cache_memory = match (args.str("prefix-cache-memory"), args.str("session-memory")) {
+        (Some(_), Some(_)) => bail!("--session-memory is the older name of --prefix-cache-memory: give one of them"),
+        (Some(size), None) => parse_size("prefix-cache-memory", size)?,
+        (None, Some(size)) => parse_size("session-memory", size)?,
+        (None, None) if prefill_on_gpu => 0,
+        (None, None) => 2 << 30,
+    };
     config.max_batch = max_concurrent;
     // A GPU decode engine sizes its K/V cache from 90% of the GPU's memory unless told.
     let decoder = if config.mode == Mode::AllOnPrefillEngine { &config.prefill } else { &config.decode };
@@ -196,8 +237,9 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             max_context,
             max_concurrent,
             max_queue,
-            session_memory,
-            cache: Mutex::new(StateCache::new(session_memory)),
+            cache_memory,
+            cache: Mutex::new(PrefixCache::new(cache_memory, snapshot_every)),
+            replies: Mutex::default(),
             metrics: Metrics::new(served),
             started: completion::unix_now(),
             next_id: AtomicU64::new(1),
@@ -216,16 +258,19 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         // that ever allocated keeps a malloc arena, so an unbounded pool grows memory under load.
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).max_blocking_threads(4).enable_all().build().context("starting the HTTP runtime")?;
         eprintln!(
-            "tandem serve: {} ({}), mode {}, prefill {} -> decode {}, up to {max_concurrent} sequences, {max_queue} queued, context {max_context}, session memory {} MiB",
+            "tandem serve: {} ({}), mode {}, prefill {} -> decode {}, up to {max_concurrent} sequences, {max_queue} queued, context {max_context}, prefix cache {} MiB",
             app.model_name,
             app.template.origin,
             config.mode.name(),
             config.prefill,
             config.decode,
-            session_memory >> 20
+            cache_memory >> 20
         );
         if let Some(capacity) = pipeline.kv_capacity() {
             eprintln!("tandem serve: {}", capacity.describe(max_concurrent));
+        }
+        if cache_memory == 0 && prefill_on_gpu && args.str("prefix-cache-memory").is_none() && args.str("session-memory").is_none() {
+            eprintln!("tandem serve: the prefix cache is off: its snapshots live in host memory, and a GPU prefill engine recomputes a prompt faster than it copies a state across (--prefix-cache-memory SIZE turns it on)");
         }
         eprintln!("listening on http://{bound}");
         let served = runtime.block_on(async {

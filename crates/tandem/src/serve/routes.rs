@@ -15,10 +15,10 @@ use futures_util::stream::{self, StreamExt};
 use serde_json::{json, Value};
 
 use super::api::{self, ApiError, Endpoint, Options, Prompt, ResponseHead};
-use super::cache::Kind;
-use super::completion::{checkpoint_owned, lookup, unix_now, Completion, Piece, Prepared};
-use super::metrics::{add, Gauges};
+use super::completion::{remember, unix_now, Completion, Piece, Prepared};
+use super::metrics::{add, CacheGauges, Gauges};
 use super::App;
+use tandem_core::prefix_cache::Pin;
 
 type Body = Result<Bytes, BytesRejection>;
 
@@ -53,9 +53,11 @@ pub async fn chat_completions(AppState(app): AppState<Arc<App>>, raw: Body) -> R
         let req = api::parse_chat(&body(raw)?)?;
         check_model(&app, req.options.model.as_deref())?;
         let a = Arc::clone(&app);
-        let prompt = blocking(move || a.chat_prompt(&req.messages, req.enable_thinking).map(|p| (p, req.options))).await;
-        let (prompt, options) = prompt?;
-        serve(&app, Prepared::new(&app, Endpoint::Chat, prompt, options, arrived)?).await
+        let prompt = blocking(move || a.chat_prompt(&req.messages, req.enable_thinking).map(|p| (p, req))).await;
+        let (prompt, req) = prompt?;
+        let mut prepared = Prepared::new(&app, Endpoint::Chat, prompt, req.options, arrived)?;
+        prepared.conversation = Some((req.messages, req.enable_thinking));
+        serve(&app, prepared).await
     };
     result.await.unwrap_or_else(|e| refuse(&app, Endpoint::Chat, e))
 }
@@ -86,18 +88,24 @@ fn refuse(app: &App, endpoint: Endpoint, e: ApiError) -> Response {
 }
 
 async fn serve(app: &Arc<App>, p: Prepared) -> Result<Response, ApiError> {
-    let head = ResponseHead { endpoint: p.endpoint, id: format!("{}-{}", if p.endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" }, app.request_id()), created: unix_now(), model: app.model_name.clone() };
+    let head = ResponseHead { endpoint: p.endpoint, token_ids: p.options.return_token_ids, id: format!("{}-{}", if p.endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" }, app.request_id()), created: unix_now(), model: app.model_name.clone() };
     let Options { stream, include_usage, .. } = p.options;
     let mut generation = Completion::start(app, p).await?;
     if stream {
         return Ok(stream_response(head, generation, include_usage));
     }
     // Dropped with the handler when the client goes away: that cancels the request.
-    let mut text = String::new();
+    let (mut text, mut ids) = (String::new(), Vec::new());
     while let Some(piece) = generation.next().await {
         match piece {
-            Piece::Text(t) => text.push_str(&t),
-            Piece::Finished { finish, usage } => return Ok(json_response(head.complete(&text, finish, &usage))),
+            Piece::Text(t, more) => {
+                text.push_str(&t);
+                ids.extend(more);
+            }
+            Piece::Finished { finish, usage, ids: rest } => {
+                ids.extend(rest);
+                return Ok(json_response(head.complete(&text, &ids, finish, &usage)));
+            }
             Piece::Failed(e) => return Err(e),
         }
     }
@@ -110,7 +118,7 @@ fn stream_response(head: ResponseHead, generation: Completion, include_usage: bo
     let data = |v: Value| SseEvent::default().data(v.to_string());
     let head = Arc::new(head);
     let opening = match head.endpoint {
-        Endpoint::Chat => vec![data(head.chunk("", true, None))],
+        Endpoint::Chat => vec![data(head.chunk("", &[], true, None))],
         Endpoint::Completion => Vec::new(),
     };
     let events = stream::unfold(Some(generation), move |generation| {
@@ -118,9 +126,9 @@ fn stream_response(head: ResponseHead, generation: Completion, include_usage: bo
         async move {
             let mut g = generation?;
             let events = match g.next().await? {
-                Piece::Text(t) => vec![data(head.chunk(&t, false, None))],
-                Piece::Finished { finish, usage } => {
-                    let mut v = vec![data(head.chunk("", false, Some(finish)))];
+                Piece::Text(t, ids) => vec![data(head.chunk(&t, &ids, false, None))],
+                Piece::Finished { finish, usage, ids } => {
+                    let mut v = vec![data(head.chunk("", &ids, false, Some(finish)))];
                     if include_usage {
                         v.push(data(head.usage_chunk(&usage)));
                     }
@@ -152,21 +160,14 @@ pub async fn typing(AppState(app): AppState<Arc<App>>, raw: Body) -> Response {
             e
         })?;
         add(&app.metrics.counters.typing_requests, 1);
-        let session = Some(req.session_id.clone());
         let mut prefilled = 0;
         let mut cached = 0;
-        for (tokens, kind) in [(stable, Kind::Typed), (full, Kind::Speculative)] {
-            let hit = lookup(&app, &tokens, session.as_deref()).await;
-            let (start, have) = hit.map_or((None, 0), |h| (Some(h.state), h.reused));
-            if kind == Kind::Typed {
+        for (tokens, pin) in [(stable, Pin::Typed), (full, Pin::Speculative)] {
+            let (have, applied) = remember(&app, req.cache_salt.clone(), tokens, Some((req.session_id.clone(), pin))).await.map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", format!("{e:#}")))?;
+            if pin == Pin::Typed {
                 cached = have;
             }
-            if have == tokens.len() {
-                continue;
-            }
-            let state = app.engines.prefill(start, tokens[have..].to_vec()).await.map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", format!("{e:#}")))?;
-            prefilled += tokens.len() - have;
-            checkpoint_owned(&app, tokens, state, session.clone(), kind).await;
+            prefilled += applied;
         }
         Ok(json_response(json!({"object": "chat.typing", "session_id": req.session_id, "cached_tokens": cached, "prefilled_tokens": prefilled})))
     };
@@ -182,12 +183,12 @@ pub async fn health() -> Response {
 }
 
 pub async fn metrics(AppState(app): AppState<Arc<App>>) -> Response {
-    let (session_bytes, session_entries) = {
+    let cache = {
         let c = app.cache.lock().expect("cache lock");
-        (c.bytes(), c.len())
+        CacheGauges { bytes: c.bytes(), snapshots: c.snapshots(), sessions: c.sessions(), stats: c.stats() }
     };
     let (prefill_busy, decode_busy) = app.engines.busy();
-    let g = Gauges { kv: app.engines.kv_level(), slots: app.engines.slot_level(), swaps: app.engines.swaps(), queued: app.engines.queued(), active: app.engines.active(), session_bytes, session_entries, prefill_busy, decode_busy };
+    let g = Gauges { kv: app.engines.kv_level(), slots: app.engines.slot_level(), swaps: app.engines.swaps(), queued: app.engines.queued(), active: app.engines.active(), cache, prefill_busy, decode_busy };
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render(&g)).into_response()
 }
 

@@ -205,7 +205,8 @@ def curl_checks():
         check(status == 405, "wrong method")
         metrics = s.curl(s.url + "/metrics")
         for name in ["tandem_time_to_first_token_seconds_bucket", "tandem_time_per_output_token_seconds_bucket", "tandem_queue_depth", "tandem_active_sequences",
-                     "tandem_prompt_tokens_total", "tandem_generation_tokens_total", 'tandem_engine_busy_seconds_total{work="prefill"}', "tandem_session_hits_total"]:
+                     "tandem_prompt_tokens_total", "tandem_generation_tokens_total", 'tandem_engine_busy_seconds_total{work="prefill"}', "tandem_prefix_cache_hits_total",
+                     'tandem_prefix_cache_bytes{tier="host"}']:
             check(name in metrics, f"/metrics has {name}")
         check(s.metrics()['tandem_requests_total{endpoint="chat",outcome="invalid"}'] == 2, "invalid requests are counted")
         print("  curl: chat whole and streamed ([DONE]), malformed JSON, wrong type, 404, 405, /health, /metrics")
@@ -220,9 +221,9 @@ def conversation(s, history_words, label):
     r = c.chat.completions.create(model=MODEL, messages=first, max_tokens=8, temperature=0)
     second = first + [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "And then?"}]
 
-    def ttft(messages):
+    def ttft(messages, extra=None):
         t = time.perf_counter()
-        stream = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True})
+        stream = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True}, extra_body=extra)
         first_token, usage = None, None
         for chunk in stream:
             if chunk.usage:
@@ -231,11 +232,11 @@ def conversation(s, history_words, label):
                 first_token = time.perf_counter() - t
         return first_token, usage
 
-    hits = s.metrics()["tandem_session_hits_total"]
+    hits = s.metrics()["tandem_prefix_cache_hits_total"]
     warm, usage = ttft(second)
-    check(s.metrics()["tandem_session_hits_total"] == hits + 1, "the second turn is a session hit")
-    # The same conversation under another system prompt: nothing cached covers it.
-    cold, cold_usage = ttft([{"role": "system", "content": f"You are assistant {label}, cold."}] + second[1:])
+    check(s.metrics()["tandem_prefix_cache_hits_total"] == hits + 1, "the second turn is a prefix cache hit")
+    # The same conversation under a salt of its own: nothing cached covers it.
+    cold, cold_usage = ttft(second, {"cache_salt": f"cold-{label}"})
     check(cold_usage.prompt_tokens_details.cached_tokens == 0, f"cold: {cold_usage}")
     return usage, warm, cold
 
@@ -252,7 +253,40 @@ def multi_turn():
         news = {new for _, _, new, _, _ in rows}
         check(max(news) - min(news) <= 4, f"turn 2 prefills the same few tokens whatever the history: {rows}")
         check(rows[-1][1] > 8 * rows[-1][2], f"most of a long history is reused: {rows[-1]}")
-    print("  multi-turn: the second turn continues the first turn's state (session hit); its prefill does not grow with the history")
+        # In a session the reply's end is prefilled in the background for the next turn, which
+        # then prefills only its own message; the reply is the one a cold prefill gives.
+        c = s.client
+        first = [{"role": "system", "content": "You are assistant s."}, user(" ".join(f"v{i}" for i in range(300)))[0]]
+        prefills = s.metrics()["tandem_prefix_cache_reply_prefills_total"]
+        r = c.chat.completions.create(model=MODEL, messages=first, max_tokens=8, temperature=0, extra_body={"session_id": "c1"})
+        wait_until(lambda: s.metrics()["tandem_prefix_cache_reply_prefills_total"] == prefills + 1, "the reply's end prefilled for the session")
+        second = first + [{"role": "assistant", "content": r.choices[0].message.content}] + user("And then?")
+        warm = c.chat.completions.create(model=MODEL, messages=second, max_tokens=6, temperature=0, extra_body={"session_id": "c1"})
+        cold = c.chat.completions.create(model=MODEL, messages=second, max_tokens=6, temperature=0, extra_body={"cache_salt": "cold"})
+        new = warm.usage.prompt_tokens - warm.usage.prompt_tokens_details.cached_tokens
+        check(new + 8 <= rows[0][2], f"the session's turn 2 prefills only its own message, not the 8-token reply again: {warm.usage}, {rows}")
+        check(cold.usage.prompt_tokens_details.cached_tokens == 0, f"a new salt sees nothing cached: {cold.usage}")
+        check(warm.choices[0].message.content == cold.choices[0].message.content, "the session's reply equals the cold one")
+        print(f"  session: turn 2 prefills {new} of {warm.usage.prompt_tokens} prompt tokens (the reply's end was prefilled in the background)")
+        # Token ids in and out (return_token_ids): an agent loop's next prompt is the last one,
+        # the reply's ids and a tool result; in a session it is sent at once and waits for the
+        # reply end's prefill instead of prefilling the reply again.
+        prompt = [(i * 37 + 11) % 200 + 5 for i in range(300)]
+        for turn in range(3):
+            status, _, body = s.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                                                                              "return_token_ids": True, "session_id": "agent"}))
+            check(status == 200, f"completions with token ids: {status} {body}")
+            r = json.loads(body)
+            ids = r["choices"][0]["token_ids"]
+            check(len(ids) == r["usage"]["completion_tokens"] == 6, f"token_ids hold the reply's tokens: {r}")
+            if turn > 0:
+                check(r["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 40, f"turn {turn} continues the previous reply's end: {r['usage']}")
+            prompt = prompt + ids + [(turn * 13 + i) % 200 + 5 for i in range(40)]
+        stream = c.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, stream=True, extra_body={"return_token_ids": True, "ignore_eos": True})
+        streamed = [t for chunk in stream for ch in chunk.choices for t in (ch.model_extra or {}).get("token_ids", [])]
+        whole = json.loads(s.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_token_ids": True}))[2])
+        check(streamed == whole["choices"][0]["token_ids"] and len(streamed) == 5, f"streamed deltas' token_ids add up to the whole reply's: {streamed} {whole['choices'][0]}")
+    print("  multi-turn: the second turn continues the first turn's state; its prefill does not grow with the history")
 
 
 def typing_ahead():
@@ -267,9 +301,11 @@ def typing_ahead():
         check(pre["cached_tokens"] > 0, f"typing continues its earlier snapshot: {pre}")
         r = s.client.chat.completions.create(model=MODEL, messages=history + user(text), max_tokens=4, temperature=0, extra_body={"session_id": "u1"})
         check(r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens, f"sent as typed: nothing left to prefill: {r.usage}")
-        other = s.client.chat.completions.create(model=MODEL, messages=history + user(text), max_tokens=4, temperature=0, extra_body={"session_id": "u2"})
-        check(other.usage.prompt_tokens_details.cached_tokens == 0, "another session does not see u1's states")
+        other = s.client.chat.completions.create(model=MODEL, messages=history + user(text), max_tokens=4, temperature=0, extra_body={"session_id": "u2", "cache_salt": "u2"})
+        check(other.usage.prompt_tokens_details.cached_tokens == 0, "under another cache_salt nothing of u1's is seen")
         check(other.choices[0].message.content == r.choices[0].message.content, "typed-ahead state gives the same reply as a cold prefill")
+        shared = s.client.chat.completions.create(model=MODEL, messages=history + user(text), max_tokens=4, temperature=0)
+        check(shared.usage.prompt_tokens_details.cached_tokens == shared.usage.prompt_tokens, f"without a salt the prefix cache is shared: {shared.usage}")
         status, _, body = s.request("POST", "/v1/chat/typing", json.dumps({"messages": user("x")}))
         check(status == 400 and json.loads(body)["error"]["param"] == "session_id", f"typing needs a session: {body}")
         print(f"  typing ahead: message prefilled while typed ({pre}); sent as typed, {r.usage.prompt_tokens} of {r.usage.prompt_tokens} prompt tokens cached")
@@ -359,7 +395,7 @@ def load_test(clients=32, requests=256):
     # A K/V budget of 8 blocks (4 KiB each on the tiny model, whose CPU engine serves here):
     # room for two or three of the 8 sequences, so requests wait for room and running ones
     # are swapped out to disk and back.
-    with Server("--max-concurrent", "8", "--max-queue", "16", "--session-memory", "64MiB", "--kv-cache-memory", "32KiB") as s:
+    with Server("--max-concurrent", "8", "--max-queue", "16", "--prefix-cache-memory", "64MiB", "--kv-cache-memory", "32KiB") as s:
         prompts = [f"Request {i}: say something about the number {i * 7919 % 1000}." for i in range(requests)]
         lengths = [8 + i % 17 for i in range(requests)]
         # What each prompt gives alone (greedy), to find any stream that got another's tokens.
@@ -404,7 +440,7 @@ def load_test(clients=32, requests=256):
         wait_until(lambda: s.metrics()["tandem_active_sequences"] == 0 and s.metrics()["tandem_queue_depth"] == 0, "idle after the load")
         after = s.rss_kib()
         m = s.metrics()
-        check(m["tandem_session_memory_bytes"] <= 64 << 20, "the session cache stays within --session-memory")
+        check(m['tandem_prefix_cache_bytes{tier="host"}'] <= 64 << 20, "the prefix cache stays within --prefix-cache-memory")
         check(m["tandem_kv_cache_blocks_limit"] == 8, "the K/V budget is 8 blocks")
         check(m["tandem_kv_cache_blocks_used"] == 0 and m["tandem_state_slots_used"] == 0, "every block and slot is back")
         swaps = (m['tandem_kv_cache_swaps_total{direction="out"}'], m['tandem_kv_cache_swaps_total{direction="in"}'])
