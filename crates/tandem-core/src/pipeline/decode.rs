@@ -244,12 +244,11 @@ fn prefill_chunks(engine: &Engine, prefilling: &mut Vec<Prefill>, batch: &mut Ba
     let stuck = batch.active.is_empty() && !outcomes.iter().any(|o| matches!(o, Some(Chunk::Applied)));
     let mut failed_one = false;
     for (p, outcome) in std::mem::take(prefilling).into_iter().zip(outcomes) {
+        if matches!(outcome, Some(Chunk::Applied)) {
+            p.send_snapshot();
+        }
         match outcome {
             Some(Chunk::Failed(error)) => p.fail(error),
-            Some(Chunk::Applied) if p.remaining() > 0 => {
-                p.send_snapshot();
-                prefilling.push(p);
-            }
             Some(Chunk::NoRoom(why)) if stuck && !failed_one => {
                 failed_one = true;
                 let error = format!("{why}: the K/V cache cannot hold this request's {} prompt tokens (raise --gpu-memory-utilization or --kv-cache-memory)", p.request.tokens.len());
@@ -258,7 +257,6 @@ fn prefill_chunks(engine: &Engine, prefilling: &mut Vec<Prefill>, batch: &mut Ba
             // More chunks to come (or room to wait for).
             _ if p.remaining() > 0 => prefilling.push(p),
             _ => {
-                p.send_snapshot();
                 let Prefill { request, submitted, state, timings, lease, .. } = p;
                 if request.max_tokens == 0 {
                     finish_prefill_only(request, state, timings);

@@ -200,8 +200,8 @@ pub(super) enum Prefilled {
     Done(Box<Prefill>),
     /// Failed or cancelled while it queued, and answered.
     Answered,
-    /// The K/V cache had no room for it (nothing was applied): the request as it came, to go
-    /// back to the queue.
+    /// The K/V cache had no room for it: the request to go back to the queue, from where it
+    /// stopped (`Prefill::unstart`), or as it came where nothing was applied.
     NoRoom(Box<(Request, Instant)>),
 }
 

@@ -36,7 +36,7 @@ impl Workload {
     /// `n` prompts of `len` token ids drawn uniformly from `0..vocab` (the same for a seed).
     pub fn random_prompts(n: usize, len: usize, vocab: usize, seed: u64) -> Vec<Vec<u32>> {
         let mut rng = Rng::new(seed);
-        (0..n).map(|_| (0..len).map(|_| (rng.next_u64() % vocab as u64) as u32).collect()).collect()
+        (0..n).map(|_| random_tokens(&mut rng, len, vocab)).collect()
     }
 
     fn body(&self, i: usize) -> String {
@@ -53,6 +53,11 @@ impl Workload {
         })
         .to_string()
     }
+}
+
+/// `len` token ids drawn uniformly from `0..vocab`.
+pub fn random_tokens(rng: &mut Rng, len: usize, vocab: usize) -> Vec<u32> {
+    (0..len).map(|_| (rng.next_u64() % vocab as u64) as u32).collect()
 }
 
 /// How requests arrive.

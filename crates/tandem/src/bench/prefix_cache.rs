@@ -24,7 +24,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::json;
 use tandem_core::rng::Rng;
 
-use super::load::{self, percentile, Outcome};
+use super::load::{self, percentile, random_tokens, Outcome};
 use super::serve::{gauge, metrics, Server};
 use super::progress;
 use crate::args::{Args, ENGINE_OPTIONS};
@@ -160,15 +160,12 @@ fn body(model: &str, output_len: usize, prompt: &[u32], salt: &str, session: Opt
     b.to_string()
 }
 
-/// `n` random token ids; with `(lo, hi)` in place of `n`, of a random length in lo..=hi.
+/// Random token ids, of a random length in lo..=hi.
 fn random_run(rng: &mut Rng, (lo, hi): (usize, usize), vocab: usize) -> Vec<u32> {
     let n = between(rng, (lo, hi));
-    tokens(rng, n, vocab)
+    random_tokens(rng, n, vocab)
 }
 
-fn tokens(rng: &mut Rng, n: usize, vocab: usize) -> Vec<u32> {
-    (0..n).map(|_| (rng.next_u64() % vocab as u64) as u32).collect()
-}
 
 fn between(rng: &mut Rng, (lo, hi): (usize, usize)) -> usize {
     lo + (rng.next_u64() % (hi - lo + 1) as u64) as usize
@@ -190,12 +187,12 @@ async fn one_at_a_time(o: &Options, addr: std::net::SocketAddr, prompts: &[Vec<u
 /// The agent workload: conversations at once, turn after turn in each.
 async fn agent(o: &Options, addr: std::net::SocketAddr, vocab: usize, seed: u64, salt: &str) -> Vec<Timed> {
     let mut rng = Rng::new(seed);
-    let system = tokens(&mut rng, 400.min(o.system_len), vocab);
+    let system = random_tokens(&mut rng, 400.min(o.system_len), vocab);
     let applied = Arc::new(Mutex::new(Applied::default()));
     let mut tasks = Vec::new();
     for c in 0..o.conversations {
         let mut rng = Rng::new(seed + 1 + c as u64);
-        let mut prompt = [system.clone(), tokens(&mut rng, 100, vocab)].concat();
+        let mut prompt = [system.clone(), random_tokens(&mut rng, 100, vocab)].concat();
         let tools: Vec<Vec<u32>> = (1..o.turns).map(|_| random_run(&mut rng, o.tool_len, vocab)).collect();
         let (applied, session, salt) = (Arc::clone(&applied), format!("{salt}-conversation-{c}"), salt.to_string());
         let (model, output_len) = (o.model.clone(), o.output_len);
@@ -228,7 +225,7 @@ async fn agent(o: &Options, addr: std::net::SocketAddr, vocab: usize, seed: u64,
 async fn no_reuse(o: &Options, addr: std::net::SocketAddr, vocab: usize, seed: u64, salt: &str) -> Vec<Timed> {
     let (n, len, concurrency) = o.no_reuse;
     let mut rng = Rng::new(seed);
-    let prompts: Arc<Vec<String>> = Arc::new((0..n).map(|_| body(&o.model, o.output_len, &tokens(&mut rng, len, vocab), salt, None)).collect());
+    let prompts: Arc<Vec<String>> = Arc::new((0..n).map(|_| body(&o.model, o.output_len, &random_tokens(&mut rng, len, vocab), salt, None)).collect());
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut tasks = Vec::new();
     for _ in 0..concurrency {
@@ -279,12 +276,12 @@ pub fn run(report: &mut String, args: &Args, quick: bool) -> Result<()> {
             let vocab = gauge(&metrics(&rt, addr)?, "tandem_model_vocab_size").context("the server's /metrics has no tandem_model_vocab_size")? as usize;
             banners.push((cache, sargs.join(" "), server.banner()));
             // Warm-up, not reported: the first requests of a process pay for lazily made buffers.
-            let warm: Vec<Vec<u32>> = (0..4).map(|i| tokens(&mut Rng::new(7 + i), 64, vocab)).collect();
+            let warm: Vec<Vec<u32>> = (0..4).map(|i| random_tokens(&mut Rng::new(7 + i), 64, vocab)).collect();
             rt.block_on(one_at_a_time(&o, addr, &warm, &format!("warm-up-{rep}")));
             let mut rng = Rng::new(11);
-            let system = tokens(&mut rng, o.system_len, vocab);
+            let system = random_tokens(&mut rng, o.system_len, vocab);
             let questions: Vec<Vec<u32>> = (0..o.questions).map(|_| random_run(&mut rng, (20, 80), vocab)).collect();
-            let shared = tokens(&mut rng, o.shared_len, vocab);
+            let shared = random_tokens(&mut rng, o.shared_len, vocab);
             let endings: Vec<Vec<u32>> = (0..o.few_shot).map(|_| random_run(&mut rng, (20, 200), vocab)).collect();
             let mut workloads: Vec<&'static str> = vec!["questions", "agent", "few-shot", "no reuse"];
             if !cache {

@@ -272,17 +272,23 @@ impl Completion {
             Err(e) => return self.fail(e),
         };
         let (out, stopped) = self.stops.push(&text);
-        if !out.is_empty() {
-            self.text.push_str(&out);
-            let ids = self.ids[self.ids_given..].to_vec();
-            self.ids_given = self.ids.len();
-            self.pending.push_back(Piece::Text(out, ids));
-        }
+        self.send_text(out);
         if stopped {
             // The rest of the reply is not wanted: the engine drops the sequence.
             self.running.cancel();
             self.end("stop");
         }
+    }
+
+    /// Queue `out` (where there is any) with the ids sampled since the last piece.
+    fn send_text(&mut self, out: String) {
+        if out.is_empty() {
+            return;
+        }
+        self.text.push_str(&out);
+        let ids = self.ids[self.ids_given..].to_vec();
+        self.ids_given = self.ids.len();
+        self.pending.push_back(Piece::Text(out, ids));
     }
 
     fn finish(&mut self, finish: Finish) {
@@ -294,12 +300,7 @@ impl Completion {
         if !stopped {
             out.push_str(&self.stops.flush());
         }
-        if !out.is_empty() {
-            self.text.push_str(&out);
-            let ids = self.ids[self.ids_given..].to_vec();
-            self.ids_given = self.ids.len();
-            self.pending.push_back(Piece::Text(out, ids));
-        }
+        self.send_text(out);
         self.end(if stopped || finish == Finish::Stop { "stop" } else { "length" });
     }
 
@@ -311,9 +312,15 @@ impl Completion {
     fn remember_reply(&self) {
         let Some(session) = self.session.clone().filter(|_| self.app.cache_memory > 0) else { return };
         let (app, salt) = (Arc::clone(&self.app), self.salt.clone());
-        let tokens = match &self.conversation {
-            Some((messages, thinking)) => Err((messages.clone(), *thinking, self.text.clone())),
-            None => Ok([&self.prompt[..], &self.ids[..]].concat()),
+        // A chat's next turn starts as its template renders the history; a completion's, with
+        // the prompt and the reply's ids.
+        enum Lead {
+            Ids(Vec<u32>),
+            Chat(Vec<Message>, bool, String),
+        }
+        let lead = match &self.conversation {
+            Some((messages, thinking)) => Lead::Chat(messages.clone(), *thinking, self.text.clone()),
+            None => Lead::Ids([&self.prompt[..], &self.ids[..]].concat()),
         };
         // The session's next request waits for this prefill (see `start`): registered before
         // the client can see the reply end.
@@ -321,9 +328,9 @@ impl Completion {
         app.replies.lock().expect("replies lock").insert(session.clone(), waiting.clone());
         tokio::spawn(async move {
             let made = async {
-                let tokens = match tokens {
-                    Ok(t) => t,
-                    Err((messages, thinking, reply)) => {
+                let tokens = match lead {
+                    Lead::Ids(ids) => ids,
+                    Lead::Chat(messages, thinking, reply) => {
                         let a = Arc::clone(&app);
                         tokio::task::spawn_blocking(move || a.next_turn_lead(&messages, &reply, thinking)).await.map_err(|e| anyhow::anyhow!("{e}"))?.map_err(|e| anyhow::anyhow!("{}", e.message))?
                     }
