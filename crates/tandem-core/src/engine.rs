@@ -15,11 +15,12 @@ use std::sync::Arc;
 
 use crate::backend::cuda::qwen35::kv_cache::KvPool;
 use crate::backend::cuda::qwen35::state_slots::{SlotPool, StateDtype};
-use crate::backend::cuda::qwen35::{GpuQwen35, GpuState, Precision};
+use crate::backend::cuda::qwen35::device_pool::PoolFull;
+use crate::backend::cuda::qwen35::{GpuPools, GpuQwen35, GpuState, Precision};
 use crate::model::{Logits, Qwen35};
 use crate::backend::cpu::pool::Pool;
 use crate::sampling::{GpuDraw, Sampler};
-use crate::state::{DeviceState, State};
+use crate::state::{DeviceState, Snapshot, State};
 use crate::bridge::device;
 
 /// How an engine applies a prompt.
@@ -318,8 +319,8 @@ impl<'m> Engine<'m> {
     }
 
     /// The GPU engine's pools: K/V blocks and state slots (None for a CPU engine).
-    pub fn pools(&self) -> Option<(Arc<KvPool>, Arc<SlotPool>)> {
-        self.gpu().map(|g| (g.kv_pool().clone(), g.slot_pool().clone()))
+    pub fn pools(&self) -> Option<GpuPools> {
+        self.gpu().map(GpuQwen35::pools)
     }
 
     /// The GPU engine's pool of state slots (None for a CPU engine).
@@ -330,11 +331,46 @@ impl<'m> Engine<'m> {
     /// Take the K/V blocks and slots of this GPU engine's states from `pools` (another
     /// engine's on the same GPU), so that one budget covers both and states move between them
     /// as they are.
-    pub fn share_pools(&mut self, (kv, slots): (Arc<KvPool>, Arc<SlotPool>)) -> Result<()> {
+    pub fn share_pools(&mut self, pools: GpuPools) -> Result<()> {
         match &mut self.backend {
-            Backend::Cuda(g) => g.share_pools(kv, slots),
+            Backend::Cuda(g) => g.share_pools(pools),
             Backend::Cpu(_) => bail!("a CPU engine keeps no K/V block or state slot pool"),
         }
+    }
+
+    /// Keep the snapshots this GPU engine takes (`snapshot`) on its GPU; a CPU engine's stay in
+    /// host memory, where its states are.
+    pub fn keep_snapshots_on_device(&mut self) -> Result<()> {
+        match &mut self.backend {
+            Backend::Cuda(g) => g.keep_snapshots_on_device(),
+            Backend::Cpu(_) => Ok(()),
+        }
+    }
+
+    /// A copy of `state` for a prefix cache: on the GPU where this engine keeps snapshots there
+    /// and has room (a snapshot on the GPU takes a slot of its own, shares the state's full
+    /// K/V blocks and copies the last), else in host memory.
+    pub fn snapshot(&self, state: &DeviceState) -> Result<Snapshot> {
+        if let (Backend::Cuda(g), DeviceState::Gpu(s)) = (&self.backend, state) {
+            match g.snapshot_state(s) {
+                Ok(Some(kept)) => return Ok(Snapshot::Gpu(kept)),
+                Ok(None) => {}
+                Err(e) if PoolFull::is(&e) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(Snapshot::Host(state.snapshot()?))
+    }
+
+    /// A state that goes on from `snapshot`, where this engine keeps its states: a snapshot on
+    /// this GPU copied there (its full K/V blocks shared), one in host memory uploaded (a GPU
+    /// engine) or copied. A `PoolFull` error where a GPU engine has no slot or block free.
+    pub fn restore(&self, snapshot: &Snapshot) -> Result<DeviceState> {
+        Ok(match (&self.backend, snapshot) {
+            (Backend::Cuda(g), Snapshot::Gpu(s)) => DeviceState::Gpu(Box::new(g.restore_state(s)?)),
+            (Backend::Cuda(g), Snapshot::Host(s)) => DeviceState::Gpu(Box::new(g.upload_state(s)?)),
+            (Backend::Cpu(_), s) => DeviceState::Host(s.to_host()?),
+        })
     }
 
     /// Blocks of `KV_BLOCK` positions this engine's K/V cache could still give out under its

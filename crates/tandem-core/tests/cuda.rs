@@ -621,6 +621,53 @@ fn kv_cache_refuses_past_its_limit_and_reuses_freed_blocks() {
     assert_eq!(pool.available(), Some(2));
 }
 
+/// Snapshots kept on the GPU: a snapshot taken where a state's position ends inside a block
+/// shares the full blocks and copies that one, so the state going on (writing the rest of that
+/// block and more) leaves the snapshot as it was; a state restored from it copies the slot and
+/// that block again and shares the rest, and goes on exactly as the original did (the same
+/// bits); every block comes back to the pool once the last holder is dropped, in any order.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn device_snapshots_share_full_blocks_and_restore_exactly() {
+    use tandem_core::backend::cuda::qwen35::kv_cache::KV_BLOCK;
+    let (g, _turn) = gpu_for("snapshots on the GPU");
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let tokens: Vec<u32> = (0..5 * KV_BLOCK as u32).map(|i| (i * 37 + 11) % m.net.config.vocab_size as u32).collect();
+    let mut gpu = GpuQwen35::upload(g, &m.net, Precision::Exact).unwrap();
+    gpu.keep_snapshots_on_device().unwrap();
+    let pool = gpu.kv_pool().clone();
+    let at = 2 * KV_BLOCK + 5;
+    let mut state = gpu.new_state().unwrap();
+    gpu.forward(&tokens[..at], &mut state, Logits::Last).unwrap();
+    let then = state.download().unwrap();
+    let snap = gpu.snapshot_state(&state).unwrap().expect("this engine keeps snapshots on the GPU");
+    assert_eq!(snap.blocks().len(), 3);
+    assert_eq!(pool.level().used, 4, "two blocks shared, the third copied");
+    // The original goes on: the rest of its third block, and more.
+    let rest = &tokens[at..at + 20];
+    let went_on = gpu.forward(rest, &mut state, Logits::Last).unwrap();
+    assert!(snap.download().unwrap() == then, "the state going on changed its snapshot");
+    let mut restored = gpu.restore_state(&snap).unwrap();
+    assert_eq!(pool.level().used, 4 + 1 + 1, "the original's new block, and the restored state's copy of the third");
+    assert!(restored.download().unwrap() == then, "a restored state is not the snapshot");
+    let again = gpu.forward(rest, &mut restored, Logits::Last).unwrap();
+    assert_eq!(again, went_on, "a restored state went on differently from the original");
+    assert!(restored.download().unwrap() == state.download().unwrap());
+    // A snapshot at a block's end copies nothing.
+    let whole = gpu.forward(&tokens[at + 20..at + 20 + (KV_BLOCK - (at + 20) % KV_BLOCK)], &mut state, Logits::Last).unwrap();
+    assert!(!whole.is_empty());
+    assert_eq!(state.position % KV_BLOCK, 0);
+    let used = pool.level().used;
+    let aligned = gpu.snapshot_state(&state).unwrap().unwrap();
+    assert_eq!(pool.level().used, used, "a snapshot at a block's end shares every block");
+    drop(state);
+    drop(snap);
+    assert!(aligned.download().is_ok());
+    drop(restored);
+    drop(aligned);
+    assert_eq!(pool.level().used, 0, "every block back once its last holder is gone");
+}
+
 /// State slots: one per state, taken when it is made and given back when it is dropped; past
 /// the pool's limit a new state is refused with `PoolFull` until one is freed, and a reused
 /// slot starts as zero as a fresh one (the same logits). Recurrent states in bf16: each

@@ -126,6 +126,7 @@ fn typed_ahead_equals_sent_at_once_equals_the_whole_history() {
         max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS,
         kv_cache: KvBudget::Unlimited,
         trace: None,
+        prefix_cache_device: 0,
     };
     // Replies end at max_tokens (the last token carried into the next turn) and, with a stop
     // id the tiny model does sample, at a stop token.
@@ -163,6 +164,7 @@ fn an_abandoned_turn_leaves_the_conversation_as_it_was() {
         max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS,
         kv_cache: KvBudget::Unlimited,
         trace: None,
+        prefix_cache_device: 0,
     };
     pipeline::run(&m.net, &config, |p| {
         let scaffold = Scaffold::from_template(&ChatTemplate::qwen35(), None, false).unwrap();

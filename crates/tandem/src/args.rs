@@ -117,6 +117,7 @@ pub fn pipeline_config(args: &Args) -> Result<PipelineConfig> {
         max_prefill_tokens: args.get("max-prefill-tokens", PipelineConfig::MAX_PREFILL_TOKENS)?,
         kv_cache: kv_budget(args, KvBudget::Unlimited)?,
         trace: args.str("trace").map(PathBuf::from),
+        prefix_cache_device: 0,
     };
     if config.max_batch == 0 {
         bail!("--max-batch must be at least 1");

@@ -26,9 +26,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-pub use request::{Event, Finish, Generated, Request, RequestParams, Timings};
+pub use request::{Event, Finish, Generated, Request, RequestParams, Start, Timings};
 
-use crate::backend::cuda::qwen35::{device_pool::PoolLevel, kv_cache::{KvPool, KV_BLOCK}, state_slots::{SlotPool, StateDtype}};
+use crate::backend::cuda::qwen35::{device_pool::PoolLevel, kv_cache::{KvPool, KV_BLOCK}, state_slots::{SlotPool, StateDtype}, GpuPools};
+use crate::prefix_cache::DeviceTier;
 use crate::bridge::{handoff, Transfer};
 use crate::engine::{Device, Engine, EngineSpec};
 use crate::model::config::Qwen35Config;
@@ -85,6 +86,9 @@ pub struct PipelineConfig {
     pub kv_cache: KvBudget,
     /// Where to write a timeline of the engines' work (`trace.rs`), if anywhere.
     pub trace: Option<PathBuf>,
+    /// GPU memory for a prefix cache's snapshots (`Pipeline::device_tier`), taken from what the
+    /// K/V cache would get; 0: none (snapshots go to host memory).
+    pub prefix_cache_device: usize,
 }
 
 /// How much memory a decode engine's K/V cache may take: a GPU engine's pool of blocks that
@@ -185,7 +189,9 @@ pub struct Pipeline {
     requests: Sender<(Request, Instant)>,
     engine_time: Arc<EngineTime>,
     /// The decode engine's pools (a GPU engine's) and what its budget came to.
-    kv: Option<(Arc<KvPool>, Arc<SlotPool>, Option<KvCapacity>)>,
+    kv: Option<(GpuPools, Option<KvCapacity>)>,
+    /// Where the prefill engine keeps snapshots on its GPU (`PipelineConfig::prefix_cache_device`).
+    device_tier: Option<Arc<DeviceTier>>,
     /// A CPU decode engine's memory budget, and what it came to.
     host: Option<(Arc<HostBudget>, KvCapacity)>,
 }
@@ -201,7 +207,7 @@ impl Pipeline {
     pub fn kv_level(&self) -> Option<PoolLevel> {
         match &self.host {
             Some((h, _)) => Some(h.kv_level()),
-            None => self.kv.as_ref().map(|(p, _, _)| p.level()),
+            None => self.kv.as_ref().map(|(p, _)| p.kv.level()),
         }
     }
 
@@ -209,7 +215,7 @@ impl Pipeline {
     pub fn kv_capacity(&self) -> Option<KvCapacity> {
         match &self.host {
             Some((_, c)) => Some(*c),
-            None => self.kv.as_ref().and_then(|(_, _, c)| *c),
+            None => self.kv.as_ref().and_then(|(_, c)| *c),
         }
     }
 
@@ -218,13 +224,19 @@ impl Pipeline {
     pub fn slot_level(&self) -> Option<PoolLevel> {
         match &self.host {
             Some((h, _)) => Some(h.slot_level()),
-            None => self.kv.as_ref().map(|(_, s, _)| s.level()),
+            None => self.kv.as_ref().map(|(p, _)| p.slots.level()),
         }
     }
 
     /// Sequences swapped out of the decode engine's K/V cache to make room, and back, so far.
     pub fn swaps(&self) -> (u64, u64) {
         (self.engine_time.swapped_out.load(Ordering::Relaxed), self.engine_time.swapped_in.load(Ordering::Relaxed))
+    }
+
+    /// The GPU memory the prefill engine keeps a prefix cache's snapshots in (None: they go to
+    /// host memory: no budget was given, or the prefill engine runs on the CPU).
+    pub fn device_tier(&self) -> Option<&Arc<DeviceTier>> {
+        self.device_tier.as_ref()
     }
 
     /// Queue a request; its events arrive on `request.events`.
@@ -238,7 +250,7 @@ impl Pipeline {
         let (events, rx) = channel();
         self.submit(Request {
             id: 0,
-            start,
+            start: start.map(Start::State),
             tokens,
             max_tokens: params.max_tokens,
             sampling: params.sampling.clone(),
@@ -276,8 +288,14 @@ impl Pipeline {
 /// Make an engine on the calling thread (the thread it will run on) and report to `ready`
 /// whether that worked, with its K/V pool where it has one; then wait for `go` (the K/V
 /// budget set). None after a failure was reported, or when no go comes.
-fn start_engine<'m>(spec: &EngineSpec, net: &'m Qwen35, ready: &Sender<Result<Started>>, go: Receiver<()>, what: &'static str) -> Option<Engine<'m>> {
-    match Engine::new(spec, net) {
+fn start_engine<'m>(spec: &EngineSpec, net: &'m Qwen35, config: &PipelineConfig, ready: &Sender<Result<Started>>, go: Receiver<()>, what: &'static str) -> Option<Engine<'m>> {
+    let made = Engine::new(spec, net).and_then(|mut e| {
+        if config.prefix_cache_device > 0 {
+            e.keep_snapshots_on_device()?;
+        }
+        Ok(e)
+    });
+    match made {
         Ok(e) => {
             let _ = ready.send(Ok(Started { what, pools: e.pools() }));
             go.recv().ok()?;
@@ -293,7 +311,7 @@ fn start_engine<'m>(spec: &EngineSpec, net: &'m Qwen35, ready: &Sender<Result<St
 /// An engine that started, and its pools (a GPU engine's).
 struct Started {
     what: &'static str,
-    pools: Option<(Arc<KvPool>, Arc<SlotPool>)>,
+    pools: Option<GpuPools>,
 }
 
 /// Run a pipeline for the duration of `body`: the engines start on their own threads (made
@@ -312,7 +330,7 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
     let trace = config.trace.as_deref().map(Trace::create).transpose()?;
     let engine_time = Arc::new(EngineTime { trace, ..EngineTime::default() });
     let host = host_budget_for(net, config)?;
-    let mut pipeline = Pipeline { requests: req_tx, engine_time: Arc::clone(&engine_time), kv: None, host: host.clone() };
+    let mut pipeline = Pipeline { requests: req_tx, engine_time: Arc::clone(&engine_time), kv: None, device_tier: None, host: host.clone() };
     let host = host.map(|(h, _)| h);
     std::thread::scope(|s| {
         let (ready_tx, ready_rx) = channel::<Result<Started>>();
@@ -332,7 +350,7 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                 let spec = if config.mode == Mode::AllOnPrefillEngine { &config.prefill } else { &config.decode };
                 let (ready, go) = (ready_tx.clone(), go_for());
                 threads.push(std::thread::Builder::new().name("engine".into()).spawn_scoped(s, move || {
-                    if let Some(engine) = start_engine(spec, net, &ready, go, "engine") {
+                    if let Some(engine) = start_engine(spec, net, config, &ready, go, "engine") {
                         decode::single_engine_loop(&engine, prefill::Queue::new(req_rx), max_batch, max_prefill_tokens, host, time);
                     }
                 }).context("starting the engine thread")?);
@@ -343,10 +361,10 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                 let (ready_p, ready_d) = (ready_tx.clone(), ready_tx.clone());
                 // Engines on one GPU: the prefill engine takes the decode engine's pool.
                 let one_gpu = matches!((config.prefill.device, config.decode.device), (Device::Cuda(a), Device::Cuda(b)) if a == b);
-                let (pool_tx, pool_rx) = channel::<(Arc<KvPool>, Arc<SlotPool>)>();
+                let (pool_tx, pool_rx) = channel::<GpuPools>();
                 let (go_p, go_d) = (go_for(), go_for());
                 threads.push(std::thread::Builder::new().name("prefill engine".into()).spawn_scoped(s, move || {
-                    if let Some(mut engine) = start_engine(&config.prefill, net, &ready_p, go_p, "prefill engine") {
+                    if let Some(mut engine) = start_engine(&config.prefill, net, config, &ready_p, go_p, "prefill engine") {
                         if one_gpu {
                             // (No pool comes if the decode engine failed to start; then nothing runs.)
                             if let Ok(pools) = pool_rx.recv() {
@@ -359,7 +377,7 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
                     }
                 }).context("starting the prefill engine thread")?);
                 threads.push(std::thread::Builder::new().name("decode engine".into()).spawn_scoped(s, move || {
-                    if let Some(engine) = start_engine(&config.decode, net, &ready_d, go_d, "decode engine") {
+                    if let Some(engine) = start_engine(&config.decode, net, config, &ready_d, go_d, "decode engine") {
                         if let (true, Some(pools)) = (one_gpu, engine.pools()) {
                             let _ = pool_tx.send(pools);
                         }
@@ -372,19 +390,41 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
         };
         drop(ready_tx);
         let mut failed = None;
+        // The pools of the engine that prefills (its snapshots go there).
+        let mut prefill_pools = None;
         for _ in 0..threads.len() {
             match ready_rx.recv() {
-                Ok(Ok(started)) if started.what == decode_engine => pipeline.kv = started.pools.map(|(kv, slots)| (kv, slots, None)),
+                Ok(Ok(started)) => {
+                    if started.what == decode_engine {
+                        pipeline.kv = started.pools.clone().map(|p| (p, None));
+                    }
+                    if started.what != "decode engine" {
+                        prefill_pools = started.pools;
+                    }
+                }
                 Ok(Err(e)) => failed = Some(e),
                 _ => {}
             }
         }
+        // Two engines on one GPU: the prefill engine takes the decode engine's pools.
+        if matches!((config.prefill.device, config.decode.device), (Device::Cuda(a), Device::Cuda(b)) if a == b) && config.mode == Mode::Hybrid {
+            prefill_pools = pipeline.kv.as_ref().map(|(p, _)| p.clone());
+        }
         if failed.is_none() {
-            if let Some((pool, slots, capacity)) = &mut pipeline.kv {
-                match budget_kv_cache(pool, slots, config) {
+            if let Some((pools, capacity)) = &mut pipeline.kv {
+                // The tier's budget comes out of the K/V cache's where the two share a pool.
+                let tier_here = prefill_pools.as_ref().is_some_and(|p| Arc::ptr_eq(&p.kv, &pools.kv));
+                let tier_bytes = if tier_here { config.prefix_cache_device } else { 0 };
+                match budget_kv_cache(&pools.kv, &pools.slots, config, tier_bytes) {
                     Ok(c) => *capacity = c,
                     Err(e) => failed = Some(e),
                 }
+            }
+        }
+        if failed.is_none() && config.prefix_cache_device > 0 {
+            if let Some(pools) = prefill_pools.filter(|p| p.snapshots.is_some()) {
+                let base = pipeline.kv.as_ref().filter(|(p, _)| Arc::ptr_eq(&p.kv, &pools.kv)).and_then(|(_, c)| c.map(|c| c.blocks));
+                pipeline.device_tier = Some(Arc::new(DeviceTier::new(&pools, config.prefix_cache_device, base)));
             }
         }
         if let Some(e) = failed {
@@ -445,14 +485,17 @@ fn host_budget_for(net: &Qwen35, config: &PipelineConfig) -> Result<Option<(Arc<
 /// what is left of it, room for the slots, `max_batch` sequences' logits and the workspaces of
 /// a prefill of `max_prefill_tokens` rows and a decode step of `max_batch` (an estimate from
 /// the model's shapes, plus 1 GiB for cuBLAS, graphs and the kernels).
-fn budget_kv_cache(pool: &KvPool, slot_pool: &SlotPool, config: &PipelineConfig) -> Result<Option<KvCapacity>> {
+fn budget_kv_cache(pool: &KvPool, slot_pool: &SlotPool, config: &PipelineConfig, prefix_cache: usize) -> Result<Option<KvCapacity>> {
     let c = pool.config();
     let block_bytes = pool.level().piece_bytes;
     let (slots, state_bytes) = (2 * config.max_batch + 1, slot_pool.level().piece_bytes);
-    let reserved = slots * state_bytes + config.max_batch * 4 * c.vocab_size + (config.max_prefill_tokens + config.max_batch) * workspace_bytes_per_row(c) + (1 << 30);
+    let reserved = slots * state_bytes + config.max_batch * 4 * c.vocab_size + (config.max_prefill_tokens + config.max_batch) * workspace_bytes_per_row(c) + (1 << 30) + prefix_cache;
     let kv_bytes = match config.kv_cache {
         KvBudget::Unlimited => return Ok(None),
-        KvBudget::Bytes(b) => b,
+        KvBudget::Bytes(b) => match b.checked_sub(prefix_cache) {
+            Some(left) if left >= block_bytes => left,
+            _ => bail!("--kv-cache-memory {b}: the prefix cache's {prefix_cache} bytes on the GPU (--prefix-cache-device-memory) leave less than one K/V block: raise the first or lower the second"),
+        },
         KvBudget::GpuFraction(f) => {
             if !(f > 0.0 && f <= 1.0) {
                 bail!("--gpu-memory-utilization {f}: give a fraction of the GPU's memory above 0 and at most 1");
@@ -463,7 +506,7 @@ fn budget_kv_cache(pool: &KvPool, slot_pool: &SlotPool, config: &PipelineConfig)
             match allowed.checked_sub(in_use + reserved) {
                 Some(b) if b >= block_bytes => b,
                 _ => bail!(
-                    "cuda:{}: --gpu-memory-utilization {f} allows {:.1} GiB of the GPU's {:.1}; {:.1} GiB are in use (the weights among them) and {:.1} GiB are kept for {slots} state slots ({} sequences decoding and as many prefilled ahead) and the workspaces, which leaves nothing for the K/V cache: raise the fraction or lower --max-batch / --max-prefill-tokens",
+                    "cuda:{}: --gpu-memory-utilization {f} allows {:.1} GiB of the GPU's {:.1}; {:.1} GiB are in use (the weights among them) and {:.1} GiB are kept for {slots} state slots ({} sequences decoding and as many prefilled ahead), the workspaces and the prefix cache on the GPU, which leaves nothing for the K/V cache: raise the fraction or lower --max-batch, --max-prefill-tokens or --prefix-cache-device-memory",
                     pool.ordinal(),
                     allowed as f64 / (1u64 << 30) as f64,
                     total as f64 / (1u64 << 30) as f64,

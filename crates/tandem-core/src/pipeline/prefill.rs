@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use super::decode::{cannot_hold, kv_limit, Handoff};
 use super::host_budget::{HostBudget, Lease};
-use super::request::{Event, Finish, Request, Timings};
+use super::request::{Event, Finish, Request, Start, Timings};
 use super::trace::Work;
 use super::EngineTime;
 use crate::bridge::handoff::{self, SendError};
@@ -53,7 +53,7 @@ pub(super) fn blocks_short(lease: Option<&Lease>, state: &DeviceState, end: usiz
 
 /// K/V blocks a request takes to prefill its prompt and decode its first token.
 pub(super) fn kv_blocks(r: &Request) -> usize {
-    (r.start.as_ref().map_or(0, |s| s.position) + r.tokens.len() + 1).div_ceil(KV_BLOCK)
+    (r.start.as_ref().map_or(0, Start::position) + r.tokens.len() + 1).div_ceil(KV_BLOCK)
 }
 
 /// The requests waiting for a prefill, taken in batches.
@@ -153,7 +153,7 @@ pub(super) fn prefill_loop(engine: &Engine, mut queue: Queue, mut bridge: handof
         for ((request, _), failed) in batch.iter_mut().zip(&mut failed) {
             if request.start.is_none() && !request.tokens.is_empty() && request.max_tokens > 0 && engine.gpu().is_none() {
                 match bridge.fresh_state(request.tokens.len()) {
-                    Ok(state) => request.start = state,
+                    Ok(state) => request.start = state.map(Start::State),
                     Err(e) => {
                         let _ = request.events.send(Event::Failed { id: request.id, error: format!("{e:#}") });
                         *failed = true;
@@ -224,7 +224,7 @@ pub(super) fn prefill_requests(engine: &Engine, host: Option<&Arc<HostBudget>>, 
             match outcome {
                 Some(Chunk::Applied) => {
                     let p = p.as_mut().ok().and_then(Option::as_mut).expect("a prefill that applied a piece");
-                    p.send_snapshot();
+                    p.send_snapshot(engine);
                     if p.remaining() == 0 {
                         *end = Some(Chunk::Applied);
                     }
@@ -308,13 +308,22 @@ impl Prefill {
             },
             None => None,
         };
-        let state = match request.start.take() {
-            Some(state) => Ok(DeviceState::Host(state)),
-            None => match engine.new_state() {
-                Err(e) if PoolFull::is(&e) => return Err(Box::new((request, submitted))),
-                made => made,
+        let state = match &request.start {
+            Some(Start::State(_)) => match request.start.take() {
+                Some(Start::State(state)) => Ok(DeviceState::Host(state)),
+                _ => unreachable!("matched above"),
             },
+            Some(Start::Cached(snapshot)) => engine.restore(snapshot),
+            None => engine.new_state(),
         };
+        // No slot or block free: the request waits as it came (its start still in it).
+        let state = match state {
+            Err(e) if PoolFull::is(&e) => return Err(Box::new((request, submitted))),
+            made => made,
+        };
+        if matches!(request.start, Some(Start::Cached(_))) {
+            request.start = None;
+        }
         let checked = state.and_then(|state| {
             if request.tokens.is_empty() && !state.has_logits() {
                 anyhow::bail!("nothing to prefill and no logits in the state to sample from");
@@ -346,13 +355,16 @@ impl Prefill {
 
     /// Send the snapshot the request asked for at this point, if it did. A copy that fails (a
     /// GPU that cannot copy out the state also fails the next forward, which answers the
-    /// request) is left out: a snapshot only saves later work.
-    pub(super) fn send_snapshot(&self) {
+    /// request) is left out, with a line on stderr: a snapshot only saves later work.
+    pub(super) fn send_snapshot(&self, engine: &Engine) {
         if self.applied == 0 || !self.request.snapshots.contains(&self.applied) {
             return;
         }
-        if let Ok(state) = self.state.snapshot() {
-            let _ = self.request.events.send(Event::Snapshot { id: self.request.id, state });
+        match engine.snapshot(&self.state) {
+            Ok(state) => {
+                let _ = self.request.events.send(Event::Snapshot { id: self.request.id, state });
+            }
+            Err(e) => eprintln!("request {}: no snapshot after {} tokens: {e:#}", self.request.id, self.state.position()),
         }
     }
 
@@ -371,7 +383,7 @@ impl Prefill {
         let mut brought = Ok(());
         if state.position() > 0 {
             match state.into_host() {
-                Ok(s) => request.start = Some(s),
+                Ok(s) => request.start = Some(Start::State(s)),
                 Err(e) => brought = Err(e),
             }
         }
@@ -441,8 +453,8 @@ pub(super) fn apply_chunks<'p>(engine: &Engine, prefills: impl Iterator<Item = O
 
 /// Answer a prefill-only request.
 pub(super) fn finish_prefill_only(request: Request, state: DeviceState, timings: Timings) {
-    let event = match state.into_host() {
-        Ok(state) => Event::Done { id: request.id, finish: Finish::Prefilled, timings, state: Some(state) },
+    let event = match request.return_state.then(|| state.into_host()).transpose() {
+        Ok(state) => Event::Done { id: request.id, finish: Finish::Prefilled, timings, state },
         Err(e) => Event::Failed { id: request.id, error: format!("bringing the state back from the GPU: {e:#}") },
     };
     let _ = request.events.send(event);

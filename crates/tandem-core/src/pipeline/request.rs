@@ -10,14 +10,15 @@ use std::time::Duration;
 use crate::bridge::TransferTimes;
 use crate::engine::PrefillStats;
 use crate::sampling::SamplingParams;
-use crate::state::State;
+use crate::state::{Snapshot, State};
 
 /// One request: tokens to apply to a state (fresh, or a checkpoint of a conversation), then
 /// up to `max_tokens` sampled tokens. With `max_tokens == 0` it is a prefill only, and its
 /// `Done` carries the state.
 pub struct Request {
     pub id: u64,
-    pub start: Option<State>,
+    /// The state to apply `tokens` to (None: a fresh one).
+    pub start: Option<Start>,
     pub tokens: Vec<u32>,
     pub max_tokens: usize,
     pub sampling: SamplingParams,
@@ -33,6 +34,30 @@ pub struct Request {
     pub cancel: Arc<AtomicBool>,
     /// Where this request's events go.
     pub events: Sender<Event>,
+}
+
+/// Where a request starts: a state of its own (a conversation's checkpoint), or a copy of a
+/// snapshot a prefix cache holds (the engine makes the copy where it keeps its states: on its
+/// GPU a snapshot kept there is copied without crossing to the host).
+pub enum Start {
+    State(State),
+    Cached(Arc<Snapshot>),
+}
+
+impl Start {
+    /// Tokens the state has applied.
+    pub fn position(&self) -> usize {
+        match self {
+            Start::State(s) => s.position,
+            Start::Cached(s) => s.position(),
+        }
+    }
+}
+
+impl From<State> for Start {
+    fn from(s: State) -> Start {
+        Start::State(s)
+    }
 }
 
 /// How to sample one request (for `Pipeline::generate`).
@@ -92,7 +117,7 @@ impl Timings {
 pub enum Event {
     /// A copy of the state part way into the prompt (or at its end), as `snapshots` asked;
     /// before the request's tokens.
-    Snapshot { id: u64, state: State },
+    Snapshot { id: u64, state: Snapshot },
     Token { id: u64, token: u32 },
     Done { id: u64, finish: Finish, timings: Timings, state: Option<State> },
     Failed { id: u64, error: String },

@@ -1,9 +1,11 @@
 //! Reusing the state of a prompt's prefix across requests: a radix tree over token ids with
 //! state snapshots at its nodes (`tree`), and the cache a server shares across its requests
-//! on top of it (`cache`).
+//! on top of it (`cache`), whose snapshots live in host memory or on the GPU (`device_tier`).
 
 pub mod cache;
+pub mod device_tier;
 pub mod tree;
 
 pub use cache::{CacheStats, Found, Pin, PrefixCache};
+pub use device_tier::DeviceTier;
 pub use tree::{Match, NodeId, PrefixTree};

@@ -171,10 +171,10 @@ impl<S: Clone> PrefixTree<S> {
         }
     }
 
-    /// Keep `snapshot` (of `bytes` bytes), the state after exactly `tokens`; one already there
-    /// is replaced. Returns its node. An empty `tokens` keeps nothing (a fresh state costs
-    /// nothing to make).
-    pub fn insert(&mut self, tokens: &[u32], snapshot: S, bytes: usize) -> Option<NodeId> {
+    /// Keep `snapshot` (of `bytes` bytes), the state after exactly `tokens`, in place of the one
+    /// there (given back). Returns its node, None for an empty `tokens` (a fresh state costs
+    /// nothing to make; nothing is kept).
+    pub fn insert(&mut self, tokens: &[u32], snapshot: S, bytes: usize) -> Option<(NodeId, Option<S>)> {
         if tokens.is_empty() {
             return None;
         }
@@ -182,14 +182,52 @@ impl<S: Clone> PrefixTree<S> {
         self.clock += 1;
         let clock = self.clock;
         let node = self.node_mut(id);
-        let old = node.snapshot.replace((snapshot, bytes)).map(|(_, b)| b);
+        let old = node.snapshot.replace((snapshot, bytes));
         node.last_used = clock;
-        match old {
-            Some(b) => self.bytes -= b,
+        match &old {
+            Some((_, b)) => self.bytes -= b,
             None => self.snapshots += 1,
         }
         self.bytes += bytes;
-        Some(id)
+        Some((id, old.map(|(s, _)| s)))
+    }
+
+    /// The snapshot at `id`, if it has one.
+    pub fn get(&self, id: NodeId) -> Option<&S> {
+        self.nodes.get(id)?.as_ref()?.snapshot.as_ref().map(|(s, _)| s)
+    }
+
+    /// The node whose snapshot was used longest ago among those `pick` takes (given the
+    /// snapshot and whether the node is pinned).
+    pub fn oldest(&self, pick: impl Fn(&S, bool) -> bool) -> Option<NodeId> {
+        self.nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(id, n)| {
+                let n = n.as_ref()?;
+                let (s, _) = n.snapshot.as_ref()?;
+                pick(s, n.pins > 0).then_some((n.last_used, id))
+            })
+            .min()
+            .map(|(_, id)| id)
+    }
+
+    /// Take the snapshot out of `id` (pinned or not); the nodes left holding nothing go.
+    pub fn remove(&mut self, id: NodeId) -> Option<S> {
+        let (s, b) = self.nodes.get_mut(id)?.as_mut()?.snapshot.take()?;
+        self.bytes -= b;
+        self.snapshots -= 1;
+        self.prune(id);
+        Some(s)
+    }
+
+    /// Put `snapshot` (of `bytes`) in place of the one at `id` (given back), keeping when it was
+    /// last used: the same state kept elsewhere.
+    pub fn replace(&mut self, id: NodeId, snapshot: S, bytes: usize) -> Option<S> {
+        let node = self.nodes.get_mut(id)?.as_mut()?;
+        let (old, b) = node.snapshot.replace((snapshot, bytes))?;
+        self.bytes = self.bytes - b + bytes;
+        Some(old)
     }
 
     /// A node that must not be evicted while its user holds it (pins count).
@@ -227,22 +265,11 @@ impl<S: Clone> PrefixTree<S> {
     /// Evict snapshots, least recently used first, until their bytes are at most `budget`;
     /// pinned nodes keep theirs. Returns how many were evicted.
     pub fn evict_to(&mut self, budget: usize) -> usize {
-        if self.bytes <= budget {
-            return 0;
-        }
-        let mut candidates: Vec<(u64, NodeId)> =
-            self.nodes.iter().enumerate().filter_map(|(id, n)| n.as_ref().filter(|n| n.snapshot.is_some() && n.pins == 0).map(|n| (n.last_used, id))).collect();
-        candidates.sort_unstable();
         let mut evicted = 0;
-        for (_, id) in candidates {
-            if self.bytes <= budget {
-                break;
-            }
-            let (_, b) = self.node_mut(id).snapshot.take().expect("a candidate has a snapshot");
-            self.bytes -= b;
-            self.snapshots -= 1;
+        while self.bytes > budget {
+            let Some(id) = self.oldest(|_, pinned| !pinned) else { break };
+            self.remove(id);
             evicted += 1;
-            self.prune(id);
         }
         evicted
     }
@@ -333,7 +360,7 @@ mod tests {
     #[test]
     fn eviction_goes_least_recently_used_first_spares_pins_and_prunes() {
         let mut tree: PrefixTree<u32> = PrefixTree::new();
-        let a = tree.insert(&[1, 2, 3], 3, 10).unwrap();
+        let (a, _) = tree.insert(&[1, 2, 3], 3, 10).unwrap();
         tree.insert(&[1, 2, 4], 4, 10).unwrap();
         tree.insert(&[1, 2], 2, 10).unwrap();
         tree.insert(&[7], 7, 10).unwrap();

@@ -7,9 +7,11 @@ use std::sync::Arc;
 use crate::model::config::{LayerType, Qwen35Config};
 
 mod device;
+mod snapshot;
 
 use crate::bridge::file::StateFile;
 pub use device::DeviceState;
+pub use snapshot::{Snapshot, Tier};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum LayerState {

@@ -88,7 +88,8 @@ the decode engine's memory bandwidth, measured first. Requests per point: two pe
                  [--system-len 2000] [--questions 200] [--conversations 16] [--turns 10]
                  [--shared-len 1500] [--few-shot 100] [--output-len 32]
                  [--no-reuse-requests 64] [--no-reuse-len 512]
-                 [--prefix-cache-memory 4GiB] [--prefix-snapshot-every N]:
+                 [--prefix-cache-memory SIZE] [--prefix-cache-device-memory SIZE]
+                 [--prefix-snapshot-every N]:
 tandem serve's prefix cache on four workloads, each with the cache on and off (a fresh server
 of each per repetition, in alternating order): a shared system prompt with short questions
 after it (and the questions alone), agent conversations adding tool results turn by turn,
@@ -154,7 +155,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             "input-len", "output-len", "concurrency", "rates", "requests", "max-concurrent", "max-prefill-tokens", "temperature", "top-k", "top-p", "slo-ttft-ms", "slo-tpot-ms", "gpu-memory-utilization",
             "kv-cache-memory", "trace",
             // The prefix-cache section's.
-            "system-len", "questions", "conversations", "turns", "shared-len", "few-shot", "prefix-cache-memory", "prefix-snapshot-every", "no-reuse-requests", "no-reuse-len",
+            "system-len", "questions", "conversations", "turns", "shared-len", "few-shot", "prefix-cache-memory", "prefix-cache-device-memory", "prefix-snapshot-every", "no-reuse-requests", "no-reuse-len",
         ],
         &["quick"],
     )?;
@@ -543,6 +544,7 @@ fn pipeline_config(args: &Args) -> Result<tandem_core::pipeline::PipelineConfig>
         max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS,
         kv_cache: KvBudget::Unlimited,
         trace: None,
+        prefix_cache_device: 0,
     })
 }
 

@@ -98,9 +98,10 @@ struct Run {
     rep: usize,
     requests: Vec<Timed>,
     seconds: f64,
-    /// The server's prefix cache after the run: bytes and snapshots in host memory.
-    cache_bytes: f64,
-    snapshots: f64,
+    /// The server's prefix cache after the run: (bytes, snapshots) on the GPU and in host
+    /// memory.
+    device: (f64, f64),
+    host: (f64, f64),
 }
 
 impl Run {
@@ -129,7 +130,7 @@ impl Run {
     fn row(&self) -> String {
         let t = self.ttfts(None);
         format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {:.1}% | {} / {} | {:.1} | {:.0} | {:.0} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {:.1}% | {} / {} | {:.1} | {:.0} / {:.0} | {:.0} / {:.0} |",
             self.workload,
             if self.cache { "on" } else { "off" },
             self.rep + 1,
@@ -141,8 +142,10 @@ impl Run {
             ms(&t, 50.0),
             ms(&t, 99.0),
             self.output_rate(),
-            self.snapshots,
-            self.cache_bytes / (1 << 20) as f64
+            self.device.1,
+            self.host.1,
+            self.device.0 / (1 << 20) as f64,
+            self.host.0 / (1 << 20) as f64
         )
     }
 }
@@ -247,8 +250,15 @@ async fn no_reuse(o: &Options, addr: std::net::SocketAddr, vocab: usize, seed: u
 }
 
 fn server_args(o: &Options, args: &Args, cache: bool) -> Vec<String> {
-    let memory = if cache { args.str("prefix-cache-memory").unwrap_or("4GiB") } else { "0" };
-    let mut v: Vec<String> = ["--model", &o.model, "--host", "127.0.0.1", "--port", "0", "--max-queue", "100000", "--prefix-cache-memory", memory].map(String::from).to_vec();
+    let mut v: Vec<String> = ["--model", &o.model, "--host", "127.0.0.1", "--port", "0", "--max-queue", "100000"].map(String::from).to_vec();
+    // Cache on: the budgets given, else the server's defaults; off: none in either tier.
+    for option in ["prefix-cache-memory", "prefix-cache-device-memory"] {
+        match (cache, args.str(option)) {
+            (true, Some(size)) => v.extend([format!("--{option}"), size.to_string()]),
+            (true, None) => {}
+            (false, _) => v.extend([format!("--{option}"), "0".to_string()]),
+        }
+    }
     v.extend(["--max-concurrent".to_string(), args.str("max-concurrent").map_or((o.conversations.max(o.no_reuse.2)).to_string(), str::to_string)]);
     if let Some(every) = args.str("prefix-snapshot-every") {
         v.extend(["--prefix-snapshot-every".to_string(), every.to_string()]);
@@ -302,8 +312,11 @@ pub fn run(report: &mut String, args: &Args, quick: bool) -> Result<()> {
                 });
                 let seconds = started.elapsed().as_secs_f64();
                 let after = metrics(&rt, addr)?;
-                let host = |m: &str, name: &str| gauge(m, &format!("{name}{{tier=\"host\"}}")).unwrap_or(0.0);
-                let run = Run { workload: w, cache, rep, requests, seconds, cache_bytes: host(&after, "tandem_prefix_cache_bytes"), snapshots: host(&after, "tandem_prefix_cache_snapshots") };
+                let tier = |tier: &str| {
+                    let read = |name: &str| gauge(&after, &format!("{name}{{tier=\"{tier}\"}}")).unwrap_or(0.0);
+                    (read("tandem_prefix_cache_bytes"), read("tandem_prefix_cache_snapshots"))
+                };
+                let run = Run { workload: w, cache, rep, requests, seconds, device: tier("device"), host: tier("host") };
                 if let Some(e) = run.requests.iter().find_map(|r| r.outcome.error.clone()) {
                     bail!("{w}: a request failed: {e}\nserver log:\n{}", server.log_tail());
                 }
@@ -341,8 +354,8 @@ fn write_report(report: &mut String, o: &Options, runs: &[Run], banners: &[(bool
     writeln!(report, "| few-shot | {} shared tokens of examples and {} endings of 20-200 tokens, one at a time |", o.shared_len, o.few_shot)?;
     writeln!(report, "| no reuse | {} random prompts of {} tokens, {} at a time |", o.no_reuse.0, o.no_reuse.1, o.no_reuse.2)?;
     writeln!(report, "| every request | {} output tokens (`ignore_eos`), greedy, streamed `/v1/completions` of token ids over loopback; repetitions {} (the servers' order alternating) |", o.output_len, o.reps)?;
-    writeln!(report, "\nHit rate: prompt tokens the cache covered (`cached_tokens`) over the ideal, the prompt tokens that match what finished requests applied (a snapshot after every token). Snapshots and memory: the prefix cache in host memory after the workload (the server's, with what earlier workloads left).\n")?;
-    writeln!(report, "| workload | cache | rep | requests | prompt tokens | ideal | cached | of ideal | TTFT p50 / p99 ms | output tok/s | snapshots | host memory MiB |")?;
+    writeln!(report, "\nHit rate: prompt tokens the cache covered (`cached_tokens`) over the ideal, the prompt tokens that match what finished requests applied (a snapshot after every token). Snapshots and memory: the prefix cache on the GPU / in host memory after the workload (the server's, with what earlier workloads left; K/V blocks that snapshots share counted once).\n")?;
+    writeln!(report, "| workload | cache | rep | requests | prompt tokens | ideal | cached | of ideal | TTFT p50 / p99 ms | output tok/s | snapshots GPU / host | MiB GPU / host |")?;
     writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|---|")?;
     for r in runs {
         writeln!(report, "{}", r.row())?;

@@ -283,7 +283,7 @@ impl Served {
 /// queue that refuses nothing, no conversation cache (random prompts share no prefix), and
 /// the engine options as given.
 fn server_args(o: &Options, args: &Args) -> Vec<String> {
-    let mut v: Vec<String> = ["--model", &o.model, "--host", "127.0.0.1", "--port", "0", "--max-queue", "100000", "--session-memory", "0"].map(String::from).to_vec();
+    let mut v: Vec<String> = ["--model", &o.model, "--host", "127.0.0.1", "--port", "0", "--max-queue", "100000", "--session-memory", "0", "--prefix-cache-device-memory", "0"].map(String::from).to_vec();
     v.extend(["--max-concurrent".to_string(), o.max_concurrent.to_string()]);
     for name in ENGINE_OPTIONS.iter().filter(|n| **n != "max-batch") {
         if let Some(value) = args.str(name) {

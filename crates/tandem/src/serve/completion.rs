@@ -12,7 +12,8 @@ use axum::http::StatusCode;
 use tandem_core::chat::Message;
 use tandem_core::pipeline::{self, Event, Finish};
 use tandem_core::prefix_cache::Pin;
-use tandem_core::state::State;
+use tandem_core::pipeline::Start;
+use tandem_core::state::Snapshot;
 use tandem_core::tokenizer::StreamDecoder;
 
 use super::api::{ApiError, Endpoint, Options, Usage};
@@ -99,8 +100,8 @@ fn turn_boundary(app: &App, prompt: &[u32]) -> Option<usize> {
 
 /// What the prefix cache has for a prompt.
 pub struct Cached {
-    /// The state to continue (None: start fresh).
-    pub state: Option<State>,
+    /// The snapshot to continue (None: start fresh); the request's prefill engine copies it.
+    pub state: Option<Arc<Snapshot>>,
     /// The prompt tokens it covers.
     pub reused: usize,
     /// Where the prefill should stop for snapshots (counts of the prompt's tokens, past
@@ -108,37 +109,29 @@ pub struct Cached {
     pub stops: Vec<usize>,
 }
 
-/// The deepest cached state `prompt` passes (copied out on a blocking thread); `count`: a
-/// request's own lookup, counted in the metrics.
-pub async fn lookup(app: &Arc<App>, salt: Option<&str>, prompt: &[u32], count: bool) -> Cached {
-    if app.cache_memory == 0 {
+/// The deepest cached state `prompt` passes; `count`: a request's own lookup, counted in the
+/// metrics.
+pub fn lookup(app: &App, salt: Option<&str>, prompt: &[u32], count: bool) -> Cached {
+    if !app.cache_on {
         return Cached { state: None, reused: 0, stops: Vec::new() };
     }
-    let (app, prompt, salt) = (Arc::clone(app), prompt.to_vec(), salt.map(str::to_string));
-    let copied = tokio::task::spawn_blocking(move || {
-        let found = {
-            let mut cache = app.cache.lock().expect("cache lock");
-            let found = cache.lookup(salt.as_deref(), &prompt);
-            if count {
-                cache.count(&found);
-            }
-            found
-        };
-        // The copy is the request's own: eviction never touches a state in use.
-        Cached { state: found.state.map(|s| State::clone(&s)), reused: found.reused, stops: found.stops }
-    });
-    copied.await.unwrap_or(Cached { state: None, reused: 0, stops: Vec::new() })
+    let mut cache = app.cache.lock().expect("cache lock");
+    let found = cache.lookup(salt, prompt);
+    if count {
+        cache.count(&found);
+    }
+    Cached { state: found.state, reused: found.reused, stops: found.stops }
 }
 
-/// Keep snapshots in the cache (on a blocking thread: eviction frees states); the last one is
-/// pinned as `session`'s `pin` where given.
-async fn keep(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>, states: Vec<State>, pin: Option<(String, Pin)>) {
+/// Keep snapshots in the cache (on a blocking thread: eviction frees states, and may move
+/// some from the GPU to host memory); the last one is pinned as `session`'s `pin` where given.
+async fn keep(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>, states: Vec<Snapshot>, pin: Option<(String, Pin)>) {
     let app = Arc::clone(app);
     let _ = tokio::task::spawn_blocking(move || {
         let mut cache = app.cache.lock().expect("cache lock");
         let last = states.len().saturating_sub(1);
         for (i, state) in states.into_iter().enumerate() {
-            let n = state.position;
+            let n = state.position();
             let pin = pin.as_ref().filter(|_| i == last).map(|(s, p)| (s.as_str(), *p));
             cache.insert(salt.as_deref(), &tokens[..n], state, pin);
         }
@@ -150,16 +143,18 @@ async fn keep(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>, states: Ve
 /// snapshot on their path lacks (stopping for snapshots where they leave the tree, and so on),
 /// and pin it for `pin`'s session. Returns the tokens the cache covered and those prefilled.
 pub async fn remember(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>, pin: Option<(String, Pin)>) -> anyhow::Result<(usize, usize)> {
-    let found = lookup(app, salt.as_deref(), &tokens, false).await;
+    let found = lookup(app, salt.as_deref(), &tokens, false);
     if found.reused == tokens.len() {
         if let Some((session, kind)) = &pin {
             app.cache.lock().expect("cache lock").pin_existing(salt.as_deref(), &tokens, session, *kind);
         }
         return Ok((found.reused, 0));
     }
-    let inner: Vec<usize> = found.stops.iter().filter(|&&s| s < tokens.len()).map(|&s| s - found.reused).collect();
-    let (mut states, last) = app.engines.prefill(found.state, tokens[found.reused..].to_vec(), inner).await?;
-    states.push(last);
+    let stops: Vec<usize> = found.stops.iter().map(|&s| s - found.reused).collect();
+    let states = app.engines.prefill(found.state.map(Start::Cached), tokens[found.reused..].to_vec(), stops).await?;
+    if states.last().map(Snapshot::position) != Some(tokens.len()) {
+        anyhow::bail!("the prefill gave no snapshot of the prompt's end");
+    }
     let prefilled = tokens.len() - found.reused;
     keep(app, salt, tokens, states, pin).await;
     Ok((found.reused, prefilled))
@@ -189,7 +184,7 @@ impl Completion {
         if let Some(mut done) = pending {
             let _ = tokio::time::timeout(REPLY_WAIT, done.wait_for(|d| *d)).await;
         }
-        let found = lookup(app, salt.as_deref(), &p.prompt, true).await;
+        let found = lookup(app, salt.as_deref(), &p.prompt, true);
         let c = &app.metrics.counters;
         let reused = found.reused;
         add(&c.prompt_tokens, p.prompt.len());
@@ -204,7 +199,7 @@ impl Completion {
         }
         let snapshots = stops.iter().map(|&s| s - reused).collect();
         let params = pipeline::RequestParams { max_tokens: p.max_tokens, sampling: p.options.sampling.clone(), vocab: app.vocab, stop_ids: if p.options.ignore_eos { Vec::new() } else { app.stop_ids.clone() } };
-        let running = app.engines.submit(found.state, p.prompt[reused..].to_vec(), params, snapshots).map_err(server_error)?;
+        let running = app.engines.submit(found.state.map(Start::Cached), p.prompt[reused..].to_vec(), params, snapshots).map_err(server_error)?;
         Ok(Completion {
             app: Arc::clone(app),
             endpoint: p.endpoint,
@@ -248,8 +243,8 @@ impl Completion {
 
     /// A snapshot of the prompt's prefill, for the cache; the prompt's end is pinned as the
     /// session's latest state.
-    async fn snapshot(&mut self, state: State) {
-        let n = state.position;
+    async fn snapshot(&mut self, state: Snapshot) {
+        let n = state.position();
         if n > self.prompt.len() {
             return;
         }
@@ -310,7 +305,7 @@ impl Completion {
     /// in the background by the prefill engine and pinned for the session. The prefill gives
     /// the bits a cold prefill of those tokens gives (the decode engine's own state does not).
     fn remember_reply(&self) {
-        let Some(session) = self.session.clone().filter(|_| self.app.cache_memory > 0) else { return };
+        let Some(session) = self.session.clone().filter(|_| self.app.cache_on) else { return };
         let (app, salt) = (Arc::clone(&self.app), self.salt.clone());
         // A chat's next turn starts as its template renders the history; a completion's, with
         // the prompt and the reply's ids.

@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tandem_core::sampling::SamplingParams;
-use tandem_core::pipeline::{Event, Pipeline, Request, RequestParams};
-use tandem_core::state::State;
+use tandem_core::pipeline::{Event, Pipeline, Request, RequestParams, Start};
+use tandem_core::state::Snapshot;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
 type Routes = Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<Event>>>>;
@@ -163,7 +163,7 @@ impl Engines {
     /// Run `tokens` applied to `start` (a fresh state when None), then sample as `params` says
     /// (`max_tokens` 0: prefill only, the state comes back in `Done`); `snapshots`: where the
     /// prefill sends back copies of the state (`Event::Snapshot`, counts of `tokens`).
-    pub fn submit(&self, start: Option<State>, tokens: Vec<u32>, params: RequestParams, snapshots: Vec<usize>) -> anyhow::Result<Running> {
+    pub fn submit(&self, start: Option<Start>, tokens: Vec<u32>, params: RequestParams, snapshots: Vec<usize>) -> anyhow::Result<Running> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::unbounded_channel();
         self.routes.lock().expect("routes lock").insert(id, tx);
@@ -185,16 +185,16 @@ impl Engines {
         Ok(running)
     }
 
-    /// Prefill `tokens` into `start` (fresh when None): the snapshots taken where `snapshots`
-    /// says, and the final state.
-    pub async fn prefill(&self, start: Option<State>, tokens: Vec<u32>, snapshots: Vec<usize>) -> anyhow::Result<(Vec<State>, State)> {
+    /// Prefill `tokens` into `start` (fresh when None) for the snapshots taken where
+    /// `snapshots` says (counts of `tokens`, ascending; the last one its end).
+    pub async fn prefill(&self, start: Option<Start>, tokens: Vec<u32>, snapshots: Vec<usize>) -> anyhow::Result<Vec<Snapshot>> {
         let prefill_only = RequestParams { max_tokens: 0, sampling: SamplingParams::default(), vocab: usize::MAX, stop_ids: Vec::new() };
         let mut running = self.submit(start, tokens, prefill_only, snapshots)?;
         let mut taken = Vec::new();
         loop {
             match running.events.recv().await {
                 Some(Event::Snapshot { state, .. }) => taken.push(state),
-                Some(Event::Done { state: Some(state), .. }) => return Ok((taken, state)),
+                Some(Event::Done { .. }) => return Ok(taken),
                 Some(Event::Failed { error, .. }) => anyhow::bail!("{error}"),
                 _ => anyhow::bail!("the engines stopped before the prefill finished"),
             }

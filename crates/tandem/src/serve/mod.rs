@@ -76,10 +76,16 @@ OPTIONS:
                            no limit), its sequences swapped out to files in $TMPDIR and back
   --prefix-cache-memory SIZE
                            host memory for the prefix cache's state snapshots, e.g. 512MiB,
-                           4GiB; 0 turns the cache off (default 2GiB with a CPU prefill engine,
-                           0 with a GPU one, which recomputes a prompt of a few thousand tokens
-                           faster than it copies a state from host memory; also
-                           --session-memory)
+                           4GiB (default 2GiB with a CPU prefill engine, 0 with a GPU one,
+                           which recomputes a prompt of a few thousand tokens faster than it
+                           copies a state from host memory; also --session-memory)
+  --prefix-cache-device-memory SIZE
+                           GPU memory for the snapshots a GPU prefill engine takes, taken from
+                           the K/V cache's (default 8GiB, at most a quarter of
+                           --kv-cache-memory); their K/V blocks are shared with the requests
+                           they come from and go to, so a snapshot past a cached prefix costs
+                           its recurrent state and a block; the cache is off where both
+                           budgets are 0
   --prefix-snapshot-every N
                            a prefill also stops for a snapshot every N prompt tokens, so that
                            prompts that part from a long prompt late continue near where they
@@ -105,8 +111,8 @@ pub struct App {
     max_context: usize,
     max_concurrent: usize,
     max_queue: usize,
-    /// The prefix cache's budget (0: off).
-    cache_memory: usize,
+    /// Whether the prefix cache has a budget in some tier.
+    cache_on: bool,
     cache: Mutex<PrefixCache>,
     /// Sessions whose reply end is being prefilled in the background: done when it is.
     replies: Mutex<HashMap<String, tokio::sync::watch::Receiver<bool>>>,
@@ -118,6 +124,9 @@ pub struct App {
 /// Stands for the message being typed while the conversation is rendered.
 /// `--gpu-memory-utilization` unless given (as the large serving engines default to).
 const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
+
+/// `--prefix-cache-device-memory` unless given, with a GPU prefill engine.
+const DEFAULT_DEVICE_TIER: usize = 8 << 30;
 
 const TYPING_MARK: &str = "\u{E000}tandem-typing\u{E000}";
 
@@ -168,7 +177,7 @@ impl App {
 }
 
 pub fn run(argv: &[String]) -> Result<ExitCode> {
-    let mut with_value = vec!["model", "host", "port", "max-concurrent", "max-queue", "max-context", "prefix-cache-memory", "session-memory", "prefix-snapshot-every", "served-model-name"];
+    let mut with_value = vec!["model", "host", "port", "max-concurrent", "max-queue", "max-context", "prefix-cache-memory", "prefix-cache-device-memory", "session-memory", "prefix-snapshot-every", "served-model-name"];
     with_value.extend(ENGINE_OPTIONS.iter().filter(|o| **o != "max-batch"));
     let args = Args::parse(argv, &with_value, &[])?;
     let max_concurrent: usize = args.get("max-concurrent", 8)?;
@@ -178,10 +187,9 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     let max_queue: usize = args.get("max-queue", 64)?;
     let snapshot_every: usize = args.get("prefix-snapshot-every", 1024)?;
     let mut config = pipeline_config(&args)?;
-    // The engine that prefills takes the snapshots and continues them. The cache keeps them
-    // in host memory, which a CPU engine reads at once; a GPU engine copies each across
-    // (state and K/V, out and back), which costs more than its own prefill of prompts of a
-    // few thousand tokens: off there unless asked for.
+    // The engine that prefills takes the snapshots and continues them. A GPU engine keeps them
+    // on its GPU; a snapshot in host memory costs it a copy each way (state and K/V), more than
+    // its own prefill of a prompt of a few thousand tokens: no host tier there unless asked.
     let prefiller = if config.mode == Mode::AllOnDecodeEngine { &config.decode } else { &config.prefill };
     let prefill_on_gpu = matches!(prefiller.device, Device::Cuda(_));
     let cache_memory = match (args.str("prefix-cache-memory"), args.str("session-memory")) {
@@ -197,6 +205,15 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     if matches!(decoder.device, Device::Cuda(_)) {
         config.kv_cache = kv_budget(&args, KvBudget::GpuFraction(DEFAULT_GPU_MEMORY_UTILIZATION))?;
     }
+    config.prefix_cache_device = match args.str("prefix-cache-device-memory") {
+        Some(size) if prefill_on_gpu || parse_size("prefix-cache-device-memory", size)? == 0 => parse_size("prefix-cache-device-memory", size)?,
+        Some(_) => bail!("--prefix-cache-device-memory: the prefill engine runs on the CPU, whose snapshots live in host memory (--prefix-cache-memory)"),
+        None if !prefill_on_gpu => 0,
+        None => match config.kv_cache {
+            KvBudget::Bytes(b) => DEFAULT_DEVICE_TIER.min(b / 4),
+            _ => DEFAULT_DEVICE_TIER,
+        },
+    };
     let host = args.str("host").unwrap_or("127.0.0.1");
     let port: u16 = args.get("port", 8000)?;
     let addr: SocketAddr = format!("{host}:{port}").parse().or_else(|_| format!("[{host}]:{port}").parse()).with_context(|| format!("--host {host:?} is not an IP address"))?;
@@ -237,8 +254,11 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             max_context,
             max_concurrent,
             max_queue,
-            cache_memory,
-            cache: Mutex::new(PrefixCache::new(cache_memory, snapshot_every)),
+            cache_on: cache_memory > 0 || pipeline.device_tier().is_some(),
+            cache: Mutex::new(match pipeline.device_tier() {
+                Some(tier) => PrefixCache::new(cache_memory, snapshot_every).with_device(Arc::clone(tier)),
+                None => PrefixCache::new(cache_memory, snapshot_every),
+            }),
             replies: Mutex::default(),
             metrics: Metrics::new(served),
             started: completion::unix_now(),
@@ -257,8 +277,9 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         // Blocking threads render, tokenize and copy states; a few suffice, and each thread
         // that ever allocated keeps a malloc arena, so an unbounded pool grows memory under load.
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).max_blocking_threads(4).enable_all().build().context("starting the HTTP runtime")?;
+        let device_tier = pipeline.device_tier().map_or(String::new(), |t| format!("{} MiB on cuda:{} and ", t.budget() >> 20, t.ordinal()));
         eprintln!(
-            "tandem serve: {} ({}), mode {}, prefill {} -> decode {}, up to {max_concurrent} sequences, {max_queue} queued, context {max_context}, prefix cache {} MiB",
+            "tandem serve: {} ({}), mode {}, prefill {} -> decode {}, up to {max_concurrent} sequences, {max_queue} queued, context {max_context}, prefix cache {device_tier}{} MiB of host memory",
             app.model_name,
             app.template.origin,
             config.mode.name(),
@@ -269,8 +290,11 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         if let Some(capacity) = pipeline.kv_capacity() {
             eprintln!("tandem serve: {}", capacity.describe(max_concurrent));
         }
-        if cache_memory == 0 && prefill_on_gpu && args.str("prefix-cache-memory").is_none() && args.str("session-memory").is_none() {
-            eprintln!("tandem serve: the prefix cache is off: its snapshots live in host memory, and a GPU prefill engine recomputes a prompt faster than it copies a state across (--prefix-cache-memory SIZE turns it on)");
+        if config.prefix_cache_device > 0 && pipeline.device_tier().is_none() {
+            eprintln!("tandem serve: the prefill engine keeps its snapshots in host memory: it has no pools of its own that the server can budget (prefill and decode engines on two GPUs)");
+        }
+        if !app.cache_on {
+            eprintln!("tandem serve: the prefix cache is off (--prefix-cache-memory SIZE or --prefix-cache-device-memory SIZE turns it on)");
         }
         eprintln!("listening on http://{bound}");
         let served = runtime.block_on(async {

@@ -19,6 +19,7 @@ use super::completion::{remember, unix_now, Completion, Piece, Prepared};
 use super::metrics::{add, CacheGauges, Gauges};
 use super::App;
 use tandem_core::prefix_cache::Pin;
+use tandem_core::state::Tier;
 
 type Body = Result<Bytes, BytesRejection>;
 
@@ -185,7 +186,7 @@ pub async fn health() -> Response {
 pub async fn metrics(AppState(app): AppState<Arc<App>>) -> Response {
     let cache = {
         let c = app.cache.lock().expect("cache lock");
-        CacheGauges { bytes: c.bytes(), snapshots: c.snapshots(), sessions: c.sessions(), stats: c.stats() }
+        CacheGauges { bytes: (c.bytes(Tier::Device), c.bytes(Tier::Host)), snapshots: (c.snapshots(Tier::Device), c.snapshots(Tier::Host)), sessions: c.sessions(), stats: c.stats() }
     };
     let (prefill_busy, decode_busy) = app.engines.busy();
     let g = Gauges { kv: app.engines.kv_level(), slots: app.engines.slot_level(), swaps: app.engines.swaps(), queued: app.engines.queued(), active: app.engines.active(), cache, prefill_busy, decode_busy };

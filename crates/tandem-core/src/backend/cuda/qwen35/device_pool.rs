@@ -5,6 +5,7 @@
 //! state. Its slabs are allocated on a stream of its own and waited for, so that any engine's
 //! stream may use them at once.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Result};
@@ -31,6 +32,10 @@ struct Pieces {
     allocated: usize,
     /// The most pieces the pool may allocate (None: as many as the GPU gives).
     limit: Option<usize>,
+    /// Pieces with more than one holder, and how many more (K/V blocks that snapshots of a
+    /// prefix share, kv_cache.rs): a piece goes back to the free list when its last holder
+    /// gives it.
+    shared: HashMap<u64, usize>,
 }
 
 /// How full a pool is, in pieces.
@@ -89,7 +94,7 @@ impl DevicePool {
         let ordinal = ctx.ordinal();
         let stream = ctx.new_stream().map_err(|e| anyhow::anyhow!("cuda:{ordinal}: a stream for the pool of {what}: {e:?}"))?;
         let piece_bytes = piece_bytes.max(1).next_multiple_of(256);
-        Ok(DevicePool { what, stream, ordinal, piece_bytes, slab: slab.max(1), pieces: Mutex::new(Pieces { slabs: Vec::new(), free: Vec::new(), allocated: 0, limit: None }) })
+        Ok(DevicePool { what, stream, ordinal, piece_bytes, slab: slab.max(1), pieces: Mutex::new(Pieces { slabs: Vec::new(), free: Vec::new(), allocated: 0, limit: None, shared: HashMap::new() }) })
     }
 
     /// The GPU the pieces are on.
@@ -152,8 +157,31 @@ impl DevicePool {
         Ok(p.free.split_off(at))
     }
 
-    /// Pieces back to the free list (emptying `pieces`).
+    /// One more holder for each of `pieces` (held already): each goes back to the free list
+    /// once every holder has given it.
+    pub fn share(&self, pieces: &[u64]) {
+        let mut p = self.lock();
+        for &piece in pieces {
+            *p.shared.entry(piece).or_insert(0) += 1;
+        }
+    }
+
+    /// Pieces back (emptying `pieces`): to the free list, but for those another holder still
+    /// has.
     pub fn give(&self, pieces: &mut Vec<u64>) {
-        self.lock().free.append(pieces);
+        let mut p = self.lock();
+        if p.shared.is_empty() {
+            p.free.append(pieces);
+            return;
+        }
+        for piece in pieces.drain(..) {
+            match p.shared.get_mut(&piece) {
+                Some(1) => {
+                    p.shared.remove(&piece);
+                }
+                Some(more) => *more -= 1,
+                None => p.free.push(piece),
+            }
+        }
     }
 }

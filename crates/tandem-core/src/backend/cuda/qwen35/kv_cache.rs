@@ -126,6 +126,34 @@ impl KvBlocks {
     }
 }
 
+impl KvBlocks {
+    /// Blocks holding the first `position` positions of these, for another state or a snapshot
+    /// of this one: the full blocks shared (no one writes them again: a state writes only at
+    /// and past its position), the one the position ends inside copied on `stream`, as its
+    /// holders will write its later rows. The copy is queued; it lands before any later work
+    /// of `stream`.
+    pub fn share_prefix(&self, position: usize, stream: &cudarc::driver::CudaStream) -> Result<KvBlocks> {
+        let full = position / KV_BLOCK;
+        assert!(position.div_ceil(KV_BLOCK) <= self.table.len(), "sharing {position} positions of blocks that hold {}", self.capacity());
+        let mut table = Vec::with_capacity(position.div_ceil(KV_BLOCK));
+        if position % KV_BLOCK != 0 {
+            let copy = self.pool.pieces.take(1)?[0];
+            // SAFETY: two blocks of this pool, each `block_bytes` long.
+            let copied = unsafe { cudarc::driver::result::memcpy_dtod_async(copy, self.table[full], self.pool.block_bytes(), stream.cu_stream()) };
+            if let Err(e) = copied {
+                self.pool.pieces.give(&mut vec![copy]);
+                anyhow::bail!("cuda:{}: copying a K/V block: {e:?}", self.pool.ordinal());
+            }
+            table.extend_from_slice(&self.table[..full]);
+            table.push(copy);
+        } else {
+            table.extend_from_slice(&self.table[..full]);
+        }
+        self.pool.pieces.share(&self.table[..full]);
+        Ok(KvBlocks { pool: self.pool.clone(), table })
+    }
+}
+
 impl Drop for KvBlocks {
     fn drop(&mut self) {
         self.pool.pieces.give(&mut self.table);

@@ -37,6 +37,7 @@ mod graph;
 pub mod kv_cache;
 mod layers;
 mod state;
+pub use state::GpuSnapshot;
 pub mod state_slots;
 mod workspace;
 
@@ -262,8 +263,20 @@ pub struct GpuQwen35 {
     kv: Arc<KvPool>,
     /// The states' slots (their DeltaNet layers' conv windows and recurrent states).
     slots: Arc<SlotPool>,
+    /// The slots of the snapshots a prefix cache keeps on this GPU (`snapshot_state`); None:
+    /// snapshots go to host memory.
+    snapshot_slots: Option<Arc<SlotPool>>,
     /// The batched decode steps captured so far (graph.rs).
     batch_steps: Mutex<graph::BatchSteps>,
+}
+
+/// An engine's pools on its GPU; two engines on one GPU share them (`share_pools`).
+#[derive(Clone)]
+pub struct GpuPools {
+    pub kv: Arc<KvPool>,
+    pub slots: Arc<SlotPool>,
+    /// The slots of snapshots kept on the GPU (`keep_snapshots_on_device`).
+    pub snapshots: Option<Arc<SlotPool>>,
 }
 
 /// A request's state in GPU memory: the same arrays as `State` (the K/V rows in blocks of the
@@ -464,7 +477,7 @@ impl GpuQwen35 {
         let decode_gemm_from = decode_gemm_from_for(&c);
         let kv = Arc::new(KvPool::new(gpu.stream.context(), &c)?);
         let slots = Arc::new(SlotPool::new(gpu.stream.context(), SlotLayout::new(&c, StateDtype::F32))?);
-        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, decode_gemm_from, step_heads_from: STEP_HEADS_FROM, weight_bytes, staging, kv, slots, batch_steps: Mutex::default() })
+        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, decode_gemm_from, step_heads_from: STEP_HEADS_FROM, weight_bytes, staging, kv, slots, snapshot_slots: None, batch_steps: Mutex::default() })
     }
 
     /// Give the GPU back (to load another model on it).
@@ -531,14 +544,23 @@ impl GpuQwen35 {
     pub fn set_state_dtype(&mut self, dtype: StateDtype) -> Result<()> {
         if dtype != self.state_dtype() {
             self.slots = Arc::new(SlotPool::new(self.gpu.stream.context(), SlotLayout::new(&self.config, dtype))?);
+            if self.snapshot_slots.is_some() {
+                self.snapshot_slots = Some(Arc::new(SlotPool::new(self.gpu.stream.context(), *self.slots.layout())?));
+            }
             *self.batch_steps.get_mut().unwrap_or_else(|e| e.into_inner()) = graph::BatchSteps::default();
         }
         Ok(())
     }
 
-    /// Take fresh states' K/V blocks and slots from `kv` and `slots` (another engine's on this
-    /// GPU) instead of pools of this engine's own.
-    pub fn share_pools(&mut self, kv: Arc<KvPool>, slots: Arc<SlotPool>) -> Result<()> {
+    /// The engine's pools: what another engine on this GPU takes to share them.
+    pub fn pools(&self) -> GpuPools {
+        GpuPools { kv: self.kv.clone(), slots: self.slots.clone(), snapshots: self.snapshot_slots.clone() }
+    }
+
+    /// Take fresh states' K/V blocks and slots (and snapshots' slots) from `pools` (another
+    /// engine's on this GPU) instead of pools of this engine's own.
+    pub fn share_pools(&mut self, pools: GpuPools) -> Result<()> {
+        let GpuPools { kv, slots, snapshots } = pools;
         if kv.ordinal() != self.gpu.ordinal || kv.block_values() != self.kv.block_values() {
             bail!("cuda:{}: a K/V pool of cuda:{} with blocks of {} values cannot serve this engine (blocks of {})", self.gpu.ordinal, kv.ordinal(), kv.block_values(), self.kv.block_values());
         }
@@ -553,6 +575,17 @@ impl GpuQwen35 {
         }
         self.kv = kv;
         self.slots = slots;
+        self.snapshot_slots = snapshots;
+        Ok(())
+    }
+
+    /// Keep the snapshots `snapshot_state` takes on this GPU, in a slot pool of their own (no
+    /// limit: the prefix cache that holds them keeps to its budget); their K/V blocks are
+    /// shared with the states they come from.
+    pub fn keep_snapshots_on_device(&mut self) -> Result<()> {
+        if self.snapshot_slots.is_none() {
+            self.snapshot_slots = Some(Arc::new(SlotPool::new(self.gpu.stream.context(), *self.slots.layout())?));
+        }
         Ok(())
     }
 

@@ -3,6 +3,8 @@
 //! decodes. Its DeltaNet layers' arrays live in a slot of the engine's slot pool
 //! (state_slots.rs), taken when the state is made.
 
+use cudarc::driver::CudaStream;
+
 use super::*;
 
 impl GpuQwen35 {
@@ -171,6 +173,142 @@ fn kv_rows(c: &Qwen35Config, image: &[f32], position: usize) -> Vec<(Vec<f32>, V
         .collect()
 }
 
+/// A state of `position` whose DeltaNet arrays are in `slot` and K/V rows in `kv` (written on
+/// `stream`), copied to host memory: the K/V blocks in use gathered into one buffer on the GPU
+/// first, so that they come over in one piece.
+fn download(position: usize, slot: &StateSlot, kv: &KvBlocks, stream: &Arc<CudaStream>, staging: &Mutex<Staging>, last_logits: Vec<f32>) -> Result<State> {
+    let err = |e| anyhow::anyhow!("cuda:{}: copying a state from the GPU: {e:?}", stream.context().ordinal());
+    let pool = kv.pool();
+    let (used, bytes) = (position.div_ceil(KV_BLOCK), pool.block_bytes());
+    // SAFETY: every value is written by the block copies below before it is read.
+    let flat = unsafe { stream.alloc::<f32>((used * pool.block_values()).max(1)) }.map_err(err)?;
+    let (flat_at, _sync) = cudarc::driver::DevicePtr::device_ptr(&flat, stream);
+    for (i, &block) in kv.table()[..used].iter().enumerate() {
+        // SAFETY: `flat` holds `used` blocks; each table entry is a block.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(flat_at + (i * bytes) as u64, block, bytes, stream.cu_stream()) }.map_err(err)?;
+    }
+    let mut staging = staging.lock().unwrap_or_else(|e| e.into_inner());
+    let mut down = |s: &CudaSlice<f32>, n: usize| -> Result<Vec<f32>> {
+        let (src, _sync) = cudarc::driver::DevicePtr::device_ptr(s, stream);
+        staging.download(stream, src, n)
+    };
+    let config = pool.config();
+    let mut kv = kv_rows(config, &down(&flat, used * pool.block_values())?, position).into_iter();
+    // The slot in one piece, as 4-byte words (a bf16 slot's recurrent values two a word).
+    let layout = *slot.layout();
+    let words = staging.download(stream, slot.addr(), layout.bytes() / 4)?;
+    drop(staging);
+    let image: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let mut linear = layout.layers(&image).into_iter();
+    let layers = config
+        .layer_types
+        .iter()
+        .map(|kind| {
+            Ok(match kind {
+                LayerType::LinearAttention => {
+                    let (conv, recurrent) = linear.next().context("the state has more DeltaNet layers than its slot")?;
+                    LayerState::Linear { conv: conv.into(), recurrent: recurrent.into() }
+                }
+                LayerType::FullAttention => {
+                    let (k, v) = kv.next().context("the state has more attention layers than its K/V blocks")?;
+                    LayerState::Full { k, v }
+                }
+            })
+        })
+        .collect::<Result<_>>()?;
+    Ok(State { position, layers, last_logits })
+}
+
+/// A copy of a state kept on its GPU for a prefix cache (`GpuQwen35::snapshot_state`): its
+/// slot's bytes in a slot of the snapshot pool, its full K/V blocks shared with the state it
+/// was taken from, the block its position ends inside copied, its last logits on the host.
+/// Restoring it (`restore_state`) makes a state the same way; nothing is written into a
+/// snapshot after it is taken.
+pub struct GpuSnapshot {
+    pub position: usize,
+    slot: StateSlot,
+    kv: KvBlocks,
+    last_logits: Vec<f32>,
+    /// The stream of the engine that took it: its copies were queued there.
+    stream: Arc<CudaStream>,
+    staging: Arc<Mutex<Staging>>,
+}
+
+impl GpuSnapshot {
+    /// The GPU it lives on.
+    pub fn ordinal(&self) -> usize {
+        self.stream.context().ordinal()
+    }
+
+    /// Bytes of GPU memory it holds: its slot and its blocks (some of them shared).
+    pub fn bytes(&self) -> usize {
+        self.slot.layout().bytes() + self.kv.table().len() * self.kv.pool().block_bytes()
+    }
+
+    /// Bytes of its slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.slot.layout().bytes()
+    }
+
+    /// Its K/V blocks (addresses in the pool; shared blocks appear in several snapshots).
+    pub fn blocks(&self) -> &[u64] {
+        self.kv.table()
+    }
+
+    pub fn block_bytes(&self) -> usize {
+        self.kv.pool().block_bytes()
+    }
+
+    /// The snapshot copied to host memory (a copy for another engine, or to keep in host
+    /// memory when the device has no room).
+    pub fn download(&self) -> Result<State> {
+        download(self.position, &self.slot, &self.kv, &self.stream, &self.staging, self.last_logits.clone())
+    }
+}
+
+impl GpuQwen35 {
+    /// A snapshot of `s` kept on this GPU (`GpuSnapshot`), where this engine keeps snapshots
+    /// (`keep_snapshots_on_device`; None where it does not). The copies are queued on this
+    /// engine's stream, ahead of the state's next forward call.
+    pub fn snapshot_state(&self, s: &GpuState) -> Result<Option<GpuSnapshot>> {
+        let Some(pool) = &self.snapshot_slots else { return Ok(None) };
+        let g = &self.gpu;
+        if s.ordinal() != g.ordinal || !Arc::ptr_eq(s.kv.pool(), &self.kv) || s.slot.layout() != pool.layout() {
+            return Ok(None);
+        }
+        let slot = StateSlot::take(pool)?;
+        // The state's last writes were queued on its engine's stream; a state this engine runs
+        // is on this one.
+        if !Arc::ptr_eq(s.stream(), &g.stream) {
+            s.stream().synchronize().map_err(|e| anyhow::anyhow!("cuda:{}: waiting for a state's stream: {e:?}", g.ordinal))?;
+        }
+        let kv = s.kv.share_prefix(s.position, &g.stream)?;
+        // SAFETY: two slots of one layout.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(slot.addr(), s.slot.addr(), slot.layout().bytes(), g.stream.cu_stream()) }
+            .map_err(|e| anyhow::anyhow!("cuda:{}: copying a state slot: {e:?}", g.ordinal))?;
+        Ok(Some(GpuSnapshot { position: s.position, slot, kv, last_logits: s.host_logits()?, stream: g.stream.clone(), staging: self.staging.clone() }))
+    }
+
+    /// A state that goes on from `snap`: its slot copied into one of this engine's, its full
+    /// K/V blocks shared, its last block copied. A snapshot of another GPU or pool comes
+    /// through host memory. A `PoolFull` error where this engine has no slot or block free.
+    pub fn restore_state(&self, snap: &GpuSnapshot) -> Result<GpuState> {
+        let g = &self.gpu;
+        if snap.ordinal() != g.ordinal || !Arc::ptr_eq(snap.kv.pool(), &self.kv) || snap.slot.layout() != self.slots.layout() {
+            return self.place_state(&snap.download()?);
+        }
+        if !Arc::ptr_eq(&snap.stream, &g.stream) {
+            snap.stream.synchronize().map_err(|e| anyhow::anyhow!("cuda:{}: waiting for a snapshot's stream: {e:?}", g.ordinal))?;
+        }
+        let slot = StateSlot::take(&self.slots)?;
+        let kv = snap.kv.share_prefix(snap.position, &g.stream)?;
+        // SAFETY: two slots of one layout.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(slot.addr(), snap.slot.addr(), slot.layout().bytes(), g.stream.cu_stream()) }
+            .map_err(|e| anyhow::anyhow!("cuda:{}: copying a state slot: {e:?}", g.ordinal))?;
+        Ok(self.state_in(slot, snap.position, kv, LastLogits::Host(snap.last_logits.clone())))
+    }
+}
+
 impl GpuState {
     /// The GPU this state lives on.
     pub fn ordinal(&self) -> usize {
@@ -181,50 +319,9 @@ impl GpuState {
         &self.stream
     }
 
-    /// This state copied to host memory (the bridge's device-to-host copy): the K/V blocks in use
-    /// gathered into one buffer on the GPU first, so that they come over in one piece.
+    /// This state copied to host memory (the bridge's device-to-host copy).
     pub fn download(&self) -> Result<State> {
-        let stream = self.stream();
-        let err = |e| anyhow::anyhow!("cuda:{}: copying a state from the GPU: {e:?}", self.ordinal());
-        let pool = self.kv.pool();
-        let (used, bytes) = (self.position.div_ceil(KV_BLOCK), pool.block_bytes());
-        // SAFETY: every value is written by the block copies below before it is read.
-        let flat = unsafe { stream.alloc::<f32>((used * pool.block_values()).max(1)) }.map_err(err)?;
-        let (flat_at, _sync) = cudarc::driver::DevicePtr::device_ptr(&flat, stream);
-        for (i, &block) in self.kv.table()[..used].iter().enumerate() {
-            // SAFETY: `flat` holds `used` blocks; each table entry is a block.
-            unsafe { cudarc::driver::result::memcpy_dtod_async(flat_at + (i * bytes) as u64, block, bytes, stream.cu_stream()) }.map_err(err)?;
-        }
-        let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
-        let mut down = |s: &CudaSlice<f32>, n: usize| -> Result<Vec<f32>> {
-            let (src, _sync) = cudarc::driver::DevicePtr::device_ptr(s, stream);
-            staging.download(stream, src, n)
-        };
-        let config = pool.config();
-        let mut kv = kv_rows(config, &down(&flat, used * pool.block_values())?, self.position).into_iter();
-        // The slot in one piece, as 4-byte words (a bf16 slot's recurrent values two a word).
-        let layout = *self.slot.layout();
-        let words = staging.download(stream, self.slot.addr(), layout.bytes() / 4)?;
-        drop(staging);
-        let image: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-        let mut linear = layout.layers(&image).into_iter();
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| {
-                Ok(match l {
-                    GpuLayerState::Linear { .. } => {
-                        let (conv, recurrent) = linear.next().context("the state has more DeltaNet layers than its slot")?;
-                        LayerState::Linear { conv: conv.into(), recurrent: recurrent.into() }
-                    }
-                    GpuLayerState::Full => {
-                        let (k, v) = kv.next().context("the state has more attention layers than its K/V blocks")?;
-                        LayerState::Full { k, v }
-                    }
-                })
-            })
-            .collect::<Result<_>>()?;
-        Ok(State { position: self.position, layers, last_logits: self.host_logits()? })
+        download(self.position, &self.slot, &self.kv, &self.stream, &self.staging, self.host_logits()?)
     }
 
     /// K/V blocks this state must take to hold `end` positions.
