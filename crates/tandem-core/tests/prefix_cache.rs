@@ -261,3 +261,66 @@ fn greedy_after_hits(config: PipelineConfig, host: usize) -> (usize, tandem_core
     })
     .unwrap()
 }
+
+/// The disk tier: snapshots that host memory lets go are written to state files and read back
+/// bit for bit when a prompt hits them, also by a cache made anew on the same directory (a
+/// restarted server). A file another model wrote, or one damaged on disk, is refused with the
+/// reason, naming the file, and never applied: the prompt starts from what is left.
+#[test]
+fn the_disk_tier_reads_back_exactly_and_refuses_damaged_or_foreign_files() {
+    use tandem_core::prefix_cache::DiskTier;
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let (cfg, fingerprint) = (&m.net.config, m.net.fingerprint());
+    let dir = common::scratch("prefix-cache-disk");
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % cfg.vocab_size as u32).collect();
+    let (short, long) = (cold(&m, &prompt[..20]), cold(&m, &prompt));
+    // Host memory for the longer snapshot only: the other goes to disk.
+    let budget = long.bytes() + 4 * prompt.len();
+    let open = |fingerprint| {
+        let (tier, found) = DiskTier::open(&dir, usize::MAX, fingerprint, cfg).unwrap();
+        PrefixCache::new(budget, 0).with_disk(tier, found)
+    };
+    let mut cache = open(fingerprint);
+    assert!(cache.insert(None, &prompt[..20], short.clone().into(), None));
+    assert!(cache.insert(None, &prompt, long.clone().into(), None));
+    assert_eq!((cache.stats().spilled, cache.snapshots(Tier::Disk), cache.snapshots(Tier::Host)), (1, 1, 1));
+    let found = cache.lookup(None, &prompt[..30]);
+    assert_eq!(found.reused, 20);
+    assert!(found.state.unwrap().to_host().unwrap() == short, "the snapshot read back from disk is not the one written");
+    // Read back, it is kept in host memory again, and the longer one goes to disk.
+    assert_eq!((cache.snapshots(Tier::Host), cache.snapshots(Tier::Disk)), (1, 1));
+    drop(cache);
+
+    // A new cache on the directory (a restarted server) finds both.
+    let mut cache = open(fingerprint);
+    assert_eq!(cache.snapshots(Tier::Disk), 2);
+    let found = cache.lookup(None, &prompt);
+    assert_eq!(found.reused, 40);
+    assert!(found.state.unwrap().to_host().unwrap() == long);
+    drop(cache);
+
+    // Another model's: refused, never applied, and its files left where they are.
+    let mut foreign = open(fingerprint ^ 1);
+    let found = foreign.lookup(None, &prompt);
+    assert!(found.state.is_none() && found.reused == 0);
+    let why = foreign.last_refusal().expect("a refusal").to_string();
+    assert!(why.contains("another model") && why.contains(".state"), "{why}");
+    assert_eq!(foreign.stats().refused, 2);
+    drop(foreign);
+
+    // Damaged on disk: a byte of each file's payload flipped.
+    let files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "state")).collect();
+    assert_eq!(files.len(), 2);
+    for f in &files {
+        let mut bytes = std::fs::read(f).unwrap();
+        let at = bytes.len() - 1000;
+        bytes[at] ^= 0x40;
+        std::fs::write(f, bytes).unwrap();
+    }
+    let mut cache = open(fingerprint);
+    let found = cache.lookup(None, &prompt);
+    assert!(found.state.is_none() && found.reused == 0, "a damaged snapshot was applied");
+    let why = cache.last_refusal().expect("a refusal").to_string();
+    assert!(why.contains("checksum") && why.contains(".state"), "{why}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

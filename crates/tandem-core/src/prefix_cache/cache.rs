@@ -22,8 +22,26 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::device_tier::DeviceTier;
+use super::disk_tier::{DiskFile, DiskTier, OnDisk};
 use super::tree::{NodeId, PrefixTree};
 use crate::state::{Snapshot, Tier};
+
+/// A snapshot as the cache keeps it: in memory (the GPU's or the host's), or in the files of
+/// the disk tier, read back when a prompt hits it.
+#[derive(Clone)]
+enum Kept {
+    Memory(Arc<Snapshot>),
+    Disk(Arc<DiskFile>),
+}
+
+impl Kept {
+    fn tier(&self) -> Tier {
+        match self {
+            Kept::Memory(s) => s.tier(),
+            Kept::Disk(_) => Tier::Disk,
+        }
+    }
+}
 
 /// What a session keeps pinned: one snapshot of each kind, replaced as the session goes on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -56,6 +74,10 @@ pub struct CacheStats {
     pub evicted: u64,
     /// Sessions whose pins were let go to keep the budget.
     pub sessions_released: u64,
+    /// Snapshots written to the disk tier (the host tier let them go).
+    pub spilled: u64,
+    /// Snapshots of the disk tier refused as they were read back (damaged, another model's).
+    pub refused: u64,
 }
 
 /// What a prompt finds.
@@ -89,13 +111,18 @@ impl DeviceUse {
 }
 
 pub struct PrefixCache {
-    tree: PrefixTree<Arc<Snapshot>>,
+    tree: PrefixTree<Kept>,
     /// The host tier's budget.
     budget: usize,
     host_bytes: usize,
     host_snapshots: usize,
     device: Option<Arc<DeviceTier>>,
     device_use: DeviceUse,
+    disk: Option<DiskTier>,
+    disk_bytes: usize,
+    disk_snapshots: usize,
+    /// Why the last snapshot refused by the disk tier was refused.
+    last_refusal: Option<String>,
     every: usize,
     sessions: HashMap<String, Session>,
     clock: u64,
@@ -123,6 +150,10 @@ impl PrefixCache {
             host_snapshots: 0,
             device: None,
             device_use: DeviceUse::default(),
+            disk: None,
+            disk_bytes: 0,
+            disk_snapshots: 0,
+            last_refusal: None,
             every,
             sessions: HashMap::new(),
             clock: 0,
@@ -135,6 +166,29 @@ impl PrefixCache {
         self.device_use.block_bytes = tier.block_bytes();
         self.device = Some(tier);
         self
+    }
+
+    /// Write the snapshots the host tier lets go to `tier`, and take in those its directory
+    /// holds already (from an earlier server).
+    pub fn with_disk(mut self, tier: DiskTier, found: OnDisk) -> PrefixCache {
+        for (key, file) in found {
+            let bytes = file.bytes;
+            if let Some((_, old)) = self.tree.insert(&key, Kept::Disk(Arc::new(file)), bytes) {
+                self.disk_bytes += bytes;
+                self.disk_snapshots += 1;
+                if let Some(old) = old {
+                    self.subtract(&old, 0);
+                }
+            }
+        }
+        self.disk = Some(tier);
+        self.shrink_disk();
+        self
+    }
+
+    /// Why the disk tier last refused a snapshot it read back (None: it never did).
+    pub fn last_refusal(&self) -> Option<&str> {
+        self.last_refusal.as_deref()
     }
 
     fn key(salt: Option<&str>, tokens: &[u32]) -> (Vec<u32>, usize) {
@@ -159,6 +213,7 @@ impl PrefixCache {
         match tier {
             Tier::Host => self.host_bytes,
             Tier::Device => self.device_use.bytes(),
+            Tier::Disk => self.disk_bytes,
         }
     }
 
@@ -166,6 +221,7 @@ impl PrefixCache {
         match tier {
             Tier::Host => self.host_snapshots,
             Tier::Device => self.device_use.snapshots,
+            Tier::Disk => self.disk_snapshots,
         }
     }
 
@@ -178,13 +234,22 @@ impl PrefixCache {
         self.sessions.len()
     }
 
-    /// The deepest snapshot `prompt` can continue, and where its prefill should stop.
+    /// The deepest snapshot `prompt` can continue, and where its prefill should stop. A
+    /// snapshot of the disk tier is read back here (and kept in host memory where that tier
+    /// has room); one that does not read back is refused, taken out, and the next deepest
+    /// looked for.
     pub fn lookup(&mut self, salt: Option<&str>, prompt: &[u32]) -> Found {
         let (key, lead) = Self::key(salt, prompt);
-        let m = self.tree.lookup(&key);
-        let (state, reused) = match m.snapshot {
-            Some((_, depth, state)) => (Some(state), depth - lead),
-            None => (None, 0),
+        let (m, state, reused) = loop {
+            let m = self.tree.lookup(&key);
+            let Some((id, depth, kept)) = m.snapshot.clone() else { break (m, None, 0) };
+            match kept {
+                Kept::Memory(state) => break (m, Some(state), depth - lead),
+                Kept::Disk(file) => match self.read_back(id, &file, depth - lead) {
+                    Some(state) => break (m, Some(state), depth - lead),
+                    None => continue,
+                },
+            }
         };
         // A snapshot a few tokens past another (or past the start) would save a later prompt
         // only those few tokens, for a whole state's memory: such stops are left out (the
@@ -215,67 +280,131 @@ impl PrefixCache {
         s.matched_tokens += found.matched as u64;
     }
 
+    /// The snapshot of node `id` in `file`, read back and kept in host memory where that tier
+    /// has room; None where the file is refused (it is taken out of the cache, and the reason
+    /// kept for `last_refusal`).
+    fn read_back(&mut self, id: NodeId, file: &Arc<DiskFile>, tokens: usize) -> Option<Arc<Snapshot>> {
+        let disk = self.disk.as_ref()?;
+        match disk.read(file, tokens) {
+            Ok(state) => {
+                let state = Arc::new(Snapshot::Host(state));
+                let size = Self::size(&state, tokens);
+                if size <= self.budget {
+                    self.add(&Kept::Memory(state.clone()), tokens);
+                    if let Some(old) = self.tree.replace(id, Kept::Memory(state.clone()), size) {
+                        self.subtract(&old, tokens);
+                    }
+                    self.tree.pin(id);
+                    self.evict();
+                    self.tree.unpin(id);
+                }
+                Some(state)
+            }
+            Err(e) => {
+                let why = format!("{e:#}");
+                eprintln!("prefix cache: a snapshot on disk is refused and left out: {why}");
+                self.last_refusal = Some(why);
+                self.stats.refused += 1;
+                if let Some(old) = self.tree.remove(id) {
+                    // The file stays: it may be another model's, in a directory two servers share.
+                    self.subtract(&old, tokens);
+                }
+                None
+            }
+        }
+    }
+
     /// Bytes a snapshot of `tokens` is charged in the tree (the device tier counts its own).
     fn size(snapshot: &Snapshot, tokens: usize) -> usize {
         snapshot.bytes() + 4 * tokens
     }
 
-    fn add(&mut self, s: &Snapshot, tokens: usize) {
-        match s {
-            Snapshot::Host(_) => {
-                self.host_bytes += Self::size(s, tokens);
-                self.host_snapshots += 1;
+    fn add(&mut self, kept: &Kept, tokens: usize) {
+        match kept {
+            Kept::Disk(f) => {
+                self.disk_bytes += f.bytes;
+                self.disk_snapshots += 1;
             }
-            Snapshot::Gpu(g) => {
-                let u = &mut self.device_use;
-                u.slot_bytes += g.slot_bytes();
-                for &b in g.blocks() {
-                    *u.blocks.entry(b).or_insert(0) += 1;
+            Kept::Memory(s) => match &**s {
+                Snapshot::Host(_) => {
+                    self.host_bytes += Self::size(s, tokens);
+                    self.host_snapshots += 1;
                 }
-                u.snapshots += 1;
-            }
+                Snapshot::Gpu(g) => {
+                    let u = &mut self.device_use;
+                    u.slot_bytes += g.slot_bytes();
+                    for &b in g.blocks() {
+                        *u.blocks.entry(b).or_insert(0) += 1;
+                    }
+                    u.snapshots += 1;
+                }
+            },
         }
     }
 
-    fn subtract(&mut self, s: &Snapshot, tokens: usize) {
-        match s {
-            Snapshot::Host(_) => {
-                self.host_bytes -= Self::size(s, tokens);
-                self.host_snapshots -= 1;
+    fn subtract(&mut self, kept: &Kept, tokens: usize) {
+        match kept {
+            Kept::Disk(f) => {
+                self.disk_bytes -= f.bytes;
+                self.disk_snapshots -= 1;
             }
-            Snapshot::Gpu(g) => {
-                let u = &mut self.device_use;
-                u.slot_bytes -= g.slot_bytes();
-                for b in g.blocks() {
-                    match u.blocks.get_mut(b) {
-                        Some(1) => {
-                            u.blocks.remove(b);
-                        }
-                        Some(n) => *n -= 1,
-                        None => debug_assert!(false, "a block the device tier did not count"),
-                    }
+            Kept::Memory(s) => match &**s {
+                Snapshot::Host(_) => {
+                    self.host_bytes -= Self::size(s, tokens);
+                    self.host_snapshots -= 1;
                 }
-                u.snapshots -= 1;
-            }
+                Snapshot::Gpu(g) => {
+                    let u = &mut self.device_use;
+                    u.slot_bytes -= g.slot_bytes();
+                    for b in g.blocks() {
+                        match u.blocks.get_mut(b) {
+                            Some(1) => {
+                                u.blocks.remove(b);
+                            }
+                            Some(n) => *n -= 1,
+                            None => debug_assert!(false, "a block the device tier did not count"),
+                        }
+                    }
+                    u.snapshots -= 1;
+                }
+            },
         }
     }
 
     /// Keep `snapshot`, the state after exactly `tokens` (its position is `tokens.len()`),
     /// pinned for a session when `pin` says so; one larger than its tier's whole budget is not
-    /// kept. Evicts down to the budgets (see the module's doc). Returns whether it was kept.
+    /// kept (a host snapshot goes to the disk tier instead, where there is one). Evicts down to the budgets (see the module's doc). Returns whether it was kept.
     pub fn insert(&mut self, salt: Option<&str>, tokens: &[u32], snapshot: Snapshot, pin: Option<(&str, Pin)>) -> bool {
         debug_assert_eq!(snapshot.position(), tokens.len());
         let too_big = match &snapshot {
             Snapshot::Host(_) => Self::size(&snapshot, tokens.len()) > self.budget,
             Snapshot::Gpu(g) => g.bytes() > self.device_budget(),
         };
-        if tokens.is_empty() || too_big {
+        if tokens.is_empty() {
             return false;
         }
         let (key, lead) = Self::key(salt, tokens);
-        let size = Self::size(&snapshot, tokens.len());
-        self.add(&snapshot, tokens.len());
-        let Some((id, old)) = self.tree.insert(&key, Arc::new(snapshot), size) else { return false };
+        let (kept, size) = match (snapshot, too_big, &self.disk) {
+            (snapshot, false, _) => {
+                let size = Self::size(&snapshot, tokens.len());
+                (Kept::Memory(Arc::new(snapshot)), size)
+            }
+            // Too big for host memory: straight to disk, where there is a disk tier.
+            (Snapshot::Host(state), true, Some(disk)) if disk.budget() > 0 => match disk.write(&key, &state) {
+                Ok(file) => {
+                    self.stats.spilled += 1;
+                    let bytes = file.bytes;
+                    (Kept::Disk(Arc::new(file)), bytes)
+                }
+                Err(e) => {
+                    eprintln!("prefix cache: a snapshot could not be written to disk, and is not kept: {e:#}");
+                    return false;
+                }
+            },
+            _ => return false,
+        };
+        self.add(&kept, tokens.len());
+        let Some((id, old)) = self.tree.insert(&key, kept, size) else { return false };
         if let Some(old) = old {
             self.subtract(&old, key.len() - lead);
         }
@@ -302,16 +431,23 @@ impl PrefixCache {
         }
     }
 
-    /// Tokens of the snapshot at `id` (its depth less the salt's entry).
+    /// Tokens of the snapshot at `id` (what a snapshot in memory says; a file's count is not
+    /// charged by its tokens).
     fn tokens_at(&self, id: NodeId) -> usize {
-        self.tree.get(id).map_or(0, |s| s.position())
+        match self.tree.get(id) {
+            Some(Kept::Memory(s)) => s.position(),
+            _ => 0,
+        }
     }
 
-    /// Take the snapshot out of `id`.
+    /// Take the snapshot out of `id` (its files deleted, for one on disk).
     fn drop_snapshot(&mut self, id: NodeId) {
         let tokens = self.tokens_at(id);
-        if let Some(s) = self.tree.remove(id) {
-            self.subtract(&s, tokens);
+        if let Some(kept) = self.tree.remove(id) {
+            if let (Kept::Disk(f), Some(disk)) = (&kept, &self.disk) {
+                disk.remove(f);
+            }
+            self.subtract(&kept, tokens);
             self.stats.evicted += 1;
         }
     }
@@ -328,11 +464,44 @@ impl PrefixCache {
         }
     }
 
-    /// Bring the host tier within its budget: its snapshots used longest ago go, but pinned
-    /// ones.
+    /// Bring the host tier within its budget: its snapshots used longest ago go (to the disk
+    /// tier where there is one), but pinned ones.
     fn shrink_host(&mut self) {
         while self.host_bytes > self.budget {
             let Some(id) = self.tree.oldest(|s, pinned| s.tier() == Tier::Host && !pinned) else { break };
+            let written = match (&self.disk, self.tree.get(id)) {
+                (Some(disk), Some(Kept::Memory(s))) => match &**s {
+                    Snapshot::Host(state) if disk.budget() > 0 => Some(disk.write(&self.tree.key_of(id), state)),
+                    _ => None,
+                },
+                _ => None,
+            };
+            match written {
+                Some(Ok(file)) => {
+                    let tokens = self.tokens_at(id);
+                    let (bytes, kept) = (file.bytes, Kept::Disk(Arc::new(file)));
+                    self.add(&kept, tokens);
+                    if let Some(old) = self.tree.replace(id, kept, bytes) {
+                        self.subtract(&old, tokens);
+                    }
+                    self.stats.spilled += 1;
+                }
+                Some(Err(e)) => {
+                    eprintln!("prefix cache: a snapshot could not be written to disk, and goes: {e:#}");
+                    self.drop_snapshot(id);
+                }
+                None => self.drop_snapshot(id),
+            }
+        }
+        self.shrink_disk();
+    }
+
+    /// Bring the disk tier within its budget: its snapshots used longest ago are deleted, but
+    /// pinned ones.
+    fn shrink_disk(&mut self) {
+        let budget = self.disk.as_ref().map_or(0, DiskTier::budget);
+        while self.disk_bytes > budget {
+            let Some(id) = self.tree.oldest(|s, pinned| s.tier() == Tier::Disk && !pinned) else { break };
             self.drop_snapshot(id);
         }
     }
@@ -344,7 +513,8 @@ impl PrefixCache {
             if let Some(tier) = &self.device {
                 tier.rebalance(self.device_use.slot_bytes);
             }
-            if self.host_bytes <= self.budget && self.device_use.bytes() <= self.device_budget() {
+            let disk_budget = self.disk.as_ref().map_or(0, DiskTier::budget);
+            if self.host_bytes <= self.budget && self.device_use.bytes() <= self.device_budget() && self.disk_bytes <= disk_budget {
                 return;
             }
             let Some(oldest) = self.sessions.iter().min_by_key(|(_, s)| s.last_used).map(|(name, _)| name.clone()) else { return };

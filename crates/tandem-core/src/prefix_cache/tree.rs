@@ -192,6 +192,17 @@ impl<S: Clone> PrefixTree<S> {
         Some((id, old.map(|(s, _)| s)))
     }
 
+    /// The tokens from the root to `id`.
+    pub fn key_of(&self, mut id: NodeId) -> Vec<u32> {
+        let mut parts = Vec::new();
+        while id != ROOT {
+            let n = self.node(id);
+            parts.push(&n.label[..]);
+            id = n.parent;
+        }
+        parts.iter().rev().flat_map(|l| l.iter().copied()).collect()
+    }
+
     /// The snapshot at `id`, if it has one.
     pub fn get(&self, id: NodeId) -> Option<&S> {
         self.nodes.get(id)?.as_ref()?.snapshot.as_ref().map(|(s, _)| s)

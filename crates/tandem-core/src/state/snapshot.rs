@@ -18,6 +18,7 @@ pub enum Snapshot {
 pub enum Tier {
     Device,
     Host,
+    Disk,
 }
 
 impl Tier {
@@ -26,6 +27,7 @@ impl Tier {
         match self {
             Tier::Device => "device",
             Tier::Host => "host",
+            Tier::Disk => "disk",
         }
     }
 }

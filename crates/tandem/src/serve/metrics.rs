@@ -104,9 +104,9 @@ pub struct Gauges {
 /// The prefix cache's readings.
 #[derive(Default)]
 pub struct CacheGauges {
-    /// Bytes and snapshots in (device, host) memory.
-    pub bytes: (usize, usize),
-    pub snapshots: (usize, usize),
+    /// Bytes and snapshots on the GPU, in host memory, on disk.
+    pub bytes: [usize; 3],
+    pub snapshots: [usize; 3],
     pub sessions: usize,
     pub stats: CacheStats,
 }
@@ -185,14 +185,20 @@ impl Metrics {
             ("inserted", "Snapshots kept.", st.inserted),
             ("evictions", "Snapshots evicted to keep the budget.", st.evicted),
             ("sessions_released", "Sessions whose pinned snapshots were let go to keep the budget.", st.sessions_released),
+            ("spilled", "Snapshots written to the disk tier as host memory let them go.", st.spilled),
+            ("refused", "Snapshots on disk refused as they were read back (damaged, or another model's).", st.refused),
         ] {
             let name = format!("tandem_prefix_cache_{name}_total");
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
         }
         let _ = writeln!(out, "# HELP tandem_prefix_cache_bytes Bytes of state snapshots in the prefix cache, by memory tier (K/V blocks that snapshots share counted once).\n# TYPE tandem_prefix_cache_bytes gauge");
-        let _ = writeln!(out, "tandem_prefix_cache_bytes{{tier=\"device\"}} {}\ntandem_prefix_cache_bytes{{tier=\"host\"}} {}", pc.bytes.0, pc.bytes.1);
+        for (tier, v) in ["device", "host", "disk"].iter().zip(pc.bytes) {
+            let _ = writeln!(out, "tandem_prefix_cache_bytes{{tier=\"{tier}\"}} {v}");
+        }
         let _ = writeln!(out, "# HELP tandem_prefix_cache_snapshots State snapshots in the prefix cache, by memory tier.\n# TYPE tandem_prefix_cache_snapshots gauge");
-        let _ = writeln!(out, "tandem_prefix_cache_snapshots{{tier=\"device\"}} {}\ntandem_prefix_cache_snapshots{{tier=\"host\"}} {}", pc.snapshots.0, pc.snapshots.1);
+        for (tier, v) in ["device", "host", "disk"].iter().zip(pc.snapshots) {
+            let _ = writeln!(out, "tandem_prefix_cache_snapshots{{tier=\"{tier}\"}} {v}");
+        }
         gauge(&mut out, "tandem_prefix_cache_pinned_sessions", "Sessions whose latest states are pinned in the prefix cache.", pc.sessions as f64);
         let _ = writeln!(out, "# HELP tandem_engine_busy_seconds_total Time the engines spent computing, by kind of work.\n# TYPE tandem_engine_busy_seconds_total counter");
         let _ = writeln!(out, "tandem_engine_busy_seconds_total{{work=\"prefill\"}} {}", g.prefill_busy.as_secs_f64());
@@ -218,7 +224,7 @@ mod tests {
         m.ttft(Duration::from_millis(70));
         m.ttft(Duration::from_secs(100));
         m.outcome("chat", "stop");
-        let cache = CacheGauges { bytes: (30, 10), snapshots: (2, 1), sessions: 0, stats: CacheStats { hits: 2, ..CacheStats::default() } };
+        let cache = CacheGauges { bytes: [30, 10, 0], snapshots: [2, 1, 0], sessions: 0, stats: CacheStats { hits: 2, ..CacheStats::default() } };
         let g = Gauges { kv: None, slots: None, swaps: (0, 0), queued: 1, active: 2, cache, prefill_busy: Duration::from_millis(1500), decode_busy: Duration::ZERO };
         let text = m.render(&g);
         for line in [

@@ -14,6 +14,7 @@ mod routes;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -25,7 +26,7 @@ use tandem_core::chat::{ChatTemplate, Message};
 use tandem_core::backend::cuda::qwen35::state_slots::SlotLayout;
 use tandem_core::engine::Device;
 use tandem_core::pipeline::{self, KvBudget, Mode};
-use tandem_core::prefix_cache::PrefixCache;
+use tandem_core::prefix_cache::{DiskTier, PrefixCache};
 use tandem_core::session::HOLD_BACK;
 use tandem_core::tokenizer::Tokenizer;
 
@@ -86,6 +87,12 @@ OPTIONS:
                            they come from and go to, so a snapshot past a cached prefix costs
                            its recurrent state and a block; the cache is off where both
                            budgets are 0
+  --prefix-cache-dir DIR   keep the snapshots host memory lets go in DIR, as checksummed state
+                           files with the model's fingerprint (a file another model wrote, or a
+                           damaged one, is refused); a server started on DIR takes up what an
+                           earlier one left there
+  --prefix-cache-disk-memory SIZE
+                           the most DIR may hold (default 16GiB)
   --prefix-snapshot-every N
                            a prefill also stops for a snapshot every N prompt tokens, so that
                            prompts that part from a long prompt late continue near where they
@@ -177,7 +184,7 @@ impl App {
 }
 
 pub fn run(argv: &[String]) -> Result<ExitCode> {
-    let mut with_value = vec!["model", "host", "port", "max-concurrent", "max-queue", "max-context", "prefix-cache-memory", "prefix-cache-device-memory", "session-memory", "prefix-snapshot-every", "served-model-name"];
+    let mut with_value = vec!["model", "host", "port", "max-concurrent", "max-queue", "max-context", "prefix-cache-memory", "prefix-cache-device-memory", "prefix-cache-dir", "prefix-cache-disk-memory", "session-memory", "prefix-snapshot-every", "served-model-name"];
     with_value.extend(ENGINE_OPTIONS.iter().filter(|o| **o != "max-batch"));
     let args = Args::parse(argv, &with_value, &[])?;
     let max_concurrent: usize = args.get("max-concurrent", 8)?;
@@ -214,6 +221,11 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             _ => DEFAULT_DEVICE_TIER,
         },
     };
+    let disk = match (args.str("prefix-cache-dir"), args.str("prefix-cache-disk-memory")) {
+        (Some(dir), size) => Some((PathBuf::from(dir), size.map(|s| parse_size("prefix-cache-disk-memory", s)).transpose()?.unwrap_or(16 << 30))),
+        (None, Some(_)) => bail!("--prefix-cache-disk-memory sizes the directory --prefix-cache-dir names: give it too"),
+        (None, None) => None,
+    };
     let host = args.str("host").unwrap_or("127.0.0.1");
     let port: u16 = args.get("port", 8000)?;
     let addr: SocketAddr = format!("{host}:{port}").parse().or_else(|_| format!("[{host}]:{port}").parse()).with_context(|| format!("--host {host:?} is not an IP address"))?;
@@ -242,7 +254,19 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     listener.set_nonblocking(true)?;
     let bound = listener.local_addr()?;
 
+    let fingerprint = model.net.fingerprint();
     pipeline::run(&model.net, &config, |pipeline| {
+        let mut cache = PrefixCache::new(cache_memory, snapshot_every);
+        if let Some(tier) = pipeline.device_tier() {
+            cache = cache.with_device(Arc::clone(tier));
+        }
+        if let Some((dir, budget)) = &disk {
+            let (tier, found) = DiskTier::open(dir, *budget, fingerprint, cfg)?;
+            if !found.is_empty() {
+                eprintln!("tandem serve: {} snapshots in {} from an earlier server (each checked as it is read)", found.len(), dir.display());
+            }
+            cache = cache.with_disk(tier, found);
+        }
         let app = Arc::new(App {
             engines: Engines::start(pipeline.clone(), max_concurrent, max_queue),
             im_start: tokenizer.token_id("<|im_start|>"),
@@ -254,11 +278,8 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             max_context,
             max_concurrent,
             max_queue,
-            cache_on: cache_memory > 0 || pipeline.device_tier().is_some(),
-            cache: Mutex::new(match pipeline.device_tier() {
-                Some(tier) => PrefixCache::new(cache_memory, snapshot_every).with_device(Arc::clone(tier)),
-                None => PrefixCache::new(cache_memory, snapshot_every),
-            }),
+            cache_on: cache_memory > 0 || pipeline.device_tier().is_some() || disk.is_some(),
+            cache: Mutex::new(cache),
             replies: Mutex::default(),
             metrics: Metrics::new(served),
             started: completion::unix_now(),

@@ -186,7 +186,8 @@ pub async fn health() -> Response {
 pub async fn metrics(AppState(app): AppState<Arc<App>>) -> Response {
     let cache = {
         let c = app.cache.lock().expect("cache lock");
-        CacheGauges { bytes: (c.bytes(Tier::Device), c.bytes(Tier::Host)), snapshots: (c.snapshots(Tier::Device), c.snapshots(Tier::Host)), sessions: c.sessions(), stats: c.stats() }
+        let tiers = [Tier::Device, Tier::Host, Tier::Disk];
+        CacheGauges { bytes: tiers.map(|t| c.bytes(t)), snapshots: tiers.map(|t| c.snapshots(t)), sessions: c.sessions(), stats: c.stats() }
     };
     let (prefill_busy, decode_busy) = app.engines.busy();
     let g = Gauges { kv: app.engines.kv_level(), slots: app.engines.slot_level(), swaps: app.engines.swaps(), queued: app.engines.queued(), active: app.engines.active(), cache, prefill_busy, decode_busy };

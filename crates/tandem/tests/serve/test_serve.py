@@ -12,9 +12,11 @@ import http.client
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -452,8 +454,43 @@ def load_test(clients=32, requests=256):
               f" RSS {baseline // 1024} MiB before, {after // 1024} MiB after")
 
 
+def disk_tier():
+    d = tempfile.mkdtemp(prefix="tandem-prefix-disk-")
+    body = {"model": MODEL, "messages": user("tell me about " + "rivers and seven quick engines " * 12), "max_tokens": 8, "temperature": 0}
+
+    def ask(s):
+        status, _, raw = s.request("POST", "/v1/chat/completions", json.dumps(body))
+        r = json.loads(raw)
+        check(status == 200, f"{status} {raw}")
+        return r["choices"][0]["message"]["content"], r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    # No host memory for snapshots: each goes straight to the directory.
+    args = ("--prefix-cache-memory", "1", "--prefix-cache-dir", d)
+    with Server(*args) as s:
+        cold, cached = ask(s)
+        m = s.metrics()
+        check(cached == 0 and m['tandem_prefix_cache_snapshots{tier="disk"}'] >= 1, f"first server: cached {cached}, {m}")
+    with Server(*args) as s:
+        again, cached = ask(s)
+        check(cached > 0 and again == cold, f"a restarted server: cached {cached}, {again!r} against {cold!r}")
+        check(any("from an earlier server" in line for line in s.log), "\n".join(s.log))
+    for name in os.listdir(d):
+        if name.endswith(".state"):
+            path = os.path.join(d, name)
+            data = bytearray(open(path, "rb").read())
+            data[len(data) // 2] ^= 0x40
+            open(path, "wb").write(bytes(data))
+    with Server(*args) as s:
+        damaged, cached = ask(s)
+        m = s.metrics()
+        check(cached == 0 and damaged == cold and m["tandem_prefix_cache_refused_total"] >= 1, f"damaged files: cached {cached}, {damaged!r}, {m}")
+        check(any("refused" in line and ".state" in line for line in s.log), "\n".join(s.log))
+    shutil.rmtree(d)
+    print(f"  disk tier: a restarted server continued {d}'s snapshot with the same reply; damaged files were refused and the prompt prefilled")
+
+
 def main():
-    checks = [api_and_sdk, curl_checks, multi_turn, typing_ahead, cancellation, shutdown, queue_and_429, load_test]
+    checks = [api_and_sdk, curl_checks, multi_turn, typing_ahead, cancellation, disk_tier, shutdown, queue_and_429, load_test]
     only = sys.argv[1:]
     failed = 0
     for f in checks:
