@@ -172,13 +172,10 @@ impl PrefixCache {
     /// holds already (from an earlier server).
     pub fn with_disk(mut self, tier: DiskTier, found: OnDisk) -> PrefixCache {
         for (key, file) in found {
-            let bytes = file.bytes;
-            if let Some((_, old)) = self.tree.insert(&key, Kept::Disk(Arc::new(file)), bytes) {
-                self.disk_bytes += bytes;
-                self.disk_snapshots += 1;
-                if let Some(old) = old {
-                    self.subtract(&old, 0);
-                }
+            let (bytes, kept) = (file.bytes, Kept::Disk(Arc::new(file)));
+            self.add(&kept, 0);
+            if let Some((_, Some(old))) = self.tree.insert(&key, kept, bytes) {
+                self.subtract(&old, 0);
             }
         }
         self.disk = Some(tier);

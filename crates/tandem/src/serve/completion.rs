@@ -110,17 +110,22 @@ pub struct Cached {
 }
 
 /// The deepest cached state `prompt` passes; `count`: a request's own lookup, counted in the
-/// metrics.
-pub fn lookup(app: &App, salt: Option<&str>, prompt: &[u32], count: bool) -> Cached {
+/// metrics. On a blocking thread: a snapshot of the disk tier is read back in the lookup.
+pub async fn lookup(app: &Arc<App>, salt: Option<&str>, prompt: &[u32], count: bool) -> Cached {
+    let none = || Cached { state: None, reused: 0, stops: Vec::new() };
     if !app.cache_on {
-        return Cached { state: None, reused: 0, stops: Vec::new() };
+        return none();
     }
-    let mut cache = app.cache.lock().expect("cache lock");
-    let found = cache.lookup(salt, prompt);
-    if count {
-        cache.count(&found);
-    }
-    Cached { state: found.state, reused: found.reused, stops: found.stops }
+    let (app, prompt, salt) = (Arc::clone(app), prompt.to_vec(), salt.map(str::to_string));
+    let found = tokio::task::spawn_blocking(move || {
+        let mut cache = app.cache.lock().expect("cache lock");
+        let found = cache.lookup(salt.as_deref(), &prompt);
+        if count {
+            cache.count(&found);
+        }
+        Cached { state: found.state, reused: found.reused, stops: found.stops }
+    });
+    found.await.unwrap_or_else(|_| none())
 }
 
 /// Keep snapshots in the cache (on a blocking thread: eviction frees states, and may move
@@ -143,7 +148,7 @@ async fn keep(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>, states: Ve
 /// snapshot on their path lacks (stopping for snapshots where they leave the tree, and so on),
 /// and pin it for `pin`'s session. Returns the tokens the cache covered and those prefilled.
 pub async fn remember(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>, pin: Option<(String, Pin)>) -> anyhow::Result<(usize, usize)> {
-    let found = lookup(app, salt.as_deref(), &tokens, false);
+    let found = lookup(app, salt.as_deref(), &tokens, false).await;
     if found.reused == tokens.len() {
         if let Some((session, kind)) = &pin {
             app.cache.lock().expect("cache lock").pin_existing(salt.as_deref(), &tokens, session, *kind);
@@ -184,7 +189,7 @@ impl Completion {
         if let Some(mut done) = pending {
             let _ = tokio::time::timeout(REPLY_WAIT, done.wait_for(|d| *d)).await;
         }
-        let found = lookup(app, salt.as_deref(), &p.prompt, true);
+        let found = lookup(app, salt.as_deref(), &p.prompt, true).await;
         let c = &app.metrics.counters;
         let reused = found.reused;
         add(&c.prompt_tokens, p.prompt.len());

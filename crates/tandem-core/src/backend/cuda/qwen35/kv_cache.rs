@@ -136,6 +136,7 @@ impl KvBlocks {
         let full = position / KV_BLOCK;
         assert!(position.div_ceil(KV_BLOCK) <= self.table.len(), "sharing {position} positions of blocks that hold {}", self.capacity());
         let mut table = Vec::with_capacity(position.div_ceil(KV_BLOCK));
+        table.extend_from_slice(&self.table[..full]);
         if position % KV_BLOCK != 0 {
             let copy = self.pool.pieces.take(1)?[0];
             // SAFETY: two blocks of this pool, each `block_bytes` long.
@@ -144,10 +145,7 @@ impl KvBlocks {
                 self.pool.pieces.give(&mut vec![copy]);
                 anyhow::bail!("cuda:{}: copying a K/V block: {e:?}", self.pool.ordinal());
             }
-            table.extend_from_slice(&self.table[..full]);
             table.push(copy);
-        } else {
-            table.extend_from_slice(&self.table[..full]);
         }
         self.pool.pieces.share(&self.table[..full]);
         Ok(KvBlocks { pool: self.pool.clone(), table })

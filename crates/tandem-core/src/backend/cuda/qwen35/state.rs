@@ -276,16 +276,7 @@ impl GpuQwen35 {
         if s.ordinal() != g.ordinal || !Arc::ptr_eq(s.kv.pool(), &self.kv) || s.slot.layout() != pool.layout() {
             return Ok(None);
         }
-        let slot = StateSlot::take(pool)?;
-        // The state's last writes were queued on its engine's stream; a state this engine runs
-        // is on this one.
-        if !Arc::ptr_eq(s.stream(), &g.stream) {
-            s.stream().synchronize().map_err(|e| anyhow::anyhow!("cuda:{}: waiting for a state's stream: {e:?}", g.ordinal))?;
-        }
-        let kv = s.kv.share_prefix(s.position, &g.stream)?;
-        // SAFETY: two slots of one layout.
-        unsafe { cudarc::driver::result::memcpy_dtod_async(slot.addr(), s.slot.addr(), slot.layout().bytes(), g.stream.cu_stream()) }
-            .map_err(|e| anyhow::anyhow!("cuda:{}: copying a state slot: {e:?}", g.ordinal))?;
+        let (slot, kv) = self.copy_in(pool, &s.slot, &s.kv, s.position, s.stream())?;
         Ok(Some(GpuSnapshot { position: s.position, slot, kv, last_logits: s.host_logits()?, stream: g.stream.clone(), staging: self.staging.clone() }))
     }
 
@@ -297,15 +288,25 @@ impl GpuQwen35 {
         if snap.ordinal() != g.ordinal || !Arc::ptr_eq(snap.kv.pool(), &self.kv) || snap.slot.layout() != self.slots.layout() {
             return self.place_state(&snap.download()?);
         }
-        if !Arc::ptr_eq(&snap.stream, &g.stream) {
-            snap.stream.synchronize().map_err(|e| anyhow::anyhow!("cuda:{}: waiting for a snapshot's stream: {e:?}", g.ordinal))?;
-        }
-        let slot = StateSlot::take(&self.slots)?;
-        let kv = snap.kv.share_prefix(snap.position, &g.stream)?;
-        // SAFETY: two slots of one layout.
-        unsafe { cudarc::driver::result::memcpy_dtod_async(slot.addr(), snap.slot.addr(), slot.layout().bytes(), g.stream.cu_stream()) }
-            .map_err(|e| anyhow::anyhow!("cuda:{}: copying a state slot: {e:?}", g.ordinal))?;
+        let (slot, kv) = self.copy_in(&self.slots, &snap.slot, &snap.kv, snap.position, &snap.stream)?;
         Ok(self.state_in(slot, snap.position, kv, LastLogits::Host(snap.last_logits.clone())))
+    }
+
+    /// The slot and K/V blocks of a state (or snapshot) of `position`, written on `written_on`,
+    /// copied on this engine's stream: `slot`'s bytes into a slot of `pool`, the full blocks of
+    /// `kv` shared and the last copied (`KvBlocks::share_prefix`).
+    fn copy_in(&self, pool: &Arc<SlotPool>, slot: &StateSlot, kv: &KvBlocks, position: usize, written_on: &Arc<CudaStream>) -> Result<(StateSlot, KvBlocks)> {
+        let g = &self.gpu;
+        // The last writes were queued on that stream; the work of this engine is on this one.
+        if !Arc::ptr_eq(written_on, &g.stream) {
+            written_on.synchronize().map_err(|e| anyhow::anyhow!("cuda:{}: waiting for a state's stream: {e:?}", g.ordinal))?;
+        }
+        let copy = StateSlot::take(pool)?;
+        let blocks = kv.share_prefix(position, &g.stream)?;
+        // SAFETY: two slots of one layout (checked by the callers).
+        unsafe { cudarc::driver::result::memcpy_dtod_async(copy.addr(), slot.addr(), copy.layout().bytes(), g.stream.cu_stream()) }
+            .map_err(|e| anyhow::anyhow!("cuda:{}: copying a state slot: {e:?}", g.ordinal))?;
+        Ok((copy, blocks))
     }
 }
 
