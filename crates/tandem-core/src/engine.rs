@@ -359,16 +359,18 @@ impl<'m> Engine<'m> {
                 Err(e) => return Err(e),
             }
         }
-        Ok(Snapshot::Host(state.snapshot()?))
+        Ok(state.snapshot()?.into())
     }
 
     /// A state that goes on from `snapshot`, where this engine keeps its states: a snapshot on
     /// this GPU copied there (its full K/V blocks shared), one in host memory uploaded (a GPU
-    /// engine) or copied. A `PoolFull` error where a GPU engine has no slot or block free.
-    pub fn restore(&self, snapshot: &Snapshot) -> Result<DeviceState> {
+    /// engine) or copied. `logits`: whether the state must come with its last logits (nothing
+    /// is left to prefill; a snapshot on the GPU may leave them out otherwise). A `PoolFull`
+    /// error where a GPU engine has no slot or block free.
+    pub fn restore(&self, snapshot: &Snapshot, logits: bool) -> Result<DeviceState> {
         Ok(match (&self.backend, snapshot) {
-            (Backend::Cuda(g), Snapshot::Gpu(s)) => DeviceState::Gpu(Box::new(g.restore_state(s)?)),
-            (Backend::Cuda(g), Snapshot::Host(s)) => DeviceState::Gpu(Box::new(g.upload_state(s)?)),
+            (Backend::Cuda(g), Snapshot::Gpu(s)) => DeviceState::Gpu(Box::new(g.restore_state(s, logits)?)),
+            (Backend::Cuda(g), Snapshot::Host(s)) => DeviceState::Gpu(Box::new(g.upload_state(&s.to_state())?)),
             (Backend::Cpu(_), s) => DeviceState::Host(s.to_host()?),
         })
     }

@@ -647,7 +647,7 @@ fn device_snapshots_share_full_blocks_and_restore_exactly() {
     let rest = &tokens[at..at + 20];
     let went_on = gpu.forward(rest, &mut state, Logits::Last).unwrap();
     assert!(snap.download().unwrap() == then, "the state going on changed its snapshot");
-    let mut restored = gpu.restore_state(&snap).unwrap();
+    let mut restored = gpu.restore_state(&snap, true).unwrap();
     assert_eq!(pool.level().used, 4 + 1 + 1, "the original's new block, and the restored state's copy of the third");
     assert!(restored.download().unwrap() == then, "a restored state is not the snapshot");
     let again = gpu.forward(rest, &mut restored, Logits::Last).unwrap();
@@ -666,6 +666,18 @@ fn device_snapshots_share_full_blocks_and_restore_exactly() {
     drop(restored);
     drop(aligned);
     assert_eq!(pool.level().used, 0, "every block back once its last holder is gone");
+    // After a packed prefill the logits stay on the GPU: a snapshot copies them past its slot,
+    // and gives them back (to the host, or to a restored state that asks for them) exactly.
+    let (mut a, mut b) = (gpu.new_state().unwrap(), gpu.new_state().unwrap());
+    gpu.prefill_batch(&[&tokens[..30], &tokens[7..40]], &mut [&mut a, &mut b]).unwrap();
+    let want = b.host_logits().unwrap();
+    let snap = gpu.snapshot_state(&b).unwrap().unwrap();
+    assert_eq!(&snap.host_logits().unwrap()[..], &want[..]);
+    assert!(snap.download().unwrap().last_logits == want);
+    let with = gpu.restore_state(&snap, true).unwrap();
+    assert_eq!(with.host_logits().unwrap(), want);
+    let without = gpu.restore_state(&snap, false).unwrap();
+    assert!(!without.has_logits(), "a state restored without its logits has none to sample from");
 }
 
 /// State slots: one per state, taken when it is made and given back when it is dropped; past

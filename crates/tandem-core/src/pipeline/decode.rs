@@ -245,7 +245,7 @@ fn prefill_chunks(engine: &Engine, prefilling: &mut Vec<Prefill>, batch: &mut Ba
     let mut failed_one = false;
     for (p, outcome) in std::mem::take(prefilling).into_iter().zip(outcomes) {
         if matches!(outcome, Some(Chunk::Applied)) {
-            p.send_snapshot(engine);
+            p.send_snapshot(engine, time);
         }
         match outcome {
             Some(Chunk::Failed(error)) => p.fail(error),

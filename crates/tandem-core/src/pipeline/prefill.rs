@@ -224,7 +224,7 @@ pub(super) fn prefill_requests(engine: &Engine, host: Option<&Arc<HostBudget>>, 
             match outcome {
                 Some(Chunk::Applied) => {
                     let p = p.as_mut().ok().and_then(Option::as_mut).expect("a prefill that applied a piece");
-                    p.send_snapshot(engine);
+                    p.send_snapshot(engine, time);
                     if p.remaining() == 0 {
                         *end = Some(Chunk::Applied);
                     }
@@ -313,7 +313,7 @@ impl Prefill {
                 Some(Start::State(state)) => Ok(DeviceState::Host(state)),
                 _ => unreachable!("matched above"),
             },
-            Some(Start::Cached(snapshot)) => engine.restore(snapshot),
+            Some(Start::Cached(snapshot)) => engine.restore(snapshot, request.tokens.is_empty()),
             None => engine.new_state(),
         };
         // No slot or block free: the request waits as it came (its start still in it).
@@ -356,11 +356,14 @@ impl Prefill {
     /// Send the snapshot the request asked for at this point, if it did. A copy that fails (a
     /// GPU that cannot copy out the state also fails the next forward, which answers the
     /// request) is left out, with a line on stderr: a snapshot only saves later work.
-    pub(super) fn send_snapshot(&self, engine: &Engine) {
+    pub(super) fn send_snapshot(&self, engine: &Engine, time: &EngineTime) {
         if self.applied == 0 || !self.request.snapshots.contains(&self.applied) {
             return;
         }
-        match engine.snapshot(&self.state) {
+        let started = Instant::now();
+        let taken = engine.snapshot(&self.state);
+        time.span(started, || Work::Snapshot { tokens: self.state.position() });
+        match taken {
             Ok(state) => {
                 let _ = self.request.events.send(Event::Snapshot { id: self.request.id, state });
             }

@@ -30,6 +30,8 @@ pub enum Work {
     /// One batched decode step; `positions`: the sequences' cached positions in all (what its
     /// attention reads).
     Decode { sequences: usize, positions: usize },
+    /// A copy of a request's state for a prefix cache, at `tokens` tokens.
+    Snapshot { tokens: usize },
 }
 
 impl Work {
@@ -42,6 +44,7 @@ impl Work {
             Work::Prefill { .. } => "prefill",
             Work::Sample { .. } => "sample",
             Work::Decode { .. } => "decode step",
+            Work::Snapshot { .. } => "snapshot",
         }
     }
 
@@ -50,6 +53,7 @@ impl Work {
             Work::Prefill { prompts, tokens } => format!("{{\"prompts\":{prompts},\"tokens\":{tokens}}}"),
             Work::Sample { sequences } => format!("{{\"sequences\":{sequences}}}"),
             Work::Decode { sequences, positions } => format!("{{\"sequences\":{sequences},\"positions\":{positions}}}"),
+            Work::Snapshot { tokens } => format!("{{\"tokens\":{tokens}}}"),
         }
     }
 }

@@ -12,8 +12,9 @@
 //!
 //! The device tier's snapshots share K/V blocks with each other (a snapshot of a longer prompt
 //! holds the blocks of the shorter one it continues): it counts each block once. Each tier's
-//! snapshots go least recently used first where it passes its budget; where pins hold more
-//! than a budget, the sessions used longest ago let go of theirs.
+//! snapshots go least recently used first where it passes its budget, down a tier where there
+//! is one (device to host memory to disk); where pins hold more than a budget, the sessions
+//! used longest ago let go of theirs.
 //!
 //! A `salt` (the API's `cache_salt`) keeps requests apart: a prompt with a salt matches only
 //! snapshots made under the same salt. It is a leading key entry outside the vocabulary.
@@ -21,10 +22,12 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use anyhow::Context as _;
+
 use super::device_tier::DeviceTier;
 use super::disk_tier::{DiskFile, DiskTier, OnDisk};
 use super::tree::{NodeId, PrefixTree};
-use crate::state::{Snapshot, Tier};
+use crate::state::{HostSnapshot, Snapshot, State, Tier};
 
 /// A snapshot as the cache keeps it: in memory (the GPU's or the host's), or in the files of
 /// the disk tier, read back when a prompt hits it.
@@ -78,6 +81,8 @@ pub struct CacheStats {
     pub spilled: u64,
     /// Snapshots of the disk tier refused as they were read back (damaged, another model's).
     pub refused: u64,
+    /// Snapshots the device tier let go that moved to host memory or disk.
+    pub demoted: u64,
 }
 
 /// What a prompt finds.
@@ -110,12 +115,55 @@ impl DeviceUse {
     }
 }
 
+/// What the host tier holds: each snapshot's own bytes (and its tokens), and K/V spans
+/// counted once however many snapshots share them.
+#[derive(Default)]
+struct HostUse {
+    own_bytes: usize,
+    /// Span address -> (snapshots holding it, its bytes).
+    spans: HashMap<usize, (usize, usize)>,
+    span_bytes: usize,
+    snapshots: usize,
+}
+
+impl HostUse {
+    fn bytes(&self) -> usize {
+        self.own_bytes + self.span_bytes
+    }
+
+    fn add(&mut self, s: &HostSnapshot, tokens: usize) {
+        self.own_bytes += s.own_bytes() + 4 * tokens;
+        for (span, bytes) in s.spans() {
+            let held = self.spans.entry(span).or_insert((0, bytes));
+            if held.0 == 0 {
+                self.span_bytes += bytes;
+            }
+            held.0 += 1;
+        }
+        self.snapshots += 1;
+    }
+
+    fn subtract(&mut self, s: &HostSnapshot, tokens: usize) {
+        self.own_bytes -= s.own_bytes() + 4 * tokens;
+        for (span, bytes) in s.spans() {
+            match self.spans.get_mut(&span) {
+                Some((1, _)) => {
+                    self.spans.remove(&span);
+                    self.span_bytes -= bytes;
+                }
+                Some((n, _)) => *n -= 1,
+                None => debug_assert!(false, "a span the host tier did not count"),
+            }
+        }
+        self.snapshots -= 1;
+    }
+}
+
 pub struct PrefixCache {
     tree: PrefixTree<Kept>,
     /// The host tier's budget.
     budget: usize,
-    host_bytes: usize,
-    host_snapshots: usize,
+    host_use: HostUse,
     device: Option<Arc<DeviceTier>>,
     device_use: DeviceUse,
     disk: Option<DiskTier>,
@@ -146,8 +194,7 @@ impl PrefixCache {
         PrefixCache {
             tree: PrefixTree::new(),
             budget,
-            host_bytes: 0,
-            host_snapshots: 0,
+            host_use: HostUse::default(),
             device: None,
             device_use: DeviceUse::default(),
             disk: None,
@@ -208,7 +255,7 @@ impl PrefixCache {
     /// Bytes the snapshots of `tier` hold (the device's shared blocks counted once).
     pub fn bytes(&self, tier: Tier) -> usize {
         match tier {
-            Tier::Host => self.host_bytes,
+            Tier::Host => self.host_use.bytes(),
             Tier::Device => self.device_use.bytes(),
             Tier::Disk => self.disk_bytes,
         }
@@ -216,7 +263,7 @@ impl PrefixCache {
 
     pub fn snapshots(&self, tier: Tier) -> usize {
         match tier {
-            Tier::Host => self.host_snapshots,
+            Tier::Host => self.host_use.snapshots,
             Tier::Device => self.device_use.snapshots,
             Tier::Disk => self.disk_snapshots,
         }
@@ -284,7 +331,7 @@ impl PrefixCache {
         let disk = self.disk.as_ref()?;
         match disk.read(file, tokens) {
             Ok(state) => {
-                let state = Arc::new(Snapshot::Host(state));
+                let state = Arc::new(Snapshot::Host(self.host_snapshot(&self.tree.key_of(id), state)));
                 let size = Self::size(&state, tokens);
                 if size <= self.budget {
                     self.add(&Kept::Memory(state.clone()), tokens);
@@ -292,7 +339,7 @@ impl PrefixCache {
                         self.subtract(&old, tokens);
                     }
                     self.tree.pin(id);
-                    self.evict();
+                    self.evict(None);
                     self.tree.unpin(id);
                 }
                 Some(state)
@@ -311,6 +358,22 @@ impl PrefixCache {
         }
     }
 
+    /// `state`, to be kept in host memory as the snapshot of `key`, sharing the K/V spans of
+    /// the deepest host snapshot above it on its path where it can (`HostSnapshot::continuing`).
+    fn host_snapshot(&self, key: &[u32], state: State) -> HostSnapshot {
+        let above = self.tree.deepest_above(key, |k| match k {
+            Kept::Memory(s) => match &**s {
+                Snapshot::Host(h) => Some(h),
+                Snapshot::Gpu(_) => None,
+            },
+            Kept::Disk(_) => None,
+        });
+        match above {
+            Some(earlier) => HostSnapshot::continuing(state, earlier),
+            None => HostSnapshot::new(state),
+        }
+    }
+
     /// Bytes a snapshot of `tokens` is charged in the tree (the device tier counts its own).
     fn size(snapshot: &Snapshot, tokens: usize) -> usize {
         snapshot.bytes() + 4 * tokens
@@ -323,10 +386,7 @@ impl PrefixCache {
                 self.disk_snapshots += 1;
             }
             Kept::Memory(s) => match &**s {
-                Snapshot::Host(_) => {
-                    self.host_bytes += Self::size(s, tokens);
-                    self.host_snapshots += 1;
-                }
+                Snapshot::Host(h) => self.host_use.add(h, tokens),
                 Snapshot::Gpu(g) => {
                     let u = &mut self.device_use;
                     u.slot_bytes += g.slot_bytes();
@@ -346,10 +406,7 @@ impl PrefixCache {
                 self.disk_snapshots -= 1;
             }
             Kept::Memory(s) => match &**s {
-                Snapshot::Host(_) => {
-                    self.host_bytes -= Self::size(s, tokens);
-                    self.host_snapshots -= 1;
-                }
+                Snapshot::Host(h) => self.host_use.subtract(h, tokens),
                 Snapshot::Gpu(g) => {
                     let u = &mut self.device_use;
                     u.slot_bytes -= g.slot_bytes();
@@ -370,7 +427,9 @@ impl PrefixCache {
 
     /// Keep `snapshot`, the state after exactly `tokens` (its position is `tokens.len()`),
     /// pinned for a session when `pin` says so; one larger than its tier's whole budget is not
-    /// kept (a host snapshot goes to the disk tier instead, where there is one). Evicts down to the budgets (see the module's doc). Returns whether it was kept.
+    /// kept (a host snapshot goes to the disk tier instead, where there is one), nor one that
+    /// no session pins where sessions' pins hold its tier's budget. Evicts down to the budgets
+    /// (see `evict`). Returns whether it was kept.
     pub fn insert(&mut self, salt: Option<&str>, tokens: &[u32], snapshot: Snapshot, pin: Option<(&str, Pin)>) -> bool {
         debug_assert_eq!(snapshot.position(), tokens.len());
         let too_big = match &snapshot {
@@ -382,12 +441,17 @@ impl PrefixCache {
         }
         let (key, lead) = Self::key(salt, tokens);
         let (kept, size) = match (snapshot, too_big, &self.disk) {
+            (Snapshot::Host(h), false, _) => {
+                let h = self.host_snapshot(&key, h.into_state());
+                let size = h.bytes() + 4 * tokens.len();
+                (Kept::Memory(Arc::new(Snapshot::Host(h))), size)
+            }
             (snapshot, false, _) => {
                 let size = Self::size(&snapshot, tokens.len());
                 (Kept::Memory(Arc::new(snapshot)), size)
             }
             // Too big for host memory: straight to disk, where there is a disk tier.
-            (Snapshot::Host(state), true, Some(disk)) if disk.budget() > 0 => match disk.write(&key, &state) {
+            (Snapshot::Host(state), true, Some(disk)) if disk.budget() > 0 => match disk.write(&key, &state.to_state()) {
                 Ok(file) => {
                     self.stats.spilled += 1;
                     let bytes = file.bytes;
@@ -406,14 +470,21 @@ impl PrefixCache {
             self.subtract(&old, key.len() - lead);
         }
         self.stats.inserted += 1;
-        // The new snapshot is kept through the eviction (it is the most recently used anyway).
+        // The new snapshot is kept through the eviction (it is the most recently used anyway),
+        // but where sessions hold the rest of its tier and it is no session's.
         self.tree.pin(id);
-        if let Some((session, kind)) = pin {
-            self.pin(session, kind, id);
+        let newcomer = match pin {
+            Some((session, kind)) => {
+                self.pin(session, kind, id);
+                None
+            }
+            None => Some(id),
+        };
+        let kept = self.evict(newcomer);
+        if kept {
+            self.tree.unpin(id);
         }
-        self.evict();
-        self.tree.unpin(id);
-        true
+        kept
     }
 
     /// Pin the snapshot of exactly `tokens`, where there is one, as `session`'s of kind `pin`.
@@ -449,26 +520,58 @@ impl PrefixCache {
         }
     }
 
-    /// Bring the device tier within its budget: the snapshots used longest ago go, but pinned
-    /// ones. (They are not moved to host memory: the copy would run on the stream of the engine
-    /// that took them, from this thread, beside that engine's own work; and a GPU engine
-    /// prefills the prompts this cache sees faster than it copies a state back from there.)
+    /// Bring the device tier within its budget: the snapshots used longest ago, but pinned
+    /// ones, move to host memory (copied on a stream of their own, beside their engine's
+    /// work), or straight to the disk tier where host memory has no room for them, or go where
+    /// there is neither.
     fn shrink_device(&mut self) {
         let budget = self.device_budget();
         while self.device_use.bytes() > budget {
             let Some(id) = self.tree.oldest(|s, pinned| s.tier() == Tier::Device && !pinned) else { break };
-            self.drop_snapshot(id);
+            let disk_budget = self.disk.as_ref().map_or(0, DiskTier::budget);
+            let snapshot = match self.tree.get(id) {
+                Some(Kept::Memory(s)) if self.budget > 0 || disk_budget > 0 => s.clone(),
+                _ => {
+                    self.drop_snapshot(id);
+                    continue;
+                }
+            };
+            let tokens = snapshot.position();
+            let moved = snapshot.to_host().and_then(|state| {
+                let size = state.bytes() + 4 * tokens;
+                if size <= self.budget {
+                    return Ok((Kept::Memory(Arc::new(Snapshot::Host(self.host_snapshot(&self.tree.key_of(id), state)))), size));
+                }
+                let disk = self.disk.as_ref().filter(|d| d.budget() > 0).context("host memory has no room for it, and there is no disk tier")?;
+                let file = disk.write(&self.tree.key_of(id), &state)?;
+                self.stats.spilled += 1;
+                let bytes = file.bytes;
+                Ok((Kept::Disk(Arc::new(file)), bytes))
+            });
+            match moved {
+                Ok((kept, bytes)) => {
+                    self.add(&kept, tokens);
+                    if let Some(old) = self.tree.replace(id, kept, bytes) {
+                        self.subtract(&old, tokens);
+                    }
+                    self.stats.demoted += 1;
+                }
+                Err(e) => {
+                    eprintln!("prefix cache: a snapshot leaving the GPU could not be kept elsewhere, and goes: {e:#}");
+                    self.drop_snapshot(id);
+                }
+            }
         }
     }
 
     /// Bring the host tier within its budget: its snapshots used longest ago go (to the disk
     /// tier where there is one), but pinned ones.
     fn shrink_host(&mut self) {
-        while self.host_bytes > self.budget {
+        while self.host_use.bytes() > self.budget {
             let Some(id) = self.tree.oldest(|s, pinned| s.tier() == Tier::Host && !pinned) else { break };
             let written = match (&self.disk, self.tree.get(id)) {
                 (Some(disk), Some(Kept::Memory(s))) => match &**s {
-                    Snapshot::Host(state) if disk.budget() > 0 => Some(disk.write(&self.tree.key_of(id), state)),
+                    Snapshot::Host(state) if disk.budget() > 0 => Some(disk.write(&self.tree.key_of(id), &state.to_state())),
                     _ => None,
                 },
                 _ => None,
@@ -503,7 +606,14 @@ impl PrefixCache {
         }
     }
 
-    fn evict(&mut self) {
+    /// Bring every tier within its budget; where pins hold more than a budget, the sessions
+    /// used longest ago let go of theirs. A `newcomer` (a snapshot just inserted, held through
+    /// this, that no session holds) goes first instead: a snapshot no one holds never pushes out
+    /// the states sessions hold (under a tight budget, a long prefill's snapshots would otherwise
+    /// release every session's state, each of whose next turns would prefill it all again).
+    /// Returns whether the newcomer stays.
+    fn evict(&mut self, mut newcomer: Option<NodeId>) -> bool {
+        let mut stays = true;
         loop {
             self.shrink_device();
             self.shrink_host();
@@ -511,10 +621,23 @@ impl PrefixCache {
                 tier.rebalance(self.device_use.slot_bytes);
             }
             let disk_budget = self.disk.as_ref().map_or(0, DiskTier::budget);
-            if self.host_bytes <= self.budget && self.device_use.bytes() <= self.device_budget() && self.disk_bytes <= disk_budget {
-                return;
+            let over = |c: &PrefixCache, tier: Tier| match tier {
+                Tier::Device => c.device_use.bytes() > c.device_budget(),
+                Tier::Host => c.host_use.bytes() > c.budget,
+                Tier::Disk => c.disk_bytes > disk_budget,
+            };
+            if [Tier::Device, Tier::Host, Tier::Disk].into_iter().all(|t| !over(self, t)) {
+                return stays;
             }
-            let Some(oldest) = self.sessions.iter().min_by_key(|(_, s)| s.last_used).map(|(name, _)| name.clone()) else { return };
+            if let Some(id) = newcomer.take() {
+                if self.tree.get(id).is_some_and(|k| over(self, k.tier())) {
+                    self.tree.unpin(id);
+                    self.drop_snapshot(id);
+                    stays = false;
+                    continue;
+                }
+            }
+            let Some(oldest) = self.sessions.iter().min_by_key(|(_, s)| s.last_used).map(|(name, _)| name.clone()) else { return stays };
             self.release(&oldest);
             self.stats.sessions_released += 1;
         }
@@ -591,6 +714,56 @@ mod tests {
         assert_eq!((s.lookups, s.hits, s.hit_tokens, s.matched_tokens), (2, 2, 16 + 29, 26 + 29));
     }
 
+    /// A state after `tokens` whose attention K/V rows are made from the tokens before them
+    /// (as a model's are): states along one path agree on their common rows. `skew` changes
+    /// every row (a state computed differently).
+    fn state_with_kv(cfg: &Qwen35Config, tokens: &[u32], skew: f32) -> State {
+        let mut s = state(cfg, tokens);
+        let row = cfg.num_key_value_heads * cfg.head_dim;
+        for l in &mut s.layers {
+            if let crate::state::LayerState::Full { k, v } = l {
+                *k = (0..tokens.len() * row).map(|i| tokens[i / row] as f32 + (i % row) as f32 * 1e-3 + skew).collect();
+                *v = k.iter().map(|x| -x).collect();
+            }
+        }
+        s
+    }
+
+    #[test]
+    fn host_snapshots_along_a_path_share_their_k_v_and_give_it_back_whole() {
+        let cfg = Qwen35Config::preset("tiny").unwrap();
+        let mut c = PrefixCache::new(usize::MAX, 0);
+        let a: Vec<u32> = (0..64).collect();
+        let (s16, s40, s64) = (state_with_kv(&cfg, &a[..16], 0.0), state_with_kv(&cfg, &a[..40], 0.0), state_with_kv(&cfg, &a, 0.0));
+        let alone = |s: &State| s.bytes() + 4 * s.position;
+        for s in [&s16, &s40, &s64] {
+            c.insert(None, &a[..s.position], s.clone().into(), None);
+        }
+        // Each K/V row once: the longest state's, and the others' own parts.
+        let shared = alone(&s64) + (alone(&s16) - s16.kv_bytes()) + (alone(&s40) - s40.kv_bytes());
+        assert_eq!(c.bytes(Tier::Host), shared);
+        assert!(shared < alone(&s16) + alone(&s40) + alone(&s64));
+        let whole = |c: &mut PrefixCache, n: usize| c.lookup(None, &a[..n]).state.unwrap().to_host().unwrap();
+        assert!(whole(&mut c, 40) == s40 && whole(&mut c, 64) == s64 && whole(&mut c, 16) == s16);
+        // A state of another path's tokens, or whose rows differ, shares nothing.
+        let mut b = a[..30].to_vec();
+        b.push(1000);
+        let skewed = state_with_kv(&cfg, &b, 0.5);
+        c.insert(None, &b, skewed.clone().into(), None);
+        assert_eq!(c.bytes(Tier::Host), shared + alone(&skewed));
+        assert!(c.lookup(None, &b).state.unwrap().to_host().unwrap() == skewed);
+        // The shorter snapshots evicted: the longer one keeps the rows it shares, whole.
+        let mut small = PrefixCache::new(alone(&s64) + alone(&skewed), 0);
+        for s in [&s16, &s40, &s64] {
+            small.insert(None, &a[..s.position], s.clone().into(), None);
+        }
+        small.insert(None, &b, skewed.clone().into(), None);
+        assert!(small.bytes(Tier::Host) <= small.budget());
+        assert!(whole(&mut small, 64) == s64);
+        assert_eq!(small.lookup(None, &a[..40]).reused, 0, "the shorter ones went");
+        assert_eq!(small.bytes(Tier::Host), alone(&s64) + alone(&skewed));
+    }
+
     #[test]
     fn pins_outlast_eviction_until_the_budget_needs_their_bytes() {
         let cfg = Qwen35Config::preset("tiny").unwrap();
@@ -611,14 +784,20 @@ mod tests {
         assert!(c.bytes(Tier::Host) <= c.budget());
         assert_eq!(c.lookup(None, &t(1)).reused, 0, "session s was used longest ago");
         assert_eq!(c.stats().sessions_released, 1);
-        // Replacing a pin lets go of the old one.
-        c.insert(None, &t(9), state(&cfg, &t(9)).into(), None);
-        assert_eq!(c.lookup(None, &t(8)).reused, 3);
+        // Pins hold the budget: a snapshot no session holds is not kept, and releases none.
+        assert!(!c.insert(None, &t(9), state(&cfg, &t(9)).into(), None));
+        assert_eq!(c.lookup(None, &t(9)).reused, 0);
+        assert_eq!(c.stats().sessions_released, 1);
+        // Replacing a pin lets go of the old one, which goes where the budget needs its bytes.
+        assert!(c.insert(None, &t(9), state(&cfg, &t(9)).into(), Some(("p2", Pin::Latest))));
+        assert_eq!(c.lookup(None, &t(8)).reused, 0, "p2's old snapshot, unpinned, went");
+        assert_eq!(c.lookup(None, &t(6)).reused, 3);
         assert!(c.pin_existing(None, &t(9), "p2", Pin::Latest));
         assert!(!c.pin_existing(None, &[9, 9], "p2", Pin::Typed), "no snapshot of exactly these tokens");
-        c.insert(None, &t(10), state(&cfg, &t(10)).into(), None);
-        c.insert(None, &t(11), state(&cfg, &t(11)).into(), None);
-        assert_eq!(c.lookup(None, &t(8)).reused, 0, "unpinned, and evicted");
+        // A session let go: its snapshot stays, evictable, and makes room for one no session holds.
+        c.release("p0");
+        assert!(c.insert(None, &t(10), state(&cfg, &t(10)).into(), None));
+        assert_eq!(c.lookup(None, &t(6)).reused, 0, "unpinned, and evicted");
         assert!(c.bytes(Tier::Host) <= c.budget());
     }
 }

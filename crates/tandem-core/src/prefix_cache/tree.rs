@@ -117,6 +117,22 @@ impl<S: Clone> PrefixTree<S> {
         Match { matched, snapshot }
     }
 
+    /// The deepest snapshot above depth `tokens.len()` on the path of `tokens` that `pick`
+    /// takes something from (not marked as used).
+    pub fn deepest_above<'a, T>(&'a self, tokens: &[u32], pick: impl Fn(&'a S) -> Option<T>) -> Option<T> {
+        let (mut at, _, _) = self.walk(tokens);
+        loop {
+            let node = self.node(at);
+            if let Some(found) = node.snapshot.as_ref().filter(|_| node.depth < tokens.len()).and_then(|(s, _)| pick(s)) {
+                return Some(found);
+            }
+            if at == ROOT {
+                return None;
+            }
+            at = node.parent;
+        }
+    }
+
     /// The node at depth `tokens.len()` on the path of `tokens`, made if missing (splitting an
     /// edge that passes that depth).
     fn node_at(&mut self, tokens: &[u32]) -> NodeId {

@@ -11,7 +11,7 @@ mod snapshot;
 
 use crate::bridge::file::StateFile;
 pub use device::DeviceState;
-pub use snapshot::{Snapshot, Tier};
+pub use snapshot::{HostSnapshot, Snapshot, Tier};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum LayerState {
@@ -77,6 +77,11 @@ impl State {
             }
         }
         Ok(())
+    }
+
+    /// Bytes of its attention layers' K/V.
+    pub fn kv_bytes(&self) -> usize {
+        4 * self.layers.iter().map(|l| if let LayerState::Full { k, v } = l { k.len() + v.len() } else { 0 }).sum::<usize>()
     }
 
     /// Bytes of state data (what a transfer has to move).

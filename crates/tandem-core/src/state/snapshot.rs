@@ -1,16 +1,155 @@
 //! A copy of a request's state taken part way into its prompt or at its end, for a prefix
-//! cache: in host memory, or kept on the GPU of the engine that took it (its K/V blocks shared
-//! with the state it came from). Nothing writes into a snapshot; a request that continues one
-//! starts from a copy of it (`Engine::restore`).
+//! cache: in host memory (its attention K/V in spans that snapshots along one path share), or
+//! kept on the GPU of the engine that took it (its K/V blocks shared with the state it came
+//! from). Nothing writes into a snapshot; a request that continues one starts from a copy of
+//! it (`Engine::restore`).
+
+use std::sync::Arc;
 
 use anyhow::Result;
 
-use super::State;
+use super::{LayerState, State};
 use crate::backend::cuda::qwen35::GpuSnapshot;
 
 pub enum Snapshot {
-    Host(State),
+    Host(HostSnapshot),
     Gpu(GpuSnapshot),
+}
+
+/// A state in host memory whose attention keys and values are held as a chain of spans of
+/// positions: a snapshot taken further along a prompt than another shares that one's spans
+/// and holds only the positions past it, so that snapshots every N tokens of a long prompt
+/// cost its K/V once rather than once per snapshot.
+pub struct HostSnapshot {
+    /// The state, its attention layers' K/V left empty (they are in `kv`).
+    rest: State,
+    kv: Arc<KvSpan>,
+}
+
+/// The K/V rows of positions `[from, to)` of every attention layer, after those of `before`
+/// (positions `[0, from)`).
+pub struct KvSpan {
+    from: usize,
+    to: usize,
+    /// Per attention layer: keys, values.
+    layers: Vec<(Vec<f32>, Vec<f32>)>,
+    before: Option<Arc<KvSpan>>,
+}
+
+impl KvSpan {
+    /// The spans from this one back to position 0.
+    fn chain(self: &Arc<KvSpan>) -> impl Iterator<Item = &Arc<KvSpan>> {
+        std::iter::successors(Some(self), |s| s.before.as_ref())
+    }
+
+    pub fn bytes(&self) -> usize {
+        4 * self.layers.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>()
+    }
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+impl HostSnapshot {
+    /// `state` as a snapshot of its own (one span).
+    pub fn new(state: State) -> HostSnapshot {
+        Self::after(state, None)
+    }
+
+    /// `state` as a snapshot that shares `earlier`'s K/V spans where it continues it: where
+    /// `earlier` lies at or before it and its K/V rows are, bit for bit, the first rows of
+    /// `state`'s (a state that continued `earlier`, or went through the same tokens on an
+    /// engine that computes them the same way). Otherwise a snapshot of its own.
+    pub fn continuing(state: State, earlier: &HostSnapshot) -> HostSnapshot {
+        let shares = earlier.position() <= state.position && {
+            let rows = |k: &Vec<f32>| k.len() / state.position.max(1);
+            let full = state.layers.iter().filter_map(|l| if let LayerState::Full { k, v } = l { Some((k, v)) } else { None });
+            earlier.kv.chain().all(|span| {
+                span.layers.iter().zip(full.clone()).all(|((ek, ev), (k, v))| {
+                    let (at, n) = (span.from * rows(k), (span.to - span.from) * rows(k));
+                    same_bits(ek, &k[at..at + n]) && same_bits(ev, &v[at..at + n])
+                })
+            })
+        };
+        Self::after(state, shares.then(|| earlier.kv.clone()))
+    }
+
+    /// `state` with its K/V rows past `before`'s in a new span.
+    fn after(mut state: State, before: Option<Arc<KvSpan>>) -> HostSnapshot {
+        let from = before.as_ref().map_or(0, |b| b.to);
+        let position = state.position;
+        let mut layers = Vec::new();
+        for l in &mut state.layers {
+            if let LayerState::Full { k, v } = l {
+                let row = k.len() / position.max(1);
+                let (mut k, mut v) = (std::mem::take(k), std::mem::take(v));
+                if from > 0 {
+                    k.drain(..from * row);
+                    v.drain(..from * row);
+                    k.shrink_to_fit();
+                    v.shrink_to_fit();
+                }
+                layers.push((k, v));
+            }
+        }
+        HostSnapshot { rest: state, kv: Arc::new(KvSpan { from, to: position, layers, before }) }
+    }
+
+    pub fn position(&self) -> usize {
+        self.rest.position
+    }
+
+    /// The whole state (moved out where it is one span, gathered from its spans otherwise).
+    pub fn into_state(self) -> State {
+        match Arc::try_unwrap(self.kv) {
+            Ok(KvSpan { from: 0, layers, .. }) => {
+                let mut state = self.rest;
+                let mut kv = layers.into_iter();
+                for l in &mut state.layers {
+                    if let LayerState::Full { k, v } = l {
+                        (*k, *v) = kv.next().expect("a span has K/V for every attention layer");
+                    }
+                }
+                state
+            }
+            Ok(span) => HostSnapshot { rest: self.rest, kv: Arc::new(span) }.to_state(),
+            Err(kv) => HostSnapshot { rest: self.rest, kv }.to_state(),
+        }
+    }
+
+    /// The whole state, its K/V gathered from the spans.
+    pub fn to_state(&self) -> State {
+        let spans: Vec<&Arc<KvSpan>> = self.kv.chain().collect();
+        let mut state = self.rest.clone();
+        let mut a = 0;
+        for l in &mut state.layers {
+            if let LayerState::Full { k, v } = l {
+                for span in spans.iter().rev() {
+                    k.extend_from_slice(&span.layers[a].0);
+                    v.extend_from_slice(&span.layers[a].1);
+                }
+                a += 1;
+            }
+        }
+        state
+    }
+
+    /// Bytes of its own (recurrent states, conv windows, logits), the K/V spans aside.
+    pub fn own_bytes(&self) -> usize {
+        self.rest.bytes()
+    }
+
+    /// Its K/V spans (some shared with other snapshots): an address to tell them apart, and
+    /// their bytes.
+    pub fn spans(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.kv.chain().map(|s| (Arc::as_ptr(s) as usize, s.bytes()))
+    }
+
+    /// Bytes it holds, its shared spans counted whole.
+    pub fn bytes(&self) -> usize {
+        self.own_bytes() + self.spans().map(|(_, b)| b).sum::<usize>()
+    }
 }
 
 /// Where a snapshot lives (the prefix cache's tiers).
@@ -36,7 +175,7 @@ impl Snapshot {
     /// Tokens the state has applied.
     pub fn position(&self) -> usize {
         match self {
-            Snapshot::Host(s) => s.position,
+            Snapshot::Host(s) => s.position(),
             Snapshot::Gpu(s) => s.position,
         }
     }
@@ -59,7 +198,7 @@ impl Snapshot {
     /// A host copy of it (for an engine on another device, or to keep in host memory).
     pub fn to_host(&self) -> Result<State> {
         match self {
-            Snapshot::Host(s) => Ok(s.clone()),
+            Snapshot::Host(s) => Ok(s.to_state()),
             Snapshot::Gpu(s) => s.download(),
         }
     }
@@ -67,6 +206,6 @@ impl Snapshot {
 
 impl From<State> for Snapshot {
     fn from(s: State) -> Snapshot {
-        Snapshot::Host(s)
+        Snapshot::Host(HostSnapshot::new(s))
     }
 }

@@ -89,13 +89,15 @@ the decode engine's memory bandwidth, measured first. Requests per point: two pe
                  [--shared-len 1500] [--few-shot 100] [--output-len 32]
                  [--no-reuse-requests 64] [--no-reuse-len 512]
                  [--prefix-cache-memory SIZE] [--prefix-cache-device-memory SIZE]
-                 [--prefix-snapshot-every N]:
+                 [--prefix-snapshot-every N] [--workloads questions,agent,few-shot,no-reuse]
+                 [--trace PREFIX]:
 tandem serve's prefix cache on four workloads, each with the cache on and off (a fresh server
 of each per repetition, in alternating order): a shared system prompt with short questions
 after it (and the questions alone), agent conversations adding tool results turn by turn,
 few-shot prompts sharing a long run of examples, random prompts that share nothing. Hit rate
 against the ideal (the prompt tokens finished requests applied), TTFT p50/p99, output tok/s,
-the cache's memory. --quick: the tiny sizes of a test.
+the cache's memory. --quick: the tiny sizes of a test. --trace PREFIX: each server's timeline
+of its engines' work in PREFIX-cache-on-1.json and so on (tandem serve --trace).
 ";
 
 /// What a run produces: the Markdown report, every raw measurement (the JSON file) and the
@@ -155,7 +157,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             "input-len", "output-len", "concurrency", "rates", "requests", "max-concurrent", "max-prefill-tokens", "temperature", "top-k", "top-p", "slo-ttft-ms", "slo-tpot-ms", "gpu-memory-utilization",
             "kv-cache-memory", "trace",
             // The prefix-cache section's.
-            "system-len", "questions", "conversations", "turns", "shared-len", "few-shot", "prefix-cache-memory", "prefix-cache-device-memory", "prefix-snapshot-every", "no-reuse-requests", "no-reuse-len",
+            "system-len", "questions", "conversations", "turns", "shared-len", "few-shot", "prefix-cache-memory", "prefix-cache-device-memory", "prefix-snapshot-every", "no-reuse-requests", "no-reuse-len", "workloads",
         ],
         &["quick"],
     )?;

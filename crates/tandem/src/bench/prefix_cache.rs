@@ -43,7 +43,11 @@ pub struct Options {
     /// The no-reuse load: requests, prompt length, concurrency.
     pub no_reuse: (usize, usize, usize),
     pub reps: usize,
+    /// The workloads to run (all four by default).
+    pub workloads: Vec<&'static str>,
 }
+
+const WORKLOADS: [&str; 4] = ["questions", "agent", "few-shot", "no reuse"];
 
 impl Options {
     pub fn parse(args: &Args, quick: bool) -> Result<Options> {
@@ -60,6 +64,16 @@ impl Options {
             output_len: args.get("output-len", q(32, 6))?,
             no_reuse: (args.get("no-reuse-requests", q(64, 12))?, args.get("no-reuse-len", q(512, 64))?, q(16, 4)),
             reps: args.get("reps", q(2, 1))?,
+            workloads: match args.str("workloads") {
+                None => WORKLOADS.to_vec(),
+                Some(list) => list
+                    .split(',')
+                    .map(|w| {
+                        let w = w.trim().replace('-', " ");
+                        WORKLOADS.into_iter().find(|k| k.replace('-', " ") == w).with_context(|| format!("--workloads: {w:?} is not one of questions, agent, few-shot, no-reuse"))
+                    })
+                    .collect::<Result<_>>()?,
+            },
         };
         if o.questions == 0 || o.conversations == 0 || o.turns < 2 || o.few_shot == 0 || o.output_len == 0 || o.reps == 0 || o.no_reuse.0 == 0 || o.no_reuse.1 == 0 {
             bail!("--questions, --conversations, --few-shot, --output-len, --no-reuse-requests, --no-reuse-len and --reps must be at least 1, --turns at least 2");
@@ -263,7 +277,7 @@ fn server_args(o: &Options, args: &Args, cache: bool) -> Vec<String> {
     if let Some(every) = args.str("prefix-snapshot-every") {
         v.extend(["--prefix-snapshot-every".to_string(), every.to_string()]);
     }
-    for name in ENGINE_OPTIONS.iter().filter(|n| **n != "max-batch") {
+    for name in ENGINE_OPTIONS.iter().filter(|n| !["max-batch", "trace"].contains(*n)) {
         if let Some(value) = args.str(name) {
             v.extend([format!("--{name}"), value.to_string()]);
         }
@@ -279,7 +293,10 @@ pub fn run(report: &mut String, args: &Args, quick: bool) -> Result<()> {
     for rep in 0..o.reps {
         let order = if rep % 2 == 0 { [true, false] } else { [false, true] };
         for cache in order {
-            let sargs = server_args(&o, args, cache);
+            let mut sargs = server_args(&o, args, cache);
+            if let Some(prefix) = args.str("trace") {
+                sargs.extend(["--trace".to_string(), format!("{prefix}-cache-{}-{}.json", if cache { "on" } else { "off" }, rep + 1)]);
+            }
             progress(&format!("repetition {}/{}: tandem serve {}", rep + 1, o.reps, sargs.join(" ")));
             let server = Server::start(&sargs)?;
             let addr = server.addr;
@@ -293,8 +310,8 @@ pub fn run(report: &mut String, args: &Args, quick: bool) -> Result<()> {
             let questions: Vec<Vec<u32>> = (0..o.questions).map(|_| random_run(&mut rng, (20, 80), vocab)).collect();
             let shared = random_tokens(&mut rng, o.shared_len, vocab);
             let endings: Vec<Vec<u32>> = (0..o.few_shot).map(|_| random_run(&mut rng, (20, 200), vocab)).collect();
-            let mut workloads: Vec<&'static str> = vec!["questions", "agent", "few-shot", "no reuse"];
-            if !cache {
+            let mut workloads = o.workloads.clone();
+            if !cache && workloads.contains(&"questions") {
                 workloads.push("questions alone");
             }
             for w in workloads {
@@ -373,12 +390,22 @@ fn write_report(report: &mut String, o: &Options, runs: &[Run], banners: &[(bool
     let rate = |w: &str, cache: bool, rep: usize| of(runs, w, cache).find(|r| r.rep == rep).map(Run::output_rate);
     let overhead = per_rep(&|rep| Some(rate("no reuse", true, rep)? / rate("no reuse", false, rep)?));
     writeln!(report, "\n| target | measured: median (min-max) over repetitions |\n|---|---|")?;
-    for w in ["questions", "agent", "few-shot"] {
+    let ran = |w: &str| o.workloads.contains(&w);
+    for w in ["questions", "agent", "few-shot"].into_iter().filter(|w| ran(w)) {
         writeln!(report, "| {w}: hit rate >= 95% of the ideal | {}% |", spread(&rates(w), 1))?;
     }
-    writeln!(report, "| questions: TTFT p50 of a question after the cached system prompt / of the question alone | {}x |", spread(&ratio_questions, 2))?;
-    writeln!(report, "| agent: TTFT p50 of turn {} / of turn 2 (<= 1) | {}x |", o.turns, spread(&ratio_turns, 2))?;
-    writeln!(report, "| no reuse: output tok/s with the cache on / off (>= 0.95) | {} |", spread(&overhead, 3))?;
+    if ran("questions") {
+        writeln!(report, "| questions: TTFT p50 of a question after the cached system prompt / of the question alone | {}x |", spread(&ratio_questions, 2))?;
+    }
+    if ran("agent") {
+        writeln!(report, "| agent: TTFT p50 of turn {} / of turn 2 (<= 1) | {}x |", o.turns, spread(&ratio_turns, 2))?;
+    }
+    if ran("no reuse") {
+        writeln!(report, "| no reuse: output tok/s with the cache on / off (>= 0.95) | {} |", spread(&overhead, 3))?;
+    }
+    if !ran("agent") {
+        return Ok(());
+    }
     let turn_ttfts = |cache: bool| (1..=o.turns).map(|t| of(runs, "agent", cache).map(|r| percentile(&r.ttfts(Some(t)), 50.0)).collect::<Vec<_>>()).map(|v| spread(&v, 1)).collect::<Vec<_>>().join(" | ");
     writeln!(report, "\nAgent TTFT p50 ms by turn, median (min-max) over repetitions:\n")?;
     writeln!(report, "| cache | {} |", (1..=o.turns).map(|t| format!("turn {t}")).collect::<Vec<_>>().join(" | "))?;

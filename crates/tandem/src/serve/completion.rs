@@ -89,6 +89,9 @@ pub struct Completion {
     last_token: Option<Instant>,
     pending: VecDeque<Piece>,
     done: bool,
+    /// The snapshots of the prompt going into the cache (off the tokens' way, in order), done
+    /// before the reply's end is answered.
+    keeping: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// Where the prompt's last turn begins: the last `<|im_start|>` (the generation prompt's, in a
@@ -146,9 +149,13 @@ async fn keep(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>, states: Ve
 
 /// Make sure the cache holds the state after exactly `tokens`: prefill what the deepest
 /// snapshot on their path lacks (stopping for snapshots where they leave the tree, and so on),
-/// and pin it for `pin`'s session. Returns the tokens the cache covered and those prefilled.
-pub async fn remember(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>, pin: Option<(String, Pin)>) -> anyhow::Result<(usize, usize)> {
+/// and pin it for `pin`'s session; but nothing where that snapshot covers fewer than `least`
+/// tokens. Returns the tokens the cache covered and those prefilled.
+pub async fn remember(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>, least: usize, pin: Option<(String, Pin)>) -> anyhow::Result<(usize, usize)> {
     let found = lookup(app, salt.as_deref(), &tokens, false).await;
+    if found.reused < least {
+        return Ok((found.reused, 0));
+    }
     if found.reused == tokens.len() {
         if let Some((session, kind)) = &pin {
             app.cache.lock().expect("cache lock").pin_existing(salt.as_deref(), &tokens, session, *kind);
@@ -225,6 +232,7 @@ impl Completion {
             last_token: None,
             pending: VecDeque::new(),
             done: false,
+            keeping: None,
         })
     }
 
@@ -237,9 +245,15 @@ impl Completion {
                 return None;
             }
             match self.running.events.recv().await {
-                Some(Event::Snapshot { state, .. }) => self.snapshot(state).await,
+                Some(Event::Snapshot { state, .. }) => self.snapshot(state),
                 Some(Event::Token { token, .. }) => self.token(token),
-                Some(Event::Done { finish, .. }) => self.finish(finish),
+                Some(Event::Done { finish, .. }) => {
+                    // A request sent after this reply ends finds its prompt's snapshots.
+                    if let Some(keeping) = self.keeping.take() {
+                        let _ = keeping.await;
+                    }
+                    self.finish(finish)
+                }
                 Some(Event::Failed { error, .. }) => self.fail(anyhow::anyhow!(error)),
                 None => self.fail(anyhow::anyhow!("the engines stopped before the request finished")),
             }
@@ -247,14 +261,21 @@ impl Completion {
     }
 
     /// A snapshot of the prompt's prefill, for the cache; the prompt's end is pinned as the
-    /// session's latest state.
-    async fn snapshot(&mut self, state: Snapshot) {
+    /// session's latest state. Kept by a task of its own (after the request's earlier ones):
+    /// the first token does not wait for the cache's lock.
+    fn snapshot(&mut self, state: Snapshot) {
         let n = state.position();
         if n > self.prompt.len() {
             return;
         }
         let pin = self.session.clone().filter(|_| n == self.prompt.len()).map(|s| (s, Pin::Latest));
-        keep(&self.app, self.salt.clone(), self.prompt[..n].to_vec(), vec![state], pin).await;
+        let (app, salt, tokens, before) = (Arc::clone(&self.app), self.salt.clone(), self.prompt[..n].to_vec(), self.keeping.take());
+        self.keeping = Some(tokio::spawn(async move {
+            if let Some(before) = before {
+                let _ = before.await;
+            }
+            keep(&app, salt, tokens, vec![state], pin).await;
+        }));
     }
 
     fn token(&mut self, token: u32) {
@@ -322,6 +343,14 @@ impl Completion {
             Some((messages, thinking)) => Lead::Chat(messages.clone(), *thinking, self.text.clone()),
             None => Lead::Ids([&self.prompt[..], &self.ids[..]].concat()),
         };
+        // Where the cache no longer holds the prompt's snapshot (its last turn's start, for a
+        // chat, which the history renders the same way; its end otherwise), evicted under a
+        // tight budget, the next turn prefills the conversation once itself instead of waiting
+        // here for the same prefill first.
+        let least = match &self.conversation {
+            Some(_) => turn_boundary(&self.app, &self.prompt).unwrap_or(0),
+            None => self.prompt.len(),
+        };
         // The session's next request waits for this prefill (see `start`): registered before
         // the client can see the reply end.
         let (done, waiting) = tokio::sync::watch::channel(false);
@@ -335,10 +364,11 @@ impl Completion {
                         tokio::task::spawn_blocking(move || a.next_turn_lead(&messages, &reply, thinking)).await.map_err(|e| anyhow::anyhow!("{e}"))?.map_err(|e| anyhow::anyhow!("{}", e.message))?
                     }
                 };
-                remember(&app, salt, tokens, Some((session.clone(), Pin::Latest))).await
+                remember(&app, salt, tokens, least, Some((session.clone(), Pin::Latest))).await
             };
             match made.await {
-                Ok(_) => add(&app.metrics.counters.reply_prefills, 1),
+                Ok((_, prefilled)) if prefilled > 0 => add(&app.metrics.counters.reply_prefills, 1),
+                Ok(_) => {}
                 Err(e) => eprintln!("tandem serve: prefilling a reply's end for its session: {e:#}"),
             }
             let _ = done.send(true);

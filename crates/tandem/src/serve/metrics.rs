@@ -185,7 +185,8 @@ impl Metrics {
             ("inserted", "Snapshots kept.", st.inserted),
             ("evictions", "Snapshots evicted to keep the budget.", st.evicted),
             ("sessions_released", "Sessions whose pinned snapshots were let go to keep the budget.", st.sessions_released),
-            ("spilled", "Snapshots written to the disk tier as host memory let them go.", st.spilled),
+            ("demoted", "Snapshots the GPU's tier let go that moved to host memory or disk.", st.demoted),
+            ("spilled", "Snapshots written to the disk tier as host memory (or the GPU's tier) let them go.", st.spilled),
             ("refused", "Snapshots on disk refused as they were read back (damaged, or another model's).", st.refused),
         ] {
             let name = format!("tandem_prefix_cache_{name}_total");

@@ -164,7 +164,7 @@ pub async fn typing(AppState(app): AppState<Arc<App>>, raw: Body) -> Response {
         let mut prefilled = 0;
         let mut cached = 0;
         for (tokens, pin) in [(stable, Pin::Typed), (full, Pin::Speculative)] {
-            let (have, applied) = remember(&app, req.cache_salt.clone(), tokens, Some((req.session_id.clone(), pin))).await.map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", format!("{e:#}")))?;
+            let (have, applied) = remember(&app, req.cache_salt.clone(), tokens, 0, Some((req.session_id.clone(), pin))).await.map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", format!("{e:#}")))?;
             if pin == Pin::Typed {
                 cached = have;
             }

@@ -38,6 +38,7 @@ pub mod kv_cache;
 mod layers;
 mod state;
 pub use state::GpuSnapshot;
+use state::CopyOut;
 pub mod state_slots;
 mod workspace;
 
@@ -266,6 +267,8 @@ pub struct GpuQwen35 {
     /// The slots of the snapshots a prefix cache keeps on this GPU (`snapshot_state`); None:
     /// snapshots go to host memory.
     snapshot_slots: Option<Arc<SlotPool>>,
+    /// How its snapshots leave the GPU (`GpuSnapshot::download`).
+    copy_out: Arc<CopyOut>,
     /// The batched decode steps captured so far (graph.rs).
     batch_steps: Mutex<graph::BatchSteps>,
 }
@@ -301,7 +304,8 @@ pub struct GpuState {
 /// or a batched step, still on the GPU in the step's buffer, with their argmax: greedy sampling
 /// needs no more, so the row is copied to the host only when asked for.
 enum LastLogits {
-    Host(Vec<f32>),
+    /// Shared with the snapshots taken of the state.
+    Host(Arc<[f32]>),
     InStep { argmax: u32 },
     /// Row `row` of a batched step's logits (on the stream that wrote them), valid while the
     /// buffer's step count (`written`, bumped by every step that reuses the buffer) is `step`.
@@ -477,7 +481,8 @@ impl GpuQwen35 {
         let decode_gemm_from = decode_gemm_from_for(&c);
         let kv = Arc::new(KvPool::new(gpu.stream.context(), &c)?);
         let slots = Arc::new(SlotPool::new(gpu.stream.context(), SlotLayout::new(&c, StateDtype::F32))?);
-        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, decode_gemm_from, step_heads_from: STEP_HEADS_FROM, weight_bytes, staging, kv, slots, snapshot_slots: None, batch_steps: Mutex::default() })
+        let copy_out = Arc::new(CopyOut::new(gpu.stream.context())?);
+        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, decode_gemm_from, step_heads_from: STEP_HEADS_FROM, weight_bytes, staging, kv, slots, snapshot_slots: None, copy_out, batch_steps: Mutex::default() })
     }
 
     /// Give the GPU back (to load another model on it).
@@ -545,7 +550,7 @@ impl GpuQwen35 {
         if dtype != self.state_dtype() {
             self.slots = Arc::new(SlotPool::new(self.gpu.stream.context(), SlotLayout::new(&self.config, dtype))?);
             if self.snapshot_slots.is_some() {
-                self.snapshot_slots = Some(Arc::new(SlotPool::new(self.gpu.stream.context(), *self.slots.layout())?));
+                self.snapshot_slots = Some(Arc::new(SlotPool::for_snapshots(self.gpu.stream.context(), *self.slots.layout(), 4 * self.config.vocab_size)?));
             }
             *self.batch_steps.get_mut().unwrap_or_else(|e| e.into_inner()) = graph::BatchSteps::default();
         }
@@ -584,7 +589,7 @@ impl GpuQwen35 {
     /// shared with the states they come from.
     pub fn keep_snapshots_on_device(&mut self) -> Result<()> {
         if self.snapshot_slots.is_none() {
-            self.snapshot_slots = Some(Arc::new(SlotPool::new(self.gpu.stream.context(), *self.slots.layout())?));
+            self.snapshot_slots = Some(Arc::new(SlotPool::for_snapshots(self.gpu.stream.context(), *self.slots.layout(), 4 * self.config.vocab_size)?));
         }
         Ok(())
     }
@@ -652,7 +657,7 @@ impl GpuQwen35 {
         let v = self.config.vocab_size;
         let out = self.gpu.download(&ws.logits, logit_rows * v)?;
         state.position += t;
-        state.last = LastLogits::Host(out[(logit_rows - 1) * v..].to_vec());
+        state.last = LastLogits::Host(Arc::from(&out[(logit_rows - 1) * v..]));
         Ok(out)
     }
 

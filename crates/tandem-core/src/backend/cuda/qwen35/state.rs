@@ -3,7 +3,7 @@
 //! decodes. Its DeltaNet layers' arrays live in a slot of the engine's slot pool
 //! (state_slots.rs), taken when the state is made.
 
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaEvent, CudaStream};
 
 use super::*;
 
@@ -23,7 +23,7 @@ impl GpuQwen35 {
         let g = &self.gpu;
         // SAFETY: the slot holds `bytes()` bytes; nothing else uses it while this state holds it.
         unsafe { cudarc::driver::result::memset_d8_async(slot.addr(), 0, slot.layout().bytes(), g.stream.cu_stream()) }.map_err(|e| anyhow::anyhow!("cuda:{}: zeroing a state slot: {e:?}", g.ordinal))?;
-        Ok(self.state_in(slot, 0, KvBlocks::new(self.kv.clone()), LastLogits::Host(Vec::new())))
+        Ok(self.state_in(slot, 0, KvBlocks::new(self.kv.clone()), LastLogits::Host(Arc::from(Vec::new()))))
     }
 
     /// A state of `position` whose DeltaNet arrays are in `slot`, its K/V rows in `kv`.
@@ -81,7 +81,7 @@ impl GpuQwen35 {
         // SAFETY: the slot holds the image's bytes; a copy from pageable memory returns once the
         // driver has taken the bytes, so `image` may go.
         unsafe { cudarc::driver::result::memcpy_htod_async(slot.addr(), &image[..], g.stream.cu_stream()) }.map_err(err)?;
-        Ok(self.state_in(slot, s.position, kv, LastLogits::Host(s.last_logits.clone())))
+        Ok(self.state_in(slot, s.position, kv, LastLogits::Host(Arc::from(s.last_logits.as_slice()))))
     }
 
     /// A state of another GPU (or of another engine on this one) copied to this GPU: the
@@ -116,7 +116,7 @@ impl GpuQwen35 {
             .map_err(err)?;
         }
         g.synchronize()?;
-        Ok(self.state_in(slot, s.position, kv, LastLogits::Host(s.host_logits()?)))
+        Ok(self.state_in(slot, s.position, kv, LastLogits::Host(s.shared_logits()?)))
     }
 
     /// GPU state to host state (the bridge's device-to-host copy).
@@ -228,10 +228,38 @@ pub struct GpuSnapshot {
     pub position: usize,
     slot: StateSlot,
     kv: KvBlocks,
-    last_logits: Vec<f32>,
+    logits: SnapshotLogits,
     /// The stream of the engine that took it: its copies were queued there.
     stream: Arc<CudaStream>,
-    staging: Arc<Mutex<Staging>>,
+    /// Passed on that stream once the copies are done.
+    ready: CudaEvent,
+    /// How it leaves the GPU (`download`).
+    copy_out: Arc<CopyOut>,
+}
+
+/// Where a snapshot's last logits are: on the host (shared with the state, where it had them
+/// there), or copied past its slot (from a batched call's buffer on the GPU: bringing them to
+/// the host would stall the engine on every snapshot, and only a request that continues the
+/// snapshot with nothing to prefill reads them).
+enum SnapshotLogits {
+    Host(Arc<[f32]>),
+    InSlot(usize),
+}
+
+/// The stream and staging buffers through which an engine's snapshots are copied to host
+/// memory: their own, so that a prefix cache can move a snapshot off the GPU from its thread
+/// while the engine works (and captures graphs, which a copy queued on its stream from
+/// another thread would break) on its stream.
+pub struct CopyOut {
+    stream: Arc<CudaStream>,
+    staging: Mutex<Staging>,
+}
+
+impl CopyOut {
+    pub(super) fn new(ctx: &Arc<cudarc::driver::CudaContext>) -> Result<CopyOut> {
+        let stream = ctx.new_stream().map_err(|e| anyhow::anyhow!("cuda:{}: a stream for snapshot copies: {e:?}", ctx.ordinal()))?;
+        Ok(CopyOut { stream, staging: Mutex::new(Staging::default()) })
+    }
 }
 
 impl GpuSnapshot {
@@ -240,14 +268,15 @@ impl GpuSnapshot {
         self.stream.context().ordinal()
     }
 
-    /// Bytes of GPU memory it holds: its slot and its blocks (some of them shared).
+    /// Bytes of GPU memory it holds: its slot (with its logits) and its blocks (some of them
+    /// shared).
     pub fn bytes(&self) -> usize {
-        self.slot.layout().bytes() + self.kv.table().len() * self.kv.pool().block_bytes()
+        self.slot.bytes() + self.kv.table().len() * self.kv.pool().block_bytes()
     }
 
-    /// Bytes of its slot.
+    /// Bytes of its slot (with its logits).
     pub fn slot_bytes(&self) -> usize {
-        self.slot.layout().bytes()
+        self.slot.bytes()
     }
 
     /// Its K/V blocks (addresses in the pool; shared blocks appear in several snapshots).
@@ -260,9 +289,25 @@ impl GpuSnapshot {
     }
 
     /// The snapshot copied to host memory (a copy for another engine, or to keep in host
-    /// memory when the device has no room).
+    /// memory when the device has no room), on a stream of its own: from any thread, while
+    /// the engine that took it goes on.
     pub fn download(&self) -> Result<State> {
-        download(self.position, &self.slot, &self.kv, &self.stream, &self.staging, self.last_logits.clone())
+        let logits = self.host_logits()?.to_vec();
+        download(self.position, &self.slot, &self.kv, &self.copy_out.stream, &self.copy_out.staging, logits)
+    }
+
+    /// Its last logits on the host (copied there on the snapshot's own stream where they are
+    /// on the GPU).
+    pub fn host_logits(&self) -> Result<Arc<[f32]>> {
+        let out = &self.copy_out;
+        out.stream.wait(&self.ready).map_err(|e| anyhow::anyhow!("cuda:{}: waiting for a snapshot's copies: {e:?}", self.ordinal()))?;
+        match self.logits {
+            SnapshotLogits::Host(ref l) => Ok(l.clone()),
+            SnapshotLogits::InSlot(n) => {
+                let tail = self.slot.tail().context("a snapshot's logits past a slot without room for them")?;
+                Ok(out.staging.lock().unwrap_or_else(|e| e.into_inner()).download(&out.stream, tail, n)?.into())
+            }
+        }
     }
 }
 
@@ -277,19 +322,40 @@ impl GpuQwen35 {
             return Ok(None);
         }
         let (slot, kv) = self.copy_in(pool, &s.slot, &s.kv, s.position, s.stream())?;
-        Ok(Some(GpuSnapshot { position: s.position, slot, kv, last_logits: s.host_logits()?, stream: g.stream.clone(), staging: self.staging.clone() }))
+        let err = |e| anyhow::anyhow!("cuda:{}: copying a snapshot's logits: {e:?}", g.ordinal);
+        let logits = match s.device_logits()? {
+            None => SnapshotLogits::Host(s.shared_logits()?),
+            Some((src, n, written_on)) => {
+                if !Arc::ptr_eq(written_on, &g.stream) {
+                    written_on.synchronize().map_err(err)?;
+                }
+                let tail = slot.tail().filter(|_| n <= self.config.vocab_size).context("the snapshot pool's slots have no room for these logits")?;
+                // SAFETY: the tail holds the vocabulary's logits (`for_snapshots`); `src` holds n.
+                unsafe { cudarc::driver::result::memcpy_dtod_async(tail, src, 4 * n, g.stream.cu_stream()) }.map_err(err)?;
+                SnapshotLogits::InSlot(n)
+            }
+        };
+        let ready = g.stream.record_event(None).map_err(|e| anyhow::anyhow!("cuda:{}: marking a snapshot's copies: {e:?}", g.ordinal))?;
+        Ok(Some(GpuSnapshot { position: s.position, slot, kv, logits, stream: g.stream.clone(), ready, copy_out: self.copy_out.clone() }))
     }
 
     /// A state that goes on from `snap`: its slot copied into one of this engine's, its full
     /// K/V blocks shared, its last block copied. A snapshot of another GPU or pool comes
-    /// through host memory. A `PoolFull` error where this engine has no slot or block free.
-    pub fn restore_state(&self, snap: &GpuSnapshot) -> Result<GpuState> {
+    /// through host memory. The last logits come along where `logits` (a request with nothing
+    /// left to prefill samples from them; otherwise its prefill replaces them). A `PoolFull`
+    /// error where this engine has no slot or block free.
+    pub fn restore_state(&self, snap: &GpuSnapshot, logits: bool) -> Result<GpuState> {
         let g = &self.gpu;
         if snap.ordinal() != g.ordinal || !Arc::ptr_eq(snap.kv.pool(), &self.kv) || snap.slot.layout() != self.slots.layout() {
             return self.place_state(&snap.download()?);
         }
+        let last = match &snap.logits {
+            SnapshotLogits::Host(l) => l.clone(),
+            SnapshotLogits::InSlot(_) if logits => snap.host_logits()?,
+            SnapshotLogits::InSlot(_) => Arc::from(Vec::new()),
+        };
         let (slot, kv) = self.copy_in(&self.slots, &snap.slot, &snap.kv, snap.position, &snap.stream)?;
-        Ok(self.state_in(slot, snap.position, kv, LastLogits::Host(snap.last_logits.clone())))
+        Ok(self.state_in(slot, snap.position, kv, LastLogits::Host(last)))
     }
 
     /// The slot and K/V blocks of a state (or snapshot) of `position`, written on `written_on`,
@@ -345,7 +411,7 @@ impl GpuState {
     /// The last token's logits, copied to the host first if a decode step left them on the GPU.
     pub fn last_logits(&mut self) -> Result<&[f32]> {
         if !matches!(self.last, LastLogits::Host(_)) {
-            self.last = LastLogits::Host(self.host_logits()?);
+            self.last = LastLogits::Host(self.host_logits()?.into());
         }
         match &self.last {
             LastLogits::Host(l) => Ok(l),
@@ -367,10 +433,39 @@ impl GpuState {
         !matches!(&self.last, LastLogits::Host(l) if l.is_empty())
     }
 
+    /// The last logits on the host, shared where they are there already (a snapshot holds
+    /// them without a copy).
+    fn shared_logits(&self) -> Result<Arc<[f32]>> {
+        match &self.last {
+            LastLogits::Host(l) => Ok(l.clone()),
+            _ => Ok(self.host_logits()?.into()),
+        }
+    }
+
+    /// Where the last logits are on the GPU (an address, their count and the stream that wrote
+    /// them); None where they are on the host.
+    fn device_logits(&self) -> Result<Option<(u64, usize, &Arc<CudaStream>)>> {
+        match &self.last {
+            LastLogits::Host(_) => Ok(None),
+            LastLogits::InStep { .. } => {
+                let step = self.step.as_ref().context("the decode step whose buffer holds the logits is gone")?;
+                let (src, _sync) = cudarc::driver::DevicePtr::device_ptr(&*step.ws.logits, &step.stream);
+                Ok(Some((src, step.ws.logits.len(), &step.stream)))
+            }
+            LastLogits::InBatch { logits, written, step, row, vocab, stream, .. } => {
+                if written.load(Ordering::Acquire) != *step {
+                    bail!("this state's logits were overwritten by a later batched decode step (read them before the next step)");
+                }
+                let (src, _sync) = cudarc::driver::DevicePtr::device_ptr(&**logits, stream);
+                Ok(Some((src + (row * vocab * 4) as u64, *vocab, stream)))
+            }
+        }
+    }
+
     /// A host copy of the last logits, wherever they are.
     pub fn host_logits(&self) -> Result<Vec<f32>> {
         match &self.last {
-            LastLogits::Host(l) => Ok(l.clone()),
+            LastLogits::Host(l) => Ok(l.to_vec()),
             LastLogits::InStep { .. } => {
                 let step = self.step.as_ref().context("the decode step whose buffer holds the logits is gone")?;
                 let (src, _sync) = cudarc::driver::DevicePtr::device_ptr(&*step.ws.logits, &step.stream);

@@ -22,6 +22,13 @@ use crate::model::tensor::{bf16_to_f32, f32_to_bf16};
 /// engine should not take 64 of them).
 const SLAB_SLOTS: usize = 1;
 
+/// Bytes per allocation of a pool of snapshot slots (`SlotPool::for_snapshots`), at least one
+/// slot: a prefix cache takes snapshots as requests come, and each allocation stalls the
+/// engine that takes the snapshot (on an H200, a prefill engine of the 0.8B model spent
+/// 0.1-0.8 ms a snapshot, mostly there). The free slots of the last allocation lie outside the
+/// cache's budget: at most this much.
+const SNAPSHOT_SLAB_BYTES: usize = 128 << 20;
+
 /// The element type of the recurrent states on the GPU.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum StateDtype {
@@ -133,12 +140,22 @@ impl SlotLayout {
 pub struct SlotPool {
     pieces: DevicePool,
     layout: SlotLayout,
+    /// Where in a piece the room past the slot begins (a snapshot's logits), if there is any.
+    tail_at: Option<usize>,
 }
 
 impl SlotPool {
     /// An empty pool on the GPU of `ctx` for slots of `layout`.
     pub fn new(ctx: &Arc<CudaContext>, layout: SlotLayout) -> Result<SlotPool> {
-        Ok(SlotPool { pieces: DevicePool::new(ctx, "state slots", layout.bytes(), SLAB_SLOTS)?, layout })
+        Ok(SlotPool { pieces: DevicePool::new(ctx, "state slots", layout.bytes(), SLAB_SLOTS)?, layout, tail_at: None })
+    }
+
+    /// An empty pool for snapshots' slots, each with `tail_bytes` past it (for the snapshot's
+    /// logits), which grows by several slots at a time.
+    pub fn for_snapshots(ctx: &Arc<CudaContext>, layout: SlotLayout, tail_bytes: usize) -> Result<SlotPool> {
+        let tail_at = layout.bytes().next_multiple_of(256);
+        let piece = tail_at + tail_bytes;
+        Ok(SlotPool { pieces: DevicePool::new(ctx, "snapshot slots", piece, SNAPSHOT_SLAB_BYTES / piece.max(1))?, layout, tail_at: Some(tail_at) })
     }
 
     pub fn layout(&self) -> &SlotLayout {
@@ -185,6 +202,16 @@ impl StateSlot {
 
     pub fn layout(&self) -> &SlotLayout {
         &self.pool.layout
+    }
+
+    /// Bytes it takes in its pool (the slot and any room past it).
+    pub fn bytes(&self) -> usize {
+        self.pool.pieces.piece_bytes()
+    }
+
+    /// The room past the slot, in a pool that has it (`SlotPool::for_snapshots`).
+    pub fn tail(&self) -> Option<u64> {
+        self.pool.tail_at.map(|t| self.addr + t as u64)
     }
 
     /// DeltaNet layer `i`'s conv window (f32).
