@@ -79,7 +79,8 @@ OPTIONS:
                            host memory for the prefix cache's state snapshots, e.g. 512MiB,
                            4GiB (default 2GiB with a CPU prefill engine, 0 with a GPU one,
                            which recomputes a prompt of a few thousand tokens faster than it
-                           copies a state from host memory; also --session-memory)
+                           copies a state from host memory; given, the snapshots the GPU's
+                           budget lets go move there; also --session-memory)
   --prefix-cache-device-memory SIZE
                            GPU memory for the snapshots a GPU prefill engine takes, taken from
                            the K/V cache's (default 8GiB, at most a quarter of
@@ -87,10 +88,11 @@ OPTIONS:
                            they come from and go to, so a snapshot past a cached prefix costs
                            its recurrent state and a block; the cache is off where both
                            budgets are 0
-  --prefix-cache-dir DIR   keep the snapshots host memory lets go in DIR, as checksummed state
-                           files with the model's fingerprint (a file another model wrote, or a
-                           damaged one, is refused); a server started on DIR takes up what an
-                           earlier one left there
+  --prefix-cache-dir DIR   keep the snapshots host memory (or the GPU's budget, where host
+                           memory has no room) lets go in DIR, as checksummed state files with
+                           the model's fingerprint (a file another model wrote, or a damaged
+                           one, is refused); a server started on DIR takes up what an earlier
+                           one left there
   --prefix-cache-disk-memory SIZE
                            the most DIR may hold (default 16GiB)
   --prefix-snapshot-every N
