@@ -352,5 +352,7 @@ fn the_disk_tier_reads_back_exactly_and_refuses_damaged_or_foreign_files() {
     assert!(found.state.is_none() && found.reused == 0, "a damaged snapshot was applied");
     let why = cache.last_refusal().expect("a refusal").to_string();
     assert!(why.contains("checksum") && why.contains(".state"), "{why}");
+    assert_eq!(cache.stats().refused, 2);
+    assert!(files.iter().all(|f| !f.exists() && !f.with_extension("tokens").exists()), "a damaged file of this model's is deleted once refused (another model's were left: above)");
     std::fs::remove_dir_all(&dir).unwrap();
 }

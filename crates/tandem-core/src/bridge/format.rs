@@ -156,8 +156,24 @@ pub struct Header {
     pub(super) table_end: usize,
 }
 
+/// A state written for another model, or in another version of the format: not damaged, but
+/// not this process's to apply (a directory of them may be shared).
+#[derive(Debug)]
+pub struct ForeignState(pub String);
+
+impl std::fmt::Display for ForeignState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ForeignState {}
+
 /// Check the fixed part of a header (the first `FIXED` bytes); returns where its layer table
 /// ends.
+///
+/// A state of another model or format version is refused with a `ForeignState` error (a file
+/// that someone else may still use); anything else wrong is damage.
 pub(super) fn check_fixed(bytes: &[u8], expected: Fingerprint, cfg: &Qwen35Config) -> Result<usize> {
     let magic = &bytes[..bytes.len().min(8)];
     if magic != &MAGIC[..magic.len()] {
@@ -169,14 +185,14 @@ pub(super) fn check_fixed(bytes: &[u8], expected: Fingerprint, cfg: &Qwen35Confi
     let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().unwrap());
     let version = u32_at(8);
     if version != VERSION {
-        bail!("state format version {version}; this tandem reads version {VERSION}");
+        return Err(ForeignState(format!("state format version {version}; this tandem reads version {VERSION}")).into());
     }
     if checksum(&bytes[..FIXED - 8]) != u64::from_le_bytes(bytes[FIXED - 8..FIXED].try_into().unwrap()) {
         bail!("corrupt state: the header checksum does not match");
     }
     let fingerprint = u128::from_le_bytes(bytes[16..32].try_into().unwrap());
     if fingerprint != expected {
-        bail!("the state was made by another model (fingerprint {fingerprint:032x}; this model is {expected:032x}): it cannot be applied here");
+        return Err(ForeignState(format!("the state was made by another model (fingerprint {fingerprint:032x}; this model is {expected:032x}): it cannot be applied here")).into());
     }
     let (layers, dtype) = (u32_at(40) as usize, u32_at(44));
     if dtype != DTYPE_F32 {

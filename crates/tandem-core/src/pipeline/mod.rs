@@ -87,7 +87,8 @@ pub struct PipelineConfig {
     /// Where to write a timeline of the engines' work (`trace.rs`), if anywhere.
     pub trace: Option<PathBuf>,
     /// GPU memory for a prefix cache's snapshots (`Pipeline::device_tier`), taken from what the
-    /// K/V cache would get; 0: none (snapshots go to host memory).
+    /// K/V cache would get; 0: none (snapshots go to host memory); `DEVICE_TIER_DEFAULT`: the
+    /// default share of it.
     pub prefix_cache_device: usize,
 }
 
@@ -154,6 +155,21 @@ impl KvCapacity {
 impl PipelineConfig {
     /// The default budget of one packed prefill: 16 prompts of 512 tokens.
     pub const MAX_PREFILL_TOKENS: usize = 8192;
+
+    /// `prefix_cache_device` for the default device tier: a quarter of the memory the K/V
+    /// cache would otherwise get, at most `DEVICE_TIER_MOST` (a GPU with room for little more
+    /// than the weights keeps most of it for running requests).
+    pub const DEVICE_TIER_DEFAULT: usize = usize::MAX;
+    pub const DEVICE_TIER_MOST: usize = 8 << 30;
+
+    /// The device tier's bytes where the K/V cache would get `kv_bytes` without it (None: no
+    /// budget to take it from).
+    fn device_tier_bytes(&self, kv_bytes: Option<usize>) -> usize {
+        match self.prefix_cache_device {
+            Self::DEVICE_TIER_DEFAULT => kv_bytes.map_or(Self::DEVICE_TIER_MOST, |b| (b / 4).min(Self::DEVICE_TIER_MOST)),
+            bytes => bytes,
+        }
+    }
 }
 
 /// Time the engines spent computing, in nanoseconds, since the pipeline started: prefill work
@@ -410,13 +426,17 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
         if matches!((config.prefill.device, config.decode.device), (Device::Cuda(a), Device::Cuda(b)) if a == b) && config.mode == Mode::Hybrid {
             prefill_pools = pipeline.kv.as_ref().map(|(p, _)| p.clone());
         }
+        // The device tier's bytes, where they come out of the K/V cache's budget.
+        let mut tier_bytes = None;
         if failed.is_none() {
             if let Some((pools, capacity)) = &mut pipeline.kv {
                 // The tier's budget comes out of the K/V cache's where the two share a pool.
                 let tier_here = prefill_pools.as_ref().is_some_and(|p| Arc::ptr_eq(&p.kv, &pools.kv));
-                let tier_bytes = if tier_here { config.prefix_cache_device } else { 0 };
-                match budget_kv_cache(&pools.kv, &pools.slots, config, tier_bytes) {
-                    Ok(c) => *capacity = c,
+                match budget_kv_cache(&pools.kv, &pools.slots, config, tier_here) {
+                    Ok((c, tier)) => {
+                        *capacity = c;
+                        tier_bytes = tier_here.then_some(tier);
+                    }
                     Err(e) => failed = Some(e),
                 }
             }
@@ -424,7 +444,8 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
         if failed.is_none() && config.prefix_cache_device > 0 {
             if let Some(pools) = prefill_pools.filter(|p| p.snapshots.is_some()) {
                 let base = pipeline.kv.as_ref().filter(|(p, _)| Arc::ptr_eq(&p.kv, &pools.kv)).and_then(|(_, c)| c.map(|c| c.blocks));
-                pipeline.device_tier = Some(Arc::new(DeviceTier::new(&pools, config.prefix_cache_device, base)));
+                let budget = tier_bytes.unwrap_or_else(|| config.device_tier_bytes(None));
+                pipeline.device_tier = Some(Arc::new(DeviceTier::new(&pools, budget, base)));
             }
         }
         if let Some(e) = failed {
@@ -485,17 +506,23 @@ fn host_budget_for(net: &Qwen35, config: &PipelineConfig) -> Result<Option<(Arc<
 /// what is left of it, room for the slots, `max_batch` sequences' logits and the workspaces of
 /// a prefill of `max_prefill_tokens` rows and a decode step of `max_batch` (an estimate from
 /// the model's shapes, plus 1 GiB for cuBLAS, graphs and the kernels).
-fn budget_kv_cache(pool: &KvPool, slot_pool: &SlotPool, config: &PipelineConfig, prefix_cache: usize) -> Result<Option<KvCapacity>> {
+fn budget_kv_cache(pool: &KvPool, slot_pool: &SlotPool, config: &PipelineConfig, with_tier: bool) -> Result<(Option<KvCapacity>, usize)> {
     let c = pool.config();
     let block_bytes = pool.level().piece_bytes;
     let (slots, state_bytes) = (2 * config.max_batch + 1, slot_pool.level().piece_bytes);
-    let reserved = slots * state_bytes + config.max_batch * 4 * c.vocab_size + (config.max_prefill_tokens + config.max_batch) * workspace_bytes_per_row(c) + (1 << 30) + prefix_cache;
+    let mut reserved = slots * state_bytes + config.max_batch * 4 * c.vocab_size + (config.max_prefill_tokens + config.max_batch) * workspace_bytes_per_row(c) + (1 << 30);
+    let tier = |kv_bytes: Option<usize>| if with_tier { config.device_tier_bytes(kv_bytes) } else { 0 };
+    let prefix_cache;
     let kv_bytes = match config.kv_cache {
-        KvBudget::Unlimited => return Ok(None),
-        KvBudget::Bytes(b) => match b.checked_sub(prefix_cache) {
-            Some(left) if left >= block_bytes => left,
-            _ => bail!("--kv-cache-memory {b}: the prefix cache's {prefix_cache} bytes on the GPU (--prefix-cache-device-memory) leave less than one K/V block: raise the first or lower the second"),
-        },
+        KvBudget::Unlimited => return Ok((None, tier(None))),
+        KvBudget::Bytes(b) => {
+            prefix_cache = tier(Some(b));
+            reserved += prefix_cache;
+            match b.checked_sub(prefix_cache) {
+                Some(left) if left >= block_bytes => left,
+                _ => bail!("--kv-cache-memory {b}: the prefix cache's {prefix_cache} bytes on the GPU (--prefix-cache-device-memory) leave less than one K/V block: raise the first or lower the second"),
+            }
+        }
         KvBudget::GpuFraction(f) => {
             if !(f > 0.0 && f <= 1.0) {
                 bail!("--gpu-memory-utilization {f}: give a fraction of the GPU's memory above 0 and at most 1");
@@ -503,6 +530,8 @@ fn budget_kv_cache(pool: &KvPool, slot_pool: &SlotPool, config: &PipelineConfig,
             let (free, total) = pool.memory()?;
             let in_use = total - free;
             let allowed = (f * total as f64) as usize;
+            prefix_cache = tier(Some(allowed.saturating_sub(in_use + reserved)));
+            reserved += prefix_cache;
             match allowed.checked_sub(in_use + reserved) {
                 Some(b) if b >= block_bytes => b,
                 _ => bail!(
@@ -523,7 +552,7 @@ fn budget_kv_cache(pool: &KvPool, slot_pool: &SlotPool, config: &PipelineConfig,
     }
     pool.set_limit(Some(blocks));
     slot_pool.set_limit(Some(slots));
-    Ok(Some(KvCapacity { device: Device::Cuda(pool.ordinal()), blocks, block_bytes, slots, state_bytes, state_dtype: slot_pool.layout().dtype, reserved_bytes: reserved }))
+    Ok((Some(KvCapacity { device: Device::Cuda(pool.ordinal()), blocks, block_bytes, slots, state_bytes, state_dtype: slot_pool.layout().dtype, reserved_bytes: reserved }), prefix_cache))
 }
 
 /// Bytes of activations a forward call's workspace takes per token row (backend/cuda/qwen35/
@@ -535,3 +564,31 @@ fn workspace_bytes_per_row(c: &Qwen35Config) -> usize {
     4 * floats + 2 * h.max(vd).max(qd).max(f)
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The default device tier takes a quarter of what the K/V cache would get, at most 8 GiB
+    /// (a GPU with little room past the weights keeps most of it for running requests); a
+    /// size given is taken as it is.
+    #[test]
+    fn the_default_device_tier_is_a_quarter_of_the_k_v_cache_at_most_8_gib() {
+        let mut config = PipelineConfig {
+            mode: Mode::Hybrid,
+            prefill: EngineSpec::parse("cuda:0").unwrap(),
+            decode: EngineSpec::parse("cuda:0").unwrap(),
+            transfer: Transfer::Move,
+            max_batch: 4,
+            max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS,
+            kv_cache: KvBudget::Unlimited,
+            trace: None,
+            prefix_cache_device: PipelineConfig::DEVICE_TIER_DEFAULT,
+        };
+        assert_eq!(config.device_tier_bytes(Some(4 << 30)), 1 << 30);
+        assert_eq!(config.device_tier_bytes(Some(100 << 30)), 8 << 30);
+        assert_eq!(config.device_tier_bytes(None), 8 << 30);
+        config.prefix_cache_device = 3 << 30;
+        assert_eq!(config.device_tier_bytes(Some(4 << 30)), 3 << 30);
+    }
+}

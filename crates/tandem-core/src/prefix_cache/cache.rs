@@ -27,6 +27,7 @@ use anyhow::Context as _;
 use super::device_tier::DeviceTier;
 use super::disk_tier::{DiskFile, DiskTier, OnDisk};
 use super::tree::{NodeId, PrefixTree};
+use crate::bridge::format::ForeignState;
 use crate::state::{HostSnapshot, Snapshot, State, Tier};
 
 /// A snapshot as the cache keeps it: in memory (the GPU's or the host's), or in the files of
@@ -346,11 +347,16 @@ impl PrefixCache {
             }
             Err(e) => {
                 let why = format!("{e:#}");
-                eprintln!("prefix cache: a snapshot on disk is refused and left out: {why}");
+                // Another model's (or format version's) file stays: the directory may be shared
+                // by two servers. A damaged one of this model's is of no use to anyone.
+                let foreign = e.downcast_ref::<ForeignState>().is_some();
+                eprintln!("prefix cache: a snapshot on disk is refused and left out{}: {why}", if foreign { "" } else { " (its files deleted)" });
+                if !foreign {
+                    disk.remove(file);
+                }
                 self.last_refusal = Some(why);
                 self.stats.refused += 1;
                 if let Some(old) = self.tree.remove(id) {
-                    // The file stays: it may be another model's, in a directory two servers share.
                     self.subtract(&old, tokens);
                 }
                 None

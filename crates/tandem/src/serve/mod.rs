@@ -83,16 +83,16 @@ OPTIONS:
                            budget lets go move there; also --session-memory)
   --prefix-cache-device-memory SIZE
                            GPU memory for the snapshots a GPU prefill engine takes, taken from
-                           the K/V cache's (default 8GiB, at most a quarter of
-                           --kv-cache-memory); their K/V blocks are shared with the requests
+                           the K/V cache's (default: a quarter of what the K/V cache would
+                           get, at most 8GiB); their K/V blocks are shared with the requests
                            they come from and go to, so a snapshot past a cached prefix costs
                            its recurrent state and a block; the cache is off where both
                            budgets are 0
   --prefix-cache-dir DIR   keep the snapshots host memory (or the GPU's budget, where host
                            memory has no room) lets go in DIR, as checksummed state files with
-                           the model's fingerprint (a file another model wrote, or a damaged
-                           one, is refused); a server started on DIR takes up what an earlier
-                           one left there
+                           the model's fingerprint (a file another model wrote is refused and
+                           left, a damaged one refused and deleted); a server started on DIR
+                           takes up what an earlier one left there
   --prefix-cache-disk-memory SIZE
                            the most DIR may hold (default 16GiB)
   --prefix-snapshot-every N
@@ -133,9 +133,6 @@ pub struct App {
 /// Stands for the message being typed while the conversation is rendered.
 /// `--gpu-memory-utilization` unless given (as the large serving engines default to).
 const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
-
-/// `--prefix-cache-device-memory` unless given, with a GPU prefill engine.
-const DEFAULT_DEVICE_TIER: usize = 8 << 30;
 
 const TYPING_MARK: &str = "\u{E000}tandem-typing\u{E000}";
 
@@ -218,10 +215,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         Some(size) if prefill_on_gpu || parse_size("prefix-cache-device-memory", size)? == 0 => parse_size("prefix-cache-device-memory", size)?,
         Some(_) => bail!("--prefix-cache-device-memory: the prefill engine runs on the CPU, whose snapshots live in host memory (--prefix-cache-memory)"),
         None if !prefill_on_gpu => 0,
-        None => match config.kv_cache {
-            KvBudget::Bytes(b) => DEFAULT_DEVICE_TIER.min(b / 4),
-            _ => DEFAULT_DEVICE_TIER,
-        },
+        None => tandem_core::pipeline::PipelineConfig::DEVICE_TIER_DEFAULT,
     };
     let disk = match (args.str("prefix-cache-dir"), args.str("prefix-cache-disk-memory")) {
         (Some(dir), size) => Some((PathBuf::from(dir), size.map(|s| parse_size("prefix-cache-disk-memory", s)).transpose()?.unwrap_or(16 << 30))),
