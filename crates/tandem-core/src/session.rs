@@ -23,20 +23,31 @@
 //!
 //! The session does no compute itself: it is given a `prefill` function (a prefill-only
 //! request to the pipeline's prefill engine) and hands each turn's generation to the caller.
+//! Its states live in a prefix cache (`PrefixCache`, the server's too), keyed by every token
+//! they cover and pinned for the session: the conversation's latest state, the typed part of
+//! the next turn, the speculative send state. A few earlier typed states stay there unpinned
+//! (`MAX_TYPED`), sharing the conversation's K/V; a lookup finds the deepest state a turn
+//! passes, and a finished turn leaves only its end.
 
 use anyhow::{bail, Context, Result};
 
 use crate::chat::{ChatTemplate, Message};
 use crate::model::config::Qwen35Config;
 use crate::pipeline::Finish;
+use crate::prefix_cache::{Pin, PrefixCache};
 use crate::state::State;
 
 /// Tokens held back from the end of partially typed text: the last word may still grow (and
 /// merge into longer tokens) as typing goes on.
 pub const HOLD_BACK: usize = 2;
-/// States kept part way into a turn (besides the turn's start). Each is a full state copy; an
-/// older one is dropped first, which only lengthens the prefill after an edit.
-const MAX_SNAPSHOTS: usize = 4;
+/// States the session keeps part way into a turn (besides the turn's start and the
+/// speculative send state); an older one is forgotten first, which only lengthens the prefill
+/// after an edit. Along a conversation they share their attention K/V (`HostSnapshot`): each
+/// costs its recurrent state.
+const MAX_TYPED: usize = 4;
+
+/// The name the session pins its states under in its cache.
+const PINS: &str = "session";
 
 /// The template's text around a user message, found by rendering conversations with marker
 /// strings in place of the contents.
@@ -77,12 +88,6 @@ impl Scaffold {
     }
 }
 
-/// A state and the tokens of the current turn it covers (beyond the turn's start).
-struct Snapshot {
-    ids: Vec<u32>,
-    state: State,
-}
-
 /// What a `type_ahead` call did.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct TypeAhead {
@@ -111,10 +116,11 @@ pub struct Session<'a> {
     turns: usize,
     /// Reply tokens sampled but not yet applied (the last one, when a reply hit max_tokens).
     carry: Vec<u32>,
-    /// `snapshots[0]` is the state at the end of the last reply; later ones go further into the
-    /// next turn. Empty while a turn is out generating, or after one failed.
-    snapshots: Vec<Snapshot>,
-    speculative: Option<Snapshot>,
+    /// The conversation's states, each under every token it covers.
+    cache: PrefixCache,
+    /// The keys of the states typed ahead this turn (oldest first) and of the speculative one.
+    typed: std::collections::VecDeque<Vec<u32>>,
+    speculative: Option<Vec<u32>>,
     /// The turn sent and not yet finished.
     in_flight: Option<Vec<u32>>,
     /// Every token applied to the conversation's state, in order.
@@ -130,7 +136,9 @@ impl<'a> Session<'a> {
             config: config.clone(),
             turns: 0,
             carry: Vec::new(),
-            snapshots: vec![Snapshot { ids: Vec::new(), state: State::new(config) }],
+            // No byte budget: the session keeps a few states (MAX_TYPED) and forgets the rest.
+            cache: PrefixCache::new(usize::MAX, 0),
+            typed: std::collections::VecDeque::new(),
             speculative: None,
             in_flight: None,
             log: Vec::new(),
@@ -144,6 +152,12 @@ impl<'a> Session<'a> {
 
     pub fn turns(&self) -> usize {
         self.turns
+    }
+
+    /// The states the session keeps, and their bytes (K/V they share counted once).
+    pub fn kept(&self) -> (usize, usize) {
+        use crate::state::Tier;
+        (self.cache.snapshots(Tier::Host), self.cache.bytes(Tier::Host))
     }
 
     /// The tokens of the next turn with `text` as the user's message (with the closing
@@ -168,34 +182,54 @@ impl<'a> Session<'a> {
         if self.in_flight.is_some() {
             bail!("a turn is still generating; type ahead after it finishes");
         }
-        self.restore(prefill)?;
         let target = self.turn_ids(typed, false)?;
-        // Forget what the text no longer agrees with (the user edited it).
-        while self.snapshots.len() > 1 && !target.starts_with(&self.snapshots.last().expect("non-empty").ids) {
-            self.snapshots.pop();
-        }
-        let mut done = TypeAhead::default();
         let stable = target.len().saturating_sub(HOLD_BACK);
-        let head = self.snapshots.last().expect("non-empty");
-        if stable > head.ids.len() {
-            let state = prefill(head.state.clone(), &target[head.ids.len()..stable])?;
-            done.applied = stable - head.ids.len();
-            if self.snapshots.len() > MAX_SNAPSHOTS {
-                self.snapshots.remove(1);
-            }
-            self.snapshots.push(Snapshot { ids: target[..stable].to_vec(), state });
-        }
+        let mut done = TypeAhead::default();
+        done.applied = self.prefill_to(&target[..stable], Pin::Typed, prefill)?;
         if !typed.is_empty() {
             let full = self.turn_ids(typed, true)?;
-            if self.speculative.as_ref().map(|s| &s.ids) != Some(&full) {
-                self.speculative = None;
-                let base = self.best_snapshot(&full);
-                let state = prefill(base.state.clone(), &full[base.ids.len()..])?;
-                done.speculative = full.len() - base.ids.len();
-                self.speculative = Some(Snapshot { ids: full, state });
-            }
+            done.speculative = self.prefill_to(&full, Pin::Speculative, prefill)?;
         }
         Ok(done)
+    }
+
+    /// Make sure the cache holds the state after the conversation and `turn`, pinned as `pin`:
+    /// prefill what the deepest state it passes lacks. Returns the tokens prefilled.
+    fn prefill_to(&mut self, turn: &[u32], pin: Pin, prefill: &mut Prefill) -> Result<usize> {
+        let key = [&self.log[..], turn].concat();
+        if key.is_empty() {
+            return Ok(0);
+        }
+        let (start, reused) = self.deepest(&key)?;
+        if reused == key.len() {
+            self.cache.pin_existing(None, &key, PINS, pin);
+            return Ok(0);
+        }
+        let state = prefill(start, &key[reused..])?;
+        self.cache.insert(None, &key, state.into(), Some((PINS, pin)));
+        let applied = key.len() - reused;
+        if pin == Pin::Speculative {
+            if let Some(old) = self.speculative.replace(key) {
+                self.cache.forget(None, &old);
+            }
+        } else {
+            self.typed.push_back(key);
+            if self.typed.len() > MAX_TYPED {
+                let oldest = self.typed.pop_front().expect("more than MAX_TYPED");
+                self.cache.forget(None, &oldest);
+            }
+        }
+        Ok(applied)
+    }
+
+    /// A copy of the deepest state `key` passes, and the tokens it covers (a fresh state where
+    /// the cache holds none).
+    fn deepest(&mut self, key: &[u32]) -> Result<(State, usize)> {
+        let found = self.cache.lookup(None, key);
+        Ok(match found.state {
+            Some(s) => (s.to_host()?, found.reused),
+            None => (State::new(&self.config), 0),
+        })
     }
 
     /// Send `text` as the user's message: the state to continue and the tokens still to
@@ -205,23 +239,9 @@ impl<'a> Session<'a> {
             bail!("a turn is still generating");
         }
         let full = self.turn_ids(text, true)?;
-        let prefix_len = full.len();
-        let turn = match self.speculative.take() {
-            Some(spec) if spec.ids == full => Turn { start: spec.state, tokens: Vec::new(), reused: prefix_len },
-            _ if self.snapshots.is_empty() => {
-                // After a failed turn: rebuild from the conversation's tokens.
-                let mut tokens = self.log.clone();
-                tokens.extend(&full);
-                Turn { start: State::new(&self.config), tokens, reused: 0 }
-            }
-            _ => {
-                let i = self.snapshots.iter().rposition(|s| full.starts_with(&s.ids)).expect("the turn's start is a prefix of every turn");
-                let snap = self.snapshots.swap_remove(i);
-                Turn { start: snap.state, tokens: full[snap.ids.len()..].to_vec(), reused: snap.ids.len() }
-            }
-        };
-        self.snapshots.clear();
-        self.speculative = None;
+        let key = [&self.log[..], &full[..]].concat();
+        let (start, reused) = self.deepest(&key)?;
+        let turn = Turn { start, tokens: key[reused..].to_vec(), reused: reused.saturating_sub(self.log.len()) };
         self.in_flight = Some(full);
         Ok(turn)
     }
@@ -229,48 +249,35 @@ impl<'a> Session<'a> {
     /// The turn sent last finished: `state` is its final state, `reply` the tokens it emitted.
     pub fn finish(&mut self, state: State, reply: &[u32], finish: Finish) -> Result<()> {
         let Some(turn) = self.in_flight.take() else { bail!("no turn was sent") };
-        self.log.extend(&turn);
         // Emitted tokens were applied, except the last one when the reply hit its length (a
         // stop token is never emitted nor applied: the closing template supplies it).
-        let applied = match (finish, reply.split_last()) {
-            (Finish::Length, Some((last, rest))) => {
-                self.carry = vec![*last];
-                rest
-            }
-            (Finish::Stop, _) | (Finish::Length, None) => {
-                self.carry.clear();
-                reply
-            }
+        let (applied, carry) = match (finish, reply.split_last()) {
+            (Finish::Length, Some((last, rest))) => (rest, vec![*last]),
+            (Finish::Stop, _) | (Finish::Length, None) => (reply, Vec::new()),
             (Finish::Cancelled | Finish::Prefilled, _) => bail!("a {finish:?} turn did not finish; abandon it instead"),
         };
-        self.log.extend(applied);
-        if state.position != self.log.len() {
-            bail!("the finished state covers {} tokens but the conversation has {}", state.position, self.log.len());
+        let log = [&self.log[..], &turn[..], applied].concat();
+        if state.position != log.len() {
+            bail!("the finished state covers {} tokens but the conversation has {}", state.position, log.len());
         }
-        self.snapshots = vec![Snapshot { ids: Vec::new(), state }];
+        let before = std::mem::replace(&mut self.log, log);
+        self.carry = carry;
+        self.cache.insert(None, &self.log, state.into(), Some((PINS, Pin::Latest)));
+        // The turn's typed states and the last turn's end are of no more use: the next turn
+        // continues this one's end.
+        self.cache.release(PINS);
+        self.cache.pin_existing(None, &self.log, PINS, Pin::Latest);
+        for key in self.typed.drain(..).chain(self.speculative.take()).chain(Some(before)) {
+            self.cache.forget(None, &key);
+        }
         self.turns += 1;
         Ok(())
     }
 
     /// The turn sent last did not finish (cancelled or failed): the conversation stays as it
-    /// was before it, and its state is rebuilt from the tokens when next needed.
+    /// was before it (its states in the cache as they were).
     pub fn abandon(&mut self) {
         self.in_flight = None;
-        self.snapshots.clear();
-        self.speculative = None;
-    }
-
-    /// The latest snapshot whose tokens start `ids`.
-    fn best_snapshot(&self, ids: &[u32]) -> &Snapshot {
-        self.snapshots.iter().rev().find(|s| ids.starts_with(&s.ids)).expect("the turn's start is a prefix of every turn")
-    }
-
-    fn restore(&mut self, prefill: &mut Prefill) -> Result<()> {
-        if self.snapshots.is_empty() {
-            let state = if self.log.is_empty() { State::new(&self.config) } else { prefill(State::new(&self.config), &self.log)? };
-            self.snapshots.push(Snapshot { ids: Vec::new(), state });
-        }
-        Ok(())
     }
 }
 

@@ -191,3 +191,41 @@ fn an_abandoned_turn_leaves_the_conversation_as_it_was() {
     })
     .unwrap();
 }
+
+/// The session's states live in a prefix cache: typing a message word by word keeps a few of
+/// them (the newest typed ones, the speculative send state, the conversation's end), which
+/// share the conversation's attention K/V rather than each holding a copy; a finished turn
+/// leaves one.
+#[test]
+fn typing_keeps_a_few_states_that_share_the_conversations_k_v() {
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let tok = tokenizer();
+    let spec = |s: &str| EngineSpec::parse(s).unwrap();
+    let config = PipelineConfig { mode: Mode::AllOnDecodeEngine, prefill: spec("cpu:threads=1"), decode: spec("cpu:threads=1"), transfer: Transfer::Move, max_batch: 1, max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS, kv_cache: KvBudget::Unlimited, trace: None, prefix_cache_device: 0 };
+    pipeline::run(&m.net, &config, |p| {
+        let scaffold = Scaffold::from_template(&ChatTemplate::qwen35(), None, false).unwrap();
+        let encode = |s: &str| Ok(tok.encode(s)?.into_iter().map(|id| id % 1024).collect());
+        let mut s = Session::new(scaffold, encode, &m.net.config);
+        let mut prefill = |st: State, ids: &[u32]| p.prefill(st, ids).map(|(s, _)| s);
+        for (t, msg) in MESSAGES.iter().enumerate() {
+            s.type_ahead("", &mut prefill).unwrap();
+            let words: Vec<&str> = msg.split(' ').collect();
+            for n in 1..=words.len() {
+                s.type_ahead(&words[..n].join(" "), &mut prefill).unwrap();
+            }
+            let (kept, bytes) = s.kept();
+            let turn = s.send(msg).unwrap();
+            assert!(turn.tokens.is_empty());
+            // The speculative state holds the most K/V; the others hold theirs as a prefix of it.
+            let whole = &turn.start;
+            let own = whole.bytes() - whole.kv_bytes() + 4 * whole.position;
+            assert!(kept >= 3 && kept <= 4 + 2, "turn {t}: {kept} states kept");
+            assert!(bytes <= kept * own + whole.kv_bytes(), "turn {t}: {kept} states take {bytes} bytes: more than one K/V ({}) and {kept} states' own ({own} each)", whole.kv_bytes());
+            let (reply, state, finish, _) = generate(p, turn, 4, vec![]);
+            s.finish(state, &reply, finish).unwrap();
+            assert_eq!(s.kept().0, 1, "turn {t}: a finished turn leaves its end");
+        }
+        Ok(())
+    })
+    .unwrap();
+}

@@ -505,6 +505,25 @@ impl PrefixCache {
         }
     }
 
+    /// Drop the snapshot of exactly `tokens`, unless something pins it (a session that knows
+    /// it no longer needs a state of its own). Returns whether it went.
+    pub fn forget(&mut self, salt: Option<&str>, tokens: &[u32]) -> bool {
+        let (key, _) = Self::key(salt, tokens);
+        match self.tree.lookup(&key).snapshot {
+            Some((id, depth, _)) if depth == key.len() && !self.tree.is_pinned(id) => {
+                let tokens = self.tokens_at(id);
+                if let Some(kept) = self.tree.remove(id) {
+                    if let (Kept::Disk(f), Some(disk)) = (&kept, &self.disk) {
+                        disk.remove(f);
+                    }
+                    self.subtract(&kept, tokens);
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Tokens of the snapshot at `id` (what a snapshot in memory says; a file's count is not
     /// charged by its tokens).
     fn tokens_at(&self, id: NodeId) -> usize {

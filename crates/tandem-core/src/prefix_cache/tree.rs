@@ -262,6 +262,10 @@ impl<S: Clone> PrefixTree<S> {
         self.node_mut(id).pins += 1;
     }
 
+    pub fn is_pinned(&self, id: NodeId) -> bool {
+        self.node(id).pins > 0
+    }
+
     pub fn unpin(&mut self, id: NodeId) {
         let node = self.node_mut(id);
         assert!(node.pins > 0, "unpin of node {id}, which is not pinned");
