@@ -28,6 +28,7 @@ use super::device_tier::DeviceTier;
 use super::disk_tier::{DiskFile, DiskTier, OnDisk};
 use super::tree::{NodeId, PrefixTree};
 use crate::bridge::format::ForeignState;
+use crate::backend::cuda::qwen35::GpuSnapshot;
 use crate::state::{HostSnapshot, Snapshot, State, Tier};
 
 /// A snapshot as the cache keeps it: in memory (the GPU's or the host's), or in the files of
@@ -99,20 +100,63 @@ pub struct Found {
     pub stops: Vec<usize>,
 }
 
+/// Pieces that several snapshots may hold (the device tier's K/V blocks, the host tier's K/V
+/// spans), each counted once: how many snapshots hold it, and its bytes.
+#[derive(Default)]
+struct Shared {
+    held: HashMap<u64, (usize, usize)>,
+    bytes: usize,
+}
+
+impl Shared {
+    fn hold(&mut self, piece: u64, bytes: usize) {
+        let held = self.held.entry(piece).or_insert((0, bytes));
+        if held.0 == 0 {
+            self.bytes += bytes;
+        }
+        held.0 += 1;
+    }
+
+    fn let_go(&mut self, piece: u64) {
+        match self.held.get_mut(&piece) {
+            Some((1, bytes)) => {
+                self.bytes -= *bytes;
+                self.held.remove(&piece);
+            }
+            Some((n, _)) => *n -= 1,
+            None => debug_assert!(false, "a piece the tier did not count"),
+        }
+    }
+}
+
 /// What the device tier holds: slots, and blocks counted once however many snapshots share
 /// them.
 #[derive(Default)]
 struct DeviceUse {
     slot_bytes: usize,
-    /// Block address -> snapshots holding it.
-    blocks: HashMap<u64, usize>,
-    block_bytes: usize,
+    blocks: Shared,
     snapshots: usize,
 }
 
 impl DeviceUse {
     fn bytes(&self) -> usize {
-        self.slot_bytes + self.blocks.len() * self.block_bytes
+        self.slot_bytes + self.blocks.bytes
+    }
+
+    fn add(&mut self, g: &GpuSnapshot) {
+        self.slot_bytes += g.slot_bytes();
+        for &b in g.blocks() {
+            self.blocks.hold(b, g.block_bytes());
+        }
+        self.snapshots += 1;
+    }
+
+    fn subtract(&mut self, g: &GpuSnapshot) {
+        self.slot_bytes -= g.slot_bytes();
+        for &b in g.blocks() {
+            self.blocks.let_go(b);
+        }
+        self.snapshots -= 1;
     }
 }
 
@@ -121,40 +165,27 @@ impl DeviceUse {
 #[derive(Default)]
 struct HostUse {
     own_bytes: usize,
-    /// Span address -> (snapshots holding it, its bytes).
-    spans: HashMap<usize, (usize, usize)>,
-    span_bytes: usize,
+    spans: Shared,
     snapshots: usize,
 }
 
 impl HostUse {
     fn bytes(&self) -> usize {
-        self.own_bytes + self.span_bytes
+        self.own_bytes + self.spans.bytes
     }
 
     fn add(&mut self, s: &HostSnapshot, tokens: usize) {
         self.own_bytes += s.own_bytes() + 4 * tokens;
         for (span, bytes) in s.spans() {
-            let held = self.spans.entry(span).or_insert((0, bytes));
-            if held.0 == 0 {
-                self.span_bytes += bytes;
-            }
-            held.0 += 1;
+            self.spans.hold(span as u64, bytes);
         }
         self.snapshots += 1;
     }
 
     fn subtract(&mut self, s: &HostSnapshot, tokens: usize) {
         self.own_bytes -= s.own_bytes() + 4 * tokens;
-        for (span, bytes) in s.spans() {
-            match self.spans.get_mut(&span) {
-                Some((1, _)) => {
-                    self.spans.remove(&span);
-                    self.span_bytes -= bytes;
-                }
-                Some((n, _)) => *n -= 1,
-                None => debug_assert!(false, "a span the host tier did not count"),
-            }
+        for (span, _) in s.spans() {
+            self.spans.let_go(span as u64);
         }
         self.snapshots -= 1;
     }
@@ -211,7 +242,6 @@ impl PrefixCache {
 
     /// Keep snapshots taken on the GPU there, within `tier`'s budget.
     pub fn with_device(mut self, tier: Arc<DeviceTier>) -> PrefixCache {
-        self.device_use.block_bytes = tier.block_bytes();
         self.device = Some(tier);
         self
     }
@@ -393,14 +423,7 @@ impl PrefixCache {
             }
             Kept::Memory(s) => match &**s {
                 Snapshot::Host(h) => self.host_use.add(h, tokens),
-                Snapshot::Gpu(g) => {
-                    let u = &mut self.device_use;
-                    u.slot_bytes += g.slot_bytes();
-                    for &b in g.blocks() {
-                        *u.blocks.entry(b).or_insert(0) += 1;
-                    }
-                    u.snapshots += 1;
-                }
+                Snapshot::Gpu(g) => self.device_use.add(g),
             },
         }
     }
@@ -413,20 +436,7 @@ impl PrefixCache {
             }
             Kept::Memory(s) => match &**s {
                 Snapshot::Host(h) => self.host_use.subtract(h, tokens),
-                Snapshot::Gpu(g) => {
-                    let u = &mut self.device_use;
-                    u.slot_bytes -= g.slot_bytes();
-                    for b in g.blocks() {
-                        match u.blocks.get_mut(b) {
-                            Some(1) => {
-                                u.blocks.remove(b);
-                            }
-                            Some(n) => *n -= 1,
-                            None => debug_assert!(false, "a block the device tier did not count"),
-                        }
-                    }
-                    u.snapshots -= 1;
-                }
+                Snapshot::Gpu(g) => self.device_use.subtract(g),
             },
         }
     }
@@ -511,13 +521,7 @@ impl PrefixCache {
         let (key, _) = Self::key(salt, tokens);
         match self.tree.lookup(&key).snapshot {
             Some((id, depth, _)) if depth == key.len() && !self.tree.is_pinned(id) => {
-                let tokens = self.tokens_at(id);
-                if let Some(kept) = self.tree.remove(id) {
-                    if let (Kept::Disk(f), Some(disk)) = (&kept, &self.disk) {
-                        disk.remove(f);
-                    }
-                    self.subtract(&kept, tokens);
-                }
+                self.take_out(id);
                 true
             }
             _ => false,
@@ -533,16 +537,23 @@ impl PrefixCache {
         }
     }
 
-    /// Take the snapshot out of `id` (its files deleted, for one on disk).
+    /// Evict the snapshot of `id` (`take_out`), counted as an eviction.
     fn drop_snapshot(&mut self, id: NodeId) {
-        let tokens = self.tokens_at(id);
-        if let Some(kept) = self.tree.remove(id) {
-            if let (Kept::Disk(f), Some(disk)) = (&kept, &self.disk) {
-                disk.remove(f);
-            }
-            self.subtract(&kept, tokens);
+        if self.take_out(id) {
             self.stats.evicted += 1;
         }
+    }
+
+    /// Take the snapshot out of `id`, its files deleted for one on disk (not counted as an
+    /// eviction). Returns whether there was one.
+    fn take_out(&mut self, id: NodeId) -> bool {
+        let tokens = self.tokens_at(id);
+        let Some(kept) = self.tree.remove(id) else { return false };
+        if let (Kept::Disk(f), Some(disk)) = (&kept, &self.disk) {
+            disk.remove(f);
+        }
+        self.subtract(&kept, tokens);
+        true
     }
 
     /// Bring the device tier within its budget: the snapshots used longest ago, but pinned

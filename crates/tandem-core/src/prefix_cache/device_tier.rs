@@ -37,11 +37,6 @@ impl DeviceTier {
         self.kv.ordinal()
     }
 
-    /// Bytes of one K/V block.
-    pub fn block_bytes(&self) -> usize {
-        self.kv.block_bytes()
-    }
-
     /// Set the K/V pool's limit for the snapshots holding `slot_bytes` in slots: the blocks of
     /// the rest of the budget come on top of the K/V cache's own.
     pub fn rebalance(&self, slot_bytes: usize) {

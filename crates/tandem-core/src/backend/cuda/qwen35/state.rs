@@ -464,22 +464,11 @@ impl GpuState {
 
     /// A host copy of the last logits, wherever they are.
     pub fn host_logits(&self) -> Result<Vec<f32>> {
-        match &self.last {
-            LastLogits::Host(l) => Ok(l.to_vec()),
-            LastLogits::InStep { .. } => {
-                let step = self.step.as_ref().context("the decode step whose buffer holds the logits is gone")?;
-                let (src, _sync) = cudarc::driver::DevicePtr::device_ptr(&*step.ws.logits, &step.stream);
-                self.staging.lock().unwrap_or_else(|e| e.into_inner()).download(&step.stream, src, step.ws.logits.len())
-            }
-            LastLogits::InBatch { logits, written, step, row, vocab, stream, .. } => {
-                if written.load(Ordering::Acquire) != *step {
-                    bail!("this state's logits were overwritten by a later batched decode step (read them before the next step)");
-                }
-                let v = *vocab;
-                let (src, _sync) = cudarc::driver::DevicePtr::device_ptr(&**logits, stream);
-                self.staging.lock().unwrap_or_else(|e| e.into_inner()).download(stream, src + (row * v * 4) as u64, v)
-            }
+        if let LastLogits::Host(l) = &self.last {
+            return Ok(l.to_vec());
         }
+        let (src, n, stream) = self.device_logits()?.context("logits neither on the host nor on the GPU")?;
+        self.staging.lock().unwrap_or_else(|e| e.into_inner()).download(stream, src, n)
     }
 }
 
