@@ -67,6 +67,20 @@ def main():
             n = sum(1 for e in mine if e["name"] == name)
             print(f"| {tid} | {name} | {n} | {busy:.3f} | {100 * busy / span_s:.0f}% | {gaps:.3f} |")
 
+    cache = {}
+    for e in events:
+        if e["name"] in ("snapshot", "restore", "demote", "cache keep", "cache lookup"):
+            label = e["name"] + (f" from {e['args']['tier']}" if "tier" in e.get("args", {}) else "")
+            cache.setdefault(label, []).append(e)
+    if cache:
+        print("\nPrefix cache spans (ms and the state's tokens: median, min-max):")
+        print("\n| work | spans | ms | tokens |")
+        print("|---|---|---|---|")
+        for label, es in sorted(cache.items()):
+            tokens = [e["args"]["tokens"] for e in es if "tokens" in e.get("args", {})]
+            tok = f"{statistics.median(tokens):.0f} ({min(tokens)}-{max(tokens)})" if tokens else "-"
+            print(f"| {label} | {len(es)} | {fmt_ms([e['dur'] / 1e3 for e in es])} | {tok} |")
+
     prefills = sorted(((e["ts"], e["ts"] + e["dur"], e["tid"]) for e in events if e["name"] == "prefill"))
     steps = [e for e in events if e["name"] == "decode step"]
     samples = sorted((e for e in events if e["name"] == "sample"), key=lambda e: e["ts"])

@@ -370,7 +370,7 @@ impl<'m> Engine<'m> {
     pub fn restore(&self, snapshot: &Snapshot, logits: bool) -> Result<DeviceState> {
         Ok(match (&self.backend, snapshot) {
             (Backend::Cuda(g), Snapshot::Gpu(s)) => DeviceState::Gpu(Box::new(g.restore_state(s, logits)?)),
-            (Backend::Cuda(g), Snapshot::Host(s)) => DeviceState::Gpu(Box::new(g.upload_state(&s.to_state())?)),
+            (Backend::Cuda(g), Snapshot::Host(s)) => DeviceState::Gpu(Box::new(g.place_snapshot(s)?)),
             (Backend::Cpu(_), s) => DeviceState::Host(s.to_host()?),
         })
     }

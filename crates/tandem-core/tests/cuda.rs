@@ -678,6 +678,31 @@ fn device_snapshots_share_full_blocks_and_restore_exactly() {
     assert_eq!(with.host_logits().unwrap(), want);
     let without = gpu.restore_state(&snap, false).unwrap();
     assert!(!without.has_logits(), "a state restored without its logits has none to sample from");
+    drop((a, b, snap, with, without));
+    // Down to host memory: a snapshot of a state that went on from another (restored from it)
+    // comes over sharing that one's host K/V (only the rows past it cross the bus), reads back
+    // whole, and a state placed from its spans is the snapshot, bit for bit, and goes on as
+    // the original.
+    let mut first = gpu.new_state().unwrap();
+    gpu.forward(&tokens[..at], &mut first, Logits::Last).unwrap();
+    let early = gpu.snapshot_state(&first).unwrap().unwrap();
+    let host_early = early.to_host_snapshot(None).unwrap();
+    let mut going = gpu.restore_state(&early, false).unwrap();
+    gpu.forward(&tokens[at..at + 30], &mut going, Logits::Last).unwrap();
+    let late = gpu.snapshot_state(&going).unwrap().unwrap();
+    let host_late = late.to_host_snapshot(Some(&host_early)).unwrap();
+    assert_eq!(host_late.spans().count(), 2, "the later snapshot shares the earlier one's K/V");
+    assert_eq!(host_late.spans().last(), host_early.spans().next(), "shares the very span");
+    assert!(host_late.to_state() == late.download().unwrap(), "a shared host snapshot reads back whole");
+    // One of a state computed apart (not restored from it) is compared row by row instead.
+    let mut apart = gpu.new_state().unwrap();
+    gpu.forward(&tokens[..at + 30], &mut apart, Logits::Last).unwrap();
+    let apart = gpu.snapshot_state(&apart).unwrap().unwrap();
+    assert!(apart.to_host_snapshot(Some(&host_early)).unwrap().to_state() == apart.download().unwrap());
+    let mut placed = gpu.place_snapshot(&host_late).unwrap();
+    assert!(placed.download().unwrap() == late.download().unwrap(), "a state placed from host spans is not the snapshot");
+    let more = &tokens[at + 30..at + 40];
+    assert_eq!(gpu.forward(more, &mut placed, Logits::Last).unwrap(), gpu.forward(more, &mut going, Logits::Last).unwrap());
 }
 
 /// State slots: one per state, taken when it is made and given back when it is dropped; past

@@ -251,7 +251,12 @@ fn greedy_after_hits(config: PipelineConfig, host: usize, disk: Option<&std::pat
             cache = cache.with_disk(tier, found);
         }
         let mut hits = 0;
-        for prompt in &ps {
+        for (i, prompt) in ps.iter().enumerate() {
+            // Snapshots leaving the GPU are copied after every other prompt: the prompt between
+            // continues them on the GPU while they wait.
+            if i % 2 == 0 {
+                cache.settle_here();
+            }
             let found = cache.lookup(None, prompt);
             hits += usize::from(found.reused > 0);
             let (tx, rx) = channel();
@@ -286,6 +291,7 @@ fn greedy_after_hits(config: PipelineConfig, host: usize, disk: Option<&std::pat
             let want = p.generate(None, prompt.clone(), &params, |_| Ok(()))?.tokens;
             assert_eq!(got, want, "{} -> {}: prompt of {} tokens, {} from the cache", config.prefill, config.decode, prompt.len(), found.reused);
         }
+        cache.settle_here();
         assert!(cache.bytes(Tier::Device) <= cache.device_budget() && cache.bytes(Tier::Host) <= cache.budget());
         Ok((hits, cache.stats()))
     })

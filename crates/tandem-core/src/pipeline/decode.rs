@@ -209,7 +209,7 @@ pub(super) fn single_engine_loop(engine: &Engine, mut queue: Queue, max_batch: u
                     let _ = request.events.send(Event::Failed { id: request.id, error });
                     continue;
                 }
-                match Prefill::start(engine, host, request, submitted) {
+                match Prefill::start(engine, host, request, submitted, time) {
                     Ok(p) => prefilling.extend(p),
                     Err(request) => no_slot.push(*request),
                 }

@@ -255,6 +255,12 @@ impl Pipeline {
         self.device_tier.as_ref()
     }
 
+    /// Trace `work` from `started` to now on the calling thread's track (with `--trace`): work
+    /// of the pipeline's caller that bears on its engines' (a prefix cache's).
+    pub fn trace(&self, started: Instant, work: Work) {
+        self.engine_time.span(started, || work);
+    }
+
     /// Queue a request; its events arrive on `request.events`.
     pub fn submit(&self, request: Request) -> Result<()> {
         self.requests.send((request, Instant::now())).map_err(|_| anyhow::anyhow!("the pipeline has stopped"))

@@ -210,7 +210,7 @@ pub(super) enum Prefilled {
 /// applied in pieces up to each (the pieces of the batch's requests packed together in turn).
 /// Entry i is what became of request i.
 pub(super) fn prefill_requests(engine: &Engine, host: Option<&Arc<HostBudget>>, batch: Vec<(Request, Instant)>, time: &EngineTime) -> Vec<Prefilled> {
-    let mut started: Vec<Started> = batch.into_iter().map(|(request, submitted)| Prefill::start(engine, host, request, submitted)).collect();
+    let mut started: Vec<Started> = batch.into_iter().map(|(request, submitted)| Prefill::start(engine, host, request, submitted, time)).collect();
     // What ended each prefill's run of pieces: None while it has more to apply, and for one
     // with nothing to apply (a checkpoint continued as it is).
     let mut ended: Vec<Option<Chunk>> = started.iter().map(|_| None).collect();
@@ -291,7 +291,7 @@ impl Prefill {
     /// is answered here and gives None; one that finds no free state slot (or, under a CPU
     /// decode engine's budget `host`, no room for its lease) comes back as it was (Err), to
     /// wait for one.
-    pub(super) fn start(engine: &Engine, host: Option<&Arc<HostBudget>>, mut request: Request, submitted: Instant) -> Started {
+    pub(super) fn start(engine: &Engine, host: Option<&Arc<HostBudget>>, mut request: Request, submitted: Instant, time: &EngineTime) -> Started {
         let timings = Timings { queued: submitted.elapsed(), ..Default::default() };
         if request.cancel.load(Ordering::Relaxed) {
             let _ = request.events.send(Event::Done { id: request.id, finish: Finish::Cancelled, timings, state: None });
@@ -313,7 +313,12 @@ impl Prefill {
                 Some(Start::State(state)) => Ok(DeviceState::Host(state)),
                 _ => unreachable!("matched above"),
             },
-            Some(Start::Cached(snapshot)) => engine.restore(snapshot, request.tokens.is_empty()),
+            Some(Start::Cached(snapshot)) => {
+                let started = Instant::now();
+                let restored = engine.restore(snapshot, request.tokens.is_empty());
+                time.span(started, || Work::Restore { tokens: snapshot.position(), tier: snapshot.tier().name() });
+                restored
+            }
             None => engine.new_state(),
         };
         // No slot or block free: the request waits as it came (its start still in it).

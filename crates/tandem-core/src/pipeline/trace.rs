@@ -1,6 +1,8 @@
 //! A timeline of the engines' work (`--trace FILE`): every prefill call, every sampling of a
 //! decode batch and every decode step, with its start, its duration and how many prompts,
-//! tokens or sequences it carried, on one track per engine (its thread's name). The file is in the Chrome
+//! tokens or sequences it carried, on one track per engine (its thread's name); and a prefix
+//! cache's work that bears on theirs (snapshots taken and restored on the engines, the cache's
+//! lock held by a server's threads, snapshots copied off the GPU). The file is in the Chrome
 //! trace-event format (a JSON array of complete events, timestamps in microseconds from the
 //! pipeline's start), which Perfetto (ui.perfetto.dev) and chrome://tracing open, and which
 //! `scripts/trace_summary.py` sums up. Spans are measured on the host: a GPU engine's call
@@ -32,6 +34,13 @@ pub enum Work {
     Decode { sequences: usize, positions: usize },
     /// A copy of a request's state for a prefix cache, at `tokens` tokens.
     Snapshot { tokens: usize },
+    /// A request's state made from a prefix cache's snapshot of `tokens` tokens, kept in `tier`.
+    Restore { tokens: usize, tier: &'static str },
+    /// A prefix cache held by a server's thread (its lock held): `snapshots` kept (with the
+    /// eviction and moves down the tiers that made room for them), or a lookup (0).
+    Cache { snapshots: usize },
+    /// A snapshot of `tokens` tokens copied from the GPU to host memory for a prefix cache.
+    Demote { tokens: usize },
 }
 
 impl Work {
@@ -45,6 +54,10 @@ impl Work {
             Work::Sample { .. } => "sample",
             Work::Decode { .. } => "decode step",
             Work::Snapshot { .. } => "snapshot",
+            Work::Restore { .. } => "restore",
+            Work::Cache { snapshots: 0 } => "cache lookup",
+            Work::Cache { .. } => "cache keep",
+            Work::Demote { .. } => "demote",
         }
     }
 
@@ -53,7 +66,9 @@ impl Work {
             Work::Prefill { prompts, tokens } => format!("{{\"prompts\":{prompts},\"tokens\":{tokens}}}"),
             Work::Sample { sequences } => format!("{{\"sequences\":{sequences}}}"),
             Work::Decode { sequences, positions } => format!("{{\"sequences\":{sequences},\"positions\":{positions}}}"),
-            Work::Snapshot { tokens } => format!("{{\"tokens\":{tokens}}}"),
+            Work::Snapshot { tokens } | Work::Demote { tokens } => format!("{{\"tokens\":{tokens}}}"),
+            Work::Restore { tokens, tier } => format!("{{\"tokens\":{tokens},\"tier\":\"{tier}\"}}"),
+            Work::Cache { snapshots } => format!("{{\"snapshots\":{snapshots}}}"),
         }
     }
 }

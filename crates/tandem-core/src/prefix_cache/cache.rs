@@ -14,7 +14,10 @@
 //! holds the blocks of the shorter one it continues): it counts each block once. Each tier's
 //! snapshots go least recently used first where it passes its budget, down a tier where there
 //! is one (device to host memory to disk); where pins hold more than a budget, the sessions
-//! used longest ago let go of theirs.
+//! used longest ago let go of theirs. A snapshot leaving the GPU is copied by whoever calls
+//! `settle`, with the cache's lock let go meanwhile (prompts still continue it on the GPU):
+//! such a copy takes long enough (hundreds of MB for a long 9B conversation) that lookups
+//! waiting for it would wait for nothing.
 //!
 //! A `salt` (the API's `cache_salt`) keeps requests apart: a prompt with a salt matches only
 //! snapshots made under the same salt. It is a leading key entry outside the vocabulary.
@@ -36,14 +39,41 @@ use crate::state::{HostSnapshot, Snapshot, State, Tier};
 #[derive(Clone)]
 enum Kept {
     Memory(Arc<Snapshot>),
+    /// A snapshot the device tier let go, on the GPU until `settle` has copied it to host
+    /// memory (counted in no tier meanwhile).
+    Leaving(Arc<Snapshot>),
     Disk(Arc<DiskFile>),
 }
 
 impl Kept {
-    fn tier(&self) -> Tier {
+    /// The tier whose budget it counts in (None: leaving the device tier).
+    fn tier(&self) -> Option<Tier> {
         match self {
-            Kept::Memory(s) => s.tier(),
-            Kept::Disk(_) => Tier::Disk,
+            Kept::Memory(s) => Some(s.tier()),
+            Kept::Leaving(_) => None,
+            Kept::Disk(_) => Some(Tier::Disk),
+        }
+    }
+}
+
+/// A snapshot on its way from the device tier to host memory (`PrefixCache::settle`).
+pub struct Leaving {
+    key: Vec<u32>,
+    snapshot: Arc<Snapshot>,
+    /// The deepest host snapshot on its path when it left: the K/V rows the copy may share.
+    above: Option<Arc<Snapshot>>,
+}
+
+impl Leaving {
+    /// The snapshot in host memory (the copy; run it without the cache's lock).
+    fn copy(&self) -> anyhow::Result<HostSnapshot> {
+        let earlier = self.above.as_deref().and_then(|s| match s {
+            Snapshot::Host(h) => Some(h),
+            Snapshot::Gpu(_) => None,
+        });
+        match &*self.snapshot {
+            Snapshot::Gpu(g) => g.to_host_snapshot(earlier),
+            Snapshot::Host(_) => anyhow::bail!("a host snapshot in the device tier"),
         }
     }
 }
@@ -205,6 +235,8 @@ pub struct PrefixCache {
     last_refusal: Option<String>,
     every: usize,
     sessions: HashMap<String, Session>,
+    /// Snapshots the device tier let go, to be copied to host memory by `settle`.
+    leaving: Vec<Leaving>,
     clock: u64,
     stats: CacheStats,
 }
@@ -235,6 +267,7 @@ impl PrefixCache {
             last_refusal: None,
             every,
             sessions: HashMap::new(),
+            leaving: Vec::new(),
             clock: 0,
             stats: CacheStats::default(),
         }
@@ -319,7 +352,7 @@ impl PrefixCache {
             let m = self.tree.lookup(&key);
             let Some((id, depth, kept)) = m.snapshot.clone() else { break (m, None, 0) };
             match kept {
-                Kept::Memory(state) => break (m, Some(state), depth - lead),
+                Kept::Memory(state) | Kept::Leaving(state) => break (m, Some(state), depth - lead),
                 Kept::Disk(file) => match self.read_back(id, &file, depth - lead) {
                     Some(state) => break (m, Some(state), depth - lead),
                     None => continue,
@@ -402,7 +435,7 @@ impl PrefixCache {
                 Snapshot::Host(h) => Some(h),
                 Snapshot::Gpu(_) => None,
             },
-            Kept::Disk(_) => None,
+            Kept::Leaving(_) | Kept::Disk(_) => None,
         });
         match above {
             Some(earlier) => HostSnapshot::continuing(state, earlier),
@@ -417,6 +450,7 @@ impl PrefixCache {
 
     fn add(&mut self, kept: &Kept, tokens: usize) {
         match kept {
+            Kept::Leaving(_) => {}
             Kept::Disk(f) => {
                 self.disk_bytes += f.bytes;
                 self.disk_snapshots += 1;
@@ -430,6 +464,7 @@ impl PrefixCache {
 
     fn subtract(&mut self, kept: &Kept, tokens: usize) {
         match kept {
+            Kept::Leaving(_) => {}
             Kept::Disk(f) => {
                 self.disk_bytes -= f.bytes;
                 self.disk_snapshots -= 1;
@@ -532,7 +567,7 @@ impl PrefixCache {
     /// charged by its tokens).
     fn tokens_at(&self, id: NodeId) -> usize {
         match self.tree.get(id) {
-            Some(Kept::Memory(s)) => s.position(),
+            Some(Kept::Memory(s) | Kept::Leaving(s)) => s.position(),
             _ => 0,
         }
     }
@@ -557,45 +592,98 @@ impl PrefixCache {
     }
 
     /// Bring the device tier within its budget: the snapshots used longest ago, but pinned
-    /// ones, move to host memory (copied on a stream of their own, beside their engine's
-    /// work), or straight to the disk tier where host memory has no room for them, or go where
-    /// there is neither.
+    /// ones, leave for host memory where it or the disk tier has a budget (`settle` copies
+    /// them), or go.
     fn shrink_device(&mut self) {
         let budget = self.device_budget();
+        let below = self.budget > 0 || self.disk.as_ref().is_some_and(|d| d.budget() > 0);
         while self.device_use.bytes() > budget {
-            let Some(id) = self.tree.oldest(|s, pinned| s.tier() == Tier::Device && !pinned) else { break };
-            let disk_budget = self.disk.as_ref().map_or(0, DiskTier::budget);
+            let Some(id) = self.tree.oldest(|s, pinned| s.tier() == Some(Tier::Device) && !pinned) else { break };
             let snapshot = match self.tree.get(id) {
-                Some(Kept::Memory(s)) if self.budget > 0 || disk_budget > 0 => s.clone(),
+                Some(Kept::Memory(s)) if below => s.clone(),
                 _ => {
                     self.drop_snapshot(id);
                     continue;
                 }
             };
-            let tokens = snapshot.position();
-            let moved = snapshot.to_host().and_then(|state| {
-                let size = state.bytes() + 4 * tokens;
-                if size <= self.budget {
-                    return Ok((Kept::Memory(Arc::new(Snapshot::Host(self.host_snapshot(&self.tree.key_of(id), state)))), size));
-                }
-                let disk = self.disk.as_ref().filter(|d| d.budget() > 0).context("host memory has no room for it, and there is no disk tier")?;
-                let file = disk.write(&self.tree.key_of(id), &state)?;
-                self.stats.spilled += 1;
-                let bytes = file.bytes;
-                Ok((Kept::Disk(Arc::new(file)), bytes))
+            let (key, tokens) = (self.tree.key_of(id), snapshot.position());
+            let above = self.tree.deepest_above(&key, |k| match k {
+                Kept::Memory(s) if s.tier() == Tier::Host => Some(s.clone()),
+                _ => None,
             });
-            match moved {
-                Ok((kept, bytes)) => {
-                    self.add(&kept, tokens);
-                    if let Some(old) = self.tree.replace(id, kept, bytes) {
-                        self.subtract(&old, tokens);
-                    }
-                    self.stats.demoted += 1;
-                }
-                Err(e) => {
-                    eprintln!("prefix cache: a snapshot leaving the GPU could not be kept elsewhere, and goes: {e:#}");
-                    self.drop_snapshot(id);
-                }
+            let old = self.tree.replace(id, Kept::Leaving(snapshot.clone()), 0).expect("a snapshot at the node");
+            self.subtract(&old, tokens);
+            self.leaving.push(Leaving { key, snapshot, above });
+        }
+    }
+
+    /// Whether snapshots wait to leave the GPU (`settle`).
+    pub fn has_leaving(&self) -> bool {
+        !self.leaving.is_empty()
+    }
+
+    /// Bytes of GPU memory the snapshots waiting to leave it hold (their shared blocks counted
+    /// whole): room past the device tier's budget until they are copied.
+    pub fn leaving_bytes(&self) -> usize {
+        self.leaving.iter().map(|l| l.snapshot.bytes()).sum()
+    }
+
+    /// Copy the snapshots leaving the GPU to host memory, the lock of `cache` let go while each
+    /// copies (lookups go on, and continue them on the GPU meanwhile); `copied(started,
+    /// tokens)` after each copy.
+    pub fn settle(cache: &std::sync::Mutex<PrefixCache>, mut copied: impl FnMut(std::time::Instant, usize)) {
+        let lock = || cache.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let leaving = std::mem::take(&mut lock().leaving);
+            if leaving.is_empty() {
+                return;
+            }
+            for l in leaving {
+                let started = std::time::Instant::now();
+                let copy = l.copy();
+                copied(started, l.snapshot.position());
+                lock().land(l, copy);
+            }
+        }
+    }
+
+    /// `settle` for a cache its caller holds alone.
+    pub fn settle_here(&mut self) {
+        while let Some(l) = self.leaving.pop() {
+            let copied = l.copy();
+            self.land(l, copied);
+        }
+    }
+
+    /// Put the host copy of a snapshot that left the GPU in its place (on disk where host memory
+    /// has no room for it), unless the snapshot went meanwhile.
+    fn land(&mut self, leaving: Leaving, copied: anyhow::Result<HostSnapshot>) {
+        let Some(id) = self.tree.find(&leaving.key) else { return };
+        if !matches!(self.tree.get(id), Some(Kept::Leaving(s)) if Arc::ptr_eq(s, &leaving.snapshot)) {
+            return;
+        }
+        let tokens = leaving.snapshot.position();
+        let moved = copied.and_then(|h| {
+            let size = h.bytes() + 4 * tokens;
+            if size <= self.budget {
+                return Ok((Kept::Memory(Arc::new(Snapshot::Host(h))), size));
+            }
+            let disk = self.disk.as_ref().filter(|d| d.budget() > 0).context("host memory has no room for it, and there is no disk tier")?;
+            let file = disk.write(&leaving.key, &h.to_state())?;
+            self.stats.spilled += 1;
+            let bytes = file.bytes;
+            Ok((Kept::Disk(Arc::new(file)), bytes))
+        });
+        match moved {
+            Ok((kept, bytes)) => {
+                self.add(&kept, tokens);
+                self.tree.replace(id, kept, bytes);
+                self.stats.demoted += 1;
+                self.evict(None);
+            }
+            Err(e) => {
+                eprintln!("prefix cache: a snapshot leaving the GPU could not be kept elsewhere, and goes: {e:#}");
+                self.drop_snapshot(id);
             }
         }
     }
@@ -604,7 +692,7 @@ impl PrefixCache {
     /// tier where there is one), but pinned ones.
     fn shrink_host(&mut self) {
         while self.host_use.bytes() > self.budget {
-            let Some(id) = self.tree.oldest(|s, pinned| s.tier() == Tier::Host && !pinned) else { break };
+            let Some(id) = self.tree.oldest(|s, pinned| s.tier() == Some(Tier::Host) && !pinned) else { break };
             let written = match (&self.disk, self.tree.get(id)) {
                 (Some(disk), Some(Kept::Memory(s))) => match &**s {
                     Snapshot::Host(state) if disk.budget() > 0 => Some(disk.write(&self.tree.key_of(id), &state.to_state())),
@@ -637,7 +725,7 @@ impl PrefixCache {
     fn shrink_disk(&mut self) {
         let budget = self.disk.as_ref().map_or(0, DiskTier::budget);
         while self.disk_bytes > budget {
-            let Some(id) = self.tree.oldest(|s, pinned| s.tier() == Tier::Disk && !pinned) else { break };
+            let Some(id) = self.tree.oldest(|s, pinned| s.tier() == Some(Tier::Disk) && !pinned) else { break };
             self.drop_snapshot(id);
         }
     }
@@ -666,7 +754,7 @@ impl PrefixCache {
                 return stays;
             }
             if let Some(id) = newcomer.take() {
-                if self.tree.get(id).is_some_and(|k| over(self, k.tier())) {
+                if self.tree.get(id).and_then(Kept::tier).is_some_and(|t| over(self, t)) {
                     self.tree.unpin(id);
                     self.drop_snapshot(id);
                     stays = false;

@@ -117,6 +117,14 @@ impl<S: Clone> PrefixTree<S> {
         Match { matched, snapshot }
     }
 
+    /// The node of exactly `tokens`, where it holds a snapshot (not marked as used).
+    pub fn find(&self, tokens: &[u32]) -> Option<NodeId> {
+        match self.walk(tokens) {
+            (at, matched, None) if matched == tokens.len() && self.node(at).snapshot.is_some() && at != ROOT => Some(at),
+            _ => None,
+        }
+    }
+
     /// The deepest snapshot above depth `tokens.len()` on the path of `tokens` that `pick`
     /// takes something from (not marked as used).
     pub fn deepest_above<'a, T>(&'a self, tokens: &[u32], pick: impl Fn(&'a S) -> Option<T>) -> Option<T> {

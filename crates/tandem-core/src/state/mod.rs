@@ -11,7 +11,7 @@ mod snapshot;
 
 use crate::bridge::file::StateFile;
 pub use device::DeviceState;
-pub use snapshot::{HostSnapshot, Snapshot, Tier};
+pub use snapshot::{new_snapshot_id, HostSnapshot, KvSpan, Lineage, Snapshot, Tier};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum LayerState {

@@ -4,6 +4,7 @@
 //! from). Nothing writes into a snapshot; a request that continues one starts from a copy of
 //! it (`Engine::restore`).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use anyhow::Result;
@@ -16,6 +17,34 @@ pub enum Snapshot {
     Gpu(GpuSnapshot),
 }
 
+/// A number no other snapshot of this process has (a snapshot keeps its number as it moves
+/// from the GPU to host memory).
+pub fn new_snapshot_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The snapshots a state went on from: for each, its number and position, earliest first. A
+/// state's attention K/V rows before such a position are that snapshot's, bit for bit (a
+/// restore copies or shares them, and nothing writes a K/V row twice), so a copy of the state
+/// can share that snapshot's rows without comparing them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Lineage(Vec<(u64, usize)>);
+
+impl Lineage {
+    /// This lineage, then snapshot `id` of `position`.
+    pub fn then(&self, id: u64, position: usize) -> Lineage {
+        let mut l = self.0.clone();
+        l.push((id, position));
+        Lineage(l)
+    }
+
+    /// Whether the state went on from snapshot `id` (at `position`).
+    pub fn holds(&self, id: u64, position: usize) -> bool {
+        self.0.contains(&(id, position))
+    }
+}
+
 /// A state in host memory whose attention keys and values are held as a chain of spans of
 /// positions: a snapshot taken further along a prompt than another shares that one's spans
 /// and holds only the positions past it, so that snapshots every N tokens of a long prompt
@@ -24,6 +53,9 @@ pub struct HostSnapshot {
     /// The state, its attention layers' K/V left empty (they are in `kv`).
     rest: State,
     kv: Arc<KvSpan>,
+    /// Its number (`new_snapshot_id`), and the snapshots the state it was taken of went on from.
+    pub id: u64,
+    pub lineage: Lineage,
 }
 
 /// The K/V rows of positions `[from, to)` of every attention layer, after those of `before`
@@ -37,6 +69,11 @@ pub struct KvSpan {
 }
 
 impl KvSpan {
+    /// The position its rows end at.
+    pub fn end(&self) -> usize {
+        self.to
+    }
+
     /// The spans from this one back to position 0.
     fn chain(self: &Arc<KvSpan>) -> impl Iterator<Item = &Arc<KvSpan>> {
         std::iter::successors(Some(self), |s| s.before.as_ref())
@@ -57,6 +94,33 @@ impl HostSnapshot {
         Self::after(state, None)
     }
 
+    /// A snapshot of `rest` (a state whose attention layers hold only the K/V rows past
+    /// `before`'s end) that shares `before`'s spans: the caller knows those rows are the
+    /// state's (its `lineage` holds the snapshot they belong to).
+    pub fn sharing(mut rest: State, before: Arc<KvSpan>, id: u64, lineage: Lineage) -> HostSnapshot {
+        let layers = rest.layers.iter_mut().filter_map(|l| if let LayerState::Full { k, v } = l { Some((std::mem::take(k), std::mem::take(v))) } else { None }).collect();
+        let kv = Arc::new(KvSpan { from: before.to, to: rest.position, layers, before: Some(before) });
+        HostSnapshot { rest, kv, id, lineage }
+    }
+
+    /// Its K/V spans, to be shared by a snapshot that goes on from it (`sharing`).
+    pub fn kv(&self) -> &Arc<KvSpan> {
+        &self.kv
+    }
+
+    /// The K/V rows of attention layer `a` at position `p` (key, value; `row` values each).
+    pub fn kv_row(&self, a: usize, p: usize, row: usize) -> (&[f32], &[f32]) {
+        let span = self.kv.chain().find(|s| s.from <= p).expect("the spans reach back to position 0");
+        let at = (p - span.from) * row;
+        let (k, v) = &span.layers[a];
+        (&k[at..at + row], &v[at..at + row])
+    }
+
+    /// Its recurrent states, conv windows and logits: the state without its attention K/V.
+    pub fn rest(&self) -> &State {
+        &self.rest
+    }
+
     /// `state` as a snapshot that shares `earlier`'s K/V spans where it continues it: where
     /// `earlier` lies at or before it and its K/V rows are, bit for bit, the first rows of
     /// `state`'s (a state that continued `earlier`, or went through the same tokens on an
@@ -73,6 +137,18 @@ impl HostSnapshot {
             })
         };
         Self::after(state, shares.then(|| earlier.kv.clone()))
+    }
+
+    /// Like `continuing`, without comparing the rows where `lineage` says `state` went on from
+    /// `earlier`.
+    pub fn continuing_from(state: State, lineage: Lineage, id: u64, earlier: &HostSnapshot) -> HostSnapshot {
+        let mut s = if lineage.holds(earlier.id, earlier.position()) && earlier.position() <= state.position {
+            Self::after(state, Some(earlier.kv.clone()))
+        } else {
+            Self::continuing(state, earlier)
+        };
+        (s.id, s.lineage) = (id, lineage);
+        s
     }
 
     /// `state` with its K/V rows past `before`'s in a new span.
@@ -93,7 +169,7 @@ impl HostSnapshot {
                 layers.push((k, v));
             }
         }
-        HostSnapshot { rest: state, kv: Arc::new(KvSpan { from, to: position, layers, before }) }
+        HostSnapshot { rest: state, kv: Arc::new(KvSpan { from, to: position, layers, before }), id: new_snapshot_id(), lineage: Lineage::default() }
     }
 
     pub fn position(&self) -> usize {
@@ -113,8 +189,8 @@ impl HostSnapshot {
                 }
                 state
             }
-            Ok(span) => HostSnapshot { rest: self.rest, kv: Arc::new(span) }.to_state(),
-            Err(kv) => HostSnapshot { rest: self.rest, kv }.to_state(),
+            Ok(span) => HostSnapshot { kv: Arc::new(span), ..self }.to_state(),
+            Err(kv) => HostSnapshot { kv, ..self }.to_state(),
         }
     }
 

@@ -5,13 +5,15 @@
 //! (stopping at a stop string). The same `Completion` feeds a streamed and a whole response.
 
 use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
 use axum::http::StatusCode;
 use tandem_core::chat::Message;
 use tandem_core::pipeline::{self, Event, Finish};
-use tandem_core::prefix_cache::Pin;
+use tandem_core::prefix_cache::{Pin, PrefixCache};
+use tandem_core::pipeline::trace::Work;
 use tandem_core::pipeline::Start;
 use tandem_core::state::Snapshot;
 use tandem_core::tokenizer::StreamDecoder;
@@ -122,29 +124,63 @@ pub async fn lookup(app: &Arc<App>, salt: Option<&str>, prompt: &[u32], count: b
     let (app, prompt, salt) = (Arc::clone(app), prompt.to_vec(), salt.map(str::to_string));
     let found = tokio::task::spawn_blocking(move || {
         let mut cache = app.cache.lock().expect("cache lock");
+        let held = Instant::now();
         let found = cache.lookup(salt.as_deref(), &prompt);
         if count {
             cache.count(&found);
         }
+        app.engines.trace(held, Work::Cache { snapshots: 0 });
         Cached { state: found.state, reused: found.reused, stops: found.stops }
     });
     found.await.unwrap_or_else(|_| none())
 }
 
-/// Keep snapshots in the cache (on a blocking thread: eviction frees states, and may move
-/// some from the GPU to host memory); the last one is pinned as `session`'s `pin` where given.
+/// Keep snapshots in the cache (on a blocking thread: eviction frees states), the last one
+/// pinned as `session`'s `pin` where given; those the eviction moves off the GPU are copied
+/// after (`settle`).
 async fn keep(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>, states: Vec<Snapshot>, pin: Option<(String, Pin)>) {
-    let app = Arc::clone(app);
+    let cache_app = Arc::clone(app);
     let _ = tokio::task::spawn_blocking(move || {
+        let app = cache_app;
         let mut cache = app.cache.lock().expect("cache lock");
-        let last = states.len().saturating_sub(1);
+        let held = Instant::now();
+        let (last, snapshots) = (states.len().saturating_sub(1), states.len());
         for (i, state) in states.into_iter().enumerate() {
             let n = state.position();
             let pin = pin.as_ref().filter(|_| i == last).map(|(s, p)| (s.as_str(), *p));
             cache.insert(salt.as_deref(), &tokens[..n], state, pin);
         }
+        app.engines.trace(held, Work::Cache { snapshots });
+        // Snapshots copied more slowly than they leave would hold ever more of the GPU: past the
+        // tier's budget waiting, the request that made them copies too (copies side by side
+        // wait for each other: one thread alone copies the most).
+        let behind = cache.leaving_bytes() > cache.device_budget();
+        drop(cache);
+        if behind {
+            PrefixCache::settle(&app.cache, |started, tokens| app.engines.trace(started, Work::Demote { tokens }));
+        }
     })
     .await;
+    settle(app);
+}
+
+/// Copy the snapshots leaving the GPU to host memory (`PrefixCache::settle`) on a thread of
+/// their own, one at a time (they share the engine's copy stream): nothing waits for them, as
+/// prompts continue them on the GPU until they have moved.
+fn settle(app: &Arc<App>) {
+    let leaving = app.cache.lock().expect("cache lock").has_leaving();
+    if !leaving || app.settling.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let app = Arc::clone(app);
+    tokio::task::spawn_blocking(move || loop {
+        PrefixCache::settle(&app.cache, |started, tokens| app.engines.trace(started, Work::Demote { tokens }));
+        app.settling.store(false, Ordering::Release);
+        // Snapshots that left after the last look, with no one else copying: go on.
+        if !app.cache.lock().expect("cache lock").has_leaving() || app.settling.swap(true, Ordering::AcqRel) {
+            break;
+        }
+    });
 }
 
 /// Make sure the cache holds the state after exactly `tokens`: prefill what the deepest

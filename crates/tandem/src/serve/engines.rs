@@ -160,6 +160,11 @@ impl Engines {
         self.pipeline.busy()
     }
 
+    /// Trace `work` done on the calling thread from `started` to now (with `--trace`).
+    pub fn trace(&self, started: std::time::Instant, work: tandem_core::pipeline::trace::Work) {
+        self.pipeline.trace(started, work);
+    }
+
     /// Run `tokens` applied to `start` (a fresh state when None), then sample as `params` says
     /// (`max_tokens` 0: prefill only, the state comes back in `Done`); `snapshots`: where the
     /// prefill sends back copies of the state (`Event::Snapshot`, counts of `tokens`).

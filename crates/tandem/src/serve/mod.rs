@@ -79,8 +79,8 @@ OPTIONS:
                            host memory for the prefix cache's state snapshots, e.g. 512MiB,
                            4GiB (default 2GiB with a CPU prefill engine, 0 with a GPU one,
                            which recomputes a prompt of a few thousand tokens faster than it
-                           copies a state from host memory; given, the snapshots the GPU's
-                           budget lets go move there; also --session-memory)
+                           moves a state to host memory and back; given, the snapshots the
+                           GPU's budget lets go move there; also --session-memory)
   --prefix-cache-device-memory SIZE
                            GPU memory for the snapshots a GPU prefill engine takes, taken from
                            the K/V cache's (default: a quarter of what the K/V cache would
@@ -123,6 +123,8 @@ pub struct App {
     /// Whether the prefix cache has a budget in some tier.
     cache_on: bool,
     cache: Mutex<PrefixCache>,
+    /// Whether a thread is copying the snapshots leaving the GPU (`completion::settle`).
+    settling: std::sync::atomic::AtomicBool,
     /// Sessions whose reply end is being prefilled in the background: done when it is.
     replies: Mutex<HashMap<String, tokio::sync::watch::Receiver<bool>>>,
     metrics: Metrics,
@@ -276,6 +278,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             max_queue,
             cache_on: cache_memory > 0 || pipeline.device_tier().is_some() || disk.is_some(),
             cache: Mutex::new(cache),
+            settling: Default::default(),
             replies: Mutex::default(),
             metrics: Metrics::new(served),
             started: completion::unix_now(),

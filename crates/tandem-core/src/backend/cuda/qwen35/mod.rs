@@ -54,7 +54,7 @@ use super::{GemmOut, Gpu, Pinned, Staging};
 use crate::model::config::{LayerType, Qwen35Config};
 use crate::model::Mixer;
 use crate::model::{Logits, Qwen35};
-use crate::state::{LayerState, State};
+use crate::state::{HostSnapshot, LayerState, Lineage, State};
 use crate::model::tensor::{Matrix, WeightData};
 use crate::sampling::GpuDraw;
 
@@ -298,6 +298,8 @@ pub struct GpuState {
     step: Option<StepGraph>,
     /// The staging buffers of the engine that made this state (for `download`).
     staging: Arc<Mutex<Staging>>,
+    /// The snapshots it went on from (whose K/V rows it holds).
+    lineage: Lineage,
 }
 
 /// Where a state's last logits are: on the host, or, after a decode step replayed from its graph

@@ -6,6 +6,7 @@
 use cudarc::driver::{CudaEvent, CudaStream};
 
 use super::*;
+use crate::state::new_snapshot_id;
 
 impl GpuQwen35 {
     /// Host state to GPU state (the bridge's host-to-device copy).
@@ -23,11 +24,11 @@ impl GpuQwen35 {
         let g = &self.gpu;
         // SAFETY: the slot holds `bytes()` bytes; nothing else uses it while this state holds it.
         unsafe { cudarc::driver::result::memset_d8_async(slot.addr(), 0, slot.layout().bytes(), g.stream.cu_stream()) }.map_err(|e| anyhow::anyhow!("cuda:{}: zeroing a state slot: {e:?}", g.ordinal))?;
-        Ok(self.state_in(slot, 0, KvBlocks::new(self.kv.clone()), LastLogits::Host(Arc::from(Vec::new()))))
+        Ok(self.state_in(slot, 0, KvBlocks::new(self.kv.clone()), LastLogits::Host(Arc::from(Vec::new())), Lineage::default()))
     }
 
     /// A state of `position` whose DeltaNet arrays are in `slot`, its K/V rows in `kv`.
-    fn state_in(&self, slot: StateSlot, position: usize, kv: KvBlocks, last: LastLogits) -> GpuState {
+    fn state_in(&self, slot: StateSlot, position: usize, kv: KvBlocks, last: LastLogits, lineage: Lineage) -> GpuState {
         let mut linear = 0;
         let layers = self
             .config
@@ -41,37 +42,36 @@ impl GpuQwen35 {
                 LayerType::FullAttention => GpuLayerState::Full,
             })
             .collect();
-        GpuState { position, slot, layers, kv, stream: self.gpu.stream.clone(), last, step: None, staging: self.staging.clone() }
+        GpuState { position, slot, layers, kv, stream: self.gpu.stream.clone(), last, step: None, staging: self.staging.clone(), lineage }
     }
 
-    /// `s` copied to the GPU: its K/V rows laid out in blocks on the host, copied over in one
-    /// piece and from there into the state's blocks.
+    /// `s` copied to the GPU (`place`).
     pub(super) fn place_state(&self, s: &State) -> Result<GpuState> {
         s.check_shape(&self.config)?;
+        let row = self.config.num_key_value_heads * self.config.head_dim;
+        let full: Vec<(&[f32], &[f32])> = s.layers.iter().filter_map(|l| if let LayerState::Full { k, v } = l { Some((&k[..], &v[..])) } else { None }).collect();
+        self.place(s, |a, p| (&full[a].0[p * row..(p + 1) * row], &full[a].1[p * row..(p + 1) * row]), Lineage::default())
+    }
+
+    /// A host snapshot copied to the GPU (`place`), its K/V rows read from its spans where
+    /// they are (no whole state gathered on the host first).
+    pub fn place_snapshot(&self, h: &HostSnapshot) -> Result<GpuState> {
+        let row = self.config.num_key_value_heads * self.config.head_dim;
+        self.place(h.rest(), |a, p| h.kv_row(a, p, row), h.lineage.then(h.id, h.position()))
+    }
+
+    /// A host state copied to the GPU: the DeltaNet arrays of `s` (its K/V not read), and the
+    /// K/V rows `rows(a, p)` gives for attention layer `a` at each position `p`, laid out in
+    /// blocks straight into the page-locked staging buffers and copied from there into the
+    /// state's blocks, a buffer filling while the other's copies run.
+    fn place<'r>(&self, s: &State, rows: impl Fn(usize, usize) -> (&'r [f32], &'r [f32]) + Sync, lineage: Lineage) -> Result<GpuState> {
         let g = &self.gpu;
         let err = |e| anyhow::anyhow!("cuda:{}: copying a state to the GPU: {e:?}", g.ordinal);
-        // Straight from pageable memory: staging through the page-locked buffers measured slower
-        // this way (H100: 12.9 against 8.1 ms for 72 MB), as the CPU's copy into them is the
-        // slow part and the driver pipelines its own staging better.
-        let copy = |host: &[f32]| -> Result<CudaSlice<f32>> {
-            let mut dev = g.scratch::<f32>(host.len())?;
-            if !host.is_empty() {
-                g.stream.memcpy_htod(host, &mut dev.slice_mut(..host.len())).map_err(err)?;
-            }
-            Ok(dev)
-        };
         let mut kv = KvBlocks::new(self.kv.clone());
         kv.grow(s.position)?;
-        let image = kv_image(&self.config, s);
-        if !image.is_empty() {
-            let flat = copy(&image)?;
-            let bytes = self.kv.block_bytes();
-            for (i, &block) in kv.table().iter().enumerate() {
-                // SAFETY: both hold a block's bytes: `flat` holds one per table entry.
-                unsafe { cudarc::driver::result::memcpy_dtod_async(block, g.ptr(&flat).addr() + (i * bytes) as u64, bytes, g.stream.cu_stream()) }.map_err(err)?;
-            }
-            // (`flat` is freed in stream order, after the copies.)
-        }
+        let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        staging.upload_blocks(&g.stream, self.kv.block_values(), kv.table(), |b, out| fill_block(&self.config, b, s.position, &rows, out))?;
+        drop(staging);
         // The DeltaNet layers' arrays in one copy, as the slot lays them out.
         let slot = StateSlot::take(&self.slots)?;
         let image = slot.layout().image(s.layers.iter().filter_map(|l| match l {
@@ -81,7 +81,7 @@ impl GpuQwen35 {
         // SAFETY: the slot holds the image's bytes; a copy from pageable memory returns once the
         // driver has taken the bytes, so `image` may go.
         unsafe { cudarc::driver::result::memcpy_htod_async(slot.addr(), &image[..], g.stream.cu_stream()) }.map_err(err)?;
-        Ok(self.state_in(slot, s.position, kv, LastLogits::Host(Arc::from(s.last_logits.as_slice()))))
+        Ok(self.state_in(slot, s.position, kv, LastLogits::Host(Arc::from(s.last_logits.as_slice())), lineage))
     }
 
     /// A state of another GPU (or of another engine on this one) copied to this GPU: the
@@ -116,7 +116,7 @@ impl GpuQwen35 {
             .map_err(err)?;
         }
         g.synchronize()?;
-        Ok(self.state_in(slot, s.position, kv, LastLogits::Host(s.shared_logits()?)))
+        Ok(self.state_in(slot, s.position, kv, LastLogits::Host(s.shared_logits()?), s.lineage.clone()))
     }
 
     /// GPU state to host state (the bridge's device-to-host copy).
@@ -131,9 +131,27 @@ impl GpuQwen35 {
     }
 }
 
+/// Block `b` of a state of `position` as the GPU holds it (kv_cache.rs; `kv_image` of that
+/// block): the keys then values of each attention layer for `KV_BLOCK` positions, from
+/// `rows(a, p)`, the rows past the position zero.
+fn fill_block<'r>(c: &Qwen35Config, b: usize, position: usize, rows: &impl Fn(usize, usize) -> (&'r [f32], &'r [f32]), out: &mut [f32]) {
+    let row = c.num_key_value_heads * c.head_dim;
+    let skip = b * c.kv_bytes_per_token() / 4 * KV_BLOCK;
+    out.fill(0.0);
+    for p in b * KV_BLOCK..((b + 1) * KV_BLOCK).min(position) {
+        for a in 0..c.num_full_attention_layers() {
+            let at = key_row_at(c, a, p) - skip;
+            let (k, v) = rows(a, p);
+            out[at..at + row].copy_from_slice(k);
+            out[at + KV_BLOCK * row..at + (KV_BLOCK + 1) * row].copy_from_slice(v);
+        }
+    }
+}
+
 /// The K/V rows of host state `s` laid out as its blocks hold them on the GPU (kv_cache.rs):
 /// block after block, in each the attention layers' keys then values of `KV_BLOCK` positions
-/// (the rows past the position zero).
+/// (the rows past the position zero). The plain layout `fill_block` is checked against.
+#[cfg(test)]
 fn kv_image(c: &Qwen35Config, s: &State) -> Vec<f32> {
     let row = c.num_key_value_heads * c.head_dim;
     let full: Vec<(&[f32], &[f32])> = s.layers.iter().filter_map(|l| if let LayerState::Full { k, v } = l { Some((&k[..], &v[..])) } else { None }).collect();
@@ -156,15 +174,18 @@ fn key_row_at(c: &Qwen35Config, a: usize, p: usize) -> usize {
     (p / KV_BLOCK) * (c.kv_bytes_per_token() / 4 * KV_BLOCK) + a * 2 * KV_BLOCK * row + (p % KV_BLOCK) * row
 }
 
-/// The inverse of `kv_image`: the first `position` rows of each attention layer's keys and
-/// values, from the blocks' values.
-fn kv_rows(c: &Qwen35Config, image: &[f32], position: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
+/// The inverse of `kv_image`: rows `from..position` of each attention layer's keys and
+/// values, from the values of the blocks from `first_block` on. The plain reading
+/// `take_block_rows` is checked against.
+#[cfg(test)]
+fn kv_rows(c: &Qwen35Config, image: &[f32], first_block: usize, from: usize, position: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
     let row = c.num_key_value_heads * c.head_dim;
+    let skip = first_block * c.kv_bytes_per_token() / 4 * KV_BLOCK;
     (0..c.num_full_attention_layers())
         .map(|a| {
-            let (mut k, mut v) = (Vec::with_capacity(position * row), Vec::with_capacity(position * row));
-            for p in 0..position {
-                let at = key_row_at(c, a, p);
+            let (mut k, mut v) = (Vec::with_capacity((position - from) * row), Vec::with_capacity((position - from) * row));
+            for p in from..position {
+                let at = key_row_at(c, a, p) - skip;
                 k.extend_from_slice(&image[at..at + row]);
                 v.extend_from_slice(&image[at + KV_BLOCK * row..at + (KV_BLOCK + 1) * row]);
             }
@@ -173,33 +194,43 @@ fn kv_rows(c: &Qwen35Config, image: &[f32], position: usize) -> Vec<(Vec<f32>, V
         .collect()
 }
 
-/// A state of `position` whose DeltaNet arrays are in `slot` and K/V rows in `kv` (written on
-/// `stream`), copied to host memory: the K/V blocks in use gathered into one buffer on the GPU
-/// first, so that they come over in one piece.
-fn download(position: usize, slot: &StateSlot, kv: &KvBlocks, stream: &Arc<CudaStream>, staging: &Mutex<Staging>, last_logits: Vec<f32>) -> Result<State> {
-    let err = |e| anyhow::anyhow!("cuda:{}: copying a state from the GPU: {e:?}", stream.context().ordinal());
-    let pool = kv.pool();
-    let (used, bytes) = (position.div_ceil(KV_BLOCK), pool.block_bytes());
-    // SAFETY: every value is written by the block copies below before it is read.
-    let flat = unsafe { stream.alloc::<f32>((used * pool.block_values()).max(1)) }.map_err(err)?;
-    let (flat_at, _sync) = cudarc::driver::DevicePtr::device_ptr(&flat, stream);
-    for (i, &block) in kv.table()[..used].iter().enumerate() {
-        // SAFETY: `flat` holds `used` blocks; each table entry is a block.
-        unsafe { cudarc::driver::result::memcpy_dtod_async(flat_at + (i * bytes) as u64, block, bytes, stream.cu_stream()) }.map_err(err)?;
+/// Rows `from..position` of block `b` (as the GPU holds it: `fill_block`) appended to each
+/// attention layer's keys and values in `out` (blocks taken in order give `kv_rows`).
+fn take_block_rows(c: &Qwen35Config, b: usize, from: usize, position: usize, block: &[f32], out: &mut [(Vec<f32>, Vec<f32>)]) {
+    let row = c.num_key_value_heads * c.head_dim;
+    let skip = b * c.kv_bytes_per_token() / 4 * KV_BLOCK;
+    for p in (b * KV_BLOCK).max(from)..((b + 1) * KV_BLOCK).min(position) {
+        for (a, (k, v)) in out.iter_mut().enumerate() {
+            let at = key_row_at(c, a, p) - skip;
+            k.extend_from_slice(&block[at..at + row]);
+            v.extend_from_slice(&block[at + KV_BLOCK * row..at + (KV_BLOCK + 1) * row]);
+        }
     }
-    let mut staging = staging.lock().unwrap_or_else(|e| e.into_inner());
-    let mut down = |s: &CudaSlice<f32>, n: usize| -> Result<Vec<f32>> {
-        let (src, _sync) = cudarc::driver::DevicePtr::device_ptr(s, stream);
-        staging.download(stream, src, n)
-    };
+}
+
+/// A state of `position` whose DeltaNet arrays are in `slot` and K/V rows in `kv` (written on
+/// `stream`), copied to host memory, with the K/V rows from position `from` on (the attention
+/// layers hold rows `from..position`). Each block comes straight to the staging buffers, by
+/// the GPU's copy engines: a gather into one buffer on the GPU first waited, from another
+/// stream, for the SMs an engine's prefill held.
+fn download(position: usize, from: usize, slot: &StateSlot, kv: &KvBlocks, stream: &Arc<CudaStream>, staging: &Mutex<Staging>, last_logits: Vec<f32>) -> Result<State> {
+    let pool = kv.pool();
     let config = pool.config();
-    let mut kv = kv_rows(config, &down(&flat, used * pool.block_values())?, position).into_iter();
+    let (first, used) = (from / KV_BLOCK, position.div_ceil(KV_BLOCK));
+    let row = config.num_key_value_heads * config.head_dim;
+    let mut rows: Vec<(Vec<f32>, Vec<f32>)> = (0..config.num_full_attention_layers()).map(|_| (Vec::with_capacity((position - from) * row), Vec::with_capacity((position - from) * row))).collect();
+    let mut staging = staging.lock().unwrap_or_else(|e| e.into_inner());
+    staging.download_blocks(stream, pool.block_values(), &kv.table()[first..used.max(first)], |i, block| take_block_rows(config, first + i, from, position, block, &mut rows))?;
+    let mut kv = rows.into_iter();
     // The slot in one piece, as 4-byte words (a bf16 slot's recurrent values two a word).
     let layout = *slot.layout();
     let words = staging.download(stream, slot.addr(), layout.bytes() / 4)?;
     drop(staging);
-    let image: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-    let mut linear = layout.layers(&image).into_iter();
+    // The slot's bytes as the GPU wrote them (little-endian, as the host's: checked below).
+    // SAFETY: f32 values viewed as their bytes (u8 has no alignment or validity to keep).
+    let image = unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), 4 * words.len()) };
+    const _: () = assert!(cfg!(target_endian = "little"), "a GPU state's bytes are read as the host's");
+    let mut linear = layout.layers(image).into_iter();
     let layers = config
         .layer_types
         .iter()
@@ -226,6 +257,9 @@ fn download(position: usize, slot: &StateSlot, kv: &KvBlocks, stream: &Arc<CudaS
 /// snapshot after it is taken.
 pub struct GpuSnapshot {
     pub position: usize,
+    /// Its number (`new_snapshot_id`), and the snapshots the state it was taken of went on from.
+    pub id: u64,
+    pub lineage: Lineage,
     slot: StateSlot,
     kv: KvBlocks,
     logits: SnapshotLogits,
@@ -292,8 +326,29 @@ impl GpuSnapshot {
     /// memory when the device has no room), on a stream of its own: from any thread, while
     /// the engine that took it goes on.
     pub fn download(&self) -> Result<State> {
+        self.download_from(0)
+    }
+
+    /// `download` with the K/V rows from position `from` on only (its attention layers hold
+    /// rows `from..position`): the rows before are in host memory already.
+    pub fn download_from(&self, from: usize) -> Result<State> {
         let logits = self.host_logits()?.to_vec();
-        download(self.position, &self.slot, &self.kv, &self.copy_out.stream, &self.copy_out.staging, logits)
+        download(self.position, from.min(self.position), &self.slot, &self.kv, &self.copy_out.stream, &self.copy_out.staging, logits)
+    }
+
+    /// It in host memory, as a snapshot that shares the K/V spans of `earlier` (a host snapshot
+    /// on its path) where its lineage says it went on from that one, so that only the rows
+    /// past `earlier` cross the bus; else whole, sharing where the rows compare equal.
+    pub fn to_host_snapshot(&self, earlier: Option<&HostSnapshot>) -> Result<HostSnapshot> {
+        Ok(match earlier {
+            Some(e) if self.lineage.holds(e.id, e.position()) && e.position() <= self.position => HostSnapshot::sharing(self.download_from(e.position())?, e.kv().clone(), self.id, self.lineage.clone()),
+            Some(e) => HostSnapshot::continuing_from(self.download()?, self.lineage.clone(), self.id, e),
+            None => {
+                let mut h = HostSnapshot::new(self.download()?);
+                (h.id, h.lineage) = (self.id, self.lineage.clone());
+                h
+            }
+        })
     }
 
     /// Its last logits on the host (copied there on the snapshot's own stream where they are
@@ -336,7 +391,7 @@ impl GpuQwen35 {
             }
         };
         let ready = g.stream.record_event(None).map_err(|e| anyhow::anyhow!("cuda:{}: marking a snapshot's copies: {e:?}", g.ordinal))?;
-        Ok(Some(GpuSnapshot { position: s.position, slot, kv, logits, stream: g.stream.clone(), ready, copy_out: self.copy_out.clone() }))
+        Ok(Some(GpuSnapshot { position: s.position, id: new_snapshot_id(), lineage: s.lineage.clone(), slot, kv, logits, stream: g.stream.clone(), ready, copy_out: self.copy_out.clone() }))
     }
 
     /// A state that goes on from `snap`: its slot copied into one of this engine's, its full
@@ -355,7 +410,7 @@ impl GpuQwen35 {
             SnapshotLogits::InSlot(_) => Arc::from(Vec::new()),
         };
         let (slot, kv) = self.copy_in(&self.slots, &snap.slot, &snap.kv, snap.position, &snap.stream)?;
-        Ok(self.state_in(slot, snap.position, kv, LastLogits::Host(last)))
+        Ok(self.state_in(slot, snap.position, kv, LastLogits::Host(last), snap.lineage.then(snap.id, snap.position)))
     }
 
     /// The slot and K/V blocks of a state (or snapshot) of `position`, written on `written_on`,
@@ -388,7 +443,7 @@ impl GpuState {
 
     /// This state copied to host memory (the bridge's device-to-host copy).
     pub fn download(&self) -> Result<State> {
-        download(self.position, &self.slot, &self.kv, &self.stream, &self.staging, self.host_logits()?)
+        download(self.position, 0, &self.slot, &self.kv, &self.stream, &self.staging, self.host_logits()?)
     }
 
     /// K/V blocks this state must take to hold `end` positions.
@@ -507,11 +562,48 @@ mod tests {
                     assert_eq!(&image[key + KV_BLOCK * row..key + (KV_BLOCK + 1) * row], &v[p * row..(p + 1) * row], "layer {a} value of position {p}");
                 }
             }
-            let back = kv_rows(&c, &image, position);
+            let back = kv_rows(&c, &image, 0, 0, position);
             assert_eq!(back.len(), attention_layers);
             for ((k, v), (k0, v0)) in back.iter().zip(&full) {
                 assert_eq!(k, *k0);
                 assert_eq!(v, *v0);
+            }
+            // From a position inside the second block: the image of the blocks from there on.
+            let from = position.min(KV_BLOCK + 3);
+            let first = from / KV_BLOCK;
+            let tail = kv_rows(&c, &image[(first * block_values).min(image.len())..], first, from, position);
+            for ((k, v), (k0, v0)) in tail.iter().zip(&full) {
+                assert_eq!(&k[..], &k0[from * row..]);
+                assert_eq!(&v[..], &v0[from * row..]);
+            }
+            let mut taken = vec![(Vec::new(), Vec::new()); attention_layers];
+            for b in first..position.div_ceil(KV_BLOCK) {
+                take_block_rows(&c, b, from, position, &image[b * block_values..(b + 1) * block_values], &mut taken);
+            }
+            assert!(taken == tail, "rows taken block by block from {from} of {position}");
+            // Each block filled on its own from the rows (of the state, and of a host snapshot
+            // of it in two spans) is that block of the image.
+            let rows = |a: usize, p: usize| (&full[a].0[p * row..(p + 1) * row], &full[a].1[p * row..(p + 1) * row]);
+            let first_part = {
+                let mut f = s.clone();
+                f.position = position / 2;
+                for l in &mut f.layers {
+                    if let LayerState::Full { k, v } = l {
+                        k.truncate(f.position * row);
+                        v.truncate(f.position * row);
+                    }
+                }
+                crate::state::HostSnapshot::new(f)
+            };
+            let spans = crate::state::HostSnapshot::continuing(s.clone(), &first_part);
+            assert_eq!(spans.spans().count(), 2, "the rows of the first half in a span of their own");
+            for b in 0..position.div_ceil(KV_BLOCK) {
+                let mut out = vec![f32::NAN; block_values];
+                fill_block(&c, b, position, &rows, &mut out);
+                assert!(out == image[b * block_values..(b + 1) * block_values], "block {b} of {position} positions");
+                out.fill(f32::NAN);
+                fill_block(&c, b, position, &|a, p| spans.kv_row(a, p, row), &mut out);
+                assert!(out == image[b * block_values..(b + 1) * block_values], "block {b} of {position} positions, from spans");
             }
         }
     }
