@@ -327,12 +327,14 @@ fn the_disk_tier_reads_back_exactly_and_refuses_damaged_or_foreign_files() {
     assert_eq!((cache.snapshots(Tier::Host), cache.snapshots(Tier::Disk)), (1, 1));
     drop(cache);
 
-    // A new cache on the directory (a restarted server) finds both.
-    let mut cache = open(fingerprint);
-    assert_eq!(cache.snapshots(Tier::Disk), 2);
-    let found = cache.lookup(None, &prompt);
+    // A new cache on the directory (a restarted server) finds both; a server's lookup reads
+    // the file with the lock let go, and gets the same.
+    let cache = std::sync::Mutex::new(open(fingerprint));
+    assert_eq!(cache.lock().unwrap().snapshots(Tier::Disk), 2);
+    let found = PrefixCache::lookup_unlocked(&cache, None, &prompt);
     assert_eq!(found.reused, 40);
     assert!(found.state.unwrap().to_host().unwrap() == long);
+    assert_eq!(cache.lock().unwrap().snapshots(Tier::Host), 1, "read back into host memory");
     drop(cache);
 
     // Another model's: refused, never applied, and its files left where they are.
@@ -353,9 +355,10 @@ fn the_disk_tier_reads_back_exactly_and_refuses_damaged_or_foreign_files() {
         bytes[at] ^= 0x40;
         std::fs::write(f, bytes).unwrap();
     }
-    let mut cache = open(fingerprint);
-    let found = cache.lookup(None, &prompt);
+    let cache = std::sync::Mutex::new(open(fingerprint));
+    let found = PrefixCache::lookup_unlocked(&cache, None, &prompt);
     assert!(found.state.is_none() && found.reused == 0, "a damaged snapshot was applied");
+    let cache = cache.into_inner().unwrap();
     let why = cache.last_refusal().expect("a refusal").to_string();
     assert!(why.contains("checksum") && why.contains(".state"), "{why}");
     assert_eq!(cache.stats().refused, 2);

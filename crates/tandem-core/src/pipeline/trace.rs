@@ -1,8 +1,8 @@
 //! A timeline of the engines' work (`--trace FILE`): every prefill call, every sampling of a
 //! decode batch and every decode step, with its start, its duration and how many prompts,
 //! tokens or sequences it carried, on one track per engine (its thread's name); and a prefix
-//! cache's work that bears on theirs (snapshots taken and restored on the engines, the cache's
-//! lock held by a server's threads, snapshots copied off the GPU). The file is in the Chrome
+//! cache's work that bears on theirs (snapshots taken and restored on the engines, lookups and
+//! keeps on a server's threads, snapshots copied off the GPU). The file is in the Chrome
 //! trace-event format (a JSON array of complete events, timestamps in microseconds from the
 //! pipeline's start), which Perfetto (ui.perfetto.dev) and chrome://tracing open, and which
 //! `scripts/trace_summary.py` sums up. Spans are measured on the host: a GPU engine's call
@@ -36,8 +36,9 @@ pub enum Work {
     Snapshot { tokens: usize },
     /// A request's state made from a prefix cache's snapshot of `tokens` tokens, kept in `tier`.
     Restore { tokens: usize, tier: &'static str },
-    /// A prefix cache held by a server's thread (its lock held): `snapshots` kept (with the
-    /// eviction and moves down the tiers that made room for them), or a lookup (0).
+    /// A prefix cache's work on a server's thread: `snapshots` kept (its lock held, with the
+    /// eviction that made room for them), or a lookup (0; a snapshot of the disk tier read
+    /// back with the lock let go).
     Cache { snapshots: usize },
     /// A snapshot of `tokens` tokens copied from the GPU to host memory for a prefix cache.
     Demote { tokens: usize },

@@ -78,6 +78,31 @@ impl Leaving {
     }
 }
 
+/// A snapshot of the disk tier that a lookup reads back (`PrefixCache::lookup_unlocked`).
+struct Reading {
+    key: Vec<u32>,
+    lead: usize,
+    prompt_len: usize,
+    matched: usize,
+    /// The key entries the snapshot covers.
+    depth: usize,
+    file: Arc<DiskFile>,
+    disk: Arc<DiskTier>,
+}
+
+impl Reading {
+    /// The state in the file, checked (run it without the cache's lock).
+    fn read(&self) -> anyhow::Result<State> {
+        self.disk.read(&self.file, self.depth - self.lead)
+    }
+}
+
+/// What a lookup finds at one look.
+enum Step {
+    Found(Found),
+    Read(Reading),
+}
+
 /// What a session keeps pinned: one snapshot of each kind, replaced as the session goes on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Pin {
@@ -228,7 +253,7 @@ pub struct PrefixCache {
     host_use: HostUse,
     device: Option<Arc<DeviceTier>>,
     device_use: DeviceUse,
-    disk: Option<DiskTier>,
+    disk: Option<Arc<DiskTier>>,
     disk_bytes: usize,
     disk_snapshots: usize,
     /// Why the last snapshot refused by the disk tier was refused.
@@ -289,7 +314,7 @@ impl PrefixCache {
                 self.subtract(&old, 0);
             }
         }
-        self.disk = Some(tier);
+        self.disk = Some(Arc::new(tier));
         self.shrink_disk();
         self
     }
@@ -348,17 +373,97 @@ impl PrefixCache {
     /// looked for.
     pub fn lookup(&mut self, salt: Option<&str>, prompt: &[u32]) -> Found {
         let (key, lead) = Self::key(salt, prompt);
-        let (m, state, reused) = loop {
-            let m = self.tree.lookup(&key);
-            let Some((id, depth, kept)) = m.snapshot.clone() else { break (m, None, 0) };
-            match kept {
-                Kept::Memory(state) | Kept::Leaving(state) => break (m, Some(state), depth - lead),
-                Kept::Disk(file) => match self.read_back(id, &file, depth - lead) {
-                    Some(state) => break (m, Some(state), depth - lead),
-                    None => continue,
-                },
+        loop {
+            match self.step(&key, lead, prompt.len()) {
+                Step::Found(found) => return found,
+                Step::Read(r) => {
+                    let read = r.read();
+                    if let Some(found) = self.read_done(r, read) {
+                        return found;
+                    }
+                }
             }
-        };
+        }
+    }
+
+    /// `lookup` on a cache that threads share: a snapshot of the disk tier is read back with
+    /// the lock let go (a long state file takes a while to read and check, and other lookups
+    /// need not wait for it).
+    pub fn lookup_unlocked(cache: &std::sync::Mutex<PrefixCache>, salt: Option<&str>, prompt: &[u32]) -> Found {
+        let lock = || cache.lock().unwrap_or_else(|e| e.into_inner());
+        let (key, lead) = Self::key(salt, prompt);
+        loop {
+            let step = lock().step(&key, lead, prompt.len());
+            match step {
+                Step::Found(found) => return found,
+                Step::Read(r) => {
+                    let read = r.read();
+                    if let Some(found) = lock().read_done(r, read) {
+                        return found;
+                    }
+                }
+            }
+        }
+    }
+
+    /// What a lookup of `key` finds now: a snapshot in memory, or one of the disk tier to read.
+    fn step(&mut self, key: &[u32], lead: usize, prompt_len: usize) -> Step {
+        let m = self.tree.lookup(key);
+        match (m.snapshot, &self.disk) {
+            (Some((_, depth, Kept::Memory(state) | Kept::Leaving(state))), _) => Step::Found(self.found(key, lead, prompt_len, m.matched, Some(state), depth - lead)),
+            (Some((_, depth, Kept::Disk(file))), Some(disk)) => Step::Read(Reading { key: key.to_vec(), lead, prompt_len, matched: m.matched, depth, file, disk: disk.clone() }),
+            _ => Step::Found(self.found(key, lead, prompt_len, m.matched, None, 0)),
+        }
+    }
+
+    /// A snapshot of the disk tier read back (`read`): kept in host memory where that tier has
+    /// room and its node still holds that file, and found; or refused (its files deleted
+    /// where they are its node's and this model's, the node emptied, the reason kept for
+    /// `last_refusal`): None, to look again.
+    fn read_done(&mut self, r: Reading, read: anyhow::Result<State>) -> Option<Found> {
+        let tokens = r.depth - r.lead;
+        let path = &r.key[..r.depth];
+        let id = self.tree.find(path).filter(|&id| matches!(self.tree.get(id), Some(Kept::Disk(f)) if Arc::ptr_eq(f, &r.file)));
+        match read {
+            Ok(state) => {
+                let state = Arc::new(Snapshot::Host(self.host_snapshot(path, state)));
+                let size = Self::size(&state, tokens);
+                if let Some(id) = id.filter(|_| size <= self.budget) {
+                    self.add(&Kept::Memory(state.clone()), tokens);
+                    if let Some(old) = self.tree.replace(id, Kept::Memory(state.clone()), size) {
+                        self.subtract(&old, tokens);
+                    }
+                    self.tree.pin(id);
+                    self.evict(None);
+                    self.tree.unpin(id);
+                }
+                Some(self.found(&r.key, r.lead, r.prompt_len, r.matched, Some(state), tokens))
+            }
+            Err(e) => {
+                let why = format!("{e:#}");
+                // Another model's (or format version's) file stays: the directory may be shared
+                // by two servers. A damaged one of this model's is of no use to anyone.
+                let foreign = e.downcast_ref::<ForeignState>().is_some();
+                eprintln!("prefix cache: a snapshot on disk is refused and left out{}: {why}", if foreign { "" } else { " (its files deleted)" });
+                self.last_refusal = Some(why);
+                self.stats.refused += 1;
+                if let Some(id) = id {
+                    if !foreign {
+                        r.disk.remove(&r.file);
+                    }
+                    if let Some(old) = self.tree.remove(id) {
+                        self.subtract(&old, tokens);
+                    }
+                }
+                None
+            }
+        }
+    }
+
+    /// What a prompt of `prompt_len` tokens (`key` past the salt's `lead`) finds: `state`
+    /// covering `reused` of its tokens, `matched` of the key matching the tree, and where its
+    /// prefill should stop.
+    fn found(&self, key: &[u32], lead: usize, prompt_len: usize, matched: usize, state: Option<Arc<Snapshot>>, reused: usize) -> Found {
         // A snapshot a few tokens past another (or past the start) would save a later prompt
         // only those few tokens, for a whole state's memory: such stops are left out (the
         // prompt's end is always kept). So is a periodic stop less than half a period before
@@ -366,12 +471,12 @@ impl PrefixCache {
         // would cut the prefill of every prompt that runs a little past a multiple of the
         // period (on an H200, 2,000-token prompts stopping at 2,048 took a cached question's
         // TTFT from 7 to 11 ms).
-        let matched = m.matched.saturating_sub(lead);
+        let matched = matched.saturating_sub(lead);
         let mut stops: Vec<usize> = Vec::new();
-        for p in self.tree.stops(&key, reused + lead, self.every).into_iter().map(|p| p - lead) {
+        for p in self.tree.stops(key, reused + lead, self.every).into_iter().map(|p| p - lead) {
             let last = stops.last().copied().unwrap_or(reused);
-            let periodic = p != matched && p != prompt.len();
-            if p == prompt.len() || (p >= last + MIN_GAP && !(periodic && prompt.len() - p < self.every / 2)) {
+            let periodic = p != matched && p != prompt_len;
+            if p == prompt_len || (p >= last + MIN_GAP && !(periodic && prompt_len - p < self.every / 2)) {
                 stops.push(p);
             }
         }
@@ -386,45 +491,6 @@ impl PrefixCache {
         s.hits += u64::from(found.state.is_some());
         s.hit_tokens += found.reused as u64;
         s.matched_tokens += found.matched as u64;
-    }
-
-    /// The snapshot of node `id` in `file`, read back and kept in host memory where that tier
-    /// has room; None where the file is refused (it is taken out of the cache, and the reason
-    /// kept for `last_refusal`).
-    fn read_back(&mut self, id: NodeId, file: &Arc<DiskFile>, tokens: usize) -> Option<Arc<Snapshot>> {
-        let disk = self.disk.as_ref()?;
-        match disk.read(file, tokens) {
-            Ok(state) => {
-                let state = Arc::new(Snapshot::Host(self.host_snapshot(&self.tree.key_of(id), state)));
-                let size = Self::size(&state, tokens);
-                if size <= self.budget {
-                    self.add(&Kept::Memory(state.clone()), tokens);
-                    if let Some(old) = self.tree.replace(id, Kept::Memory(state.clone()), size) {
-                        self.subtract(&old, tokens);
-                    }
-                    self.tree.pin(id);
-                    self.evict(None);
-                    self.tree.unpin(id);
-                }
-                Some(state)
-            }
-            Err(e) => {
-                let why = format!("{e:#}");
-                // Another model's (or format version's) file stays: the directory may be shared
-                // by two servers. A damaged one of this model's is of no use to anyone.
-                let foreign = e.downcast_ref::<ForeignState>().is_some();
-                eprintln!("prefix cache: a snapshot on disk is refused and left out{}: {why}", if foreign { "" } else { " (its files deleted)" });
-                if !foreign {
-                    disk.remove(file);
-                }
-                self.last_refusal = Some(why);
-                self.stats.refused += 1;
-                if let Some(old) = self.tree.remove(id) {
-                    self.subtract(&old, tokens);
-                }
-                None
-            }
-        }
     }
 
     /// `state`, to be kept in host memory as the snapshot of `key`, sharing the K/V spans of
@@ -723,7 +789,7 @@ impl PrefixCache {
     /// Bring the disk tier within its budget: its snapshots used longest ago are deleted, but
     /// pinned ones.
     fn shrink_disk(&mut self) {
-        let budget = self.disk.as_ref().map_or(0, DiskTier::budget);
+        let budget = self.disk.as_ref().map_or(0, |d| d.budget());
         while self.disk_bytes > budget {
             let Some(id) = self.tree.oldest(|s, pinned| s.tier() == Some(Tier::Disk) && !pinned) else { break };
             self.drop_snapshot(id);
@@ -744,7 +810,7 @@ impl PrefixCache {
             if let Some(tier) = &self.device {
                 tier.rebalance(self.device_use.slot_bytes);
             }
-            let disk_budget = self.disk.as_ref().map_or(0, DiskTier::budget);
+            let disk_budget = self.disk.as_ref().map_or(0, |d| d.budget());
             let over = |c: &PrefixCache, tier: Tier| match tier {
                 Tier::Device => c.device_use.bytes() > c.device_budget(),
                 Tier::Host => c.host_use.bytes() > c.budget,

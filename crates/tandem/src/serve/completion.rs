@@ -115,7 +115,8 @@ pub struct Cached {
 }
 
 /// The deepest cached state `prompt` passes; `count`: a request's own lookup, counted in the
-/// metrics. On a blocking thread: a snapshot of the disk tier is read back in the lookup.
+/// metrics. On a blocking thread: a snapshot of the disk tier is read back in the lookup (with
+/// the cache's lock let go meanwhile).
 pub async fn lookup(app: &Arc<App>, salt: Option<&str>, prompt: &[u32], count: bool) -> Cached {
     let none = || Cached { state: None, reused: 0, stops: Vec::new() };
     if !app.cache_on {
@@ -123,13 +124,12 @@ pub async fn lookup(app: &Arc<App>, salt: Option<&str>, prompt: &[u32], count: b
     }
     let (app, prompt, salt) = (Arc::clone(app), prompt.to_vec(), salt.map(str::to_string));
     let found = tokio::task::spawn_blocking(move || {
-        let mut cache = app.cache.lock().expect("cache lock");
-        let held = Instant::now();
-        let found = cache.lookup(salt.as_deref(), &prompt);
+        let started = Instant::now();
+        let found = PrefixCache::lookup_unlocked(&app.cache, salt.as_deref(), &prompt);
         if count {
-            cache.count(&found);
+            app.cache.lock().expect("cache lock").count(&found);
         }
-        app.engines.trace(held, Work::Cache { snapshots: 0 });
+        app.engines.trace(started, Work::Cache { snapshots: 0 });
         Cached { state: found.state, reused: found.reused, stops: found.stops }
     });
     found.await.unwrap_or_else(|_| none())
