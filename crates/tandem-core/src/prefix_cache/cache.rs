@@ -429,10 +429,7 @@ impl PrefixCache {
                 let state = Arc::new(Snapshot::Host(self.host_snapshot(path, state)));
                 let size = Self::size(&state, tokens);
                 if let Some(id) = id.filter(|_| size <= self.budget) {
-                    self.add(&Kept::Memory(state.clone()), tokens);
-                    if let Some(old) = self.tree.replace(id, Kept::Memory(state.clone()), size) {
-                        self.subtract(&old, tokens);
-                    }
+                    self.put(id, Kept::Memory(state.clone()), size, tokens);
                     self.tree.pin(id);
                     self.evict(None);
                     self.tree.unpin(id);
@@ -444,11 +441,12 @@ impl PrefixCache {
                 // Another model's (or format version's) file stays: the directory may be shared
                 // by two servers. A damaged one of this model's is of no use to anyone.
                 let foreign = e.downcast_ref::<ForeignState>().is_some();
-                eprintln!("prefix cache: a snapshot on disk is refused and left out{}: {why}", if foreign { "" } else { " (its files deleted)" });
+                let delete = !foreign && id.is_some();
+                eprintln!("prefix cache: a snapshot on disk is refused and left out{}: {why}", if delete { " (its files deleted)" } else { "" });
                 self.last_refusal = Some(why);
                 self.stats.refused += 1;
                 if let Some(id) = id {
-                    if !foreign {
+                    if delete {
                         r.disk.remove(&r.file);
                     }
                     if let Some(old) = self.tree.remove(id) {
@@ -496,17 +494,36 @@ impl PrefixCache {
     /// `state`, to be kept in host memory as the snapshot of `key`, sharing the K/V spans of
     /// the deepest host snapshot above it on its path where it can (`HostSnapshot::continuing`).
     fn host_snapshot(&self, key: &[u32], state: State) -> HostSnapshot {
-        let above = self.tree.deepest_above(key, |k| match k {
-            Kept::Memory(s) => match &**s {
-                Snapshot::Host(h) => Some(h),
-                Snapshot::Gpu(_) => None,
-            },
-            Kept::Leaving(_) | Kept::Disk(_) => None,
-        });
-        match above {
-            Some(earlier) => HostSnapshot::continuing(state, earlier),
-            None => HostSnapshot::new(state),
+        match self.host_above(key).map(|s| &**s) {
+            Some(Snapshot::Host(earlier)) => HostSnapshot::continuing(state, earlier),
+            _ => HostSnapshot::new(state),
         }
+    }
+
+    /// The deepest snapshot in host memory above `key` on its path.
+    fn host_above(&self, key: &[u32]) -> Option<&Arc<Snapshot>> {
+        self.tree.deepest_above(key, |k| match k {
+            Kept::Memory(s) if s.tier() == Tier::Host => Some(s),
+            _ => None,
+        })
+    }
+
+    /// Put `kept` (charged `bytes` in the tree) at node `id` in place of what it held there
+    /// (a snapshot of `tokens` tokens), each counted in its tier.
+    fn put(&mut self, id: NodeId, kept: Kept, bytes: usize, tokens: usize) {
+        self.add(&kept, tokens);
+        if let Some(old) = self.tree.replace(id, kept, bytes) {
+            self.subtract(&old, tokens);
+        }
+    }
+
+    /// `state` written to the disk tier as the snapshot of `key` (counted as spilled).
+    fn spill(&mut self, key: &[u32], state: &State) -> anyhow::Result<(Kept, usize)> {
+        let disk = self.disk.as_ref().filter(|d| d.budget() > 0).context("host memory has no room for it, and there is no disk tier")?;
+        let file = disk.write(key, state)?;
+        self.stats.spilled += 1;
+        let bytes = file.bytes;
+        Ok((Kept::Disk(Arc::new(file)), bytes))
     }
 
     /// Bytes a snapshot of `tokens` is charged in the tree (the device tier counts its own).
@@ -568,12 +585,8 @@ impl PrefixCache {
                 (Kept::Memory(Arc::new(snapshot)), size)
             }
             // Too big for host memory: straight to disk, where there is a disk tier.
-            (Snapshot::Host(state), true, Some(disk)) if disk.budget() > 0 => match disk.write(&key, &state.to_state()) {
-                Ok(file) => {
-                    self.stats.spilled += 1;
-                    let bytes = file.bytes;
-                    (Kept::Disk(Arc::new(file)), bytes)
-                }
+            (Snapshot::Host(state), true, Some(disk)) if disk.budget() > 0 => match self.spill(&key, &state.to_state()) {
+                Ok(spilled) => spilled,
                 Err(e) => {
                     eprintln!("prefix cache: a snapshot could not be written to disk, and is not kept: {e:#}");
                     return false;
@@ -672,13 +685,9 @@ impl PrefixCache {
                     continue;
                 }
             };
-            let (key, tokens) = (self.tree.key_of(id), snapshot.position());
-            let above = self.tree.deepest_above(&key, |k| match k {
-                Kept::Memory(s) if s.tier() == Tier::Host => Some(s.clone()),
-                _ => None,
-            });
-            let old = self.tree.replace(id, Kept::Leaving(snapshot.clone()), 0).expect("a snapshot at the node");
-            self.subtract(&old, tokens);
+            let key = self.tree.key_of(id);
+            let above = self.host_above(&key).cloned();
+            self.put(id, Kept::Leaving(snapshot.clone()), 0, snapshot.position());
             self.leaving.push(Leaving { key, snapshot, above });
         }
     }
@@ -734,16 +743,11 @@ impl PrefixCache {
             if size <= self.budget {
                 return Ok((Kept::Memory(Arc::new(Snapshot::Host(h))), size));
             }
-            let disk = self.disk.as_ref().filter(|d| d.budget() > 0).context("host memory has no room for it, and there is no disk tier")?;
-            let file = disk.write(&leaving.key, &h.to_state())?;
-            self.stats.spilled += 1;
-            let bytes = file.bytes;
-            Ok((Kept::Disk(Arc::new(file)), bytes))
+            self.spill(&leaving.key, &h.to_state())
         });
         match moved {
             Ok((kept, bytes)) => {
-                self.add(&kept, tokens);
-                self.tree.replace(id, kept, bytes);
+                self.put(id, kept, bytes, tokens);
                 self.stats.demoted += 1;
                 self.evict(None);
             }
@@ -759,22 +763,22 @@ impl PrefixCache {
     fn shrink_host(&mut self) {
         while self.host_use.bytes() > self.budget {
             let Some(id) = self.tree.oldest(|s, pinned| s.tier() == Some(Tier::Host) && !pinned) else { break };
-            let written = match (&self.disk, self.tree.get(id)) {
-                (Some(disk), Some(Kept::Memory(s))) => match &**s {
-                    Snapshot::Host(state) if disk.budget() > 0 => Some(disk.write(&self.tree.key_of(id), &state.to_state())),
-                    _ => None,
+            let to_disk = self.disk.as_ref().is_some_and(|d| d.budget() > 0);
+            let state = match self.tree.get(id) {
+                Some(Kept::Memory(s)) if to_disk => match &**s {
+                    Snapshot::Host(h) => Some(h.to_state()),
+                    Snapshot::Gpu(_) => None,
                 },
                 _ => None,
             };
-            match written {
-                Some(Ok(file)) => {
+            let spilled = state.map(|state| {
+                let key = self.tree.key_of(id);
+                self.spill(&key, &state)
+            });
+            match spilled {
+                Some(Ok((kept, bytes))) => {
                     let tokens = self.tokens_at(id);
-                    let (bytes, kept) = (file.bytes, Kept::Disk(Arc::new(file)));
-                    self.add(&kept, tokens);
-                    if let Some(old) = self.tree.replace(id, kept, bytes) {
-                        self.subtract(&old, tokens);
-                    }
-                    self.stats.spilled += 1;
+                    self.put(id, kept, bytes, tokens);
                 }
                 Some(Err(e)) => {
                     eprintln!("prefix cache: a snapshot could not be written to disk, and goes: {e:#}");

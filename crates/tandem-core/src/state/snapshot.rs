@@ -69,11 +69,6 @@ pub struct KvSpan {
 }
 
 impl KvSpan {
-    /// The position its rows end at.
-    pub fn end(&self) -> usize {
-        self.to
-    }
-
     /// The spans from this one back to position 0.
     fn chain(self: &Arc<KvSpan>) -> impl Iterator<Item = &Arc<KvSpan>> {
         std::iter::successors(Some(self), |s| s.before.as_ref())
@@ -96,11 +91,16 @@ impl HostSnapshot {
 
     /// A snapshot of `rest` (a state whose attention layers hold only the K/V rows past
     /// `before`'s end) that shares `before`'s spans: the caller knows those rows are the
-    /// state's (its `lineage` holds the snapshot they belong to).
-    pub fn sharing(mut rest: State, before: Arc<KvSpan>, id: u64, lineage: Lineage) -> HostSnapshot {
+    /// state's (its lineage holds the snapshot they belong to).
+    pub fn sharing(mut rest: State, before: Arc<KvSpan>) -> HostSnapshot {
         let layers = rest.layers.iter_mut().filter_map(|l| if let LayerState::Full { k, v } = l { Some((std::mem::take(k), std::mem::take(v))) } else { None }).collect();
         let kv = Arc::new(KvSpan { from: before.to, to: rest.position, layers, before: Some(before) });
-        HostSnapshot { rest, kv, id, lineage }
+        HostSnapshot { rest, kv, id: new_snapshot_id(), lineage: Lineage::default() }
+    }
+
+    /// The snapshot under the number and lineage of the one it copies (a GPU snapshot's).
+    pub fn numbered(self, id: u64, lineage: Lineage) -> HostSnapshot {
+        HostSnapshot { id, lineage, ..self }
     }
 
     /// Its K/V spans, to be shared by a snapshot that goes on from it (`sharing`).
@@ -137,18 +137,6 @@ impl HostSnapshot {
             })
         };
         Self::after(state, shares.then(|| earlier.kv.clone()))
-    }
-
-    /// Like `continuing`, without comparing the rows where `lineage` says `state` went on from
-    /// `earlier`.
-    pub fn continuing_from(state: State, lineage: Lineage, id: u64, earlier: &HostSnapshot) -> HostSnapshot {
-        let mut s = if lineage.holds(earlier.id, earlier.position()) && earlier.position() <= state.position {
-            Self::after(state, Some(earlier.kv.clone()))
-        } else {
-            Self::continuing(state, earlier)
-        };
-        (s.id, s.lineage) = (id, lineage);
-        s
     }
 
     /// `state` with its K/V rows past `before`'s in a new span.

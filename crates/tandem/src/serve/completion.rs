@@ -140,7 +140,7 @@ pub async fn lookup(app: &Arc<App>, salt: Option<&str>, prompt: &[u32], count: b
 /// after (`settle`).
 async fn keep(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>, states: Vec<Snapshot>, pin: Option<(String, Pin)>) {
     let cache_app = Arc::clone(app);
-    let _ = tokio::task::spawn_blocking(move || {
+    let leaving = tokio::task::spawn_blocking(move || {
         let app = cache_app;
         let mut cache = app.cache.lock().expect("cache lock");
         let held = Instant::now();
@@ -154,27 +154,34 @@ async fn keep(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>, states: Ve
         // Snapshots copied more slowly than they leave would hold ever more of the GPU: past the
         // tier's budget waiting, the request that made them copies too (copies side by side
         // wait for each other: one thread alone copies the most).
-        let behind = cache.leaving_bytes() > cache.device_budget();
+        let (behind, leaving) = (cache.leaving_bytes() > cache.device_budget(), cache.has_leaving());
         drop(cache);
         if behind {
-            PrefixCache::settle(&app.cache, |started, tokens| app.engines.trace(started, Work::Demote { tokens }));
+            copy_leaving(&app);
         }
+        leaving && !behind
     })
     .await;
-    settle(app);
+    if leaving.unwrap_or(false) {
+        settle(app);
+    }
+}
+
+/// Copy the snapshots leaving the GPU to host memory on this thread, each copy traced.
+fn copy_leaving(app: &App) {
+    PrefixCache::settle(&app.cache, |started, tokens| app.engines.trace(started, Work::Demote { tokens }));
 }
 
 /// Copy the snapshots leaving the GPU to host memory (`PrefixCache::settle`) on a thread of
 /// their own, one at a time (they share the engine's copy stream): nothing waits for them, as
 /// prompts continue them on the GPU until they have moved.
 fn settle(app: &Arc<App>) {
-    let leaving = app.cache.lock().expect("cache lock").has_leaving();
-    if !leaving || app.settling.swap(true, Ordering::AcqRel) {
+    if app.settling.swap(true, Ordering::AcqRel) {
         return;
     }
     let app = Arc::clone(app);
     tokio::task::spawn_blocking(move || loop {
-        PrefixCache::settle(&app.cache, |started, tokens| app.engines.trace(started, Work::Demote { tokens }));
+        copy_leaving(&app);
         app.settling.store(false, Ordering::Release);
         // Snapshots that left after the last look, with no one else copying: go on.
         if !app.cache.lock().expect("cache lock").has_leaving() || app.settling.swap(true, Ordering::AcqRel) {

@@ -118,11 +118,7 @@ impl Staging {
     /// The first `n` values at device address `src`, copied to a new host vector.
     pub fn download(&mut self, stream: &CudaStream, src: u64, n: usize) -> Result<Vec<f32>> {
         let err = |e| anyhow::anyhow!("copying a state from the GPU: {e:?}");
-        stream.context().bind_to_thread().map_err(err)?;
-        let buffers = match &mut self.buffers {
-            Some(b) => b,
-            none => none.insert([Pinned::in_context(stream.context(), STAGING_VALUES)?, Pinned::in_context(stream.context(), STAGING_VALUES)?]),
-        };
+        let buffers = self.buffers(stream)?;
         let mut out = Vec::with_capacity(n);
         // The piece in flight: its buffer, length and the event after its copy.
         let mut in_flight: Option<(usize, usize, CudaEvent)> = None;
@@ -150,19 +146,21 @@ impl Staging {
             }
         }
     }
-}
 
-impl Staging {
     /// The two buffers (allocated at the first use) with `stream`'s context bound to this
-    /// thread, and how many blocks of `block_values` values one of them holds.
-    fn buffers_for_blocks(&mut self, stream: &CudaStream, block_values: usize) -> Result<(&mut [Pinned<f32>; 2], usize)> {
-        anyhow::ensure!(block_values > 0 && block_values <= STAGING_VALUES, "a K/V block of {block_values} values does not fit a staging buffer of {STAGING_VALUES}");
+    /// thread.
+    fn buffers(&mut self, stream: &CudaStream) -> Result<&mut [Pinned<f32>; 2]> {
         stream.context().bind_to_thread().map_err(|e| anyhow::anyhow!("cuda:{}: {e:?}", stream.context().ordinal()))?;
-        let buffers = match &mut self.buffers {
+        Ok(match &mut self.buffers {
             Some(b) => b,
             none => none.insert([Pinned::in_context(stream.context(), STAGING_VALUES)?, Pinned::in_context(stream.context(), STAGING_VALUES)?]),
-        };
-        Ok((buffers, STAGING_VALUES / block_values))
+        })
+    }
+
+    /// `buffers`, and how many blocks of `block_values` values one of them holds.
+    fn buffers_for_blocks(&mut self, stream: &CudaStream, block_values: usize) -> Result<(&mut [Pinned<f32>; 2], usize)> {
+        anyhow::ensure!(block_values > 0 && block_values <= STAGING_VALUES, "a K/V block of {block_values} values does not fit a staging buffer of {STAGING_VALUES}");
+        Ok((self.buffers(stream)?, STAGING_VALUES / block_values))
     }
 
     /// Copy GPU blocks of `block_values` values each at the device addresses `blocks` to the

@@ -340,15 +340,12 @@ impl GpuSnapshot {
     /// on its path) where its lineage says it went on from that one, so that only the rows
     /// past `earlier` cross the bus; else whole, sharing where the rows compare equal.
     pub fn to_host_snapshot(&self, earlier: Option<&HostSnapshot>) -> Result<HostSnapshot> {
-        Ok(match earlier {
-            Some(e) if self.lineage.holds(e.id, e.position()) && e.position() <= self.position => HostSnapshot::sharing(self.download_from(e.position())?, e.kv().clone(), self.id, self.lineage.clone()),
-            Some(e) => HostSnapshot::continuing_from(self.download()?, self.lineage.clone(), self.id, e),
-            None => {
-                let mut h = HostSnapshot::new(self.download()?);
-                (h.id, h.lineage) = (self.id, self.lineage.clone());
-                h
-            }
-        })
+        let host = match earlier {
+            Some(e) if self.lineage.holds(e.id, e.position()) && e.position() <= self.position => HostSnapshot::sharing(self.download_from(e.position())?, e.kv().clone()),
+            Some(e) => HostSnapshot::continuing(self.download()?, e),
+            None => HostSnapshot::new(self.download()?),
+        };
+        Ok(host.numbered(self.id, self.lineage.clone()))
     }
 
     /// Its last logits on the host (copied there on the snapshot's own stream where they are
