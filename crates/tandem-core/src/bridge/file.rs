@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 use super::checksum::Hasher;
-use super::format::{arrays, as_bytes, filled, kinds, layout, layout_of, parse_header, spare_buffers, Layout, KIND_FULL, KIND_LINEAR, TRAILER};
+use super::format::{arrays, as_bytes, filled, layout, parse_header, prefilled_layout, spare_buffers, Layout, KIND_LINEAR, TRAILER};
 use super::Fingerprint;
 use crate::model::config::Qwen35Config;
 use crate::state::{LayerState, State, StateArray};
@@ -191,17 +191,11 @@ impl StateFile {
 /// (`StateFile::write_shared`) copies only K/V and the logits. `file` must be free (no other
 /// holder); it is resized to that image.
 pub fn state_in_file(file: &mut Arc<StateFile>, cfg: &Qwen35Config, prompt: usize, fingerprint: Fingerprint) -> Result<State> {
-    let empty = State::new(cfg);
-    let kinds = kinds(&empty);
-    let kv = prompt * cfg.num_key_value_heads * cfg.head_dim;
-    // Two arrays per layer (K/V sized for the prompt), then the logits.
-    let mut lens: Vec<usize> = arrays(&empty).iter().zip(kinds.iter().flat_map(|&k| [k, k])).map(|(a, k)| if k == KIND_FULL { kv } else { a.len() }).collect();
-    lens.push(cfg.vocab_size);
-    let lay = layout_of(&kinds, &lens, prompt, fingerprint);
+    let lay = prefilled_layout(cfg, prompt, fingerprint);
     let f = Arc::get_mut(file).context("state_in_file: the state file is in use")?;
     f.resize(lay.total)?;
     let base = f.base;
-    let mut state = empty;
+    let mut state = State::new(cfg);
     for (i, layer) in state.layers.iter_mut().enumerate() {
         if let LayerState::Linear { conv, recurrent } = layer {
             for (j, a) in [conv, recurrent].into_iter().enumerate() {

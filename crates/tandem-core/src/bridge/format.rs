@@ -117,6 +117,29 @@ pub(super) fn layout_of(kinds: &[u32], lens: &[usize], position: usize, fingerpr
     Layout { header: h, spans, total }
 }
 
+/// The layout of the image of a state that has applied a prompt of `prompt` tokens (K/V
+/// sized for them, the last logits present).
+pub(super) fn prefilled_layout(cfg: &Qwen35Config, prompt: usize, fingerprint: Fingerprint) -> Layout {
+    let empty = State::new(cfg);
+    let kinds = kinds(&empty);
+    let kv = prompt * cfg.num_key_value_heads * cfg.head_dim;
+    // Two arrays per layer (K/V sized for the prompt), then the logits.
+    let mut lens: Vec<usize> = arrays(&empty).iter().zip(kinds.iter().flat_map(|&k| [k, k])).map(|(a, k)| if k == KIND_FULL { kv } else { a.len() }).collect();
+    lens.push(cfg.vocab_size);
+    layout_of(&kinds, &lens, prompt, fingerprint)
+}
+
+/// The size in bytes of the image of a state that has applied `prompt` tokens: what a receiver
+/// reserves for it before it is prefilled.
+pub fn prefilled_image_bytes(cfg: &Qwen35Config, prompt: usize) -> usize {
+    prefilled_layout(cfg, prompt, 0).total
+}
+
+/// The size in bytes of the image of `state`.
+pub fn image_bytes(state: &State) -> usize {
+    layout(state, 0).total
+}
+
 /// Write the image of `state` to `w`: header, table, then each payload at its aligned offset
 /// and the checksum of everything from the first payload on. The payloads go out straight
 /// from the state's memory, each piece checksummed just before it is written.

@@ -3,12 +3,16 @@
 //! GPU to host or GPU to GPU (`device`); as bytes (`format`) it goes through a memory-mapped
 //! file (`file`) or a byte stream (`socket`), checksummed on the way (`checksum`). The
 //! pipeline uses one pair, `handoff::Sender` and `handoff::Receiver`, whatever the transfer.
+//! Between processes and hosts a state goes through NIXL (`nixl`, with the cargo feature
+//! `nixl`): written one-sided into a slot its receiver reserved.
 
 pub mod checksum;
 pub mod device;
 pub mod file;
 pub mod format;
 pub mod handoff;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod socket;
 
 use std::path::PathBuf;
@@ -68,4 +72,9 @@ impl Transfer {
             Transfer::Socket => "socket",
         }
     }
+}
+
+/// The error for a NIXL transfer asked of a tandem built without the `nixl` feature.
+pub fn nixl_not_built() -> anyhow::Error {
+    anyhow::anyhow!("this tandem was built without NIXL: build it with `cargo build --release --features nixl` after `eval \"$(scripts/nixl.sh)\"` (which installs libclang for the build and the NIXL libraries for running)")
 }

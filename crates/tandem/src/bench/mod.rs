@@ -29,6 +29,7 @@ pub mod cuda;
 mod energy;
 pub mod limits;
 mod load;
+mod nixl_peer;
 mod nvml;
 pub mod pipeline;
 mod prefix_cache;

@@ -58,6 +58,8 @@ pub fn transfer(rec: &mut Record, model: &LoadedModel, engine: &EngineSpec, leng
         .spawn()
         .context("starting the receiving process (tandem state-receive)")?;
     let mut child_out = BufReader::new(child.stdout.take().expect("piped"));
+    // A process that reserves slots for states written through NIXL, where this tandem has it.
+    let mut nixl = super::nixl_peer::NixlPeer::start(spec, fp);
     let mut floors = Vec::new();
     for &n in lengths {
         let mut state = on_engine(engine, net, |engine| {
@@ -79,6 +81,9 @@ pub fn transfer(rec: &mut Record, model: &LoadedModel, engine: &EngineSpec, leng
             ("socket (threads)", vec![]),
             ("socket (processes)", vec![]),
         ];
+        if nixl.is_ok() {
+            rows.push(("NIXL, UCX over TCP (processes, one-sided write into a reserved slot)", vec![]));
+        }
         // The receiver rebuilds into the buffers of a state it no longer needs (as the
         // pipeline's decode engine does with finished requests), except in the fresh row.
         let mut recycled = Some(state.clone());
@@ -164,6 +169,10 @@ pub fn transfer(rec: &mut Record, model: &LoadedModel, engine: &EngineSpec, leng
                 bail!("the receiving process answered {line:?}");
             }
             rows[5].1.push((serialize, Duration::from_secs_f64(f[0] / 1e3), Duration::from_secs_f64(f[1] / 1e3)));
+
+            if let Ok(peer) = &mut nixl {
+                rows[6].1.push(peer.send(&state, fp)?);
+            }
         }
         drop(kept);
         let _ = std::fs::remove_file(&kept_path);
@@ -198,17 +207,21 @@ pub fn transfer(rec: &mut Record, model: &LoadedModel, engine: &EngineSpec, leng
     }
     drop(to_child);
     child.wait()?;
+    if let Err(e) = &nixl {
+        writeln!(rec.report, "\nNIXL: not measured: {e:#}")?;
+    }
+    drop(nixl);
     for (n, copy) in floors {
         writeln!(rec.report, "\nOne memcpy of the {n}-token state on one core, measured in this run: {copy:.2} ms (a transfer that copies the state twice, into a file and out of it, costs at least {:.1} ms here).", 2.0 * copy)?;
     }
-    writeln!(rec.report, "\nMove: the time for the state to reach the other thread (no copy). Serialize: the state written out with its checksum; read: the header and layer table checked; rebuild: the checksum of every byte verified and the engine's state made from them. The pipeline's file row is the file transfer of `tandem generate --transfer file`: the prefill engine writes into a state file it keeps mapped (one copy, checksummed on the way), the decode engine checks it and uses the recurrent states and conv windows where they lie, copying only K/V and the logits into a finished request's buffers. The new-file row maps a file it did not write and copies everything out (a first handoff, new pages on both sides). The processes row streams to a separate `tandem state-receive` process. Over a socket the payload is received straight into the state, so rebuild includes the wait for the bytes.")?;
+    writeln!(rec.report, "\nMove: the time for the state to reach the other thread (no copy). Serialize: the state written out with its checksum; read: the header and layer table checked; rebuild: the checksum of every byte verified and the engine's state made from them. The pipeline's file row is the file transfer of `tandem generate --transfer file`: the prefill engine writes into a state file it keeps mapped (one copy, checksummed on the way), the decode engine checks it and uses the recurrent states and conv windows where they lie, copying only K/V and the logits into a finished request's buffers. The new-file row maps a file it did not write and copies everything out (a first handoff, new pages on both sides). The processes row streams to a separate `tandem state-receive` process. Over a socket the payload is received straight into the state, so rebuild includes the wait for the bytes. The NIXL row is the transfer of disaggregated serving: the sender writes the image into its registered memory (serialize), then NIXL writes it one-sided into the slot a separate `tandem state-receive --nixl` process reserved and notifies it (read: the write until complete, the receiver's wait for the notification and its header check; rebuild: the receiver's checksum and copy into a finished request's buffers).")?;
     Ok(())
 }
 
 /// `tandem state-receive`: read states from stdin (a socket) until it closes, answering each
 /// with "read_ms rebuild_ms position" (the receiving side of the cross-process transfer).
 pub fn state_receive(argv: &[String]) -> Result<std::process::ExitCode> {
-    let args = crate::args::Args::parse(argv, &["model", "fingerprint"], &[])?;
+    let args = crate::args::Args::parse(argv, &["model", "fingerprint"], &["nixl"])?;
     let spec = args.required("model")?;
     let cfg = match spec.strip_prefix("synthetic:") {
         Some(name) => tandem_core::model::synthetic::config(name)?,
@@ -219,6 +232,9 @@ pub fn state_receive(argv: &[String]) -> Result<std::process::ExitCode> {
         }
     };
     let fp = u128::from_str_radix(args.required("fingerprint")?, 16).context("--fingerprint: not hex")?;
+    if args.flag("nixl") {
+        return super::nixl_peer::state_receive(&cfg, fp);
+    }
     let mut stdin = std::io::stdin().lock();
     let mut stdout = std::io::stdout().lock();
     let mut spare = None;
