@@ -5,7 +5,9 @@ mod args;
 mod bench;
 mod chat;
 mod generate;
+mod http_client;
 mod quality;
+mod router;
 mod rss;
 mod serve;
 
@@ -111,7 +113,7 @@ fn main() -> ExitCode {
         Some("chat") => chat::run(&argv[1..]),
         Some("verify") => cmd_verify(&argv[1..]),
         Some("serve") if wants_help(&argv[1..]) => {
-            print!("{}", serve::USAGE);
+            print!("{}{}", serve::USAGE, router::USAGE);
             return ExitCode::SUCCESS;
         }
         Some("serve") => serve::run(&argv[1..]),

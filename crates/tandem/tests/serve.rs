@@ -2,31 +2,12 @@
 //! Python package and curl, each check starting its own server on a free loopback port). The
 //! package is installed into a virtualenv under the target directory on first use.
 
-use std::path::{Path, PathBuf};
+mod support;
+
+use std::path::Path;
 use std::process::Command;
 
-/// The client version the checks were written against.
-const OPENAI: &str = "openai==3.54.0";
-
-fn run(cmd: &mut Command, what: &str) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: cannot run {cmd:?}: {e}"));
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{what} failed ({}):\n{text}", out.status);
-    text
-}
-
-/// A Python with `openai` installed: target/tmp/openai-venv, made when missing.
-fn python() -> PathBuf {
-    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
-    let python = venv.join("bin/python");
-    let ready = venv.join(format!("{OPENAI}.installed"));
-    if !ready.exists() {
-        run(Command::new("python3").args(["-m", "venv", "--clear"]).arg(&venv), "making a virtualenv (python3 -m venv; Debian: apt install python3-venv)");
-        run(Command::new(&python).args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", OPENAI]), "installing the openai package from PyPI");
-        std::fs::write(&ready, "").expect("marking the virtualenv ready");
-    }
-    python
-}
+use support::{python, run};
 
 #[test]
 fn openai_client_and_curl_against_a_running_server() {

@@ -296,6 +296,17 @@ impl Receiver {
         Ok(came)
     }
 
+    /// Whether the state of `slot` has arrived (an error where the slot is not reserved).
+    pub fn has_arrived(&mut self, slot: u64) -> Result<bool> {
+        if !self.arrived.contains_key(&slot) {
+            if !self.reserved.contains_key(&slot) {
+                bail!("state slot {slot} is not reserved here (released, or never reserved)");
+            }
+            self.poll()?;
+        }
+        Ok(self.arrived.contains_key(&slot))
+    }
+
     /// Wait until the state of `slot` has arrived, at most `timeout`.
     pub fn wait(&mut self, slot: u64, timeout: Duration) -> Result<()> {
         let t = Instant::now();

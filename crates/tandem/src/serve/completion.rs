@@ -32,6 +32,9 @@ pub struct Prepared {
     pub arrived: Instant,
     /// A chat's messages and thinking switch (to find the tokens its next turn starts with).
     pub conversation: Option<(Vec<Message>, bool)>,
+    /// Where a prefill worker put the prompt's state (a decode worker's request from the
+    /// router), to start from instead of prefilling.
+    pub prefilled: Option<super::worker::Prefilled>,
 }
 
 impl Prepared {
@@ -57,7 +60,7 @@ impl Prepared {
             None if room == 0 => return Err(too_long(", which leaves no room to generate".into())),
             None => room,
         };
-        Ok(Prepared { endpoint, prompt, max_tokens, options, arrived, conversation: None })
+        Ok(Prepared { endpoint, prompt, max_tokens, options, arrived, conversation: None, prefilled: None })
     }
 }
 
@@ -76,7 +79,8 @@ pub struct Completion {
     _slot: Slot,
     admitted: Instant,
     prompt: Vec<u32>,
-    reused: usize,
+    /// Prompt tokens a prefix cache held (here or on the prefill worker).
+    cached: usize,
     salt: Option<String>,
     session: Option<String>,
     conversation: Option<(Vec<Message>, bool)>,
@@ -106,9 +110,12 @@ fn turn_boundary(app: &App, prompt: &[u32]) -> Option<usize> {
 /// What the prefix cache has for a prompt.
 pub struct Cached {
     /// The snapshot to continue (None: start fresh); the request's prefill engine copies it.
-    pub state: Option<Arc<Snapshot>>,
+    pub state: Option<Start>,
     /// The prompt tokens it covers.
     pub reused: usize,
+    /// Of those, the tokens a prefix cache held (reported as the usage's cached tokens; less
+    /// than `reused` for a state a prefill worker computed).
+    pub cached: usize,
     /// Where the prefill should stop for snapshots (counts of the prompt's tokens, past
     /// `reused`, the prompt's end last; none with the cache off).
     pub stops: Vec<usize>,
@@ -118,7 +125,7 @@ pub struct Cached {
 /// metrics. On a blocking thread: a snapshot of the disk tier is read back in the lookup (with
 /// the cache's lock let go meanwhile).
 pub async fn lookup(app: &Arc<App>, salt: Option<&str>, prompt: &[u32], count: bool) -> Cached {
-    let none = || Cached { state: None, reused: 0, stops: Vec::new() };
+    let none = || Cached { state: None, reused: 0, cached: 0, stops: Vec::new() };
     if !app.cache_on {
         return none();
     }
@@ -130,7 +137,7 @@ pub async fn lookup(app: &Arc<App>, salt: Option<&str>, prompt: &[u32], count: b
             app.cache.lock().expect("cache lock").count(&found);
         }
         app.engines.trace(started, Work::Cache { snapshots: 0 });
-        Cached { state: found.state, reused: found.reused, stops: found.stops }
+        Cached { state: found.state.map(Start::Cached), reused: found.reused, cached: found.reused, stops: found.stops }
     });
     found.await.unwrap_or_else(|_| none())
 }
@@ -206,13 +213,43 @@ pub async fn remember(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>, le
         return Ok((found.reused, 0));
     }
     let stops: Vec<usize> = found.stops.iter().map(|&s| s - found.reused).collect();
-    let states = app.engines.prefill(found.state.map(Start::Cached), tokens[found.reused..].to_vec(), stops).await?;
+    let states = app.engines.prefill(found.state, tokens[found.reused..].to_vec(), stops).await?;
     if states.last().map(Snapshot::position) != Some(tokens.len()) {
         anyhow::bail!("the prefill gave no snapshot of the prompt's end");
     }
     let prefilled = tokens.len() - found.reused;
     keep(app, salt, tokens, states, pin).await;
     Ok((found.reused, prefilled))
+}
+
+/// The state after exactly `tokens` in host memory (for a prefill worker to send): the prefix
+/// cache's deepest snapshot on their path continued with the rest (stopping for snapshots, kept
+/// in the cache, as a request's prefill does). Returns it with the tokens the cache covered and
+/// those prefilled.
+#[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+pub async fn prefilled_state(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>) -> anyhow::Result<(tandem_core::state::State, usize, usize)> {
+    let found = lookup(app, salt.as_deref(), &tokens, true).await;
+    let reused = found.reused;
+    let mut stops: Vec<usize> = found.stops.iter().map(|&s| s - reused).collect();
+    if stops.last() != Some(&(tokens.len() - reused)) {
+        stops.push(tokens.len() - reused);
+    }
+    let states = if reused == tokens.len() {
+        match found.state {
+            Some(Start::Cached(s)) => return Ok((tokio::task::spawn_blocking(move || s.to_host()).await??, reused, 0)),
+            _ => anyhow::bail!("the prefix cache covers the prompt but gave no state"),
+        }
+    } else {
+        app.engines.prefill(found.state, tokens[reused..].to_vec(), stops).await?
+    };
+    if states.last().map(Snapshot::position) != Some(tokens.len()) {
+        anyhow::bail!("the prefill gave no snapshot of the prompt's end");
+    }
+    let (state, states) = tokio::task::spawn_blocking(move || (states.last().expect("checked above").to_host(), states)).await?;
+    if app.cache_on {
+        keep(app, salt, tokens.clone(), states, None).await;
+    }
+    Ok((state?, reused, tokens.len() - reused))
 }
 
 /// The longest a session's request waits for its previous reply end's prefill.
@@ -239,9 +276,13 @@ impl Completion {
         if let Some(mut done) = pending {
             let _ = tokio::time::timeout(REPLY_WAIT, done.wait_for(|d| *d)).await;
         }
-        let found = lookup(app, salt.as_deref(), &p.prompt, true).await;
+        // The state a prefill worker wrote for this request, or the prefix cache's deepest.
+        let found = match &p.prefilled {
+            Some(remote) => super::worker::take_prefilled(app, remote, &p.prompt).await?,
+            None => lookup(app, salt.as_deref(), &p.prompt, true).await,
+        };
         let c = &app.metrics.counters;
-        let reused = found.reused;
+        let (reused, cached) = (found.reused, found.cached);
         add(&c.prompt_tokens, p.prompt.len());
         add(&c.prefilled_tokens, p.prompt.len() - reused);
         // Besides the cache's stops, one at the prompt's last turn boundary: the part of a chat
@@ -254,7 +295,7 @@ impl Completion {
         }
         let snapshots = stops.iter().map(|&s| s - reused).collect();
         let params = pipeline::RequestParams { max_tokens: p.max_tokens, sampling: p.options.sampling.clone(), vocab: app.vocab, stop_ids: if p.options.ignore_eos { Vec::new() } else { app.stop_ids.clone() } };
-        let running = app.engines.submit(found.state.map(Start::Cached), p.prompt[reused..].to_vec(), params, snapshots).map_err(server_error)?;
+        let running = app.engines.submit(found.state, p.prompt[reused..].to_vec(), params, snapshots).map_err(server_error)?;
         Ok(Completion {
             app: Arc::clone(app),
             endpoint: p.endpoint,
@@ -262,7 +303,7 @@ impl Completion {
             _slot: slot,
             admitted,
             prompt: p.prompt,
-            reused,
+            cached,
             salt,
             session,
             conversation: p.conversation,
@@ -426,7 +467,7 @@ impl Completion {
         self.done = true;
         self.remember_reply();
         self.app.metrics.outcome(self.endpoint.name(), finish);
-        let usage = Usage { prompt: self.prompt.len(), completion: self.ids.len(), cached: self.reused };
+        let usage = Usage { prompt: self.prompt.len(), completion: self.ids.len(), cached: self.cached };
         let ids = self.ids[self.ids_given..].to_vec();
         self.pending.push_back(Piece::Finished { finish, usage, ids });
     }

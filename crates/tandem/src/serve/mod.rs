@@ -6,11 +6,12 @@
 //!
 //! The HTTP side runs on a small tokio runtime; the model runs only on the engines' threads.
 
-mod api;
+pub mod api;
 mod engines;
 mod completion;
 mod metrics;
 mod routes;
+mod worker;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -100,6 +101,10 @@ OPTIONS:
                            prompts that part from a long prompt late continue near where they
                            part (default 1024; 0: only where prompts part and at their ends)
   --served-model-name NAME the model's name in the API (default: --model as given)
+  --role ROLE              single (default: the whole server), or a part of disaggregated
+                           serving: router, prefill or decode (below)
+  --router URL             a worker's router (http://HOST:PORT), with which it registers
+  --advertise URL          where the router reaches this worker (default: http://--host:--port)
 
 Prefixes are reused without any client change: a request continues the deepest cached state
 its prompt passes (the end of an earlier prompt, the point where two prompts part, the last
@@ -125,6 +130,13 @@ pub struct App {
     cache: Mutex<PrefixCache>,
     /// Whether a thread is copying the snapshots leaving the GPU (`completion::settle`).
     settling: std::sync::atomic::AtomicBool,
+    /// The model's config and fingerprint (a state from another process is checked against them).
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    config: tandem_core::model::config::Qwen35Config,
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    fingerprint: tandem_core::bridge::Fingerprint,
+    /// A worker's part in disaggregated serving (`--role prefill|decode`).
+    worker: Option<worker::Worker>,
     /// Sessions whose reply end is being prefilled in the background: done when it is.
     replies: Mutex<HashMap<String, tokio::sync::watch::Receiver<bool>>>,
     metrics: Metrics,
@@ -185,7 +197,14 @@ impl App {
 }
 
 pub fn run(argv: &[String]) -> Result<ExitCode> {
-    let mut with_value = vec!["model", "host", "port", "max-concurrent", "max-queue", "max-context", "prefix-cache-memory", "prefix-cache-device-memory", "prefix-cache-dir", "prefix-cache-disk-memory", "session-memory", "prefix-snapshot-every", "served-model-name"];
+    let role = match argv.iter().position(|a| a == "--role").and_then(|i| argv.get(i + 1)).map(String::as_str) {
+        None | Some("single") => worker::Role::Single,
+        Some("router") => return crate::router::run(argv),
+        Some("prefill") => worker::Role::Prefill,
+        Some("decode") => worker::Role::Decode,
+        Some(other) => bail!("--role {other:?}: single (the default), prefill, decode or router"),
+    };
+    let mut with_value = vec!["model", "host", "port", "role", "router", "advertise", "max-concurrent", "max-queue", "max-context", "prefix-cache-memory", "prefix-cache-device-memory", "prefix-cache-dir", "prefix-cache-disk-memory", "session-memory", "prefix-snapshot-every", "served-model-name"];
     with_value.extend(ENGINE_OPTIONS.iter().filter(|o| **o != "max-batch"));
     let args = Args::parse(argv, &with_value, &[])?;
     let max_concurrent: usize = args.get("max-concurrent", 8)?;
@@ -251,6 +270,16 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     let listener = std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
     listener.set_nonblocking(true)?;
     let bound = listener.local_addr()?;
+    let router_url = args.str("router").map(str::to_string);
+    if let Some(url) = &router_url {
+        crate::http_client::check_base(url).context("--router")?;
+    }
+    if role != worker::Role::Single && router_url.is_none() {
+        bail!("--role {}: give --router http://HOST:PORT, the router this worker registers with", role.name());
+    }
+    let advertise = args.str("advertise").map_or_else(|| format!("http://{bound}"), str::to_string);
+    crate::http_client::check_base(&advertise).context("--advertise")?;
+    let worker = worker::Worker::new(role, &format!("tandem-{}-{}-{}", role.name(), std::process::id(), bound.port()))?;
 
     let fingerprint = model.net.fingerprint();
     pipeline::run(&model.net, &config, |pipeline| {
@@ -279,6 +308,9 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             cache_on: cache_memory > 0 || pipeline.device_tier().is_some() || disk.is_some(),
             cache: Mutex::new(cache),
             settling: Default::default(),
+            config: cfg.clone(),
+            fingerprint,
+            worker,
             replies: Mutex::default(),
             metrics: Metrics::new(served),
             started: completion::unix_now(),
@@ -291,6 +323,10 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             .route("/v1/models", get(routes::models))
             .route("/health", get(routes::health))
             .route("/metrics", get(routes::metrics))
+            .route("/internal/plan", post(worker::plan))
+            .route("/internal/reserve", post(worker::reserve))
+            .route("/internal/release", post(worker::release))
+            .route("/internal/prefill", post(worker::prefill))
             .fallback(routes::not_found)
             .method_not_allowed_fallback(routes::method_not_allowed)
             .with_state(Arc::clone(&app));
@@ -319,6 +355,9 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         eprintln!("listening on http://{bound}");
         let served = runtime.block_on(async {
             let listener = tokio::net::TcpListener::from_std(listener)?;
+            if let Some(router) = router_url {
+                worker::register_with(&app, router, advertise, role);
+            }
             let (stopping, mut stop_seen) = tokio::sync::watch::channel(false);
             let server = axum::serve(listener, router).with_graceful_shutdown(async move {
                 shutdown_signal().await;
@@ -348,7 +387,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
 const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Ctrl-C or SIGTERM: stop taking connections and finish the requests in flight.
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     let terminate = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
             Ok(mut s) => {

@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 use super::api::{self, ApiError, Endpoint, Options, Prompt, ResponseHead};
 use super::completion::{remember, unix_now, Completion, Piece, Prepared};
 use super::metrics::{add, CacheGauges, Gauges};
-use super::App;
+use super::{worker, App};
 use tandem_core::prefix_cache::Pin;
 use tandem_core::state::Tier;
 
@@ -51,13 +51,9 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + S
 pub async fn chat_completions(AppState(app): AppState<Arc<App>>, raw: Body) -> Response {
     let arrived = Instant::now();
     let result = async {
-        let req = api::parse_chat(&body(raw)?)?;
-        check_model(&app, req.options.model.as_deref())?;
-        let a = Arc::clone(&app);
-        let prompt = blocking(move || a.chat_prompt(&req.messages, req.enable_thinking).map(|p| (p, req))).await;
-        let (prompt, req) = prompt?;
-        let mut prepared = Prepared::new(&app, Endpoint::Chat, prompt, req.options, arrived)?;
-        prepared.conversation = Some((req.messages, req.enable_thinking));
+        let raw = body(raw)?;
+        let mut prepared = prepare(&app, Endpoint::Chat, &raw, arrived).await?;
+        prepared.prefilled = worker::prefilled_elsewhere(&app, &raw)?;
         serve(&app, prepared).await
     };
     result.await.unwrap_or_else(|e| refuse(&app, Endpoint::Chat, e))
@@ -66,18 +62,40 @@ pub async fn chat_completions(AppState(app): AppState<Arc<App>>, raw: Body) -> R
 pub async fn completions(AppState(app): AppState<Arc<App>>, raw: Body) -> Response {
     let arrived = Instant::now();
     let result = async {
-        let req = api::parse_completion(&body(raw)?)?;
-        check_model(&app, req.options.model.as_deref())?;
-        let prompt = match req.prompt {
-            Prompt::Ids(ids) => ids,
-            Prompt::Text(text) => {
-                let a = Arc::clone(&app);
-                blocking(move || a.tokenizer.encode(&text).map_err(|e| ApiError::invalid("prompt", format!("{e:#}")))).await?
-            }
-        };
-        serve(&app, Prepared::new(&app, Endpoint::Completion, prompt, req.options, arrived)?).await
+        let raw = body(raw)?;
+        let mut prepared = prepare(&app, Endpoint::Completion, &raw, arrived).await?;
+        prepared.prefilled = worker::prefilled_elsewhere(&app, &raw)?;
+        serve(&app, prepared).await
     };
     result.await.unwrap_or_else(|e| refuse(&app, Endpoint::Completion, e))
+}
+
+/// A chat or completion request read, checked and tokenized (the chat rendered with the
+/// checkpoint's template), ready to run.
+pub async fn prepare(app: &Arc<App>, endpoint: Endpoint, raw: &[u8], arrived: Instant) -> Result<Prepared, ApiError> {
+    match endpoint {
+        Endpoint::Chat => {
+            let req = api::parse_chat(raw)?;
+            check_model(app, req.options.model.as_deref())?;
+            let a = Arc::clone(app);
+            let (prompt, req) = blocking(move || a.chat_prompt(&req.messages, req.enable_thinking).map(|p| (p, req))).await?;
+            let mut prepared = Prepared::new(app, Endpoint::Chat, prompt, req.options, arrived)?;
+            prepared.conversation = Some((req.messages, req.enable_thinking));
+            Ok(prepared)
+        }
+        Endpoint::Completion => {
+            let req = api::parse_completion(raw)?;
+            check_model(app, req.options.model.as_deref())?;
+            let prompt = match req.prompt {
+                Prompt::Ids(ids) => ids,
+                Prompt::Text(text) => {
+                    let a = Arc::clone(app);
+                    blocking(move || a.tokenizer.encode(&text).map_err(|e| ApiError::invalid("prompt", format!("{e:#}")))).await?
+                }
+            };
+            Prepared::new(app, Endpoint::Completion, prompt, req.options, arrived)
+        }
+    }
 }
 
 /// Count a refused request (a 429 was counted when it was refused) and answer it.
@@ -191,7 +209,7 @@ pub async fn metrics(AppState(app): AppState<Arc<App>>) -> Response {
     };
     let (prefill_busy, decode_busy) = app.engines.busy();
     let g = Gauges { kv: app.engines.kv_level(), slots: app.engines.slot_level(), swaps: app.engines.swaps(), queued: app.engines.queued(), active: app.engines.active(), cache, prefill_busy, decode_busy };
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render(&g)).into_response()
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render(&g) + &worker::metrics(&app)).into_response()
 }
 
 pub async fn not_found() -> Response {

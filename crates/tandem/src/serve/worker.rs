@@ -1,0 +1,369 @@
+//! What a worker of disaggregated serving adds to the server (`--role prefill|decode`).
+//!
+//! A decode worker is the whole server (it can prefill a prompt itself) that also reserves
+//! slots for states prefilled elsewhere (`POST /internal/reserve`, a NIXL ticket), frees them
+//! (`/internal/release`), tells the router what a request would cost it (`/internal/plan`: the
+//! prompt's tokens, the tokens its prefix cache holds, its load), and runs a chat or completion
+//! request from the state a prefill worker wrote (the body's `tandem_prefilled`). A prefill
+//! worker prefills a prompt (continuing its own prefix cache) and writes the state straight
+//! into the slot the decode worker reserved (`/internal/prefill`). Both register with the
+//! router (`--router URL`) and renew it every second; the router forgets a worker that stops.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::State as AppState;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::api::{ApiError, Endpoint};
+use super::completion::Cached;
+use super::App;
+
+/// How a `tandem serve` takes part in disaggregated serving.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The whole server on its own (the default).
+    Single,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Single => "single",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// How long a prefill worker waits for its write into a decode worker's slot (below the
+/// quarantine of released slots, so that a write given up on never lands in a reused one).
+#[cfg(feature = "nixl")]
+const SEND_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a decode worker waits for a state the router says was written (NIXL notifies
+/// after the bytes, and the router forwards the request only once the write completed).
+#[cfg(feature = "nixl")]
+const ARRIVAL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A worker's part of the server: its role and its end of the NIXL transfer.
+pub struct Worker {
+    pub role: Role,
+    #[cfg(feature = "nixl")]
+    receiver: Option<std::sync::Mutex<tandem_core::bridge::nixl::Receiver>>,
+    #[cfg(feature = "nixl")]
+    sender: Option<std::sync::Mutex<tandem_core::bridge::nixl::Sender>>,
+    /// States prefill workers wrote that requests here started from.
+    used: AtomicU64,
+    /// States a prefill worker wrote that this decode worker refused or could not find (the
+    /// request was prefilled here instead).
+    refused: AtomicU64,
+}
+
+impl Worker {
+    /// The worker of `role` (None for the single server), with its NIXL agent named `name`.
+    pub fn new(role: Role, name: &str) -> anyhow::Result<Option<Worker>> {
+        if role == Role::Single {
+            return Ok(None);
+        }
+        #[cfg(feature = "nixl")]
+        {
+            use tandem_core::bridge::nixl::{Receiver, Sender};
+            let receiver = if role == Role::Decode { Some(std::sync::Mutex::new(Receiver::new(name, None)?)) } else { None };
+            let sender = if role == Role::Prefill { Some(std::sync::Mutex::new(Sender::new(name, None)?)) } else { None };
+            Ok(Some(Worker { role, receiver, sender, used: Default::default(), refused: Default::default() }))
+        }
+        #[cfg(not(feature = "nixl"))]
+        {
+            let _ = name;
+            Err(tandem_core::bridge::nixl_not_built().context(format!("--role {}", role.name())))
+        }
+    }
+}
+
+/// Where a prefill worker put a request's state: the slot of this decode worker it wrote, and
+/// the prompt it prefilled (its length and hash, checked against this worker's tokens).
+#[derive(Clone, Debug, Deserialize)]
+#[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+pub struct Prefilled {
+    pub slot: u64,
+    pub tokens: usize,
+    pub hash: String,
+    /// The prompt tokens the prefill worker's prefix cache held.
+    #[serde(default)]
+    pub cached: usize,
+}
+
+/// A hash of a prompt's token ids (FNV-1a, hex), to check that two processes tokenized a
+/// request alike.
+pub fn prompt_hash(ids: &[u32]) -> String {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in ids.iter().flat_map(|id| id.to_le_bytes()) {
+        h = (h ^ b as u64).wrapping_mul(0x100000001b3);
+    }
+    format!("{h:016x}")
+}
+
+/// The body's `tandem_prefilled` (sent by the router to a decode worker), where there is one.
+pub fn prefilled_elsewhere(app: &App, raw: &[u8]) -> Result<Option<Prefilled>, ApiError> {
+    let Ok(Value::Object(body)) = serde_json::from_slice::<Value>(raw) else { return Ok(None) };
+    let Some(v) = body.get("tandem_prefilled") else { return Ok(None) };
+    if app.worker.as_ref().map(|w| w.role) != Some(Role::Decode) {
+        return Err(ApiError::invalid("tandem_prefilled", "this server is not a decode worker (tandem serve --role decode): it holds no prefilled states"));
+    }
+    serde_json::from_value(v.clone()).map(Some).map_err(|e| ApiError::invalid("tandem_prefilled", format!("expected {{\"slot\", \"tokens\", \"hash\"}}: {e}")))
+}
+
+/// The state a prefill worker wrote for `prompt` into `remote`'s slot, checked, as the start of
+/// the request. A state that does not come, or is refused (another model, another prompt,
+/// damaged) is not applied: the slot is freed and the request prefilled here (counted in
+/// `refused`).
+pub async fn take_prefilled(app: &Arc<App>, remote: &Prefilled, prompt: &[u32]) -> Result<Cached, ApiError> {
+    #[cfg(feature = "nixl")]
+    {
+        match take_state(app, remote, prompt).await {
+            Ok(state) => {
+                if let Some(w) = &app.worker {
+                    w.used.fetch_add(1, Ordering::Relaxed);
+                }
+                return Ok(Cached { state: Some(state.into()), reused: prompt.len(), cached: remote.cached, stops: Vec::new() });
+            }
+            Err(e) => {
+                eprintln!("tandem serve: the state prefilled elsewhere for a {}-token prompt (slot {}) is not used, the prompt is prefilled here: {e:#}", prompt.len(), remote.slot);
+                if let Some(w) = &app.worker {
+                    w.refused.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+    #[cfg(not(feature = "nixl"))]
+    let _ = remote;
+    Ok(super::completion::lookup(app, None, prompt, true).await)
+}
+
+#[cfg(feature = "nixl")]
+async fn take_state(app: &Arc<App>, remote: &Prefilled, prompt: &[u32]) -> anyhow::Result<tandem_core::state::State> {
+    use anyhow::Context;
+    let receiver = app.worker.as_ref().and_then(|w| w.receiver.as_ref()).context("not a decode worker")?;
+    let release = || receiver.lock().expect("receiver lock").release(remote.slot);
+    if remote.tokens != prompt.len() || remote.hash != prompt_hash(prompt) {
+        release();
+        anyhow::bail!("it was prefilled for another prompt ({} tokens, hash {}; here {} tokens, hash {})", remote.tokens, remote.hash, prompt.len(), prompt_hash(prompt));
+    }
+    let started = Instant::now();
+    loop {
+        match receiver.lock().expect("receiver lock").has_arrived(remote.slot) {
+            Ok(true) => break,
+            Ok(false) if started.elapsed() < ARRIVAL_TIMEOUT => {}
+            Ok(false) => {
+                release();
+                anyhow::bail!("no state came within {} s", ARRIVAL_TIMEOUT.as_secs());
+            }
+            Err(e) => {
+                release();
+                return Err(e);
+            }
+        }
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+    let (a, slot, n) = (Arc::clone(app), remote.slot, prompt.len());
+    tokio::task::spawn_blocking(move || {
+        let receiver = a.worker.as_ref().and_then(|w| w.receiver.as_ref()).expect("checked above");
+        // The state is checked and copied out under the lock: slots are reserved meanwhile
+        // by other requests' routers only, which can wait for one copy.
+        receiver.lock().expect("receiver lock").take(slot, a.fingerprint, &a.config, n, None).map(|(state, _, _)| state)
+    })
+    .await
+    .context("the thread taking the state")?
+}
+
+/// A worker's lines of `/metrics`: its role, and a decode worker's states from elsewhere.
+pub fn metrics(app: &App) -> String {
+    let Some(w) = &app.worker else { return String::new() };
+    let mut out = format!("# HELP tandem_worker_role This server's role in disaggregated serving.\n# TYPE tandem_worker_role gauge\ntandem_worker_role{{role=\"{}\"}} 1\n", w.role.name());
+    if w.role == Role::Decode {
+        #[cfg(feature = "nixl")]
+        let reserved = w.receiver.as_ref().map_or(0, |r| r.lock().expect("receiver lock").reserved());
+        #[cfg(not(feature = "nixl"))]
+        let reserved = 0;
+        out += &format!(
+            "# HELP tandem_remote_states_total States prefill workers wrote into this worker's slots: used (the request started from it) or refused (not applied; the request was prefilled here).\n# TYPE tandem_remote_states_total counter\ntandem_remote_states_total{{outcome=\"used\"}} {}\ntandem_remote_states_total{{outcome=\"refused\"}} {}\n# HELP tandem_state_slots_reserved Slots reserved for states on their way.\n# TYPE tandem_state_slots_reserved gauge\ntandem_state_slots_reserved {reserved}\n",
+            w.used.load(Ordering::Relaxed),
+            w.refused.load(Ordering::Relaxed)
+        );
+    }
+    out
+}
+
+fn json_response(status: StatusCode, v: Value) -> Response {
+    (status, [(header::CONTENT_TYPE, "application/json")], v.to_string()).into_response()
+}
+
+/// The worker of `app` if it has `role`, or the error for a worker that has another.
+fn worker_as(app: &App, role: Role) -> Result<&Worker, ApiError> {
+    app.worker.as_ref().filter(|w| w.role == role).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("this server is not a {} worker (tandem serve --role {})", role.name(), role.name())))
+}
+
+fn parse<T: serde::de::DeserializeOwned>(raw: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(raw).map_err(|e| ApiError::bad_request(format!("{e}")))
+}
+
+/// `POST /internal/plan {"endpoint": "chat"|"completion", "request": {...}}` (decode worker):
+/// the request read and tokenized as it would be run here, with what this worker holds of it
+/// (the tokens its prefix cache covers) and its load. A bad request gets the error its run
+/// would get.
+pub async fn plan(AppState(app): AppState<Arc<App>>, raw: Bytes) -> Response {
+    let result = async {
+        worker_as(&app, Role::Decode)?;
+        #[derive(Deserialize)]
+        struct Plan {
+            endpoint: String,
+            request: Value,
+        }
+        let p: Plan = parse(&raw)?;
+        let endpoint = match p.endpoint.as_str() {
+            "chat" => Endpoint::Chat,
+            "completion" => Endpoint::Completion,
+            other => return Err(ApiError::invalid("endpoint", format!("{other:?}: chat or completion"))),
+        };
+        let prepared = super::routes::prepare(&app, endpoint, p.request.to_string().as_bytes(), Instant::now()).await?;
+        let salt = prepared.options.cache_salt.clone();
+        let cached = if prepared.options.session_id.is_some() || salt.is_some() || app.cache_on {
+            super::completion::lookup(&app, salt.as_deref(), &prepared.prompt, false).await.reused
+        } else {
+            0
+        };
+        Ok(json_response(
+            StatusCode::OK,
+            json!({"prompt": prepared.prompt, "hash": prompt_hash(&prepared.prompt), "cached": cached, "active": app.engines.active(), "queued": app.engines.queued(), "max_concurrent": app.max_concurrent}),
+        ))
+    };
+    result.await.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+/// `POST /internal/reserve {"tokens": N}` (decode worker): a slot for the state of an
+/// N-token prompt, as a NIXL ticket.
+pub async fn reserve(AppState(app): AppState<Arc<App>>, raw: Bytes) -> Response {
+    let result = (|| {
+        let _w = worker_as(&app, Role::Decode)?;
+        #[derive(Deserialize)]
+        struct Reserve {
+            tokens: usize,
+        }
+        let r: Reserve = parse(&raw)?;
+        if r.tokens == 0 || r.tokens > app.max_context {
+            return Err(ApiError::invalid("tokens", format!("{} tokens: give 1 to {} (--max-context)", r.tokens, app.max_context)));
+        }
+        #[cfg(feature = "nixl")]
+        {
+            let receiver = _w.receiver.as_ref().expect("a decode worker has a receiver");
+            let ticket = receiver.lock().expect("receiver lock").reserve_for_prompt(&app.config, r.tokens).map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "nixl_error", format!("{e:#}")))?;
+            Ok(json_response(StatusCode::OK, serde_json::to_value(ticket).expect("a ticket is JSON")))
+        }
+        #[cfg(not(feature = "nixl"))]
+        Err(ApiError::new(StatusCode::NOT_IMPLEMENTED, "nixl_missing", "built without NIXL"))
+    })();
+    result.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+/// `POST /internal/release {"slot": S}` (decode worker): free a slot whose state will not come.
+pub async fn release(AppState(app): AppState<Arc<App>>, raw: Bytes) -> Response {
+    let result = (|| {
+        let _w = worker_as(&app, Role::Decode)?;
+        #[derive(Deserialize)]
+        struct Release {
+            slot: u64,
+        }
+        let r: Release = parse(&raw)?;
+        #[cfg(feature = "nixl")]
+        let released = _w.receiver.as_ref().expect("a decode worker has a receiver").lock().expect("receiver lock").release(r.slot);
+        #[cfg(not(feature = "nixl"))]
+        let released = r.slot == u64::MAX;
+        Ok(json_response(StatusCode::OK, json!({"released": released})))
+    })();
+    result.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+/// `POST /internal/prefill {"prompt": [ids], "ticket": {...}, "cache_salt": S?}` (prefill
+/// worker): prefill the prompt (continuing this worker's prefix cache) and write the state
+/// into the ticket's slot; answers once the write completed, with the tokens the cache
+/// covered, those prefilled, and the times.
+pub async fn prefill(AppState(app): AppState<Arc<App>>, raw: Bytes) -> Response {
+    let result = async {
+        let _w = worker_as(&app, Role::Prefill)?;
+        #[cfg(feature = "nixl")]
+        {
+            #[derive(Deserialize)]
+            struct Prefill {
+                prompt: Vec<u32>,
+                ticket: tandem_core::bridge::nixl::StateTicket,
+                cache_salt: Option<String>,
+            }
+            let p: Prefill = parse(&raw)?;
+            if p.prompt.is_empty() || p.prompt.len() > app.max_context {
+                return Err(ApiError::invalid("prompt", format!("{} tokens: give 1 to {} (--max-context)", p.prompt.len(), app.max_context)));
+            }
+            if let Some(&bad) = p.prompt.iter().find(|&&id| id as usize >= app.vocab) {
+                return Err(ApiError::invalid("prompt", format!("token id {bad} is outside the vocabulary (ids 0..{})", app.vocab)));
+            }
+            let _slot = app.engines.admit().await.map_err(|full| {
+                let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", "the prefill worker is busy");
+                e.retry_after = Some(full.retry_after);
+                e
+            })?;
+            let engine_error = |e: anyhow::Error| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", format!("{e:#}"));
+            let started = Instant::now();
+            let (state, cached, prefilled) = super::completion::prefilled_state(&app, p.cache_salt, p.prompt).await.map_err(engine_error)?;
+            let prefill_ms = started.elapsed().as_secs_f64() * 1e3;
+            let (a, ticket) = (Arc::clone(&app), p.ticket);
+            let times = tokio::task::spawn_blocking(move || {
+                let sender = a.worker.as_ref().and_then(|w| w.sender.as_ref()).expect("a prefill worker has a sender");
+                let bytes = tandem_core::bridge::format::image_bytes(&state);
+                sender.lock().expect("sender lock").send(&ticket, &state, a.fingerprint, SEND_TIMEOUT).map(|t| (t, bytes))
+            })
+            .await
+            .map_err(|e| engine_error(e.into()))?
+            .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "transfer_failed", format!("{e:#}")))?;
+            let (t, bytes) = times;
+            Ok(json_response(
+                StatusCode::OK,
+                json!({"cached": cached, "prefilled": prefilled, "prefill_ms": prefill_ms, "serialize_ms": t.serialize.as_secs_f64() * 1e3, "transfer_ms": t.read.as_secs_f64() * 1e3, "state_bytes": bytes}),
+            ))
+        }
+        #[cfg(not(feature = "nixl"))]
+        {
+            let _ = raw;
+            Err(ApiError::new(StatusCode::NOT_IMPLEMENTED, "nixl_missing", "built without NIXL"))
+        }
+    };
+    result.await.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+/// Register with the router at `router` as a worker of `role` reachable at `advertise`, and
+/// renew it every second (with this worker's load) until the server stops.
+pub fn register_with(app: &Arc<App>, router: String, advertise: String, role: Role) {
+    let app = Arc::clone(app);
+    tokio::spawn(async move {
+        let mut registered = None;
+        loop {
+            let body = json!({"role": role.name(), "url": advertise, "active": app.engines.active(), "queued": app.engines.queued(), "max_concurrent": app.max_concurrent});
+            let outcome = crate::http_client::post_json(&router, "/internal/register", &body, Duration::from_secs(2)).await;
+            let ok = matches!(&outcome, Ok((s, _)) if s.is_success());
+            if registered != Some(ok) {
+                match &outcome {
+                    _ if ok => eprintln!("tandem serve: registered with the router {router} as a {} worker at {advertise}", role.name()),
+                    Ok((s, body)) => eprintln!("tandem serve: the router {router} refused the registration ({s}): {}", String::from_utf8_lossy(body)),
+                    Err(e) => eprintln!("tandem serve: cannot reach the router {router} (retrying every second): {e:#}"),
+                }
+                registered = Some(ok);
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    });
+}

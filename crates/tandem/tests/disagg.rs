@@ -1,0 +1,33 @@
+//! Disaggregated serving against the official `openai` client: runs
+//! tests/serve/test_disagg.py (a router, two prefill and two decode workers, each in a network
+//! namespace of its own, the state through NIXL over TCP) inside a user, network and mount
+//! namespace made for it (`unshare -rnm`), so that its addresses exist nowhere else. Where
+//! namespaces cannot be made the script runs the same processes on loopback ports and says so.
+#![cfg(feature = "nixl")]
+
+mod support;
+
+use std::path::Path;
+use std::process::Command;
+
+use support::{python, run};
+
+#[test]
+fn router_prefill_and_decode_workers_give_the_single_servers_outputs_and_survive_faults() {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/serve/test_disagg.py");
+    let python = python();
+    let namespaces = Command::new("unshare").args(["-rnm", "true"]).output().is_ok_and(|o| o.status.success());
+    let mut cmd = if namespaces {
+        let mut c = Command::new("unshare");
+        c.arg("-rnm").arg(&python);
+        c
+    } else {
+        Command::new(&python)
+    };
+    let out = run(cmd.arg(&script).env("TANDEM", env!("CARGO_BIN_EXE_tandem")), "tests/serve/test_disagg.py");
+    println!("{out}");
+    assert!(out.contains("disagg: ok"), "the checks did not all run:\n{out}");
+    if namespaces {
+        assert!(out.contains("network: a namespace per process"), "unshare works here, so the script must use namespaces:\n{out}");
+    }
+}
