@@ -26,15 +26,11 @@ pub fn check_base(base: &str) -> Result<()> {
     authority(base).map(|_| ())
 }
 
-/// Send `body` (JSON) to `base` + `path` and return the response with its body still coming
-/// (for a stream to pass on); `timeout` bounds the connection and the response's head.
-pub async fn post_streaming(base: &str, path: &str, body: Bytes, timeout: Duration) -> Result<Response<Incoming>> {
+/// Send `request` to `base` over a new connection; the response comes with its body still
+/// coming. `timeout` bounds the connection and the response's head.
+async fn exchange(base: &str, request: Request<Full<Bytes>>, timeout: Duration) -> Result<Response<Incoming>> {
     let host = authority(base)?.to_string();
-    let request = Request::post(path)
-        .header(hyper::header::HOST, &host)
-        .header(hyper::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(body))
-        .context("building a request")?;
+    let path = request.uri().to_string();
     let exchange = async {
         let stream = tokio::net::TcpStream::connect(&host).await.with_context(|| format!("connecting to {base}"))?;
         stream.set_nodelay(true)?;
@@ -46,10 +42,10 @@ pub async fn post_streaming(base: &str, path: &str, body: Bytes, timeout: Durati
     tokio::time::timeout(timeout, exchange).await.with_context(|| format!("{base}{path}: no response within {:.1} s", timeout.as_secs_f64()))?
 }
 
-/// POST JSON and read the whole answer within `timeout`.
-pub async fn post_json(base: &str, path: &str, body: &serde_json::Value, timeout: Duration) -> Result<(StatusCode, Bytes)> {
+/// Read a whole response within `timeout`.
+async fn whole(base: &str, path: &str, response: impl std::future::Future<Output = Result<Response<Incoming>>>, timeout: Duration) -> Result<(StatusCode, Bytes)> {
     let read = async {
-        let response = post_streaming(base, path, Bytes::from(body.to_string()), timeout).await?;
+        let response = response.await?;
         let status = response.status();
         let bytes = response.into_body().collect().await.with_context(|| format!("{base}{path}: the answer broke off"))?.to_bytes();
         Ok((status, bytes))
@@ -57,18 +53,24 @@ pub async fn post_json(base: &str, path: &str, body: &serde_json::Value, timeout
     tokio::time::timeout(timeout, read).await.with_context(|| format!("{base}{path}: no whole answer within {:.1} s", timeout.as_secs_f64()))?
 }
 
+/// POST `body` (JSON) to `base` + `path`; the response comes with its body still coming (for
+/// a stream to pass on).
+pub async fn post_streaming(base: &str, path: &str, body: Bytes, timeout: Duration) -> Result<Response<Incoming>> {
+    let request = Request::post(path)
+        .header(hyper::header::HOST, authority(base)?)
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(body))
+        .context("building a request")?;
+    exchange(base, request, timeout).await
+}
+
+/// POST JSON and read the whole answer within `timeout`.
+pub async fn post_json(base: &str, path: &str, body: &serde_json::Value, timeout: Duration) -> Result<(StatusCode, Bytes)> {
+    whole(base, path, post_streaming(base, path, Bytes::from(body.to_string()), timeout), timeout).await
+}
+
 /// GET `base` + `path` and read the whole answer within `timeout`.
 pub async fn get(base: &str, path: &str, timeout: Duration) -> Result<(StatusCode, Bytes)> {
-    let host = authority(base)?.to_string();
-    let request = Request::get(path).header(hyper::header::HOST, &host).body(Full::new(Bytes::new())).context("building a request")?;
-    let exchange = async {
-        let stream = tokio::net::TcpStream::connect(&host).await.with_context(|| format!("connecting to {base}"))?;
-        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.with_context(|| format!("HTTP with {base}"))?;
-        tokio::spawn(connection);
-        let response = sender.send_request(request).await.with_context(|| format!("{base}{path}: no response"))?;
-        let status = response.status();
-        let bytes = response.into_body().collect().await.with_context(|| format!("{base}{path}: the answer broke off"))?.to_bytes();
-        anyhow::Ok((status, bytes))
-    };
-    tokio::time::timeout(timeout, exchange).await.with_context(|| format!("{base}{path}: no answer within {:.1} s", timeout.as_secs_f64()))?
+    let request = Request::get(path).header(hyper::header::HOST, authority(base)?).body(Full::new(Bytes::new())).context("building a request")?;
+    whole(base, path, exchange(base, request, timeout), timeout).await
 }

@@ -26,6 +26,7 @@ use tandem_core::state::State;
 use crate::args::Args;
 
 pub mod cuda;
+mod disagg;
 mod energy;
 pub mod limits;
 mod load;
@@ -43,7 +44,7 @@ mod svg;
 /// The report's sections, in order (the study's tables 1-7 after the engine kernels).
 const SECTIONS: [&str; 8] = ["kernels", "modes", "dispatch", "transfer", "multiturn", "concurrency", "crossover", "energy"];
 /// Sections run only when named, each on its own.
-const OWN_SECTIONS: [&str; 3] = ["cuda", "serve", "prefix-cache"];
+const OWN_SECTIONS: [&str; 4] = ["cuda", "serve", "prefix-cache", "disagg"];
 
 pub const USAGE: &str = "\
 tandem bench [--model M] [--prefill PLACEMENT] [--decode PLACEMENT] [--quant bf16,int8]
@@ -84,6 +85,17 @@ TTFT and ITL p50/p99, goodput within the SLO, GPU memory, and each point's physi
 the decode engine's memory bandwidth, measured first. Requests per point: two per client, or
 15 s of arrivals (--requests N for all). --quick: concurrency 1 and 4, 64 in / 16 out.
 --trace FILE: the server's timeline of its engines' work over every point (tandem serve --trace).
+
+--sections disagg [--model M] [--prefill P] [--decode P] [--prompts 410,2048,8192] [--reps 5]
+                 [--short-len 64] [--long-len 2048] [--output-len 64] [--requests 24]
+                 [--concurrency 4] [--slo-ttft-ms 5000] [--slo-tpot-ms 200]:
+disaggregated serving: the state's transfer at each prompt length (move, a memcpy of its
+image, a state file, the socket bridge and NIXL to another process; time, GB/s and the ratio
+to the memcpy), then one tandem serve (prefill engine P, decode engine P) against a router
+with a prefill worker on the prefill engine and a decode worker on the decode engine, with
+each prefill placement, under a mixed load of short and long prompts: TTFT, ITL, output tok/s
+and goodput. NIXL needs a tandem built with --features nixl (else its rows and the workers
+say so). --quick: 410 and 2048 tokens, 3 repetitions, a smaller load.
 
 --sections prefix-cache [--model M] [engine options as for tandem serve] [--reps 2]
                  [--system-len 2000] [--questions 200] [--conversations 16] [--turns 10]
@@ -159,6 +171,8 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             "kv-cache-memory", "trace",
             // The prefix-cache section's.
             "system-len", "questions", "conversations", "turns", "shared-len", "few-shot", "prefix-cache-memory", "prefix-cache-device-memory", "prefix-snapshot-every", "no-reuse-requests", "no-reuse-len", "workloads",
+            // The disagg section's.
+            "short-len", "long-len",
         ],
         &["quick"],
     )?;
@@ -178,6 +192,13 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         started();
         let mut report = String::from("# tandem bench (prefix cache)\n\n");
         let result = prefix_cache::run(&mut report, &args, quick);
+        print!("{report}");
+        return result.map(|()| ExitCode::SUCCESS);
+    }
+    if sections == ["disagg"] {
+        started();
+        let mut report = String::from("# tandem bench (disaggregated serving)\n\n");
+        let result = disagg::run(&mut report, &args, quick);
         print!("{report}");
         return result.map(|()| ExitCode::SUCCESS);
     }

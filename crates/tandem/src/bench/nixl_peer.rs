@@ -9,10 +9,30 @@ use std::time::Duration;
 #[cfg(not(feature = "nixl"))]
 use {anyhow::Result, tandem_core::bridge::Fingerprint, tandem_core::state::State};
 
-/// Times of one state through NIXL: the image written into registered memory, the write until
-/// it completed plus the receiver's wait for the notification and its header check, the
-/// receiver's checksum and rebuild.
-pub type Parts = (Duration, Duration, Duration);
+/// Times of one state through NIXL.
+#[derive(Clone, Copy, Debug)]
+pub struct NixlTimes {
+    /// The image written into the sender's registered memory (with its checksum).
+    pub serialize: Duration,
+    /// The one-sided write, until NIXL reported it complete.
+    pub wire: Duration,
+    /// The receiver's wait for the notification and its header check.
+    pub notify: Duration,
+    /// The receiver's checksum of the payloads and their copy into a state.
+    pub rebuild: Duration,
+}
+
+impl NixlTimes {
+    /// As the transfer table's three parts: serialize, read (the write, the notification and
+    /// the header check), rebuild.
+    pub fn parts(&self) -> (Duration, Duration, Duration) {
+        (self.serialize, self.wire + self.notify, self.rebuild)
+    }
+
+    pub fn total(&self) -> Duration {
+        self.serialize + self.wire + self.notify + self.rebuild
+    }
+}
 
 #[cfg(feature = "nixl")]
 pub use with_nixl::{state_receive, NixlPeer};
@@ -26,7 +46,7 @@ impl NixlPeer {
         Err(tandem_core::bridge::nixl_not_built())
     }
 
-    pub fn send(&mut self, _state: &State, _fingerprint: Fingerprint) -> Result<Parts> {
+    pub fn send(&mut self, _state: &State, _fingerprint: Fingerprint) -> Result<NixlTimes> {
         Err(tandem_core::bridge::nixl_not_built())
     }
 }
@@ -43,11 +63,11 @@ mod with_nixl {
     use std::time::{Duration, Instant};
 
     use anyhow::{bail, Context, Result};
-    use tandem_core::bridge::nixl::{Receiver, Sender, StateTicket};
+    use tandem_core::bridge::nixl::{Receiver, Sender, StateTicket, TCP};
     use tandem_core::bridge::Fingerprint;
     use tandem_core::state::State;
 
-    use super::Parts;
+    use super::NixlTimes;
     use crate::ms;
 
     /// How long a write or a receiver's wait may take before the bench gives up.
@@ -65,10 +85,10 @@ mod with_nixl {
         /// Start `tandem state-receive --nixl` for the model `spec`; both agents use UCX over
         /// TCP only.
         pub fn start(spec: &str, fingerprint: Fingerprint) -> Result<NixlPeer> {
-            let sender = Sender::new(&format!("tandem-bench-{}", std::process::id()), Some("tcp"))?;
+            let sender = Sender::new(&format!("tandem-bench-{}", std::process::id()), Some(TCP))?;
             let mut child = Command::new(std::env::current_exe()?)
                 .args(["state-receive", "--nixl", "--model", spec, "--fingerprint", &format!("{fingerprint:032x}")])
-                .env("UCX_TLS", std::env::var("UCX_TLS").unwrap_or_else(|_| "tcp".into()))
+                .env("UCX_TLS", std::env::var("UCX_TLS").unwrap_or_else(|_| TCP.into()))
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .spawn()
@@ -89,7 +109,7 @@ mod with_nixl {
         }
 
         /// One state through NIXL into a slot the receiving process reserves for it.
-        pub fn send(&mut self, state: &State, fingerprint: Fingerprint) -> Result<Parts> {
+        pub fn send(&mut self, state: &State, fingerprint: Fingerprint) -> Result<NixlTimes> {
             let n = state.position;
             let ticket: StateTicket = serde_json::from_str(&self.ask(&format!("reserve {n}"))?).context("the receiving process's ticket")?;
             let times = self.sender.send(&ticket, state, fingerprint, TIMEOUT)?;
@@ -98,7 +118,7 @@ mod with_nixl {
             if f.len() != 3 {
                 bail!("the receiving process answered {answer:?}");
             }
-            Ok((times.serialize, times.read + Duration::from_secs_f64(f[0] / 1e3), Duration::from_secs_f64(f[1] / 1e3)))
+            Ok(NixlTimes { serialize: times.serialize, wire: times.read, notify: Duration::from_secs_f64(f[0] / 1e3), rebuild: Duration::from_secs_f64(f[1] / 1e3) })
         }
     }
 
@@ -114,7 +134,7 @@ mod with_nixl {
     /// the commands of stdin (see the module's comment); answers `wait+read_ms rebuild_ms
     /// position` for each state taken.
     pub fn state_receive(cfg: &tandem_core::model::config::Qwen35Config, fingerprint: Fingerprint) -> Result<std::process::ExitCode> {
-        let mut receiver = Receiver::new(&format!("tandem-state-receive-{}", std::process::id()), Some("tcp"))?;
+        let mut receiver = Receiver::new(&format!("tandem-state-receive-{}", std::process::id()), Some(TCP))?;
         let stdin = std::io::stdin().lock();
         let mut stdout = std::io::stdout().lock();
         let mut spare = None;

@@ -49,15 +49,7 @@ pub fn transfer(rec: &mut Record, model: &LoadedModel, engine: &EngineSpec, leng
     writeln!(rec.report, "\n## State transfer ({spec}; median of {reps}, min - max in brackets; ms)\n")?;
     writeln!(rec.report, "| transfer | prompt tokens | state | serialize | read | rebuild | total |")?;
     writeln!(rec.report, "|---|---|---|---|---|---|---|")?;
-    // A child process that receives states on its stdin (one end of a Unix socket pair).
-    let (mut to_child, child_end) = UnixStream::pair().context("socket pair for the receiving process")?;
-    let mut child = Command::new(std::env::current_exe()?)
-        .args(["state-receive", "--model", spec, "--fingerprint", &format!("{fp:032x}")])
-        .stdin(Stdio::from(std::os::fd::OwnedFd::from(child_end)))
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("starting the receiving process (tandem state-receive)")?;
-    let mut child_out = BufReader::new(child.stdout.take().expect("piped"));
+    let mut socket = SocketPeer::start(spec, fp)?;
     // A process that reserves slots for states written through NIXL, where this tandem has it.
     let mut nixl = super::nixl_peer::NixlPeer::start(spec, fp);
     let mut floors = Vec::new();
@@ -159,19 +151,10 @@ pub fn transfer(rec: &mut Record, model: &LoadedModel, engine: &EngineSpec, leng
             recycled = Some(back);
             rows[4].1.push((serialize, read, rebuild));
 
-            let t = Instant::now();
-            bridge::socket::send(&mut to_child, &state, fp)?;
-            let serialize = t.elapsed();
-            let mut line = String::new();
-            child_out.read_line(&mut line)?;
-            let f: Vec<f64> = line.split_whitespace().filter_map(|x| x.parse().ok()).collect();
-            if f.len() != 3 || f[2] as usize != state.position {
-                bail!("the receiving process answered {line:?}");
-            }
-            rows[5].1.push((serialize, Duration::from_secs_f64(f[0] / 1e3), Duration::from_secs_f64(f[1] / 1e3)));
+            rows[5].1.push(socket.send(&state, fp)?);
 
             if let Ok(peer) = &mut nixl {
-                rows[6].1.push(peer.send(&state, fp)?);
+                rows[6].1.push(peer.send(&state, fp)?.parts());
             }
         }
         drop(kept);
@@ -205,8 +188,7 @@ pub fn transfer(rec: &mut Record, model: &LoadedModel, engine: &EngineSpec, leng
             )?;
         }
     }
-    drop(to_child);
-    child.wait()?;
+    socket.finish()?;
     if let Err(e) = &nixl {
         writeln!(rec.report, "\nNIXL: not measured: {e:#}")?;
     }
@@ -216,6 +198,50 @@ pub fn transfer(rec: &mut Record, model: &LoadedModel, engine: &EngineSpec, leng
     }
     writeln!(rec.report, "\nMove: the time for the state to reach the other thread (no copy). Serialize: the state written out with its checksum; read: the header and layer table checked; rebuild: the checksum of every byte verified and the engine's state made from them. The pipeline's file row is the file transfer of `tandem generate --transfer file`: the prefill engine writes into a state file it keeps mapped (one copy, checksummed on the way), the decode engine checks it and uses the recurrent states and conv windows where they lie, copying only K/V and the logits into a finished request's buffers. The new-file row maps a file it did not write and copies everything out (a first handoff, new pages on both sides). The processes row streams to a separate `tandem state-receive` process. Over a socket the payload is received straight into the state, so rebuild includes the wait for the bytes. The NIXL row is the transfer of disaggregated serving: the sender writes the image into its registered memory (serialize), then NIXL writes it one-sided into the slot a separate `tandem state-receive --nixl` process reserved and notifies it (read: the write until complete, the receiver's wait for the notification and its header check; rebuild: the receiver's checksum and copy into a finished request's buffers).")?;
     Ok(())
+}
+
+/// A separate `tandem state-receive` process that reads states from its stdin, one end of a
+/// Unix socket pair: the socket bridge between processes.
+pub struct SocketPeer {
+    to_child: UnixStream,
+    child: std::process::Child,
+    from_child: BufReader<std::process::ChildStdout>,
+}
+
+impl SocketPeer {
+    pub fn start(spec: &str, fp: bridge::Fingerprint) -> Result<SocketPeer> {
+        let (to_child, child_end) = UnixStream::pair().context("socket pair for the receiving process")?;
+        let mut child = Command::new(std::env::current_exe()?)
+            .args(["state-receive", "--model", spec, "--fingerprint", &format!("{fp:032x}")])
+            .stdin(Stdio::from(std::os::fd::OwnedFd::from(child_end)))
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting the receiving process (tandem state-receive)")?;
+        let from_child = BufReader::new(child.stdout.take().expect("piped"));
+        Ok(SocketPeer { to_child, child, from_child })
+    }
+
+    /// One state over the socket: the time to send it, and the receiver's times to check the
+    /// header and to receive and rebuild the payloads.
+    pub fn send(&mut self, state: &State, fp: bridge::Fingerprint) -> Result<(Duration, Duration, Duration)> {
+        let t = Instant::now();
+        bridge::socket::send(&mut self.to_child, state, fp)?;
+        let serialize = t.elapsed();
+        let mut line = String::new();
+        self.from_child.read_line(&mut line)?;
+        let f: Vec<f64> = line.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+        if f.len() != 3 || f[2] as usize != state.position {
+            bail!("the receiving process answered {line:?}");
+        }
+        Ok((serialize, Duration::from_secs_f64(f[0] / 1e3), Duration::from_secs_f64(f[1] / 1e3)))
+    }
+
+    /// Close the socket and wait for the receiver to end.
+    pub fn finish(mut self) -> Result<()> {
+        self.to_child.shutdown(std::net::Shutdown::Both)?;
+        self.child.wait()?;
+        Ok(())
+    }
 }
 
 /// `tandem state-receive`: read states from stdin (a socket) until it closes, answering each

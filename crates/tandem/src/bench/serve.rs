@@ -121,6 +121,10 @@ impl Server {
                         bail!("the server exited ({status}) before listening:\n{}", server.log_tail());
                     }
                 }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    let status = server.child.wait()?;
+                    bail!("the server exited ({status}) before listening:\n{}", server.log_tail())
+                }
                 Err(_) => bail!("the server did not start listening within {} s:\n{}", START_TIMEOUT.as_secs(), server.log_tail()),
             }
         };

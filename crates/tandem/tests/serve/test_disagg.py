@@ -102,7 +102,7 @@ class Proc:
     def __init__(self, net, name, args):
         self.name = name
         self.url = net.url(name)
-        env = dict(os.environ, UCX_TLS="tcp")
+        env = dict(os.environ, UCX_TLS="tcp,cuda_copy")  # cuda_copy: NIXL wants a CUDA transport where a GPU is
         self.proc = subprocess.Popen(net.command(name, args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.log = []
         up = threading.Event()

@@ -1,0 +1,228 @@
+//! `tandem bench --sections disagg`: disaggregated serving, measured.
+//!
+//! 1. The state's transfer at several prompt lengths (410, 2048 and 8192 tokens by default):
+//!    in process (move), a memcpy of its image (the floor of any copy), a new state file
+//!    written and read back, the socket bridge to another process, and NIXL (UCX over TCP)
+//!    into a slot another process reserved, each as time and GB/s of the image.
+//! 2. End to end on the same engines: a single `tandem serve` (prefill engine `--prefill`,
+//!    decode engine `--decode`) against a router with a prefill worker (one engine on
+//!    `--prefill`) and a decode worker (one engine on `--decode`, prefilling what the router
+//!    leaves it), with each prefill placement (local, remote, conditional), under a mixed load
+//!    of short and long prompts: TTFT and ITL percentiles, output tok/s and goodput.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use tandem_core::bridge;
+use tandem_core::engine::{Device, EngineSpec};
+use tandem_core::model::load::LoadedModel;
+use tandem_core::state::State;
+
+use super::load::{self, percentile, Arrivals, Outcome, Workload};
+use super::nixl_peer::NixlPeer;
+use super::pipeline::{on_engine, prompt_of, SocketPeer};
+use super::serve::Server;
+use super::{progress, stats};
+use crate::args::Args;
+use crate::ms;
+
+pub fn run(report: &mut String, args: &Args, quick: bool) -> Result<()> {
+    let spec = args.str("model").unwrap_or("synthetic:qwen3.5-0.8b").to_string();
+    let lengths: Vec<usize> = super::parse_list(args.str("prompts").unwrap_or(if quick { "410,2048" } else { "410,2048,8192" }), "--prompts")?;
+    let reps: usize = args.get("reps", if quick { 3 } else { 5 })?;
+    let prefill = EngineSpec::parse(args.str("prefill").unwrap_or("cpu:cores=0"))?;
+    let decode = EngineSpec::parse(args.str("decode").unwrap_or("cpu:cores=1"))?;
+    if reps == 0 || lengths.is_empty() {
+        bail!("--reps and --prompts must be positive");
+    }
+    writeln!(report, "| | |\n|---|---|\n| model | {spec} |\n| prefill engine | {prefill} |\n| decode engine | {decode} |")?;
+    transfer(report, &spec, &prefill, &lengths, reps)?;
+    end_to_end(report, args, &spec, &prefill, &decode, quick)
+}
+
+/// Part 1: each way a state crosses, at each length.
+fn transfer(report: &mut String, spec: &str, engine: &EngineSpec, lengths: &[usize], reps: usize) -> Result<()> {
+    let model = LoadedModel::load(spec)?;
+    let (fp, cfg) = (model.net.fingerprint(), model.net.config.clone());
+    progress(&format!("prefilling states of {lengths:?} tokens"));
+    let states: Vec<State> = lengths
+        .iter()
+        .map(|&n| {
+            on_engine(engine, &model.net, |engine| {
+                let mut state = engine.new_state()?;
+                engine.prefill(&prompt_of(n, model.sampleable_vocab()), &mut state)?;
+                state.into_host()
+            })
+        })
+        .collect::<Result<_>>()?;
+    let mut socket = SocketPeer::start(spec, fp)?;
+    let mut nixl = NixlPeer::start(spec, fp);
+    writeln!(report, "\n## State transfer between processes ({spec}; median of {reps}, min - max in brackets)\n")?;
+    writeln!(report, "| prompt tokens | state image | transfer | time (ms) | GB/s | x memcpy |")?;
+    writeln!(report, "|---|---|---|---|---|---|")?;
+    let dir = bridge::file::default_dir();
+    for state in &states {
+        let n = state.position;
+        let bytes = bridge::format::image_bytes(state);
+        let mut rows: Vec<(&str, Vec<Duration>)> = vec![("memcpy of the image (one core, warm buffers)", vec![]), ("move (in process, another thread)", vec![]), ("file (new file in /dev/shm, read back)", vec![]), ("socket bridge (another process)", vec![])];
+        if nixl.is_ok() {
+            rows.push(("NIXL, UCX over TCP (another process)", vec![]));
+        }
+        let mut image = Vec::with_capacity(bytes);
+        bridge::format::write_state(&mut image, state, fp)?;
+        let mut copy = vec![0u8; bytes];
+        copy.copy_from_slice(&image);
+        let path = dir.join(format!("tandem-bench-disagg-{}.state", std::process::id()));
+        // NIXL's one-sided write alone (of its row's total).
+        let mut wire = Vec::new();
+        // Interleaved: each round runs every transfer once.
+        for _ in 0..reps {
+            let t = Instant::now();
+            copy.copy_from_slice(std::hint::black_box(&image));
+            rows[0].1.push(t.elapsed());
+            std::hint::black_box(&copy);
+
+            let (tx, rx) = std::sync::mpsc::channel::<(State, Instant)>();
+            let moved = std::thread::spawn(move || rx.recv().map(|(s, t)| (s, t.elapsed())));
+            tx.send((state.clone(), Instant::now())).expect("the receiving thread waits");
+            let (_, took) = moved.join().expect("the receiving thread")?;
+            rows[1].1.push(took);
+
+            let t = Instant::now();
+            bridge::file::save(&path, state, fp)?;
+            let (back, _, _) = bridge::file::load(&path, fp, &cfg, None)?;
+            rows[2].1.push(t.elapsed());
+            std::fs::remove_file(&path)?;
+            if back != *state {
+                bail!("the file bridge changed a {n}-token state");
+            }
+
+            let (s, r, b) = socket.send(state, fp)?;
+            rows[3].1.push(s + r + b);
+            if let Ok(peer) = &mut nixl {
+                let t = peer.send(state, fp)?;
+                rows[4].1.push(t.total());
+                wire.push(t.wire);
+            }
+        }
+        let floor = stats(&mut rows[0].1.iter().map(|d| ms(*d)).collect::<Vec<_>>()).0;
+        for (name, times) in &rows {
+            let (m, lo, hi) = stats(&mut times.iter().map(|d| ms(*d)).collect::<Vec<_>>());
+            let gbs = if m > 0.0 { format!("{:.1}", bytes as f64 / (m / 1e3) / 1e9) } else { "-".into() };
+            writeln!(report, "| {n} | {:.1} MB | {name} | {m:.2} ({lo:.2} - {hi:.2}) | {gbs} | {:.2} |", bytes as f64 / 1e6, m / floor)?;
+        }
+        if !wire.is_empty() {
+            let (m, lo, hi) = stats(&mut wire.iter().map(|d| ms(*d)).collect::<Vec<_>>());
+            writeln!(report, "| {n} | {:.1} MB | of which NIXL's write alone (until complete) | {m:.2} ({lo:.2} - {hi:.2}) | {:.1} | {:.2} |", bytes as f64 / 1e6, bytes as f64 / (m / 1e3) / 1e9, m / floor)?;
+        }
+    }
+    if let Err(e) = &nixl {
+        writeln!(report, "\nNIXL: not measured: {e:#}")?;
+    }
+    writeln!(report, "\nEach time runs from the state in the sender's memory to a checked state in the receiver's (header, layout, fingerprint and checksum verified; for NIXL: the image written into registered memory, the one-sided write and its notification, the check and copy out). Move hands the state itself to another thread (no copy). The rows of each length ran interleaved, {reps} rounds.")?;
+    Ok(())
+}
+
+/// The processes of one end-to-end setup, stopped when dropped.
+struct Setup {
+    /// Where the load goes: the single server or the router.
+    front: Server,
+    _workers: Vec<Server>,
+}
+
+fn gpu_share(spec: &EngineSpec, share: &str) -> Vec<String> {
+    match spec.device {
+        Device::Cuda(_) => vec!["--gpu-memory-utilization".into(), share.into()],
+        Device::Cpu => Vec::new(),
+    }
+}
+
+fn start_setup(spec: &str, prefill: &EngineSpec, decode: &EngineSpec, placement: Option<&str>, max_concurrent: usize) -> Result<Setup> {
+    let common: Vec<String> = ["--model", spec, "--host", "127.0.0.1", "--port", "0", "--max-queue", "100000", "--prefix-cache-memory", "0", "--prefix-cache-device-memory", "0", "--max-concurrent", &max_concurrent.to_string()].map(String::from).to_vec();
+    let Some(placement) = placement else {
+        let mut a = common.clone();
+        a.extend(["--prefill".into(), prefill.to_string(), "--decode".into(), decode.to_string()]);
+        // Two engines on one GPU share it as one server does.
+        return Ok(Setup { front: Server::start(&a)?, _workers: Vec::new() });
+    };
+    let router = Server::start(&["--role", "router", "--host", "127.0.0.1", "--port", "0", "--prefill-placement", placement].map(String::from))?;
+    let url = format!("http://{}", router.addr);
+    let mut p = common.clone();
+    p.extend(["--role".into(), "prefill".into(), "--router".into(), url.clone(), "--mode".into(), "prefill-engine".into(), "--prefill".into(), prefill.to_string()]);
+    p.extend(gpu_share(prefill, "0.35"));
+    let mut d = common;
+    d.extend(["--role".into(), "decode".into(), "--router".into(), url, "--mode".into(), "decode-engine".into(), "--decode".into(), decode.to_string()]);
+    d.extend(gpu_share(decode, "0.45"));
+    let workers = vec![Server::start(&p)?, Server::start(&d)?];
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let started = Instant::now();
+    loop {
+        let (_, health) = rt.block_on(load::get(router.addr, "/health"))?;
+        if health.matches("\"live\":true").count() == 2 {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(60) {
+            bail!("the workers did not register with the router within 60 s: {health}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(Setup { front: router, _workers: workers })
+}
+
+/// Part 2: the same mixed load on a single server and on router + workers.
+fn end_to_end(report: &mut String, args: &Args, spec: &str, prefill: &EngineSpec, decode: &EngineSpec, quick: bool) -> Result<()> {
+    let short: usize = args.get("short-len", 64)?;
+    let long: usize = args.get("long-len", if quick { 512 } else { 2048 })?;
+    let output: usize = args.get("output-len", if quick { 16 } else { 64 })?;
+    let requests: usize = args.get("requests", if quick { 8 } else { 24 })?;
+    let concurrency: usize = args.get("concurrency", 4)?;
+    let slo_ttft: f64 = args.get("slo-ttft-ms", 5000.0)? / 1e3;
+    let slo_tpot: f64 = args.get("slo-tpot-ms", 200.0)? / 1e3;
+    let vocab = LoadedModel::load(spec).map(|m| m.sampleable_vocab()).context("the model's vocabulary")?;
+    // Every other prompt long, in a fixed order; random tokens (no prefix shared).
+    let prompts: Vec<Vec<u32>> = (0..requests).map(|i| Workload::random_prompts(1, if i % 2 == 1 { long } else { short }, vocab, 1000 + i as u64).remove(0)).collect();
+    writeln!(report, "\n## End to end: one server against a router with a prefill and a decode worker\n")?;
+    writeln!(report, "{requests} requests, {concurrency} at a time, prompts of {short} and {long} tokens alternating (random tokens), {output} output tokens each (ignore_eos, greedy). SLO for goodput: TTFT <= {:.0} ms and time per output token <= {:.0} ms. The single server runs the prefill engine {prefill} and the decode engine {decode}; the prefill worker one engine on {prefill}, the decode worker one engine on {decode} (which prefills what stays local between its decode steps).\n", slo_ttft * 1e3, slo_tpot * 1e3)?;
+    writeln!(report, "| setup | failed | s | output tok/s | goodput tok/s (in SLO) | TTFT p50 / p99 (ms) | TTFT short / long p50 (ms) | ITL p50 / p99 (ms) | prefills remote |")?;
+    writeln!(report, "|---|---|---|---|---|---|---|---|---|")?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    for (label, placement) in [("single server", None), ("router, prefill local", Some("local")), ("router, prefill remote", Some("remote")), ("router, conditional", Some("conditional"))] {
+        progress(&format!("end to end: {label}"));
+        let setup = start_setup(spec, prefill, decode, placement, concurrency)?;
+        let workload = Arc::new(Workload { addr: setup.front.addr, model: spec.to_string(), prompts: prompts.clone(), output_len: output, temperature: 0.0, top_k: 0, top_p: 1.0 });
+        let (outcomes, seconds) = rt.block_on(load::drive(workload, Arrivals::Concurrency(concurrency)));
+        let remote = if placement.is_some() {
+            let (_, m) = rt.block_on(load::get(setup.front.addr, "/metrics"))?;
+            super::serve::gauge(&m, "tandem_router_requests_total{prefill=\"remote\"}").map_or("-".into(), |v| format!("{v:.0}"))
+        } else {
+            "-".into()
+        };
+        writeln!(report, "{}", row(label, &outcomes, seconds, short, slo_ttft, slo_tpot, &remote))?;
+        drop(setup);
+    }
+    Ok(())
+}
+
+fn row(label: &str, outcomes: &[Outcome], seconds: f64, short: usize, slo_ttft: f64, slo_tpot: f64, remote: &str) -> String {
+    let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_none()).collect();
+    let ms = |v: &[f64], p: f64| if v.is_empty() { f64::NAN } else { 1e3 * percentile(v, p) };
+    let ttft: Vec<f64> = ok.iter().map(|o| o.ttft).collect();
+    let ttft_of = |is_short: bool| -> Vec<f64> { ok.iter().filter(|o| (o.prompt_tokens <= short) == is_short).map(|o| o.ttft).collect() };
+    let itl: Vec<f64> = ok.iter().flat_map(|o| o.itl.iter().copied()).collect();
+    let out: usize = ok.iter().map(|o| o.output_tokens).sum();
+    let good: usize = ok.iter().filter(|o| o.ttft <= slo_ttft && o.tpot() <= slo_tpot).map(|o| o.output_tokens).sum();
+    format!(
+        "| {label} | {} | {seconds:.1} | {:.1} | {:.1} | {:.0} / {:.0} | {:.0} / {:.0} | {:.1} / {:.1} | {remote} |",
+        outcomes.len() - ok.len(),
+        out as f64 / seconds,
+        good as f64 / seconds,
+        ms(&ttft, 50.0),
+        ms(&ttft, 99.0),
+        ms(&ttft_of(true), 50.0),
+        ms(&ttft_of(false), 50.0),
+        ms(&itl, 50.0),
+        ms(&itl, 99.0),
+    )
+}
