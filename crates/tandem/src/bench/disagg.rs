@@ -6,8 +6,9 @@
 //!    into a slot another process reserved, each as time and GB/s of the image.
 //! 2. End to end on the same engines: a single `tandem serve` (prefill engine `--prefill`,
 //!    decode engine `--decode`) against a router with a prefill worker (one engine on
-//!    `--prefill`) and a decode worker (one engine on `--decode`, prefilling what the router
-//!    leaves it), with each prefill placement (local, remote, conditional), under a mixed load
+//!    `--prefill`) and a decode worker (on a GPU both engines, as the single server; on CPU
+//!    cores one engine on `--decode`, prefilling what the router leaves it), with each prefill
+//!    placement (local, remote, conditional), under a mixed load
 //!    of short and long prompts: TTFT and ITL percentiles, output tok/s and goodput.
 
 use std::fmt::Write as _;
@@ -153,7 +154,14 @@ fn start_setup(spec: &str, prefill: &EngineSpec, decode: &EngineSpec, placement:
     p.extend(["--role".into(), "prefill".into(), "--router".into(), url.clone(), "--mode".into(), "prefill-engine".into(), "--prefill".into(), prefill.to_string()]);
     p.extend(gpu_share(prefill, "0.35"));
     let mut d = common;
-    d.extend(["--role".into(), "decode".into(), "--router".into(), url, "--mode".into(), "decode-engine".into(), "--decode".into(), decode.to_string()]);
+    d.extend(["--role".into(), "decode".into(), "--router".into(), url]);
+    // On a GPU the decode worker runs both engines as the single server does (they share the
+    // GPU); on CPU cores, one engine on the decode cores, so that the cores add up to the
+    // single server's.
+    match decode.device {
+        Device::Cuda(_) => d.extend(["--prefill".into(), prefill.to_string(), "--decode".into(), decode.to_string()]),
+        Device::Cpu => d.extend(["--mode".into(), "decode-engine".into(), "--decode".into(), decode.to_string()]),
+    }
     d.extend(gpu_share(decode, "0.45"));
     let workers = vec![Server::start(&p)?, Server::start(&d)?];
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -184,7 +192,7 @@ fn end_to_end(report: &mut String, args: &Args, spec: &str, prefill: &EngineSpec
     // Every other prompt long, in a fixed order; random tokens (no prefix shared).
     let prompts: Vec<Vec<u32>> = (0..requests).map(|i| Workload::random_prompts(1, if i % 2 == 1 { long } else { short }, vocab, 1000 + i as u64).remove(0)).collect();
     writeln!(report, "\n## End to end: one server against a router with a prefill and a decode worker\n")?;
-    writeln!(report, "{requests} requests, {concurrency} at a time, prompts of {short} and {long} tokens alternating (random tokens), {output} output tokens each (ignore_eos, greedy). SLO for goodput: TTFT <= {:.0} ms and time per output token <= {:.0} ms. The single server runs the prefill engine {prefill} and the decode engine {decode}; the prefill worker one engine on {prefill}, the decode worker one engine on {decode} (which prefills what stays local between its decode steps).\n", slo_ttft * 1e3, slo_tpot * 1e3)?;
+    writeln!(report, "{requests} requests, {concurrency} at a time, prompts of {short} and {long} tokens alternating (random tokens), {output} output tokens each (ignore_eos, greedy). SLO for goodput: TTFT <= {:.0} ms and time per output token <= {:.0} ms. The single server runs the prefill engine {prefill} and the decode engine {decode}; the prefill worker one engine on {prefill}, the decode worker, on a GPU, both engines as the single server; on CPU cores, one engine on {decode} (which prefills what stays local between its decode steps).\n", slo_ttft * 1e3, slo_tpot * 1e3)?;
     writeln!(report, "| setup | failed | s | output tok/s | goodput tok/s (in SLO) | TTFT p50 / p99 (ms) | TTFT short / long p50 (ms) | ITL p50 / p99 (ms) | prefills remote |")?;
     writeln!(report, "|---|---|---|---|---|---|---|---|---|")?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

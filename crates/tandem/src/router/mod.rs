@@ -31,7 +31,7 @@ use crate::args::Args;
 use crate::http_client;
 use crate::serve::api::ApiError;
 use members::Members;
-use policy::{DecodeCandidate, Placement};
+use policy::{DecodeCandidate, Placement, RemoteCosts};
 
 pub const USAGE: &str = "\
 tandem serve --role router: the OpenAI endpoint in front of prefill and decode workers
@@ -50,9 +50,11 @@ with --features nixl). A prefill worker that fails is replaced by another, or by
 worker itself; the reserved slot is freed at once.
 
 OPTIONS:
-  --prefill-placement P    conditional (default): remote only where it pays (enough tokens to
-                           prefill, the decode worker busy, a prefill worker no busier); local:
-                           always on the decode worker; remote: always on a prefill worker
+  --prefill-placement P    conditional (default): remote where it is expected to cost less,
+                           from the rates measured while serving (the decode worker's prefill,
+                           the prefill workers' prefill and transfer; a local prefill also
+                           stalls the decode worker's running sequences); local: always on the
+                           decode worker; remote: always on a prefill worker
   --remote-prefill-min-tokens N
                            the fewest uncached prompt tokens prefilled remotely under the
                            conditional placement (default 256)
@@ -81,6 +83,11 @@ struct Counters {
 
 struct Routing {
     members: Arc<Members>,
+    /// What remote prefills have cost so far (the conditional placement's input).
+    costs: std::sync::Mutex<RemoteCosts>,
+    /// Whether a remote prefill made to measure its cost is under way (one at a time: the
+    /// requests meanwhile stay local).
+    exploring: std::sync::atomic::AtomicBool,
     placement: Placement,
     min_remote_tokens: usize,
     prefill_timeout: Duration,
@@ -94,6 +101,8 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     let addr: SocketAddr = format!("{host}:{port}").parse().or_else(|_| format!("[{host}]:{port}").parse()).with_context(|| format!("--host {host:?} is not an IP address"))?;
     let routing = Arc::new(Routing {
         members: Arc::default(),
+        costs: Default::default(),
+        exploring: Default::default(),
         placement: Placement::parse(args.str("prefill-placement").unwrap_or("conditional"))?,
         min_remote_tokens: args.get("remote-prefill-min-tokens", 256)?,
         prefill_timeout: Duration::from_secs_f64(args.get("prefill-timeout", 120.0)?),
@@ -198,7 +207,7 @@ async fn route(r: &Arc<Routing>, endpoint: &str, path: &str, raw: Bytes) -> Resu
                 let v: Value = serde_json::from_slice(&b).unwrap_or_default();
                 let num = |k: &str| v[k].as_u64().unwrap_or(0) as usize;
                 let prompt: Vec<u32> = v["prompt"].as_array().map(|a| a.iter().filter_map(|x| x.as_u64().map(|n| n as u32)).collect()).unwrap_or_default();
-                let candidate = DecodeCandidate { cached: num("cached"), active: num("active"), queued: num("queued"), in_flight: m.in_flight, max_concurrent: num("max_concurrent").max(1) };
+                let candidate = DecodeCandidate { cached: num("cached"), active: num("active"), queued: num("queued"), in_flight: m.in_flight, max_concurrent: num("max_concurrent").max(1), prefill_rate: v["prefill_rate"].as_f64() };
                 plans.push(Plan { url: m.url.clone(), prompt, hash: v["hash"].as_str().unwrap_or_default().to_string(), candidate });
             }
             // The request itself is wrong (or too long, or the model misnamed): the client hears it.
@@ -219,14 +228,22 @@ async fn route(r: &Arc<Routing>, endpoint: &str, path: &str, raw: Bytes) -> Resu
     let uncached = plan.prompt.len().saturating_sub(plan.candidate.cached);
     let mut prefillers = r.members.live("prefill");
     prefillers.sort_by_key(|m| m.in_flight * 1000 / m.max_concurrent.max(1));
-    let least_busy = prefillers.first().map(|m| (m.in_flight, m.max_concurrent));
-    let (go_remote, reason) = policy::remote(r.placement, r.min_remote_tokens, uncached, &plan.candidate, least_busy);
+    let least_busy = prefillers.first().map(|m| m.in_flight);
+    let costs = *r.costs.lock().expect("costs lock");
+    let (mut go_remote, mut reason) = policy::remote(r.placement, r.min_remote_tokens, plan.prompt.len(), uncached, &plan.candidate, least_busy, &costs);
+    let explorer = reason == policy::Reason::Exploring && !r.exploring.swap(true, Ordering::AcqRel);
+    if reason == policy::Reason::Exploring && !explorer {
+        (go_remote, reason) = (false, policy::Reason::AwaitingMeasurement);
+    }
     *r.counters.reasons.lock().expect("counters lock").entry(reason.name()).or_default() += 1;
     let mut prefilled = None;
     if go_remote {
         prefilled = prefill_remotely(r, plan, &body, &prefillers).await;
         if prefilled.is_none() {
             r.counters.remote_failed.fetch_add(1, Ordering::Relaxed);
+        }
+        if explorer {
+            r.exploring.store(false, Ordering::Release);
         }
     }
     let counter = if prefilled.is_some() { &r.counters.remote } else { &r.counters.local };
@@ -264,6 +281,8 @@ async fn prefill_remotely(r: &Arc<Routing>, plan: &Plan, body: &Map<String, Valu
             Ok((s, b)) if s.is_success() => {
                 let v: Value = serde_json::from_slice(&b).unwrap_or_default();
                 let us = |k: &str| (v[k].as_f64().unwrap_or(0.0) * 1e3) as u64;
+                let prefilled = v["prefilled"].as_u64().unwrap_or(0) as usize;
+                r.costs.lock().expect("costs lock").observe(prefilled, plan.prompt.len(), Duration::from_micros(us("prefill_ms")), started.elapsed());
                 r.counters.transfer_us.fetch_add(us("transfer_ms") + us("serialize_ms"), Ordering::Relaxed);
                 r.counters.prefill_us.fetch_add(us("prefill_ms"), Ordering::Relaxed);
                 r.counters.state_bytes.fetch_add(v["state_bytes"].as_u64().unwrap_or(0), Ordering::Relaxed);
@@ -376,6 +395,13 @@ async fn metrics(AppState(r): AppState<Arc<Routing>>) -> Response {
     let _ = writeln!(out, "# HELP tandem_router_state_transfer_seconds_total Time prefill workers spent writing states into decode workers' slots (image and transfer).\n# TYPE tandem_router_state_transfer_seconds_total counter\ntandem_router_state_transfer_seconds_total {:.6}", load(&c.transfer_us) as f64 / 1e6);
     let _ = writeln!(out, "# HELP tandem_router_remote_prefill_seconds_total Time prefill workers spent prefilling.\n# TYPE tandem_router_remote_prefill_seconds_total counter\ntandem_router_remote_prefill_seconds_total {:.6}", load(&c.prefill_us) as f64 / 1e6);
     let _ = writeln!(out, "# HELP tandem_router_state_bytes_total Bytes of states written into decode workers' slots.\n# TYPE tandem_router_state_bytes_total counter\ntandem_router_state_bytes_total {}", load(&c.state_bytes));
+    let costs = *r.costs.lock().expect("costs lock");
+    let _ = writeln!(out, "# HELP tandem_router_remote_cost_seconds_per_token What remote prefills cost so far, moving averages: per token prefilled on a prefill worker, and per prompt token of the rest (the state's transfer, checks, HTTP).\n# TYPE tandem_router_remote_cost_seconds_per_token gauge");
+    for (part, v) in [("prefill", costs.prefill), ("overhead", costs.overhead)] {
+        if let Some(v) = v {
+            let _ = writeln!(out, "tandem_router_remote_cost_seconds_per_token{{part=\"{part}\"}} {v:.9}");
+        }
+    }
     let _ = writeln!(out, "# HELP tandem_router_worker_live Whether a registered worker gets requests.\n# TYPE tandem_router_worker_live gauge");
     let all = r.members.all();
     for (m, live) in &all {

@@ -3,14 +3,19 @@
 //! the decode worker's slot (remote).
 //!
 //! Decode worker: the one whose prefix cache holds the most of the prompt (what it holds need
-//! not be prefilled anywhere), the least loaded among equals. Prefill: remote only where it can
-//! pay: enough tokens left to prefill (`min_remote_tokens`: below it the transfer costs about
-//! what the prefill does), the decode worker busy (a prefill there delays the tokens of the
-//! sequences it runs; an idle one loses nothing), and a prefill worker no busier than the
-//! decode worker.
+//! not be prefilled anywhere), the least loaded among equals. Prefill: remote where it is
+//! expected to cost less, from rates measured while serving: the decode worker's prefill rate
+//! (it reports its own) against a prefill worker's (each remote prefill reports its time) plus
+//! the state's transfer (per prompt token, as measured); a local prefill also stalls the
+//! sequences the decode worker runs, so a remote one may take up to (1 + that worker's load)
+//! times as long and still be chosen. Below `min_remote_tokens` uncached tokens, or with no
+//! prefill worker, it is local; with no remote measurement yet, a busy decode worker tries one
+//! (one at a time: the router keeps the others local until it has come back).
+
+use std::time::Duration;
 
 /// What the router knows of a decode worker for one request.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct DecodeCandidate {
     /// Prompt tokens its prefix cache holds.
     pub cached: usize,
@@ -19,6 +24,8 @@ pub struct DecodeCandidate {
     pub queued: usize,
     pub in_flight: usize,
     pub max_concurrent: usize,
+    /// Its prefill engine's prompt tokens per second so far (None before its first prefill).
+    pub prefill_rate: Option<f64>,
 }
 
 impl DecodeCandidate {
@@ -64,8 +71,11 @@ pub enum Reason {
     NoPrefillWorker,
     Short,
     DecodeIdle,
-    PrefillBusier,
-    DecodeBusy,
+    Exploring,
+    /// Nothing measured yet and a measuring remote prefill under way: local meanwhile.
+    AwaitingMeasurement,
+    LocalCheaper,
+    RemoteCheaper,
 }
 
 impl Reason {
@@ -75,17 +85,44 @@ impl Reason {
             Reason::NoPrefillWorker => "no_prefill_worker",
             Reason::Short => "short_prompt",
             Reason::DecodeIdle => "decode_idle",
-            Reason::PrefillBusier => "prefill_busier",
-            Reason::DecodeBusy => "decode_busy",
+            Reason::Exploring => "no_remote_measurement_yet",
+            Reason::AwaitingMeasurement => "awaiting_remote_measurement",
+            Reason::LocalCheaper => "local_cheaper",
+            Reason::RemoteCheaper => "remote_cheaper",
         }
     }
 }
 
-/// Whether to prefill remotely (true) a prompt of which `uncached` tokens are left to
-/// prefill, on the decode worker `decode`, with the least busy prefill worker's requests in
-/// flight and most concurrent (None: no prefill worker is live).
-pub fn remote(placement: Placement, min_remote_tokens: usize, uncached: usize, decode: &DecodeCandidate, prefill: Option<(usize, usize)>) -> (bool, Reason) {
-    let Some((prefill_in_flight, prefill_max)) = prefill else { return (false, Reason::NoPrefillWorker) };
+/// What remote prefills have cost so far: per prompt token prefilled, and per prompt token of
+/// the state moved (its transfer, checks and the HTTP around it), as moving averages.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RemoteCosts {
+    /// Seconds per prefilled token on a prefill worker.
+    pub prefill: Option<f64>,
+    /// Seconds per prompt token of everything else a remote prefill costs.
+    pub overhead: Option<f64>,
+}
+
+impl RemoteCosts {
+    /// Take in one remote prefill: `prefilled` tokens computed in `prefill`, the whole call
+    /// (with the transfer) in `total`, for a prompt of `prompt` tokens.
+    pub fn observe(&mut self, prefilled: usize, prompt: usize, prefill: Duration, total: Duration) {
+        let blend = |old: Option<f64>, new: f64| Some(old.map_or(new, |o| 0.8 * o + 0.2 * new));
+        if prefilled > 0 {
+            self.prefill = blend(self.prefill, prefill.as_secs_f64() / prefilled as f64);
+        }
+        if prompt > 0 {
+            self.overhead = blend(self.overhead, total.saturating_sub(prefill).as_secs_f64() / prompt as f64);
+        }
+    }
+}
+
+/// Whether to prefill remotely (true) a prompt of `prompt` tokens of which `uncached` are left
+/// to prefill, on the decode worker `decode`, with the router's requests in flight on the least
+/// busy prefill worker (each waits for those ahead; None: no prefill worker is live) and what
+/// remote prefills have cost so far.
+pub fn remote(placement: Placement, min_remote_tokens: usize, prompt: usize, uncached: usize, decode: &DecodeCandidate, prefill_in_flight: Option<usize>, costs: &RemoteCosts) -> (bool, Reason) {
+    let Some(prefill_in_flight) = prefill_in_flight else { return (false, Reason::NoPrefillWorker) };
     match placement {
         Placement::Local => return (false, Reason::Asked),
         Placement::Remote => return (true, Reason::Asked),
@@ -94,14 +131,23 @@ pub fn remote(placement: Placement, min_remote_tokens: usize, uncached: usize, d
     if uncached < min_remote_tokens {
         return (false, Reason::Short);
     }
-    if decode.active.max(decode.in_flight) == 0 && decode.queued == 0 {
-        return (false, Reason::DecodeIdle);
+    let busy = decode.active.max(decode.in_flight) + decode.queued;
+    let (Some(per_token), Some(overhead), Some(local_rate)) = (costs.prefill, costs.overhead, decode.prefill_rate) else {
+        // Nothing measured yet: an idle decode worker loses nothing by prefilling; a busy one
+        // tries a prefill worker, which measures it.
+        return if busy == 0 { (false, Reason::DecodeIdle) } else { (true, Reason::Exploring) };
+    };
+    // Expected seconds to the first token: locally the prefill after those queued ahead (as
+    // long as this one each), remotely after the prefill worker's own requests in flight.
+    let local = uncached as f64 / local_rate * (1 + decode.queued) as f64;
+    let remote = uncached as f64 * per_token * (1 + prefill_in_flight) as f64 + prompt as f64 * overhead;
+    // A local prefill stalls the decode worker's running sequences meanwhile.
+    let stall = 1.0 + decode.active.max(decode.in_flight) as f64 / decode.max_concurrent.max(1) as f64;
+    if remote < local * stall {
+        (true, Reason::RemoteCheaper)
+    } else {
+        (false, Reason::LocalCheaper)
     }
-    let prefill_load = prefill_in_flight as f64 / prefill_max.max(1) as f64;
-    if prefill_load > decode.load() {
-        return (false, Reason::PrefillBusier);
-    }
-    (true, Reason::DecodeBusy)
 }
 
 #[cfg(test)]
@@ -109,7 +155,7 @@ mod tests {
     use super::*;
 
     fn worker(cached: usize, active: usize, queued: usize) -> DecodeCandidate {
-        DecodeCandidate { cached, active, queued, in_flight: 0, max_concurrent: 8 }
+        DecodeCandidate { cached, active, queued, in_flight: 0, max_concurrent: 8, prefill_rate: Some(1000.0) }
     }
 
     #[test]
@@ -122,18 +168,41 @@ mod tests {
     }
 
     #[test]
-    fn prefills_go_remote_only_where_they_can_pay() {
-        let busy = worker(0, 4, 0);
-        let idle = worker(0, 0, 0);
+    fn prefills_go_where_they_are_expected_to_cost_less() {
+        let (busy, idle) = (worker(0, 4, 0), worker(0, 0, 0));
         let c = Placement::Conditional;
-        assert_eq!(remote(c, 256, 1000, &busy, None), (false, Reason::NoPrefillWorker));
-        assert_eq!(remote(c, 256, 100, &busy, Some((0, 8))), (false, Reason::Short));
-        assert_eq!(remote(c, 256, 1000, &idle, Some((0, 8))), (false, Reason::DecodeIdle));
-        assert_eq!(remote(c, 256, 1000, &busy, Some((8, 8))), (false, Reason::PrefillBusier));
-        assert_eq!(remote(c, 256, 1000, &busy, Some((1, 8))), (true, Reason::DecodeBusy));
+        let free = Some(0);
+        let none = RemoteCosts::default();
+        assert_eq!(remote(c, 256, 1000, 1000, &busy, None, &none), (false, Reason::NoPrefillWorker));
+        assert_eq!(remote(c, 256, 100, 100, &busy, free, &none), (false, Reason::Short));
+        // Nothing measured: idle stays local, busy explores.
+        assert_eq!(remote(c, 256, 1000, 1000, &idle, free, &none), (false, Reason::DecodeIdle));
+        assert_eq!(remote(c, 256, 1000, 1000, &busy, free, &none), (true, Reason::Exploring));
+        // The decode worker prefills 1000 tok/s: 1 s for 1000 tokens.
+        let mut costs = RemoteCosts::default();
+        costs.observe(1000, 1000, Duration::from_millis(500), Duration::from_millis(600));
+        assert_eq!(remote(c, 256, 1000, 1000, &busy, free, &costs), (true, Reason::RemoteCheaper), "0.6 s remote against 1 s local");
+        let mut slow = RemoteCosts::default();
+        slow.observe(1000, 1000, Duration::from_millis(500), Duration::from_millis(2500));
+        assert_eq!(remote(c, 256, 1000, 1000, &busy, free, &slow), (false, Reason::LocalCheaper), "2.5 s remote against 1 s local, 1.5 s with the stall");
+        // Half a batch running: 1.5 s remote is worth sparing it the stall only when full.
+        let mut mid = RemoteCosts::default();
+        mid.observe(1000, 1000, Duration::from_millis(500), Duration::from_millis(1600));
+        assert_eq!(remote(c, 256, 1000, 1000, &busy, free, &mid).0, false, "1.6 s against 1 s x 1.5");
+        assert_eq!(remote(c, 256, 1000, 1000, &worker(0, 8, 0), free, &mid).0, true, "1.6 s against 1 s x 2");
         // The options override the rule, but not the lack of a prefill worker.
-        assert_eq!(remote(Placement::Remote, 256, 3, &idle, Some((8, 8))), (true, Reason::Asked));
-        assert_eq!(remote(Placement::Local, 256, 1000, &busy, Some((0, 8))), (false, Reason::Asked));
-        assert_eq!(remote(Placement::Remote, 256, 1000, &busy, None), (false, Reason::NoPrefillWorker));
+        let full = Some(8);
+        assert_eq!(remote(Placement::Remote, 256, 3, 3, &idle, full, &slow), (true, Reason::Asked));
+        assert_eq!(remote(Placement::Local, 256, 1000, 1000, &busy, free, &costs), (false, Reason::Asked));
+        assert_eq!(remote(Placement::Remote, 256, 1000, 1000, &busy, None, &costs), (false, Reason::NoPrefillWorker));
+    }
+
+    #[test]
+    fn remote_costs_are_moving_averages_per_token() {
+        let mut c = RemoteCosts::default();
+        c.observe(100, 200, Duration::from_millis(100), Duration::from_millis(300));
+        assert_eq!((c.prefill, c.overhead), (Some(0.001), Some(0.001)));
+        c.observe(100, 200, Duration::from_millis(200), Duration::from_millis(400));
+        assert!((c.prefill.unwrap() - 0.0012).abs() < 1e-12 && (c.overhead.unwrap() - 0.001).abs() < 1e-12);
     }
 }

@@ -239,9 +239,14 @@ pub async fn plan(AppState(app): AppState<Arc<App>>, raw: Bytes) -> Response {
         } else {
             0
         };
+        // Prompt tokens a second of its prefill engine so far (what the router weighs a remote
+        // prefill against).
+        let (busy, _) = app.engines.busy();
+        let prefilled = app.metrics.counters.prefilled_tokens.load(Ordering::Relaxed);
+        let prefill_rate = (busy.as_secs_f64() > 1e-3 && prefilled > 0).then(|| prefilled as f64 / busy.as_secs_f64());
         Ok(json_response(
             StatusCode::OK,
-            json!({"prompt": prepared.prompt, "hash": prompt_hash(&prepared.prompt), "cached": cached, "active": app.engines.active(), "queued": app.engines.queued(), "max_concurrent": app.max_concurrent}),
+            json!({"prompt": prepared.prompt, "hash": prompt_hash(&prepared.prompt), "cached": cached, "active": app.engines.active(), "queued": app.engines.queued(), "max_concurrent": app.max_concurrent, "prefill_rate": prefill_rate}),
         ))
     };
     result.await.unwrap_or_else(|e: ApiError| e.into_response())
