@@ -9,7 +9,7 @@ mod common;
 use std::time::Duration;
 
 use tandem_core::backend::cpu::pool::Pool;
-use tandem_core::bridge::nixl::{Receiver, Sender, TCP};
+use tandem_core::bridge::nixl::{Receiver, Sender, tcp};
 use tandem_core::model::load::LoadedModel;
 use tandem_core::model::Logits;
 use tandem_core::sampling::argmax;
@@ -40,8 +40,8 @@ fn states_written_through_nixl_arrive_exactly_and_bad_ones_are_refused() {
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let (fp, cfg) = (m.net.fingerprint(), &m.net.config);
     let pid = std::process::id();
-    let mut receiver = Receiver::new(&format!("test-decode-{pid}"), Some(TCP)).unwrap();
-    let mut sender = Sender::new(&format!("test-prefill-{pid}"), Some(TCP)).unwrap();
+    let mut receiver = Receiver::new(&format!("test-decode-{pid}"), Some(tcp())).unwrap();
+    let mut sender = Sender::new(&format!("test-prefill-{pid}"), Some(tcp())).unwrap();
 
     // Exact, at several lengths; the later slots reuse memory of the earlier ones, and a
     // longer state makes the receiver register more (the sender reloads its metadata).

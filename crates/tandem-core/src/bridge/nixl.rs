@@ -38,9 +38,15 @@ use crate::state::State;
 const NOTE_PREFIX: &str = "tandem-state ";
 /// Registered memory comes in multiples of this, so that slots of nearby sizes reuse it.
 const GRANULE: usize = 1 << 20;
-/// UCX restricted to TCP for host memory (`UCX_TLS`). cuda_copy rides along: where a GPU is
-/// present NIXL refuses a UCX without a CUDA transport, and it moves no host memory.
-pub const TCP: &str = "tcp,cuda_copy";
+/// UCX restricted to TCP for host memory (`UCX_TLS`). On a machine with an NVIDIA GPU cuda_copy
+/// rides along: there NIXL refuses a UCX without a CUDA transport (it moves no host memory).
+pub fn tcp() -> &'static str {
+    if std::path::Path::new("/dev/nvidiactl").exists() {
+        "tcp,cuda_copy"
+    } else {
+        "tcp"
+    }
+}
 /// How long the memory of a released slot is kept from other requests: longer than a sender
 /// waits for a write (`Sender::send`'s timeout, which callers keep below this).
 pub const QUARANTINE: Duration = Duration::from_secs(60);

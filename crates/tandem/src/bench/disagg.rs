@@ -192,7 +192,10 @@ fn end_to_end(report: &mut String, args: &Args, spec: &str, prefill: &EngineSpec
     // Every other prompt long, in a fixed order; random tokens (no prefix shared).
     let prompts: Vec<Vec<u32>> = (0..requests).map(|i| Workload::random_prompts(1, if i % 2 == 1 { long } else { short }, vocab, 1000 + i as u64).remove(0)).collect();
     writeln!(report, "\n## End to end: one server against a router with a prefill and a decode worker\n")?;
-    writeln!(report, "{requests} requests, {concurrency} at a time, prompts of {short} and {long} tokens alternating (random tokens), {output} output tokens each (ignore_eos, greedy). SLO for goodput: TTFT <= {:.0} ms and time per output token <= {:.0} ms. The single server runs the prefill engine {prefill} and the decode engine {decode}; the prefill worker one engine on {prefill}, the decode worker, on a GPU, both engines as the single server; on CPU cores, one engine on {decode} (which prefills what stays local between its decode steps).\n", slo_ttft * 1e3, slo_tpot * 1e3)?;
+    writeln!(report, "{requests} requests, {concurrency} at a time, prompts of {short} and {long} tokens alternating (random tokens), {output} output tokens each (ignore_eos, greedy). SLO for goodput: TTFT <= {:.0} ms and time per output token <= {:.0} ms. The single server runs the prefill engine {prefill} and the decode engine {decode}; the prefill worker one engine on {prefill}; the decode worker {}.\n", slo_ttft * 1e3, slo_tpot * 1e3, match decode.device {
+        Device::Cuda(_) => "both engines, as the single server".to_string(),
+        Device::Cpu => format!("one engine on {decode}, which prefills what stays local between its decode steps"),
+    })?;
     writeln!(report, "| setup | failed | s | output tok/s | goodput tok/s (in SLO) | TTFT p50 / p99 (ms) | TTFT short / long p50 (ms) | ITL p50 / p99 (ms) | prefills remote |")?;
     writeln!(report, "|---|---|---|---|---|---|---|---|---|")?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

@@ -63,7 +63,7 @@ mod with_nixl {
     use std::time::{Duration, Instant};
 
     use anyhow::{bail, Context, Result};
-    use tandem_core::bridge::nixl::{Receiver, Sender, StateTicket, TCP};
+    use tandem_core::bridge::nixl::{Receiver, Sender, StateTicket, tcp};
     use tandem_core::bridge::Fingerprint;
     use tandem_core::state::State;
 
@@ -85,10 +85,10 @@ mod with_nixl {
         /// Start `tandem state-receive --nixl` for the model `spec`; both agents use UCX over
         /// TCP only.
         pub fn start(spec: &str, fingerprint: Fingerprint) -> Result<NixlPeer> {
-            let sender = Sender::new(&format!("tandem-bench-{}", std::process::id()), Some(TCP))?;
+            let sender = Sender::new(&format!("tandem-bench-{}", std::process::id()), Some(tcp()))?;
             let mut child = Command::new(std::env::current_exe()?)
                 .args(["state-receive", "--nixl", "--model", spec, "--fingerprint", &format!("{fingerprint:032x}")])
-                .env("UCX_TLS", std::env::var("UCX_TLS").unwrap_or_else(|_| TCP.into()))
+                .env("UCX_TLS", std::env::var("UCX_TLS").unwrap_or_else(|_| tcp().into()))
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .spawn()
@@ -134,7 +134,7 @@ mod with_nixl {
     /// the commands of stdin (see the module's comment); answers `wait+read_ms rebuild_ms
     /// position` for each state taken.
     pub fn state_receive(cfg: &tandem_core::model::config::Qwen35Config, fingerprint: Fingerprint) -> Result<std::process::ExitCode> {
-        let mut receiver = Receiver::new(&format!("tandem-state-receive-{}", std::process::id()), Some(TCP))?;
+        let mut receiver = Receiver::new(&format!("tandem-state-receive-{}", std::process::id()), Some(tcp()))?;
         let stdin = std::io::stdin().lock();
         let mut stdout = std::io::stdout().lock();
         let mut spare = None;

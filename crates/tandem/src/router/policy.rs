@@ -188,8 +188,8 @@ mod tests {
         // Half a batch running: 1.5 s remote is worth sparing it the stall only when full.
         let mut mid = RemoteCosts::default();
         mid.observe(1000, 1000, Duration::from_millis(500), Duration::from_millis(1600));
-        assert_eq!(remote(c, 256, 1000, 1000, &busy, free, &mid).0, false, "1.6 s against 1 s x 1.5");
-        assert_eq!(remote(c, 256, 1000, 1000, &worker(0, 8, 0), free, &mid).0, true, "1.6 s against 1 s x 2");
+        assert!(!remote(c, 256, 1000, 1000, &busy, free, &mid).0, "1.6 s against 1 s x 1.5");
+        assert!(remote(c, 256, 1000, 1000, &worker(0, 8, 0), free, &mid).0, "1.6 s against 1 s x 2");
         // The options override the rule, but not the lack of a prefill worker.
         let full = Some(8);
         assert_eq!(remote(Placement::Remote, 256, 3, 3, &idle, full, &slow), (true, Reason::Asked));

@@ -28,25 +28,13 @@ import time
 
 import openai
 
+from test_serve import check, wait_until
+
 TANDEM = os.environ.get("TANDEM", "target/release/tandem")
 MODEL = "synthetic:tiny"
 ENGINES = ["--prefill", "cpu:threads=1", "--decode", "cpu:threads=1"]
 PORT = 8000
 VOCAB = 1024
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
-
-
-def wait_until(pred, what, seconds=15.0):
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not within {seconds} s: {what}")
 
 
 def sh(*cmd):
@@ -102,7 +90,8 @@ class Proc:
     def __init__(self, net, name, args):
         self.name = name
         self.url = net.url(name)
-        env = dict(os.environ, UCX_TLS="tcp,cuda_copy")  # cuda_copy: NIXL wants a CUDA transport where a GPU is
+        # UCX over TCP; cuda_copy too where a GPU is (NIXL wants a CUDA transport there).
+        env = dict(os.environ, UCX_TLS="tcp,cuda_copy" if os.path.exists("/dev/nvidiactl") else "tcp")
         self.proc = subprocess.Popen(net.command(name, args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.log = []
         up = threading.Event()
@@ -165,6 +154,11 @@ def chat(server, messages, max_tokens=12, stream=False, **extra):
     return c.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, extra_body=extra).choices[0].message.content
 
 
+def live(router):
+    """How many workers the router would send requests to."""
+    return sum(w["live"] for w in json.loads(router.request("GET", "/health")[1])["workers"])
+
+
 def router_metric(router, name):
     return router.metrics().get(name, 0.0)
 
@@ -186,7 +180,7 @@ def main():
         decoders = [Proc(net, n, worker_args("decode")) for n in ["d1", "d2"]]
         prefillers = [Proc(net, n, worker_args("prefill")) for n in ["p1", "p2"]]
         procs += decoders + prefillers
-        wait_until(lambda: sum(w["live"] for w in json.loads(router.request("GET", "/health")[1])["workers"]) == 4, "four workers registered with the router")
+        wait_until(lambda: live(router) == 4, "four workers registered with the router")
         print("workers joined: 2 prefill, 2 decode")
 
         # Remote prefill: every output as the single server's.
@@ -249,7 +243,7 @@ def main():
         check(took < 4 + 10, f"the request a frozen prefill worker held took {took:.1f} s (the router waits 4 s for a prefill)")
         check(summed(decoders, "tandem_state_slots_reserved") == 0, "no slot stays reserved")
         print(f"a frozen prefill worker: the request done elsewhere in {took:.1f} s (--prefill-timeout 4), no slot left reserved")
-        wait_until(lambda: sum(w["live"] for w in json.loads(router.request("GET", "/health")[1])["workers"]) == 4, "the thawed prefill worker back")
+        wait_until(lambda: live(router) == 4, "the thawed prefill worker back")
 
         # A prefill worker killed while it prefills a long prompt.
         long_prompt = ids(3000, 6)
@@ -281,7 +275,7 @@ def main():
         router.stop()
         router = Proc(net, "router", ["--role", "router", "--prefill-placement", "local"])
         procs.append(router)
-        wait_until(lambda: sum(w["live"] for w in json.loads(router.request("GET", "/health")[1])["workers"]) == 3, "the workers back with a new router")
+        wait_until(lambda: live(router) == 3, "the workers back with a new router")
         for p in prompts[:3]:
             check(completion(router, p)[0] == completion(single, p)[0], f"a {len(p)}-token prompt through the router (local prefill)")
         check(router_metric(router, 'tandem_router_requests_total{prefill="local"}') == 3, "local placement prefills on the decode worker")
@@ -317,7 +311,7 @@ def main():
                 router.stop()
                 router = Proc(net, "router", ["--role", "router", "--prefill-placement", "remote"])
                 procs.append(router)
-                wait_until(lambda: sum(w["live"] for w in json.loads(router.request("GET", "/health")[1])["workers"]) == 2, "the workers back")
+                wait_until(lambda: live(router) == 2, "the workers back")
                 for p in prompts[:3]:
                     check(completion(router, p)[0] == completion(single, p)[0], "a request over a link with 20 ms delay and 2% loss")
                 print("netem: 20 ms delay and 2% loss on a decode worker's link: outputs as the single server's")
