@@ -222,6 +222,23 @@ fn a_gpu_placement_generates_or_says_why_there_is_none() {
     assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "294,115,733,707,844");
 }
 
+/// A worker role where the NIXL libraries cannot be loaded (or, built without NIXL, a build
+/// without it) fails at once with what is missing and how to install it.
+#[test]
+fn a_worker_without_nixl_says_what_is_missing() {
+    let o = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["serve", "--role", "decode", "--model", "synthetic:tiny", "--port", "0", "--router", "http://127.0.0.1:9"])
+        .env("TANDEM_NIXL_LIB", "/no/such/libnixl_capi.so")
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("scripts/nixl.sh"), "{err}");
+    if cfg!(feature = "nixl") {
+        assert!(err.contains("/no/such/libnixl_capi.so"), "{err}");
+    }
+}
+
 /// The serving bench end to end: a real `tandem serve` child, streamed requests at two
 /// concurrencies and a Poisson rate, every request answered, every slot back after each point.
 #[test]

@@ -47,14 +47,14 @@ pub fn tcp() -> &'static str {
         "tcp"
     }
 }
+
 /// How long the memory of a released slot is kept from other requests: longer than a sender
 /// waits for a write (`Sender::send`'s timeout, which callers keep below this).
 pub const QUARANTINE: Duration = Duration::from_secs(60);
 
 /// Load `libnixl_capi.so` (once per process) so that the NIXL calls find it; an error says
-/// where it was looked for and how to install it. Looked for, in order: the file named by
-/// `TANDEM_NIXL_LIB`, the library path, and `tools/nixl-cu*` beside the directory of this
-/// executable's build (`target/tools`, where `scripts/nixl.sh` installs the wheel's libraries).
+/// where it was looked for and how to install it (see `candidates`; `target/tools` is where
+/// `scripts/nixl.sh` installs the wheel's libraries).
 pub fn load_library() -> Result<()> {
     static LOADED: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
     match LOADED.get_or_init(find_and_load) {
@@ -63,14 +63,13 @@ pub fn load_library() -> Result<()> {
     }
 }
 
-fn find_and_load() -> std::result::Result<PathBuf, String> {
-    let mut tried = Vec::new();
-    let mut candidates: Vec<PathBuf> = Vec::new();
+/// Where to look for `libnixl_capi.so`: the file `TANDEM_NIXL_LIB` names, alone; else by name
+/// on the library path, then in `tools/nixl-cu*` beside the executable's build directory.
+fn candidates() -> Vec<PathBuf> {
     if let Some(p) = std::env::var_os("TANDEM_NIXL_LIB") {
-        candidates.push(PathBuf::from(p));
+        return vec![PathBuf::from(p)];
     }
-    // By name: the library path (LD_LIBRARY_PATH, ld.so.cache).
-    candidates.push(PathBuf::from("libnixl_capi.so"));
+    let mut candidates = vec![PathBuf::from("libnixl_capi.so")];
     if let Some(tools) = std::env::current_exe().ok().and_then(|exe| exe.ancestors().find(|d| d.join("tools").is_dir()).map(|d| d.join("tools"))) {
         let mut found: Vec<PathBuf> = std::fs::read_dir(&tools)
             .into_iter()
@@ -84,7 +83,12 @@ fn find_and_load() -> std::result::Result<PathBuf, String> {
         found.sort();
         candidates.extend(found);
     }
-    for path in candidates {
+    candidates
+}
+
+fn find_and_load() -> std::result::Result<PathBuf, String> {
+    let mut tried = Vec::new();
+    for path in candidates() {
         let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| format!("TANDEM_NIXL_LIB {}: not a path", path.display()))?;
         // SAFETY: dlopen with a valid C string; the handle is kept for the life of the process
         // (never closed), so the stubs' own dlopen("libnixl_capi.so") finds this library by its
