@@ -262,10 +262,12 @@ fn the_serving_bench_drives_a_real_server_and_gets_every_slot_back() {
         let tok_s: f64 = cells[5].parse().unwrap_or(0.0);
         assert!(tok_s > 0.0, "{row}");
         // The limit with the prefills' arithmetic is at most the decode-only one (equal as
-        // printed, whole tokens a second, where a tiny model's prompts cost next to nothing),
-        // and above what was served.
+        // printed, whole tokens a second, where a tiny model's prompts cost next to nothing).
+        // It is not compared with what was served: the limit is from the memory bandwidth, and
+        // the tiny model's weights stay in the CPU's caches (a machine with a large L3 served
+        // 658 tok/s against a limit of 573).
         let (decode_limit, limit): (f64, f64) = (cells[12].parse().unwrap_or(0.0), cells[13].parse().unwrap_or(0.0));
-        assert!(tok_s < limit && limit <= decode_limit, "{row}");
+        assert!(limit > 0.0 && limit <= decode_limit, "{row}");
     }
     let bad = tandem(&["bench", "--sections", "serve", "--concurrency", "0"]);
     assert!(!bad.status.success() && stderr(&bad).contains("--concurrency"), "{}", stderr(&bad));
