@@ -71,7 +71,7 @@ fn run_pipeline(net: &Qwen35, config: &PipelineConfig, prompts: &[Vec<u32>], max
 }
 
 fn config(mode: Mode, prefill: &str, decode: &str, transfer: Transfer, max_batch: usize) -> PipelineConfig {
-    PipelineConfig { mode, prefill: EngineSpec::parse(prefill).unwrap(), decode: EngineSpec::parse(decode).unwrap(), transfer, max_batch, max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS, kv_cache: KvBudget::Unlimited, trace: None, prefix_cache_device: 0 }
+    PipelineConfig { mode, prefill: EngineSpec::parse(prefill).unwrap(), decode: EngineSpec::parse(decode).unwrap(), transfer, max_batch, max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS, kv_cache: KvBudget::Unlimited, trace: None, prefix_cache_device: 0, device_snapshots: false }
 }
 
 #[test]

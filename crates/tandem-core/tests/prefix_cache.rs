@@ -56,9 +56,9 @@ fn a_hit_anywhere_gives_the_bits_of_a_cold_prefill() {
     let vocab = m.net.config.vocab_size as u32;
     let spec = |s: &str| EngineSpec::parse(s).unwrap();
     let configs = [
-        PipelineConfig { mode: Mode::Hybrid, prefill: spec("cpu:threads=2"), decode: spec("cpu:threads=1"), transfer: Transfer::Move, max_batch: 4, max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS, kv_cache: KvBudget::Unlimited, trace: None, prefix_cache_device: 0 },
+        PipelineConfig { mode: Mode::Hybrid, prefill: spec("cpu:threads=2"), decode: spec("cpu:threads=1"), transfer: Transfer::Move, max_batch: 4, max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS, kv_cache: KvBudget::Unlimited, trace: None, prefix_cache_device: 0, device_snapshots: false },
         // Chunked prefill, 7 tokens a step: the snapshots fall inside and across chunks.
-        PipelineConfig { mode: Mode::AllOnDecodeEngine, prefill: spec("cpu:threads=2"), decode: spec("cpu:threads=2"), transfer: Transfer::Move, max_batch: 4, max_prefill_tokens: 7, kv_cache: KvBudget::Unlimited, trace: None, prefix_cache_device: 0 },
+        PipelineConfig { mode: Mode::AllOnDecodeEngine, prefill: spec("cpu:threads=2"), decode: spec("cpu:threads=2"), transfer: Transfer::Move, max_batch: 4, max_prefill_tokens: 7, kv_cache: KvBudget::Unlimited, trace: None, prefix_cache_device: 0, device_snapshots: false },
     ];
     let mut seed = 7;
     for config in &configs {
@@ -125,7 +125,7 @@ fn a_hit_anywhere_gives_the_bits_of_a_cold_prefill() {
 #[test]
 fn greedy_tokens_after_a_hit_are_a_cold_runs() {
     let spec = |s: &str| EngineSpec::parse(s).unwrap();
-    let (hits, _) = greedy_after_hits(PipelineConfig { mode: Mode::Hybrid, prefill: spec("cpu:threads=2"), decode: spec("cpu:threads=1"), transfer: Transfer::Move, max_batch: 4, max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS, kv_cache: KvBudget::Unlimited, trace: None, prefix_cache_device: 0 }, usize::MAX, None);
+    let (hits, _) = greedy_after_hits(PipelineConfig { mode: Mode::Hybrid, prefill: spec("cpu:threads=2"), decode: spec("cpu:threads=1"), transfer: Transfer::Move, max_batch: 4, max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS, kv_cache: KvBudget::Unlimited, trace: None, prefix_cache_device: 0, device_snapshots: false }, usize::MAX, None);
     assert!(hits >= 8, "{hits} hits of 24");
 }
 
@@ -141,7 +141,7 @@ fn cuda_greedy_tokens_after_a_hit_are_a_cold_runs() {
     let dir = common::scratch("prefix-cache-gpu-disk");
     let cases = [(gpu, 1 << 30, 0, false), (gpu, 1 << 20, 0, false), (gpu, 1 << 20, usize::MAX, false), (gpu, 1 << 20, 0, true), (gpu, 0, usize::MAX, false), ("cpu:threads=2", 0, usize::MAX, false)];
     for (prefill, device, host, disk) in cases {
-        let config = PipelineConfig { mode: Mode::Hybrid, prefill: spec(prefill), decode: spec(gpu), transfer: Transfer::Move, max_batch: 4, max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS, kv_cache: KvBudget::Unlimited, trace: None, prefix_cache_device: device };
+        let config = PipelineConfig { mode: Mode::Hybrid, prefill: spec(prefill), decode: spec(gpu), transfer: Transfer::Move, max_batch: 4, max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS, kv_cache: KvBudget::Unlimited, trace: None, prefix_cache_device: device, device_snapshots: false };
         let (hits, stats) = greedy_after_hits(config, host, disk.then_some(dir.as_path()));
         eprintln!("{prefill} -> {gpu}, device tier {device}, host tier {host}, disk tier {disk}: {hits} hits, {stats:?}");
         if device == 1 << 20 && host == 0 && !disk {
@@ -168,7 +168,7 @@ fn cuda_logits_after_a_device_hit_are_a_cold_prefill_cut_at_the_same_places() {
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let vocab = m.net.config.vocab_size as u32;
     let spec = |s: &str| EngineSpec::parse(s).unwrap();
-    let config = PipelineConfig { mode: Mode::AllOnDecodeEngine, prefill: spec("cuda:0"), decode: spec("cuda:0"), transfer: Transfer::Move, max_batch: 4, max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS, kv_cache: KvBudget::Unlimited, trace: None, prefix_cache_device: 1 << 30 };
+    let config = PipelineConfig { mode: Mode::AllOnDecodeEngine, prefill: spec("cuda:0"), decode: spec("cuda:0"), transfer: Transfer::Move, max_batch: 4, max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS, kv_cache: KvBudget::Unlimited, trace: None, prefix_cache_device: 1 << 30, device_snapshots: false };
     let mut seed = 5;
     let ps = prompts(&mut seed, 24, vocab);
     let prefill = |p: &pipeline::Pipeline, start: Option<Start>, tokens: &[u32], stops: Vec<usize>| -> anyhow::Result<(Vec<tandem_core::state::Snapshot>, State)> {

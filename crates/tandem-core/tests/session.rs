@@ -127,6 +127,7 @@ fn typed_ahead_equals_sent_at_once_equals_the_whole_history() {
         kv_cache: KvBudget::Unlimited,
         trace: None,
         prefix_cache_device: 0,
+        device_snapshots: false,
     };
     // Replies end at max_tokens (the last token carried into the next turn) and, with a stop
     // id the tiny model does sample, at a stop token.
@@ -165,6 +166,7 @@ fn an_abandoned_turn_leaves_the_conversation_as_it_was() {
         kv_cache: KvBudget::Unlimited,
         trace: None,
         prefix_cache_device: 0,
+        device_snapshots: false,
     };
     pipeline::run(&m.net, &config, |p| {
         let scaffold = Scaffold::from_template(&ChatTemplate::qwen35(), None, false).unwrap();
@@ -201,7 +203,7 @@ fn typing_keeps_a_few_states_that_share_the_conversations_k_v() {
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let tok = tokenizer();
     let spec = |s: &str| EngineSpec::parse(s).unwrap();
-    let config = PipelineConfig { mode: Mode::AllOnDecodeEngine, prefill: spec("cpu:threads=1"), decode: spec("cpu:threads=1"), transfer: Transfer::Move, max_batch: 1, max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS, kv_cache: KvBudget::Unlimited, trace: None, prefix_cache_device: 0 };
+    let config = PipelineConfig { mode: Mode::AllOnDecodeEngine, prefill: spec("cpu:threads=1"), decode: spec("cpu:threads=1"), transfer: Transfer::Move, max_batch: 1, max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS, kv_cache: KvBudget::Unlimited, trace: None, prefix_cache_device: 0, device_snapshots: false };
     pipeline::run(&m.net, &config, |p| {
         let scaffold = Scaffold::from_template(&ChatTemplate::qwen35(), None, false).unwrap();
         let encode = |s: &str| Ok(tok.encode(s)?.into_iter().map(|id| id % 1024).collect());

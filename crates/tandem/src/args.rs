@@ -118,6 +118,7 @@ pub fn pipeline_config(args: &Args) -> Result<PipelineConfig> {
         kv_cache: kv_budget(args, KvBudget::Unlimited)?,
         trace: args.str("trace").map(PathBuf::from),
         prefix_cache_device: 0,
+        device_snapshots: false,
     };
     if config.max_batch == 0 {
         bail!("--max-batch must be at least 1");

@@ -31,3 +31,14 @@ fn router_prefill_and_decode_workers_give_the_single_servers_outputs_and_survive
         assert!(out.contains("network: a namespace per process"), "unshare works here, so the script must use namespaces:\n{out}");
     }
 }
+
+/// On a GPU machine: a prefill and a decode worker as two processes on one GPU, each state
+/// moved GPU memory to GPU memory through NIXL (CUDA IPC), outputs as a single GPU server's.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn gpu_workers_on_one_gpu_move_states_gpu_to_gpu() {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/serve/test_disagg.py");
+    let out = run(Command::new(python()).arg(&script).env("TANDEM", env!("CARGO_BIN_EXE_tandem")).env("TANDEM_DISAGG_GPU", "1"), "tests/serve/test_disagg.py (GPU)");
+    println!("{out}");
+    assert!(out.contains("disagg gpu: ok"), "the checks did not all run:\n{out}");
+}

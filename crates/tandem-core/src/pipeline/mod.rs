@@ -90,6 +90,9 @@ pub struct PipelineConfig {
     /// K/V cache would get; 0: none (snapshots go to host memory); `DEVICE_TIER_DEFAULT`: the
     /// default share of it.
     pub prefix_cache_device: usize,
+    /// The prefill engine keeps the snapshots it takes on its GPU even without a device tier (a
+    /// prefill worker sends them from there, GPU memory to GPU memory).
+    pub device_snapshots: bool,
 }
 
 /// How much memory a decode engine's K/V cache may take: a GPU engine's pool of blocks that
@@ -208,6 +211,8 @@ pub struct Pipeline {
     kv: Option<(GpuPools, Option<KvCapacity>)>,
     /// Where the prefill engine keeps snapshots on its GPU (`PipelineConfig::prefix_cache_device`).
     device_tier: Option<Arc<DeviceTier>>,
+    /// The pools of the engine that prefills (a GPU engine's): its snapshots are there.
+    prefill_pools: Option<GpuPools>,
     /// A CPU decode engine's memory budget, and what it came to.
     host: Option<(Arc<HostBudget>, KvCapacity)>,
 }
@@ -253,6 +258,17 @@ impl Pipeline {
     /// host memory: no budget was given, or the prefill engine runs on the CPU).
     pub fn device_tier(&self) -> Option<&Arc<DeviceTier>> {
         self.device_tier.as_ref()
+    }
+
+    /// The decode engine's pools, where it is a GPU engine (states it runs live there).
+    pub fn decode_pools(&self) -> Option<&GpuPools> {
+        self.kv.as_ref().map(|(p, _)| p)
+    }
+
+    /// The pools of the engine that prefills, where it is a GPU engine (its snapshots live
+    /// there).
+    pub fn prefill_pools(&self) -> Option<&GpuPools> {
+        self.prefill_pools.as_ref()
     }
 
     /// Trace `work` from `started` to now on the calling thread's track (with `--trace`): work
@@ -312,7 +328,7 @@ impl Pipeline {
 /// budget set). None after a failure was reported, or when no go comes.
 fn start_engine<'m>(spec: &EngineSpec, net: &'m Qwen35, config: &PipelineConfig, ready: &Sender<Result<Started>>, go: Receiver<()>, what: &'static str) -> Option<Engine<'m>> {
     let made = Engine::new(spec, net).and_then(|mut e| {
-        if config.prefix_cache_device > 0 {
+        if config.prefix_cache_device > 0 || config.device_snapshots {
             e.keep_snapshots_on_device()?;
         }
         Ok(e)
@@ -352,7 +368,7 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
     let trace = config.trace.as_deref().map(Trace::create).transpose()?;
     let engine_time = Arc::new(EngineTime { trace, ..EngineTime::default() });
     let host = host_budget_for(net, config)?;
-    let mut pipeline = Pipeline { requests: req_tx, engine_time: Arc::clone(&engine_time), kv: None, device_tier: None, host: host.clone() };
+    let mut pipeline = Pipeline { requests: req_tx, engine_time: Arc::clone(&engine_time), kv: None, device_tier: None, prefill_pools: None, host: host.clone() };
     let host = host.map(|(h, _)| h);
     std::thread::scope(|s| {
         let (ready_tx, ready_rx) = channel::<Result<Started>>();
@@ -448,12 +464,13 @@ pub fn run<T>(net: &Qwen35, config: &PipelineConfig, body: impl FnOnce(&Pipeline
             }
         }
         if failed.is_none() && config.prefix_cache_device > 0 {
-            if let Some(pools) = prefill_pools.filter(|p| p.snapshots.is_some()) {
+            if let Some(pools) = prefill_pools.clone().filter(|p| p.snapshots.is_some()) {
                 let base = pipeline.kv.as_ref().filter(|(p, _)| Arc::ptr_eq(&p.kv, &pools.kv)).and_then(|(_, c)| c.map(|c| c.blocks));
                 let budget = tier_bytes.unwrap_or_else(|| config.device_tier_bytes(None));
                 pipeline.device_tier = Some(Arc::new(DeviceTier::new(&pools, budget, base)));
             }
         }
+        pipeline.prefill_pools = prefill_pools;
         if let Some(e) = failed {
             drop(pipeline);
             drop(go);
@@ -590,6 +607,7 @@ mod tests {
             kv_cache: KvBudget::Unlimited,
             trace: None,
             prefix_cache_device: PipelineConfig::DEVICE_TIER_DEFAULT,
+            device_snapshots: false,
         };
         assert_eq!(config.device_tier_bytes(Some(4 << 30)), 1 << 30);
         assert_eq!(config.device_tier_bytes(Some(100 << 30)), 8 << 30);

@@ -122,6 +122,24 @@ fn transfer(report: &mut String, spec: &str, engine: &EngineSpec, lengths: &[usi
     if let Err(e) = &nixl {
         writeln!(report, "\nNIXL: not measured: {e:#}")?;
     }
+    if let Device::Cuda(ordinal) = engine.device {
+        match super::nixl_peer::gpu_rows(spec, &model.net, ordinal, lengths, reps) {
+            Ok(rows) => {
+                writeln!(report, "\n### GPU memory to GPU memory (cuda:{ordinal}; median of {reps}, min - max in brackets)\n")?;
+                writeln!(report, "| prompt tokens | state on the GPU | transfer | time (ms) | GB/s | x copy on the GPU |")?;
+                writeln!(report, "|---|---|---|---|---|---|")?;
+                for row in rows {
+                    let floor = stats(&mut row.times[0].1.iter().map(|d| ms(*d)).collect::<Vec<_>>()).0;
+                    for (name, times) in &row.times {
+                        let (m, lo, hi) = stats(&mut times.iter().map(|d| ms(*d)).collect::<Vec<_>>());
+                        writeln!(report, "| {} | {:.1} MB | {name} | {m:.3} ({lo:.3} - {hi:.3}) | {:.1} | {:.2} |", row.tokens, row.bytes as f64 / 1e6, row.bytes as f64 / (m / 1e3) / 1e9, m / floor)?;
+                    }
+                }
+                writeln!(report, "\nThe state's own pieces (slot, K/V blocks, logits) move, each into the one the receiving process reserved; the NIXL time runs from the reservation to the receiver's checked header (its pieces then restore on the GPU as any snapshot does). UCX picks the transport (CUDA IPC between processes on one GPU).")?;
+            }
+            Err(e) => writeln!(report, "\nNIXL GPU to GPU: not measured: {e:#}")?,
+        }
+    }
     writeln!(report, "\nEach time runs from the state in the sender's memory to a checked state in the receiver's (header, layout, fingerprint and checksum verified; for NIXL: the image written into registered memory, the one-sided write and its notification, the check and copy out). Move hands the state itself to another thread (no copy). The rows of each length ran interleaved, {reps} rounds.")?;
     Ok(())
 }

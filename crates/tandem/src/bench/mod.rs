@@ -569,6 +569,7 @@ fn pipeline_config(args: &Args) -> Result<tandem_core::pipeline::PipelineConfig>
         kv_cache: KvBudget::Unlimited,
         trace: None,
         prefix_cache_device: 0,
+        device_snapshots: false,
     })
 }
 

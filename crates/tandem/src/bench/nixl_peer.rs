@@ -1,8 +1,10 @@
-//! The transfer section's NIXL row: states written by this process through NIXL (UCX over
+//! The transfer section's NIXL rows: states written by this process through NIXL (UCX over
 //! TCP) into slots that a separate `tandem state-receive --nixl` process reserved, as a prefill
-//! worker writes into a decode worker's. The two talk over the child's stdin and stdout, a line
-//! each way: `reserve N` is answered with a ticket (JSON), `take SLOT N` with the receiver's
-//! times once the state is checked and rebuilt.
+//! worker writes into a decode worker's; on a GPU, a GPU engine's states written GPU memory to
+//! GPU memory into pieces such a process reserved on the same GPU (`--gpu N`). The two talk over
+//! the child's stdin and stdout, a line each way: `reserve N` is answered with a ticket (JSON),
+//! `take SLOT N` with the receiver's times once the state is checked (and, in host memory,
+//! rebuilt).
 
 use std::time::Duration;
 
@@ -35,7 +37,7 @@ impl NixlTimes {
 }
 
 #[cfg(feature = "nixl")]
-pub use with_nixl::{state_receive, NixlPeer};
+pub use with_nixl::{gpu_rows, state_receive, NixlPeer};
 
 #[cfg(not(feature = "nixl"))]
 pub struct NixlPeer;
@@ -52,8 +54,21 @@ impl NixlPeer {
 }
 
 #[cfg(not(feature = "nixl"))]
-pub fn state_receive(_cfg: &tandem_core::model::config::Qwen35Config, _fingerprint: Fingerprint) -> Result<std::process::ExitCode> {
+pub fn state_receive(_cfg: &tandem_core::model::config::Qwen35Config, _fingerprint: Fingerprint, _gpu: Option<usize>) -> Result<std::process::ExitCode> {
     Err(tandem_core::bridge::nixl_not_built())
+}
+
+#[cfg(not(feature = "nixl"))]
+pub fn gpu_rows(_spec: &str, _net: &tandem_core::model::Qwen35, _ordinal: usize, _lengths: &[usize], _reps: usize) -> Result<Vec<GpuRow>> {
+    Err(tandem_core::bridge::nixl_not_built())
+}
+
+/// One length's GPU rows: the state's bytes on the GPU, and per kind of transfer its times.
+pub struct GpuRow {
+    pub tokens: usize,
+    pub bytes: usize,
+    /// (what, times), the first row the floor.
+    pub times: Vec<(&'static str, Vec<Duration>)>,
 }
 
 #[cfg(feature = "nixl")]
@@ -63,11 +78,16 @@ mod with_nixl {
     use std::time::{Duration, Instant};
 
     use anyhow::{bail, Context, Result};
+    use tandem_core::backend::cuda::qwen35::state_slots::StateDtype;
+    use tandem_core::backend::cuda::qwen35::transfer::TransferPools;
+    use tandem_core::backend::cuda::qwen35::{GpuQwen35, Precision};
+    use tandem_core::backend::cuda::Gpu;
     use tandem_core::bridge::nixl::{Receiver, Sender, StateTicket, tcp};
     use tandem_core::bridge::Fingerprint;
+    use tandem_core::model::Logits;
     use tandem_core::state::State;
 
-    use super::NixlTimes;
+    use super::{GpuRow, NixlTimes};
     use crate::ms;
 
     /// How long a write or a receiver's wait may take before the bench gives up.
@@ -86,13 +106,19 @@ mod with_nixl {
         /// TCP only.
         pub fn start(spec: &str, fingerprint: Fingerprint) -> Result<NixlPeer> {
             let sender = Sender::new(&format!("tandem-bench-{}", std::process::id()), Some(tcp()))?;
-            let mut child = Command::new(std::env::current_exe()?)
-                .args(["state-receive", "--nixl", "--model", spec, "--fingerprint", &format!("{fingerprint:032x}")])
-                .env("UCX_TLS", std::env::var("UCX_TLS").unwrap_or_else(|_| tcp().into()))
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .spawn()
-                .context("starting the receiving process (tandem state-receive --nixl)")?;
+            Self::with(sender, spec, fingerprint, None)
+        }
+
+        /// The receiving process for `sender`, its slots in GPU `gpu`'s memory where given (UCX
+        /// then picks its own transports: CUDA IPC on one GPU), else in host memory over TCP.
+        fn with(sender: Sender, spec: &str, fingerprint: Fingerprint, gpu: Option<usize>) -> Result<NixlPeer> {
+            let mut cmd = Command::new(std::env::current_exe()?);
+            cmd.args(["state-receive", "--nixl", "--model", spec, "--fingerprint", &format!("{fingerprint:032x}")]);
+            match gpu {
+                Some(g) => cmd.args(["--gpu", &g.to_string()]),
+                None => cmd.env("UCX_TLS", std::env::var("UCX_TLS").unwrap_or_else(|_| tcp().into())),
+            };
+            let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().context("starting the receiving process (tandem state-receive --nixl)")?;
             let to_child = child.stdin.take().expect("piped");
             let from_child = BufReader::new(child.stdout.take().expect("piped"));
             Ok(NixlPeer { sender, child, to_child, from_child })
@@ -122,6 +148,41 @@ mod with_nixl {
         }
     }
 
+    /// The GPU rows at each of `lengths`: a state prefilled by a GPU engine on `ordinal`, its
+    /// pieces copied on the GPU in this process (the floor), and written by NIXL GPU memory to
+    /// GPU memory into pieces a `tandem state-receive --nixl --gpu` process reserved on the
+    /// same GPU (the time until that process has checked the header), with the write alone.
+    pub fn gpu_rows(spec: &str, net: &tandem_core::model::Qwen35, ordinal: usize, lengths: &[usize], reps: usize) -> Result<Vec<GpuRow>> {
+        let fp = net.fingerprint();
+        let mut gpu = GpuQwen35::upload(Gpu::open(ordinal)?, net, Precision::TensorCores)?;
+        gpu.keep_snapshots_on_device()?;
+        gpu.pools().set_exportable();
+        let sender = Sender::new(&format!("tandem-bench-gpu-{}", std::process::id()), None)?.on_gpu(TransferPools::new(&gpu.pools(), net.config.vocab_size)?);
+        let mut peer = NixlPeer::with(sender, spec, fp, Some(ordinal))?;
+        let mut rows = Vec::new();
+        for &n in lengths {
+            let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 17) % net.config.vocab_size.min(1 << 16) as u32).collect();
+            let mut state = gpu.new_state()?;
+            gpu.forward(&prompt, &mut state, Logits::Last)?;
+            let snap = gpu.snapshot_state(&state)?.context("this engine keeps snapshots on the GPU")?;
+            let mut times: Vec<(&'static str, Vec<Duration>)> = vec![("copy of its pieces on the GPU (one process)", vec![]), ("NIXL, GPU memory to GPU memory (another process)", vec![]), ("of which NIXL's write alone (until complete)", vec![])];
+            for _ in 0..reps {
+                let t = Instant::now();
+                let copy = gpu.copy_state(&state)?;
+                times[0].1.push(t.elapsed());
+                drop(copy);
+                let t = Instant::now();
+                let ticket: StateTicket = serde_json::from_str(&peer.ask(&format!("reserve {n}"))?).context("the receiving process's ticket")?;
+                let sent = peer.sender.send_gpu(&ticket, &snap, fp, TIMEOUT)?;
+                peer.ask(&format!("take {} {n}", ticket.slot))?;
+                times[1].1.push(t.elapsed());
+                times[2].1.push(sent.read);
+            }
+            rows.push(GpuRow { tokens: n, bytes: state.bytes(), times });
+        }
+        Ok(rows)
+    }
+
     impl Drop for NixlPeer {
         fn drop(&mut self) {
             let _ = writeln!(self.to_child, "quit");
@@ -133,8 +194,13 @@ mod with_nixl {
     /// `tandem state-receive --nixl`: reserve slots and take the states written into them, on
     /// the commands of stdin (see the module's comment); answers `wait+read_ms rebuild_ms
     /// position` for each state taken.
-    pub fn state_receive(cfg: &tandem_core::model::config::Qwen35Config, fingerprint: Fingerprint) -> Result<std::process::ExitCode> {
-        let mut receiver = Receiver::new(&format!("tandem-state-receive-{}", std::process::id()), Some(tcp()))?;
+    pub fn state_receive(cfg: &tandem_core::model::config::Qwen35Config, fingerprint: Fingerprint, gpu: Option<usize>) -> Result<std::process::ExitCode> {
+        let name = format!("tandem-state-receive-{}", std::process::id());
+        let mut receiver = match gpu {
+            // The sender's engine keeps f32 recurrent states (the default state dtype).
+            Some(g) => Receiver::new(&name, None)?.on_gpu(TransferPools::standalone(g, cfg, StateDtype::F32)?),
+            None => Receiver::new(&name, Some(tcp()))?,
+        };
         let stdin = std::io::stdin().lock();
         let mut stdout = std::io::stdout().lock();
         let mut spare = None;
@@ -152,6 +218,13 @@ mod with_nixl {
                     let t = Instant::now();
                     receiver.wait(slot, TIMEOUT)?;
                     let waited = t.elapsed();
+                    if receiver.is_on_gpu() {
+                        let t = Instant::now();
+                        let snapshot = receiver.take_gpu(slot, fingerprint, n)?;
+                        writeln!(stdout, "{:.4} 0 {}", ms(waited + t.elapsed()), snapshot.position)?;
+                        stdout.flush()?;
+                        continue;
+                    }
                     let (state, read, rebuild) = receiver.take(slot, fingerprint, cfg, n, spare.take())?;
                     writeln!(stdout, "{:.4} {:.4} {}", ms(waited + read), ms(rebuild), state.position)?;
                     spare = Some(state);

@@ -247,7 +247,7 @@ impl SocketPeer {
 /// `tandem state-receive`: read states from stdin (a socket) until it closes, answering each
 /// with "read_ms rebuild_ms position" (the receiving side of the cross-process transfer).
 pub fn state_receive(argv: &[String]) -> Result<std::process::ExitCode> {
-    let args = crate::args::Args::parse(argv, &["model", "fingerprint"], &["nixl"])?;
+    let args = crate::args::Args::parse(argv, &["model", "fingerprint", "gpu"], &["nixl"])?;
     let spec = args.required("model")?;
     let cfg = match spec.strip_prefix("synthetic:") {
         Some(name) => tandem_core::model::synthetic::config(name)?,
@@ -259,7 +259,8 @@ pub fn state_receive(argv: &[String]) -> Result<std::process::ExitCode> {
     };
     let fp = u128::from_str_radix(args.required("fingerprint")?, 16).context("--fingerprint: not hex")?;
     if args.flag("nixl") {
-        return super::nixl_peer::state_receive(&cfg, fp);
+        let gpu = args.str("gpu").map(|g| g.parse::<usize>().context("--gpu: a GPU number")).transpose()?;
+        return super::nixl_peer::state_receive(&cfg, fp, gpu);
     }
     let mut stdin = std::io::stdin().lock();
     let mut stdout = std::io::stdout().lock();

@@ -222,12 +222,13 @@ pub async fn remember(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>, le
     Ok((found.reused, prefilled))
 }
 
-/// The state after exactly `tokens` in host memory (for a prefill worker to send): the prefix
-/// cache's deepest snapshot on their path continued with the rest (stopping for snapshots, kept
-/// in the cache, as a request's prefill does). Returns it with the tokens the cache covered and
-/// those prefilled.
+/// The state after exactly `tokens` (for a prefill worker to send), handed to `send` on a
+/// blocking thread as the snapshot the engine took: the prefix cache's deepest snapshot on their
+/// path continued with the rest (stopping for snapshots, kept in the cache once `send` is done,
+/// as a request's prefill does). Returns what `send` returned, with the tokens the cache covered
+/// and those prefilled.
 #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
-pub async fn prefilled_state(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>) -> anyhow::Result<(tandem_core::state::State, usize, usize)> {
+pub async fn prefill_then<T: Send + 'static>(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>, send: impl FnOnce(&Snapshot) -> anyhow::Result<T> + Send + 'static) -> anyhow::Result<(T, usize, usize)> {
     let found = lookup(app, salt.as_deref(), &tokens, true).await;
     let reused = found.reused;
     let mut stops: Vec<usize> = found.stops.iter().map(|&s| s - reused).collect();
@@ -236,7 +237,7 @@ pub async fn prefilled_state(app: &Arc<App>, salt: Option<String>, tokens: Vec<u
     }
     let states = if reused == tokens.len() {
         match found.state {
-            Some(Start::Cached(s)) => return Ok((tokio::task::spawn_blocking(move || s.to_host()).await??, reused, 0)),
+            Some(Start::Cached(s)) => return Ok((tokio::task::spawn_blocking(move || send(&s)).await??, reused, 0)),
             _ => anyhow::bail!("the prefix cache covers the prompt but gave no state"),
         }
     } else {
@@ -245,11 +246,11 @@ pub async fn prefilled_state(app: &Arc<App>, salt: Option<String>, tokens: Vec<u
     if states.last().map(Snapshot::position) != Some(tokens.len()) {
         anyhow::bail!("the prefill gave no snapshot of the prompt's end");
     }
-    let (state, states) = tokio::task::spawn_blocking(move || (states.last().expect("checked above").to_host(), states)).await?;
+    let (sent, states) = tokio::task::spawn_blocking(move || (send(states.last().expect("checked above")), states)).await?;
     if app.cache_on {
         keep(app, salt, tokens.clone(), states, None).await;
     }
-    Ok((state?, reused, tokens.len() - reused))
+    Ok((sent?, reused, tokens.len() - reused))
 }
 
 /// The longest a session's request waits for its previous reply end's prefill.

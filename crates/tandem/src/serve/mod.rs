@@ -219,6 +219,8 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     // its own prefill of a prompt of a few thousand tokens: no host tier there unless asked.
     let prefiller = if config.mode == Mode::AllOnDecodeEngine { &config.decode } else { &config.prefill };
     let prefill_on_gpu = matches!(prefiller.device, Device::Cuda(_));
+    // A prefill worker on a GPU sends its snapshots from there (GPU memory to GPU memory).
+    config.device_snapshots = role == worker::Role::Prefill && prefill_on_gpu;
     let cache_memory = match (args.str("prefix-cache-memory"), args.str("session-memory")) {
         (Some(_), Some(_)) => bail!("--session-memory is the older name of --prefix-cache-memory: give one of them"),
         (Some(size), None) => parse_size("prefix-cache-memory", size)?,
@@ -294,6 +296,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             }
             cache = cache.with_disk(tier, found);
         }
+        let worker = worker.map(|w| w.on_gpu(pipeline, cfg.vocab_size)).transpose()?;
         let app = Arc::new(App {
             engines: Engines::start(pipeline.clone(), max_concurrent, max_queue),
             im_start: tokenizer.token_id("<|im_start|>"),

@@ -23,6 +23,8 @@ use serde_json::{json, Value};
 use super::api::{ApiError, Endpoint};
 use super::completion::Cached;
 use super::App;
+#[cfg(feature = "nixl")]
+use tandem_core::bridge::nixl::SlotMemory;
 
 /// How a `tandem serve` takes part in disaggregated serving.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,6 +89,36 @@ impl Worker {
     }
 }
 
+impl Worker {
+    /// Move states GPU memory to GPU memory where this worker's engine is a GPU engine: a
+    /// decode worker receives into its decode engine's pools, a prefill worker sends its prefill
+    /// engine's snapshots from theirs. Called before the engines allocate (their pools are made
+    /// exportable to other processes here).
+    #[cfg_attr(not(feature = "nixl"), allow(unused_variables))]
+    pub fn on_gpu(self, pipeline: &tandem_core::pipeline::Pipeline, vocab: usize) -> anyhow::Result<Worker> {
+        #[cfg(feature = "nixl")]
+        {
+            use tandem_core::backend::cuda::qwen35::transfer::TransferPools;
+            let mut w = self;
+            let pools = match w.role {
+                Role::Decode => pipeline.decode_pools(),
+                _ => pipeline.prefill_pools(),
+            };
+            let Some(pools) = pools else { return Ok(w) };
+            pools.set_exportable();
+            let transfer = TransferPools::new(pools, vocab)?;
+            if let Some(r) = w.receiver.take() {
+                w.receiver = Some(std::sync::Mutex::new(r.into_inner().unwrap_or_else(|e| e.into_inner()).on_gpu(transfer)));
+            } else if let Some(s) = w.sender.take() {
+                w.sender = Some(std::sync::Mutex::new(s.into_inner().unwrap_or_else(|e| e.into_inner()).on_gpu(transfer)));
+            }
+            Ok(w)
+        }
+        #[cfg(not(feature = "nixl"))]
+        Ok(self)
+    }
+}
+
 /// Where a prefill worker put a request's state: the slot of this decode worker it wrote, and
 /// the prompt it prefilled (its length and hash, checked against this worker's tokens).
 #[derive(Clone, Debug, Deserialize)]
@@ -132,7 +164,7 @@ pub async fn take_prefilled(app: &Arc<App>, remote: &Prefilled, prompt: &[u32]) 
                 if let Some(w) = &app.worker {
                     w.used.fetch_add(1, Ordering::Relaxed);
                 }
-                return Ok(Cached { state: Some(state.into()), reused: prompt.len(), cached: remote.cached, stops: Vec::new() });
+                return Ok(Cached { state: Some(state), reused: prompt.len(), cached: remote.cached, stops: Vec::new() });
             }
             Err(e) => {
                 eprintln!("tandem serve: the state prefilled elsewhere for a {}-token prompt (slot {}) is not used, the prompt is prefilled here: {e:#}", prompt.len(), remote.slot);
@@ -148,7 +180,7 @@ pub async fn take_prefilled(app: &Arc<App>, remote: &Prefilled, prompt: &[u32]) 
 }
 
 #[cfg(feature = "nixl")]
-async fn take_state(app: &Arc<App>, remote: &Prefilled, prompt: &[u32]) -> anyhow::Result<tandem_core::state::State> {
+async fn take_state(app: &Arc<App>, remote: &Prefilled, prompt: &[u32]) -> anyhow::Result<tandem_core::pipeline::Start> {
     use anyhow::Context;
     let receiver = app.worker.as_ref().and_then(|w| w.receiver.as_ref()).context("not a decode worker")?;
     let release = || receiver.lock().expect("receiver lock").release(remote.slot);
@@ -175,9 +207,16 @@ async fn take_state(app: &Arc<App>, remote: &Prefilled, prompt: &[u32]) -> anyho
     let (a, slot, n) = (Arc::clone(app), remote.slot, prompt.len());
     tokio::task::spawn_blocking(move || {
         let receiver = a.worker.as_ref().and_then(|w| w.receiver.as_ref()).expect("checked above");
-        // The state is checked and copied out under the lock: slots are reserved meanwhile
-        // by other requests' routers only, which can wait for one copy.
-        receiver.lock().expect("receiver lock").take(slot, a.fingerprint, &a.config, n, None).map(|(state, _, _)| state)
+        // The state is checked (and a host state copied out) under the lock: slots are reserved
+        // meanwhile by other requests' routers only, which can wait for one copy.
+        let mut receiver = receiver.lock().expect("receiver lock");
+        if receiver.is_on_gpu() {
+            // Its pieces become a snapshot the engine restores (on the GPU, where they are).
+            let snapshot = receiver.take_gpu(slot, a.fingerprint, n)?;
+            Ok(tandem_core::pipeline::Start::Cached(Arc::new(tandem_core::state::Snapshot::Gpu(snapshot))))
+        } else {
+            receiver.take(slot, a.fingerprint, &a.config, n, None).map(|(state, _, _)| state.into())
+        }
     })
     .await
     .context("the thread taking the state")?
@@ -189,11 +228,14 @@ pub fn metrics(app: &App) -> String {
     let mut out = format!("# HELP tandem_worker_role This server's role in disaggregated serving.\n# TYPE tandem_worker_role gauge\ntandem_worker_role{{role=\"{}\"}} 1\n", w.role.name());
     if w.role == Role::Decode {
         #[cfg(feature = "nixl")]
-        let reserved = w.receiver.as_ref().map_or(0, |r| r.lock().expect("receiver lock").reserved());
+        let (reserved, memory) = w.receiver.as_ref().map_or((0, "host"), |r| {
+            let r = r.lock().expect("receiver lock");
+            (r.reserved(), if r.is_on_gpu() { "gpu" } else { "host" })
+        });
         #[cfg(not(feature = "nixl"))]
-        let reserved = 0;
+        let (reserved, memory) = (0, "host");
         out += &format!(
-            "# HELP tandem_remote_states_total States prefill workers wrote into this worker's slots: used (the request started from it) or refused (not applied; the request was prefilled here).\n# TYPE tandem_remote_states_total counter\ntandem_remote_states_total{{outcome=\"used\"}} {}\ntandem_remote_states_total{{outcome=\"refused\"}} {}\n# HELP tandem_state_slots_reserved Slots reserved for states on their way.\n# TYPE tandem_state_slots_reserved gauge\ntandem_state_slots_reserved {reserved}\n",
+            "# HELP tandem_remote_states_total States prefill workers wrote into this worker's slots: used (the request started from it) or refused (not applied; the request was prefilled here).\n# TYPE tandem_remote_states_total counter\ntandem_remote_states_total{{outcome=\"used\"}} {}\ntandem_remote_states_total{{outcome=\"refused\"}} {}\n# HELP tandem_state_slots_reserved Slots reserved for states on their way.\n# TYPE tandem_state_slots_reserved gauge\ntandem_state_slots_reserved {reserved}\n# HELP tandem_worker_state_memory Where states from prefill workers arrive: GPU memory (a GPU decode engine's pools) or host memory.\n# TYPE tandem_worker_state_memory gauge\ntandem_worker_state_memory{{memory=\"{memory}\"}} 1\n",
             w.used.load(Ordering::Relaxed),
             w.refused.load(Ordering::Relaxed)
         );
@@ -324,18 +366,25 @@ pub async fn prefill(AppState(app): AppState<Arc<App>>, raw: Bytes) -> Response 
             })?;
             let engine_error = |e: anyhow::Error| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", format!("{e:#}"));
             let started = Instant::now();
-            let (state, cached, prefilled) = super::completion::prefilled_state(&app, p.cache_salt, p.prompt).await.map_err(engine_error)?;
-            let prefill_ms = started.elapsed().as_secs_f64() * 1e3;
             let (a, ticket) = (Arc::clone(&app), p.ticket);
-            let times = tokio::task::spawn_blocking(move || {
+            // The transfer's outcome is the closure's value, so that an engine error (500) and a
+            // failed transfer (502: the router's to retry elsewhere) stay apart.
+            let send = move |snapshot: &tandem_core::state::Snapshot| -> anyhow::Result<anyhow::Result<(tandem_core::bridge::TransferTimes, usize)>> {
                 let sender = a.worker.as_ref().and_then(|w| w.sender.as_ref()).expect("a prefill worker has a sender");
-                let bytes = tandem_core::bridge::format::image_bytes(&state);
-                sender.lock().expect("sender lock").send(&ticket, &state, a.fingerprint, SEND_TIMEOUT).map(|t| (t, bytes))
-            })
-            .await
-            .map_err(|e| engine_error(e.into()))?
-            .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "transfer_failed", format!("{e:#}")))?;
-            let (t, bytes) = times;
+                let mut sender = sender.lock().expect("sender lock");
+                Ok(match (&ticket.memory, snapshot) {
+                    (SlotMemory::Gpu { .. }, tandem_core::state::Snapshot::Gpu(g)) => sender.send_gpu(&ticket, g, a.fingerprint, SEND_TIMEOUT).map(|t| (t, g.bytes())),
+                    _ => {
+                        let state = snapshot.to_host()?;
+                        let bytes = tandem_core::bridge::format::image_bytes(&state);
+                        sender.send(&ticket, &state, a.fingerprint, SEND_TIMEOUT).map(|t| (t, bytes))
+                    }
+                })
+            };
+            let (sent, cached, prefilled) = super::completion::prefill_then(&app, p.cache_salt, p.prompt, send).await.map_err(engine_error)?;
+            let (times, bytes) = sent.map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "transfer_failed", format!("{e:#}")))?;
+            let prefill_ms = (started.elapsed() - times.total()).as_secs_f64() * 1e3;
+            let t = times;
             Ok(json_response(
                 StatusCode::OK,
                 json!({"cached": cached, "prefilled": prefilled, "prefill_ms": prefill_ms, "serialize_ms": t.serialize.as_secs_f64() * 1e3, "transfer_ms": t.read.as_secs_f64() * 1e3, "state_bytes": bytes}),

@@ -7,6 +7,10 @@ Started by crates/tandem/tests/disagg.rs inside a user, network and mount namesp
     TANDEM=target/release/tandem unshare -rnm python crates/tandem/tests/serve/test_disagg.py
 Where namespaces cannot be made, the same processes run on loopback ports (said in the output).
 
+With TANDEM_DISAGG_GPU=1 (on a GPU machine, loopback ports): a prefill worker and a decode
+worker as two processes on one GPU, the state moved GPU memory to GPU memory through NIXL;
+greedy outputs as a single GPU server's.
+
 Checks: greedy outputs through the router (remote prefill, local prefill, conditional) equal a
 single-process server's for plain requests, chat, streams, sessions and prefix-cache hits;
 workers joining and a restarted router; a state that does not match its request is refused and
@@ -90,8 +94,9 @@ class Proc:
     def __init__(self, net, name, args):
         self.name = name
         self.url = net.url(name)
-        # UCX over TCP; cuda_copy too where a GPU is (NIXL wants a CUDA transport there).
-        env = dict(os.environ, UCX_TLS="tcp,cuda_copy" if os.path.exists("/dev/nvidiactl") else "tcp")
+        # UCX over TCP; cuda_copy too where a GPU is (NIXL wants a CUDA transport there). GPU
+        # workers: UCX picks its transports (CUDA IPC between processes on one GPU).
+        env = dict(os.environ) if net.why.startswith("loopback on the GPU") else dict(os.environ, UCX_TLS="tcp,cuda_copy" if os.path.exists("/dev/nvidiactl") else "tcp")
         self.proc = subprocess.Popen(net.command(name, args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.log = []
         up = threading.Event()
@@ -165,6 +170,45 @@ def router_metric(router, name):
 
 def summed(workers, name):
     return sum(w.metrics().get(name, 0.0) for w in workers)
+
+
+def gpu():
+    """Two processes on one GPU: every state written GPU memory to GPU memory, and used."""
+    net = Net.__new__(Net)
+    net.netns, net.why = False, "loopback on the GPU machine"
+    engines = ["--prefill", "cuda:0", "--decode", "cuda:0"]
+    procs = []
+    try:
+        single = Proc(net, "single", ["--model", MODEL, *engines, "--gpu-memory-utilization", "0.25"])
+        procs.append(single)
+        router = Proc(net, "router", ["--role", "router", "--prefill-placement", "remote"])
+        procs.append(router)
+        share = ["--gpu-memory-utilization", "0.25"]
+        decoder = Proc(net, "d1", ["--role", "decode", "--model", MODEL, "--router", router.url, *engines, *share])
+        prefiller = Proc(net, "p1", ["--role", "prefill", "--model", MODEL, "--router", router.url, "--mode", "prefill-engine", "--prefill", "cuda:0", *share])
+        procs += [decoder, prefiller]
+        wait_until(lambda: live(router) == 2, "both workers registered with the router")
+        check(decoder.metrics().get('tandem_worker_state_memory{memory="gpu"}') == 1, "the decode worker receives states in GPU memory")
+        prompts = [ids(5, 1), ids(16, 2), ids(300, 3), ids(1200, 4), ids(3000, 5)]
+        for p in prompts:
+            want = completion(single, p)[0]
+            got = completion(router, p)[0]
+            check(got == want, f"a {len(p)}-token prompt, its state GPU to GPU: {got!r}, alone {want!r}")
+        messages = [{"role": "user", "content": "Tell me about tandem bicycles and how two riders share the work."}]
+        check(chat(router, messages, stream=True) == chat(single, messages, stream=True), "a streamed chat, its state GPU to GPU")
+        used = decoder.metrics()['tandem_remote_states_total{outcome="used"}']
+        refused = decoder.metrics()['tandem_remote_states_total{outcome="refused"}']
+        check(used == len(prompts) + 1 and refused == 0, f"every state used ({used}), none refused ({refused})")
+        check(decoder.metrics()["tandem_state_slots_reserved"] == 0, "no slot stays reserved")
+        print(f"gpu: {used:.0f} states (5-3000 tokens) GPU memory to GPU memory between two processes on one GPU, outputs as a single GPU server's")
+        print("disagg gpu: ok")
+    except Exception:
+        for p in procs:
+            print(f"--- log of {p.name}:\n" + "\n".join(p.log[-30:]), file=sys.stderr)
+        raise
+    finally:
+        for p in procs:
+            p.stop(signal.SIGKILL)
 
 
 def main():
@@ -329,7 +373,7 @@ def main():
 
 if __name__ == "__main__":
     try:
-        main()
+        gpu() if os.environ.get("TANDEM_DISAGG_GPU") == "1" else main()
     except AssertionError as e:
         print(f"FAILED: {e}")
         sys.exit(1)

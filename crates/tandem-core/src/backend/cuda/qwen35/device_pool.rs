@@ -3,12 +3,15 @@
 //! of pieces as it needs them, up to a limit if one is set (what a serving engine sizes from its
 //! memory budget), and keeps what it took: pieces given back go to the free list for the next
 //! state. Its slabs are allocated on a stream of its own and waited for, so that any engine's
-//! stream may use them at once.
+//! stream may use them at once. A pool whose pieces another process will read or write (a state
+//! moved by NIXL, CUDA IPC underneath) takes its slabs from `cuMemAlloc` instead
+//! (`set_exportable`): memory of the stream-ordered allocator's default pool cannot be mapped by
+//! another process.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
 /// A pool of pieces of `piece_bytes` on one GPU.
@@ -24,8 +27,30 @@ pub struct DevicePool {
     pieces: Mutex<Pieces>,
 }
 
+/// One allocation of pieces.
+enum Slab {
+    /// From the stream-ordered allocator (freed with the slice).
+    Ordered(CudaSlice<u8>),
+    /// From `cuMemAlloc`, which another process can map; freed on drop.
+    Exportable { addr: u64, bytes: usize, ctx: Arc<CudaContext> },
+}
+
+impl Drop for Slab {
+    fn drop(&mut self) {
+        if let Slab::Exportable { addr, ctx, .. } = self {
+            // SAFETY: allocated by cuMemAlloc in this context; the pool that held it is gone, so
+            // no piece of it is in use.
+            if ctx.bind_to_thread().is_ok() {
+                let _ = unsafe { cudarc::driver::result::free_sync(*addr) };
+            }
+        }
+    }
+}
+
 struct Pieces {
-    slabs: Vec<CudaSlice<u8>>,
+    slabs: Vec<Slab>,
+    /// Whether new slabs come from `cuMemAlloc` (`set_exportable`).
+    exportable: bool,
     /// Addresses of the pieces no state holds.
     free: Vec<u64>,
     /// Pieces allocated so far (held or free).
@@ -94,7 +119,7 @@ impl DevicePool {
         let ordinal = ctx.ordinal();
         let stream = ctx.new_stream().map_err(|e| anyhow::anyhow!("cuda:{ordinal}: a stream for the pool of {what}: {e:?}"))?;
         let piece_bytes = piece_bytes.max(1).next_multiple_of(256);
-        Ok(DevicePool { what, stream, ordinal, piece_bytes, slab: slab.max(1), pieces: Mutex::new(Pieces { slabs: Vec::new(), free: Vec::new(), allocated: 0, limit: None, shared: HashMap::new() }) })
+        Ok(DevicePool { what, stream, ordinal, piece_bytes, slab: slab.max(1), pieces: Mutex::new(Pieces { slabs: Vec::new(), exportable: false, free: Vec::new(), allocated: 0, limit: None, shared: HashMap::new() }) })
     }
 
     /// The GPU the pieces are on.
@@ -126,6 +151,26 @@ impl DevicePool {
         level.limit.map(|l| l.saturating_sub(level.used))
     }
 
+    /// Take the slabs allocated from now on from `cuMemAlloc`, so that another process can map
+    /// them (CUDA IPC: NIXL's transfers between processes on one host). Set it before the pool
+    /// allocates, or its first slabs stay unexportable.
+    pub fn set_exportable(&self) {
+        self.lock().exportable = true;
+    }
+
+    /// The pool's allocations: (address, bytes) of each, in the order they were made (what a
+    /// transfer engine registers to move pieces of them).
+    pub fn slabs(&self) -> Vec<(u64, usize)> {
+        self.lock()
+            .slabs
+            .iter()
+            .map(|s| match s {
+                Slab::Ordered(slice) => (cudarc::driver::DevicePtr::device_ptr(slice, &self.stream).0, slice.len()),
+                Slab::Exportable { addr, bytes, .. } => (*addr, *bytes),
+            })
+            .collect()
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Pieces> {
         self.pieces.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -141,15 +186,24 @@ impl DevicePool {
             // A slab at a time, but never past the limit (checked above to leave room for n).
             let room = p.limit.map_or(usize::MAX, |l| l.saturating_sub(p.allocated));
             let want = (n - p.free.len()).max(self.slab.min(room));
-            // SAFETY: every user writes a piece before it reads it (see `take`'s callers).
-            let slab = match unsafe { self.stream.alloc::<u8>(want * self.piece_bytes) } {
-                Ok(s) => s,
-                Err(e) => bail!("cuda:{}: allocating {want} {} ({} MB): {e:?}", self.ordinal, self.what, (want * self.piece_bytes) >> 20),
+            let bytes = want * self.piece_bytes;
+            let failed = |e: &dyn std::fmt::Debug| anyhow::anyhow!("cuda:{}: allocating {want} {} ({} MB): {e:?}", self.ordinal, self.what, bytes >> 20);
+            let (slab, base) = if p.exportable {
+                let ctx = self.stream.context().clone();
+                ctx.bind_to_thread().map_err(|e| failed(&e))?;
+                // SAFETY: a plain allocation in the bound context; every user writes a piece
+                // before it reads it (see `take`'s callers).
+                let addr = unsafe { cudarc::driver::result::malloc_sync(bytes) }.map_err(|e| failed(&e))?;
+                (Slab::Exportable { addr, bytes, ctx }, addr)
+            } else {
+                // SAFETY: every user writes a piece before it reads it (see `take`'s callers).
+                let slice = unsafe { self.stream.alloc::<u8>(bytes) }.map_err(|e| failed(&e))?;
+                self.stream.synchronize().map_err(|e| anyhow::anyhow!("cuda:{}: allocating {}: {e:?}", self.ordinal, self.what))?;
+                let base = cudarc::driver::DevicePtr::device_ptr(&slice, &self.stream).0;
+                (Slab::Ordered(slice), base)
             };
-            self.stream.synchronize().map_err(|e| anyhow::anyhow!("cuda:{}: allocating {}: {e:?}", self.ordinal, self.what))?;
-            let base = cudarc::driver::DevicePtr::device_ptr(&slab, &self.stream).0;
-            let bytes = self.piece_bytes as u64;
-            p.free.extend((0..want as u64).rev().map(|i| base + i * bytes));
+            let piece = self.piece_bytes as u64;
+            p.free.extend((0..want as u64).rev().map(|i| base + i * piece));
             p.allocated += want;
             p.slabs.push(slab);
         }

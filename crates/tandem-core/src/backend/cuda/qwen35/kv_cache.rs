@@ -48,6 +48,11 @@ impl KvPool {
         self.pieces.ordinal()
     }
 
+    /// The context of the pool's GPU.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        self.pieces.stream().context()
+    }
+
     /// The GPU's free and total memory, in bytes, as the driver reports them now.
     pub fn memory(&self) -> Result<(usize, usize)> {
         let err = |e| anyhow::anyhow!("cuda:{}: reading the GPU's free memory: {e:?}", self.ordinal());
@@ -81,6 +86,16 @@ impl KvPool {
     /// Blocks states could still take under the limit (None: no limit set).
     pub fn available(&self) -> Option<usize> {
         self.pieces.available()
+    }
+
+    /// Allocate from now on memory another process can map (`DevicePool::set_exportable`).
+    pub fn set_exportable(&self) {
+        self.pieces.set_exportable();
+    }
+
+    /// The pool's allocations, (address, bytes) each.
+    pub fn slabs(&self) -> Vec<(u64, usize)> {
+        self.pieces.slabs()
     }
 }
 

@@ -38,6 +38,7 @@ pub mod kv_cache;
 mod layers;
 mod state;
 pub use state::GpuSnapshot;
+pub mod transfer;
 use state::CopyOut;
 pub mod state_slots;
 mod workspace;
@@ -280,6 +281,17 @@ pub struct GpuPools {
     pub slots: Arc<SlotPool>,
     /// The slots of snapshots kept on the GPU (`keep_snapshots_on_device`).
     pub snapshots: Option<Arc<SlotPool>>,
+}
+
+impl GpuPools {
+    /// Allocate from now on memory another process can map (CUDA IPC, under NIXL), in each pool.
+    pub fn set_exportable(&self) {
+        self.kv.set_exportable();
+        self.slots.set_exportable();
+        if let Some(s) = &self.snapshots {
+            s.set_exportable();
+        }
+    }
 }
 
 /// A request's state in GPU memory: the same arrays as `State` (the K/V rows in blocks of the

@@ -260,22 +260,22 @@ pub struct GpuSnapshot {
     /// Its number (`new_snapshot_id`), and the snapshots the state it was taken of went on from.
     pub id: u64,
     pub lineage: Lineage,
-    slot: StateSlot,
-    kv: KvBlocks,
-    logits: SnapshotLogits,
+    pub(super) slot: StateSlot,
+    pub(super) kv: KvBlocks,
+    pub(super) logits: SnapshotLogits,
     /// The stream of the engine that took it: its copies were queued there.
-    stream: Arc<CudaStream>,
+    pub(super) stream: Arc<CudaStream>,
     /// Passed on that stream once the copies are done.
-    ready: CudaEvent,
+    pub(super) ready: CudaEvent,
     /// How it leaves the GPU (`download`).
-    copy_out: Arc<CopyOut>,
+    pub(super) copy_out: Arc<CopyOut>,
 }
 
 /// Where a snapshot's last logits are: on the host (shared with the state, where it had them
 /// there), or copied past its slot (from a batched call's buffer on the GPU: bringing them to
 /// the host would stall the engine on every snapshot, and only a request that continues the
 /// snapshot with nothing to prefill reads them).
-enum SnapshotLogits {
+pub(super) enum SnapshotLogits {
     Host(Arc<[f32]>),
     InSlot(usize),
 }
@@ -285,8 +285,8 @@ enum SnapshotLogits {
 /// while the engine works (and captures graphs, which a copy queued on its stream from
 /// another thread would break) on its stream.
 pub struct CopyOut {
-    stream: Arc<CudaStream>,
-    staging: Mutex<Staging>,
+    pub(super) stream: Arc<CudaStream>,
+    pub(super) staging: Mutex<Staging>,
 }
 
 impl CopyOut {

@@ -183,6 +183,16 @@ impl SlotPool {
     pub fn available(&self) -> Option<usize> {
         self.pieces.available()
     }
+
+    /// Allocate from now on memory another process can map (`DevicePool::set_exportable`).
+    pub fn set_exportable(&self) {
+        self.pieces.set_exportable();
+    }
+
+    /// The pool's allocations, (address, bytes) each.
+    pub fn slabs(&self) -> Vec<(u64, usize)> {
+        self.pieces.slabs()
+    }
 }
 
 /// One state's slot of a pool; given back when dropped. Its bytes are what the last holder left
