@@ -64,6 +64,17 @@ pub async fn post_streaming(base: &str, path: &str, body: Bytes, timeout: Durati
     exchange(base, request, timeout).await
 }
 
+/// POST bytes (`application/octet-stream`: a state's image) and read the whole answer within
+/// `timeout`.
+pub async fn post_bytes(base: &str, path: &str, body: Vec<u8>, timeout: Duration) -> Result<(StatusCode, Bytes)> {
+    let request = Request::post(path)
+        .header(hyper::header::HOST, authority(base)?)
+        .header(hyper::header::CONTENT_TYPE, "application/octet-stream")
+        .body(Full::new(Bytes::from(body)))
+        .context("building a request")?;
+    whole(base, path, exchange(base, request, timeout), timeout).await
+}
+
 /// POST JSON and read the whole answer within `timeout`.
 pub async fn post_json(base: &str, path: &str, body: &serde_json::Value, timeout: Duration) -> Result<(StatusCode, Bytes)> {
     whole(base, path, post_streaming(base, path, Bytes::from(body.to_string()), timeout), timeout).await

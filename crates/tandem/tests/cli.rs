@@ -222,20 +222,27 @@ fn a_gpu_placement_generates_or_says_why_there_is_none() {
     assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "294,115,733,707,844");
 }
 
-/// A worker role where the NIXL libraries cannot be loaded (or, built without NIXL, a build
-/// without it) fails at once with what is missing and how to install it.
+/// A decode worker asked for NIXL where its libraries cannot be loaded (or, built without
+/// NIXL, a build without it) fails at once with what is missing and how to install it; a
+/// prefill worker is told its option is not its own.
 #[test]
 fn a_worker_without_nixl_says_what_is_missing() {
     let o = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["serve", "--role", "decode", "--model", "synthetic:tiny", "--port", "0", "--router", "http://127.0.0.1:9"])
+        .args(["serve", "--role", "decode", "--state-transfer", "nixl", "--model", "synthetic:tiny", "--port", "0", "--router", "http://127.0.0.1:9"])
         .env("TANDEM_NIXL_LIB", "/no/such/libnixl_capi.so")
         .output()
         .unwrap();
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("scripts/nixl.sh"), "{err}");
+    assert!(err.contains("--state-transfer") && err.contains("scripts/nixl.sh"), "{err}");
     if cfg!(feature = "nixl") {
         assert!(err.contains("/no/such/libnixl_capi.so"), "{err}");
+    }
+    for (args, want) in [(vec!["--role", "prefill", "--state-transfer", "stream"], "a decode worker's option"), (vec!["--role", "decode", "--state-transfer", "carrier-pigeon"], "nixl, stream or file[:DIR]"), (vec!["--role", "decode", "--state-transfer", "file:/no/such/dir"], "not a directory")] {
+        let o = Command::new(env!("CARGO_BIN_EXE_tandem")).args(["serve", "--model", "synthetic:tiny", "--port", "0", "--router", "http://127.0.0.1:9"]).args(&args).output().unwrap();
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
     }
 }
 

@@ -180,7 +180,10 @@ fn start_setup(spec: &str, prefill: &EngineSpec, decode: &EngineSpec, placement:
         Device::Cuda(_) => d.extend(["--prefill".into(), prefill.to_string(), "--decode".into(), decode.to_string()]),
         Device::Cpu => d.extend(["--mode".into(), "decode-engine".into(), "--decode".into(), decode.to_string()]),
     }
-    d.extend(gpu_share(decode, "0.45"));
+    // A GPU budget is a fraction of the whole GPU less everything in use when the server
+    // starts, the prefill worker's share among it: the decode worker, started second, names
+    // the total of both.
+    d.extend(gpu_share(decode, "0.85"));
     let workers = vec![Server::start(&p)?, Server::start(&d)?];
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let started = Instant::now();

@@ -227,7 +227,6 @@ pub async fn remember(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>, le
 /// path continued with the rest (stopping for snapshots, kept in the cache once `send` is done,
 /// as a request's prefill does). Returns what `send` returned, with the tokens the cache covered
 /// and those prefilled.
-#[cfg_attr(not(feature = "nixl"), allow(dead_code))]
 pub async fn prefill_then<T: Send + 'static>(app: &Arc<App>, salt: Option<String>, tokens: Vec<u32>, send: impl FnOnce(&Snapshot) -> anyhow::Result<T> + Send + 'static) -> anyhow::Result<(T, usize, usize)> {
     let found = lookup(app, salt.as_deref(), &tokens, true).await;
     let reused = found.reused;

@@ -11,6 +11,7 @@ mod engines;
 mod completion;
 mod metrics;
 mod routes;
+mod transfer;
 mod worker;
 
 use std::collections::HashMap;
@@ -105,6 +106,11 @@ OPTIONS:
                            serving: router, prefill or decode (below)
   --router URL             a worker's router (http://HOST:PORT), with which it registers
   --advertise URL          where the router reaches this worker (default: http://--host:--port)
+  --state-transfer HOW     how a decode worker takes states from prefill workers: nixl
+                           (one-sided writes into its memory: host, or its GPU engine's),
+                           stream (the state's image POSTed to it, over any network) or
+                           file[:DIR] (a state file in a directory both workers see; default
+                           /dev/shm); default: nixl where this tandem has it, else stream
 
 Prefixes are reused without any client change: a request continues the deepest cached state
 its prompt passes (the end of an earlier prompt, the point where two prompts part, the last
@@ -204,7 +210,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         Some("decode") => worker::Role::Decode,
         Some(other) => bail!("--role {other:?}: single (the default), prefill, decode or router"),
     };
-    let mut with_value = vec!["model", "host", "port", "role", "router", "advertise", "max-concurrent", "max-queue", "max-context", "prefix-cache-memory", "prefix-cache-device-memory", "prefix-cache-dir", "prefix-cache-disk-memory", "session-memory", "prefix-snapshot-every", "served-model-name"];
+    let mut with_value = vec!["model", "host", "port", "role", "router", "advertise", "state-transfer", "max-concurrent", "max-queue", "max-context", "prefix-cache-memory", "prefix-cache-device-memory", "prefix-cache-dir", "prefix-cache-disk-memory", "session-memory", "prefix-snapshot-every", "served-model-name"];
     with_value.extend(ENGINE_OPTIONS.iter().filter(|o| **o != "max-batch"));
     let args = Args::parse(argv, &with_value, &[])?;
     let max_concurrent: usize = args.get("max-concurrent", 8)?;
@@ -281,7 +287,11 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     }
     let advertise = args.str("advertise").map_or_else(|| format!("http://{bound}"), str::to_string);
     crate::http_client::check_base(&advertise).context("--advertise")?;
-    let worker = worker::Worker::new(role, &format!("tandem-{}-{}-{}", role.name(), std::process::id(), bound.port()))?;
+    if role != worker::Role::Decode && args.str("state-transfer").is_some() {
+        bail!("--state-transfer: a decode worker's option (it reserves the slots; a prefill worker follows their tickets)");
+    }
+    let method = transfer::Method::parse(args.str("state-transfer"))?;
+    let worker = worker::Worker::new(role, &format!("tandem-{}-{}-{}", role.name(), std::process::id(), bound.port()), method, &advertise)?;
 
     let fingerprint = model.net.fingerprint();
     pipeline::run(&model.net, &config, |pipeline| {
@@ -330,6 +340,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             .route("/internal/reserve", post(worker::reserve))
             .route("/internal/release", post(worker::release))
             .route("/internal/prefill", post(worker::prefill))
+            .route("/internal/state/{slot}", post(worker::state))
             .fallback(routes::not_found)
             .method_not_allowed_fallback(routes::method_not_allowed)
             .with_state(Arc::clone(&app));
@@ -354,6 +365,9 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         }
         if !app.cache_on {
             eprintln!("tandem serve: the prefix cache is off (--prefix-cache-memory SIZE or --prefix-cache-device-memory SIZE turns it on)");
+        }
+        if let Some(t) = app.worker.as_ref().and_then(|w| w.transfer()) {
+            eprintln!("tandem serve: states from prefill workers come by {t}");
         }
         eprintln!("listening on http://{bound}");
         let served = runtime.block_on(async {

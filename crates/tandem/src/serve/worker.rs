@@ -1,13 +1,14 @@
 //! What a worker of disaggregated serving adds to the server (`--role prefill|decode`).
 //!
 //! A decode worker is the whole server (it can prefill a prompt itself) that also reserves
-//! slots for states prefilled elsewhere (`POST /internal/reserve`, a NIXL ticket), frees them
-//! (`/internal/release`), tells the router what a request would cost it (`/internal/plan`: the
-//! prompt's tokens, the tokens its prefix cache holds, its load), and runs a chat or completion
-//! request from the state a prefill worker wrote (the body's `tandem_prefilled`). A prefill
-//! worker prefills a prompt (continuing its own prefix cache) and writes the state straight
-//! into the slot the decode worker reserved (`/internal/prefill`). Both register with the
-//! router (`--router URL`) and renew it every second; the router forgets a worker that stops.
+//! slots for states prefilled elsewhere (`POST /internal/reserve`, a ticket: transfer.rs), frees
+//! them (`/internal/release`), takes streamed states (`/internal/state/SLOT`), tells the router
+//! what a request would cost it (`/internal/plan`: the prompt's tokens, the tokens its prefix
+//! cache holds, its load), and runs a chat or completion request from the state a prefill
+//! worker wrote (the body's `tandem_prefilled`). A prefill worker prefills a prompt (continuing
+//! its own prefix cache) and puts the state where the ticket says (`/internal/prefill`). Both
+//! register with the router (`--router URL`) and renew it every second; the router forgets a
+//! worker that stops.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -22,9 +23,8 @@ use serde_json::{json, Value};
 
 use super::api::{ApiError, Endpoint};
 use super::completion::Cached;
+use super::transfer::{Inbox, Method, Outbox, Sent};
 use super::App;
-#[cfg(feature = "nixl")]
-use tandem_core::bridge::nixl::SlotMemory;
 
 /// How a `tandem serve` takes part in disaggregated serving.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,21 +46,18 @@ impl Role {
 }
 
 /// How long a prefill worker waits for its write into a decode worker's slot (below the
-/// quarantine of released slots, so that a write given up on never lands in a reused one).
-#[cfg(feature = "nixl")]
+/// quarantine of released NIXL slots, so that a write given up on never lands in a reused one)
+/// or for its POST of a streamed state.
 const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a decode worker waits for a state the router says was written (NIXL notifies
 /// after the bytes, and the router forwards the request only once the write completed).
-#[cfg(feature = "nixl")]
 const ARRIVAL_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A worker's part of the server: its role and its end of the NIXL transfer.
+/// A worker's part of the server: its role and its end of the state's transfer.
 pub struct Worker {
     pub role: Role,
-    #[cfg(feature = "nixl")]
-    receiver: Option<std::sync::Mutex<tandem_core::bridge::nixl::Receiver>>,
-    #[cfg(feature = "nixl")]
-    sender: Option<std::sync::Mutex<tandem_core::bridge::nixl::Sender>>,
+    inbox: Option<Inbox>,
+    outbox: Option<Outbox>,
     /// States prefill workers wrote that requests here started from.
     used: AtomicU64,
     /// States a prefill worker wrote that this decode worker refused or could not find (the
@@ -69,60 +66,40 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// The worker of `role` (None for the single server), with its NIXL agent named `name`.
-    pub fn new(role: Role, name: &str) -> anyhow::Result<Option<Worker>> {
-        if role == Role::Single {
-            return Ok(None);
-        }
-        #[cfg(feature = "nixl")]
-        {
-            use tandem_core::bridge::nixl::{Receiver, Sender};
-            let receiver = if role == Role::Decode { Some(std::sync::Mutex::new(Receiver::new(name, None)?)) } else { None };
-            let sender = if role == Role::Prefill { Some(std::sync::Mutex::new(Sender::new(name, None)?)) } else { None };
-            Ok(Some(Worker { role, receiver, sender, used: Default::default(), refused: Default::default() }))
-        }
-        #[cfg(not(feature = "nixl"))]
-        {
-            let _ = name;
-            Err(tandem_core::bridge::nixl_not_built().context(format!("--role {}", role.name())))
-        }
+    /// The worker of `role` (None for the single server): a decode worker takes states by
+    /// `method` (its NIXL agent named `name`), reachable at `url`.
+    pub fn new(role: Role, name: &str, method: Method, url: &str) -> anyhow::Result<Option<Worker>> {
+        let (inbox, outbox) = match role {
+            Role::Single => return Ok(None),
+            Role::Decode => (Some(Inbox::new(method, name, url).map_err(|e| e.context("--state-transfer"))?), None),
+            Role::Prefill => (None, Some(Outbox::new(name))),
+        };
+        Ok(Some(Worker { role, inbox, outbox, used: Default::default(), refused: Default::default() }))
     }
-}
 
-impl Worker {
-    /// Move states GPU memory to GPU memory where this worker's engine is a GPU engine: a
-    /// decode worker receives into its decode engine's pools, a prefill worker sends its prefill
-    /// engine's snapshots from theirs. Called before the engines allocate (their pools are made
-    /// exportable to other processes here).
-    #[cfg_attr(not(feature = "nixl"), allow(unused_variables))]
-    pub fn on_gpu(self, pipeline: &tandem_core::pipeline::Pipeline, vocab: usize) -> anyhow::Result<Worker> {
-        #[cfg(feature = "nixl")]
-        {
-            use tandem_core::backend::cuda::qwen35::transfer::TransferPools;
-            let mut w = self;
-            let pools = match w.role {
-                Role::Decode => pipeline.decode_pools(),
-                _ => pipeline.prefill_pools(),
-            };
-            let Some(pools) = pools else { return Ok(w) };
-            pools.set_exportable();
-            let transfer = TransferPools::new(pools, vocab)?;
-            if let Some(r) = w.receiver.take() {
-                w.receiver = Some(std::sync::Mutex::new(r.into_inner().unwrap_or_else(|e| e.into_inner()).on_gpu(transfer)));
-            } else if let Some(s) = w.sender.take() {
-                w.sender = Some(std::sync::Mutex::new(s.into_inner().unwrap_or_else(|e| e.into_inner()).on_gpu(transfer)));
-            }
-            Ok(w)
+    /// Move states GPU memory to GPU memory where this worker's engine is a GPU engine and the
+    /// state goes by NIXL: a decode worker receives into its decode engine's pools, a prefill
+    /// worker sends its prefill engine's snapshots from theirs. Called before the engines
+    /// allocate (their pools are made exportable to other processes here).
+    pub fn on_gpu(mut self, pipeline: &tandem_core::pipeline::Pipeline, vocab: usize) -> anyhow::Result<Worker> {
+        if let Some(i) = self.inbox.take() {
+            self.inbox = Some(i.on_gpu(pipeline, vocab)?);
         }
-        #[cfg(not(feature = "nixl"))]
+        if let Some(o) = self.outbox.take() {
+            self.outbox = Some(o.on_gpu(pipeline, vocab)?);
+        }
         Ok(self)
+    }
+
+    /// How states come to this worker (a decode worker's), for its start-up line.
+    pub fn transfer(&self) -> Option<&'static str> {
+        self.inbox.as_ref().map(Inbox::kind)
     }
 }
 
 /// Where a prefill worker put a request's state: the slot of this decode worker it wrote, and
 /// the prompt it prefilled (its length and hash, checked against this worker's tokens).
 #[derive(Clone, Debug, Deserialize)]
-#[cfg_attr(not(feature = "nixl"), allow(dead_code))]
 pub struct Prefilled {
     pub slot: u64,
     pub tokens: usize,
@@ -157,69 +134,31 @@ pub fn prefilled_elsewhere(app: &App, raw: &[u8]) -> Result<Option<Prefilled>, A
 /// damaged) is not applied: the slot is freed and the request prefilled here (counted in
 /// `refused`).
 pub async fn take_prefilled(app: &Arc<App>, remote: &Prefilled, prompt: &[u32]) -> Result<Cached, ApiError> {
-    #[cfg(feature = "nixl")]
-    {
-        match take_state(app, remote, prompt).await {
-            Ok(state) => {
-                if let Some(w) = &app.worker {
-                    w.used.fetch_add(1, Ordering::Relaxed);
-                }
-                return Ok(Cached { state: Some(state), reused: prompt.len(), cached: remote.cached, stops: Vec::new() });
+    match take_state(app, remote, prompt).await {
+        Ok(state) => {
+            if let Some(w) = &app.worker {
+                w.used.fetch_add(1, Ordering::Relaxed);
             }
-            Err(e) => {
-                eprintln!("tandem serve: the state prefilled elsewhere for a {}-token prompt (slot {}) is not used, the prompt is prefilled here: {e:#}", prompt.len(), remote.slot);
-                if let Some(w) = &app.worker {
-                    w.refused.fetch_add(1, Ordering::Relaxed);
-                }
+            return Ok(Cached { state: Some(state), reused: prompt.len(), cached: remote.cached, stops: Vec::new() });
+        }
+        Err(e) => {
+            eprintln!("tandem serve: the state prefilled elsewhere for a {}-token prompt (slot {}) is not used, the prompt is prefilled here: {e:#}", prompt.len(), remote.slot);
+            if let Some(w) = &app.worker {
+                w.refused.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
-    #[cfg(not(feature = "nixl"))]
-    let _ = remote;
     Ok(super::completion::lookup(app, None, prompt, true).await)
 }
 
-#[cfg(feature = "nixl")]
 async fn take_state(app: &Arc<App>, remote: &Prefilled, prompt: &[u32]) -> anyhow::Result<tandem_core::pipeline::Start> {
     use anyhow::Context;
-    let receiver = app.worker.as_ref().and_then(|w| w.receiver.as_ref()).context("not a decode worker")?;
-    let release = || receiver.lock().expect("receiver lock").release(remote.slot);
+    let inbox = app.worker.as_ref().and_then(|w| w.inbox.as_ref()).context("not a decode worker")?;
     if remote.tokens != prompt.len() || remote.hash != prompt_hash(prompt) {
-        release();
+        inbox.release(remote.slot);
         anyhow::bail!("it was prefilled for another prompt ({} tokens, hash {}; here {} tokens, hash {})", remote.tokens, remote.hash, prompt.len(), prompt_hash(prompt));
     }
-    let started = Instant::now();
-    loop {
-        match receiver.lock().expect("receiver lock").has_arrived(remote.slot) {
-            Ok(true) => break,
-            Ok(false) if started.elapsed() < ARRIVAL_TIMEOUT => {}
-            Ok(false) => {
-                release();
-                anyhow::bail!("no state came within {} s", ARRIVAL_TIMEOUT.as_secs());
-            }
-            Err(e) => {
-                release();
-                return Err(e);
-            }
-        }
-        tokio::time::sleep(Duration::from_micros(200)).await;
-    }
-    let (a, slot, n) = (Arc::clone(app), remote.slot, prompt.len());
-    tokio::task::spawn_blocking(move || {
-        let receiver = a.worker.as_ref().and_then(|w| w.receiver.as_ref()).expect("checked above");
-        // The state is checked (and a host state copied out) under the lock: slots are reserved
-        // meanwhile by other requests' routers only, which can wait for one copy.
-        let mut receiver = receiver.lock().expect("receiver lock");
-        if receiver.is_on_gpu() {
-            // Its pieces become a snapshot the engine restores (on the GPU, where they are).
-            let snapshot = receiver.take_gpu(slot, a.fingerprint, n)?;
-            Ok(tandem_core::pipeline::Start::Cached(Arc::new(tandem_core::state::Snapshot::Gpu(snapshot))))
-        } else {
-            receiver.take(slot, a.fingerprint, &a.config, n, None).map(|(state, _, _)| state.into())
-        }
-    })
-    .await
-    .context("the thread taking the state")?
+    inbox.take(remote.slot, prompt.len(), app.fingerprint, &app.config, ARRIVAL_TIMEOUT).await
 }
 
 /// A worker's lines of `/metrics`: its role, and a decode worker's states from elsewhere.
@@ -227,15 +166,10 @@ pub fn metrics(app: &App) -> String {
     let Some(w) = &app.worker else { return String::new() };
     let mut out = format!("# HELP tandem_worker_role This server's role in disaggregated serving.\n# TYPE tandem_worker_role gauge\ntandem_worker_role{{role=\"{}\"}} 1\n", w.role.name());
     if w.role == Role::Decode {
-        #[cfg(feature = "nixl")]
-        let (reserved, memory) = w.receiver.as_ref().map_or((0, "host"), |r| {
-            let r = r.lock().expect("receiver lock");
-            (r.reserved(), if r.is_on_gpu() { "gpu" } else { "host" })
-        });
-        #[cfg(not(feature = "nixl"))]
-        let (reserved, memory) = (0, "host");
+        let inbox = w.inbox.as_ref().expect("a decode worker has an inbox");
+        let (reserved, transfer) = (inbox.reserved(), inbox.kind());
         out += &format!(
-            "# HELP tandem_remote_states_total States prefill workers wrote into this worker's slots: used (the request started from it) or refused (not applied; the request was prefilled here).\n# TYPE tandem_remote_states_total counter\ntandem_remote_states_total{{outcome=\"used\"}} {}\ntandem_remote_states_total{{outcome=\"refused\"}} {}\n# HELP tandem_state_slots_reserved Slots reserved for states on their way.\n# TYPE tandem_state_slots_reserved gauge\ntandem_state_slots_reserved {reserved}\n# HELP tandem_worker_state_memory Where states from prefill workers arrive: GPU memory (a GPU decode engine's pools) or host memory.\n# TYPE tandem_worker_state_memory gauge\ntandem_worker_state_memory{{memory=\"{memory}\"}} 1\n",
+            "# HELP tandem_remote_states_total States prefill workers wrote into this worker's slots: used (the request started from it) or refused (not applied; the request was prefilled here).\n# TYPE tandem_remote_states_total counter\ntandem_remote_states_total{{outcome=\"used\"}} {}\ntandem_remote_states_total{{outcome=\"refused\"}} {}\n# HELP tandem_state_slots_reserved Slots reserved for states on their way.\n# TYPE tandem_state_slots_reserved gauge\ntandem_state_slots_reserved {reserved}\n# HELP tandem_worker_state_transfer How states from prefill workers come: nixl-gpu (into the GPU engine's pools), nixl-host, stream or file.\n# TYPE tandem_worker_state_transfer gauge\ntandem_worker_state_transfer{{transfer=\"{transfer}\"}} 1\n",
             w.used.load(Ordering::Relaxed),
             w.refused.load(Ordering::Relaxed)
         );
@@ -298,7 +232,7 @@ pub async fn plan(AppState(app): AppState<Arc<App>>, raw: Bytes) -> Response {
 /// N-token prompt, as a NIXL ticket.
 pub async fn reserve(AppState(app): AppState<Arc<App>>, raw: Bytes) -> Response {
     let result = (|| {
-        let _w = worker_as(&app, Role::Decode)?;
+        let w = worker_as(&app, Role::Decode)?;
         #[derive(Deserialize)]
         struct Reserve {
             tokens: usize,
@@ -307,14 +241,12 @@ pub async fn reserve(AppState(app): AppState<Arc<App>>, raw: Bytes) -> Response 
         if r.tokens == 0 || r.tokens > app.max_context {
             return Err(ApiError::invalid("tokens", format!("{} tokens: give 1 to {} (--max-context)", r.tokens, app.max_context)));
         }
-        #[cfg(feature = "nixl")]
-        {
-            let receiver = _w.receiver.as_ref().expect("a decode worker has a receiver");
-            let ticket = receiver.lock().expect("receiver lock").reserve_for_prompt(&app.config, r.tokens).map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "nixl_error", format!("{e:#}")))?;
-            Ok(json_response(StatusCode::OK, serde_json::to_value(ticket).expect("a ticket is JSON")))
-        }
-        #[cfg(not(feature = "nixl"))]
-        Err(ApiError::new(StatusCode::NOT_IMPLEMENTED, "nixl_missing", "built without NIXL"))
+        let inbox = w.inbox.as_ref().expect("a decode worker has an inbox");
+        let ticket = inbox.reserve(&app.config, r.tokens).map_err(|e| {
+            let code = if tandem_core::backend::cuda::qwen35::device_pool::PoolFull::is(&e) { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::INTERNAL_SERVER_ERROR };
+            ApiError::new(code, "reserve_failed", format!("{e:#}"))
+        })?;
+        Ok(json_response(StatusCode::OK, ticket))
     })();
     result.unwrap_or_else(|e: ApiError| e.into_response())
 }
@@ -322,19 +254,30 @@ pub async fn reserve(AppState(app): AppState<Arc<App>>, raw: Bytes) -> Response 
 /// `POST /internal/release {"slot": S}` (decode worker): free a slot whose state will not come.
 pub async fn release(AppState(app): AppState<Arc<App>>, raw: Bytes) -> Response {
     let result = (|| {
-        let _w = worker_as(&app, Role::Decode)?;
+        let w = worker_as(&app, Role::Decode)?;
         #[derive(Deserialize)]
         struct Release {
             slot: u64,
         }
         let r: Release = parse(&raw)?;
-        #[cfg(feature = "nixl")]
-        let released = _w.receiver.as_ref().expect("a decode worker has a receiver").lock().expect("receiver lock").release(r.slot);
-        #[cfg(not(feature = "nixl"))]
-        let released = r.slot == u64::MAX;
+        let released = w.inbox.as_ref().expect("a decode worker has an inbox").release(r.slot);
         Ok(json_response(StatusCode::OK, json!({"released": released})))
     })();
     result.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+/// `POST /internal/state/SLOT` (decode worker taking states by stream): the state's image, as
+/// the socket bridge sends it; checked before it is kept for the slot's request.
+pub async fn state(AppState(app): AppState<Arc<App>>, axum::extract::Path(slot): axum::extract::Path<u64>, body: axum::body::Body) -> Response {
+    let result = async {
+        let w = worker_as(&app, Role::Decode)?;
+        let inbox = w.inbox.as_ref().expect("a decode worker has an inbox");
+        let limit = inbox.stream_limit(&app.config, slot).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no slot {slot} waits for a streamed state here")))?;
+        let image = axum::body::to_bytes(body, limit).await.map_err(|e| ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "state_too_large", format!("the state for slot {slot}: {e} (the slot holds {limit} bytes)")))?;
+        tokio::task::block_in_place(|| inbox.deliver(slot, &image, app.fingerprint, &app.config)).map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "state_refused", format!("{e:#}")))?;
+        Ok(json_response(StatusCode::OK, json!({"slot": slot, "bytes": image.len()})))
+    };
+    result.await.unwrap_or_else(|e: ApiError| e.into_response())
 }
 
 /// `POST /internal/prefill {"prompt": [ids], "ticket": {...}, "cache_salt": S?}` (prefill
@@ -343,58 +286,53 @@ pub async fn release(AppState(app): AppState<Arc<App>>, raw: Bytes) -> Response 
 /// covered, those prefilled, and the times.
 pub async fn prefill(AppState(app): AppState<Arc<App>>, raw: Bytes) -> Response {
     let result = async {
-        let _w = worker_as(&app, Role::Prefill)?;
-        #[cfg(feature = "nixl")]
-        {
-            #[derive(Deserialize)]
-            struct Prefill {
-                prompt: Vec<u32>,
-                ticket: tandem_core::bridge::nixl::StateTicket,
-                cache_salt: Option<String>,
-            }
-            let p: Prefill = parse(&raw)?;
-            if p.prompt.is_empty() || p.prompt.len() > app.max_context {
-                return Err(ApiError::invalid("prompt", format!("{} tokens: give 1 to {} (--max-context)", p.prompt.len(), app.max_context)));
-            }
-            if let Some(&bad) = p.prompt.iter().find(|&&id| id as usize >= app.vocab) {
-                return Err(ApiError::invalid("prompt", format!("token id {bad} is outside the vocabulary (ids 0..{})", app.vocab)));
-            }
-            let _slot = app.engines.admit().await.map_err(|full| {
-                let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", "the prefill worker is busy");
-                e.retry_after = Some(full.retry_after);
-                e
-            })?;
-            let engine_error = |e: anyhow::Error| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", format!("{e:#}"));
-            let started = Instant::now();
-            let (a, ticket) = (Arc::clone(&app), p.ticket);
-            // The transfer's outcome is the closure's value, so that an engine error (500) and a
-            // failed transfer (502: the router's to retry elsewhere) stay apart.
-            let send = move |snapshot: &tandem_core::state::Snapshot| -> anyhow::Result<anyhow::Result<(tandem_core::bridge::TransferTimes, usize)>> {
-                let sender = a.worker.as_ref().and_then(|w| w.sender.as_ref()).expect("a prefill worker has a sender");
-                let mut sender = sender.lock().expect("sender lock");
-                Ok(match (&ticket.memory, snapshot) {
-                    (SlotMemory::Gpu { .. }, tandem_core::state::Snapshot::Gpu(g)) => sender.send_gpu(&ticket, g, a.fingerprint, SEND_TIMEOUT).map(|t| (t, g.bytes())),
-                    _ => {
-                        let state = snapshot.to_host()?;
-                        let bytes = tandem_core::bridge::format::image_bytes(&state);
-                        sender.send(&ticket, &state, a.fingerprint, SEND_TIMEOUT).map(|t| (t, bytes))
-                    }
-                })
-            };
-            let (sent, cached, prefilled) = super::completion::prefill_then(&app, p.cache_salt, p.prompt, send).await.map_err(engine_error)?;
-            let (times, bytes) = sent.map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "transfer_failed", format!("{e:#}")))?;
-            let prefill_ms = (started.elapsed() - times.total()).as_secs_f64() * 1e3;
-            let t = times;
-            Ok(json_response(
-                StatusCode::OK,
-                json!({"cached": cached, "prefilled": prefilled, "prefill_ms": prefill_ms, "serialize_ms": t.serialize.as_secs_f64() * 1e3, "transfer_ms": t.read.as_secs_f64() * 1e3, "state_bytes": bytes}),
-            ))
+        worker_as(&app, Role::Prefill)?;
+        #[derive(Deserialize)]
+        struct Prefill {
+            prompt: Vec<u32>,
+            ticket: Value,
+            cache_salt: Option<String>,
         }
-        #[cfg(not(feature = "nixl"))]
-        {
-            let _ = raw;
-            Err(ApiError::new(StatusCode::NOT_IMPLEMENTED, "nixl_missing", "built without NIXL"))
+        let p: Prefill = parse(&raw)?;
+        if p.prompt.is_empty() || p.prompt.len() > app.max_context {
+            return Err(ApiError::invalid("prompt", format!("{} tokens: give 1 to {} (--max-context)", p.prompt.len(), app.max_context)));
         }
+        if let Some(&bad) = p.prompt.iter().find(|&&id| id as usize >= app.vocab) {
+            return Err(ApiError::invalid("prompt", format!("token id {bad} is outside the vocabulary (ids 0..{})", app.vocab)));
+        }
+        let _slot = app.engines.admit().await.map_err(|full| {
+            let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", "the prefill worker is busy");
+            e.retry_after = Some(full.retry_after);
+            e
+        })?;
+        let engine_error = |e: anyhow::Error| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", format!("{e:#}"));
+        let transfer_failed = |e: anyhow::Error| ApiError::new(StatusCode::BAD_GATEWAY, "transfer_failed", format!("{e:#}"));
+        let started = Instant::now();
+        let (a, ticket) = (Arc::clone(&app), p.ticket);
+        // The transfer's outcome is the closure's value, so that an engine error (500) and a
+        // failed transfer (502: the router's to retry elsewhere) stay apart.
+        let send = move |snapshot: &tandem_core::state::Snapshot| -> anyhow::Result<anyhow::Result<Sent>> {
+            let outbox = a.worker.as_ref().and_then(|w| w.outbox.as_ref()).expect("a prefill worker has an outbox");
+            Ok(outbox.send(&ticket, snapshot, a.fingerprint, SEND_TIMEOUT))
+        };
+        let (sent, cached, prefilled) = super::completion::prefill_then(&app, p.cache_salt, p.prompt, send).await.map_err(engine_error)?;
+        let (times, bytes) = match sent.map_err(transfer_failed)? {
+            Sent::Done { times, bytes } => (times, bytes),
+            Sent::Post { url, path, image } => {
+                let t = Instant::now();
+                let bytes = image.len();
+                let (status, answer) = crate::http_client::post_bytes(&url, &path, image, SEND_TIMEOUT).await.map_err(transfer_failed)?;
+                if !status.is_success() {
+                    return Err(transfer_failed(anyhow::anyhow!("{url}{path} refused the state ({status}): {}", String::from_utf8_lossy(&answer))));
+                }
+                (tandem_core::bridge::TransferTimes { read: t.elapsed(), ..Default::default() }, bytes)
+            }
+        };
+        let prefill_ms = (started.elapsed().saturating_sub(times.total())).as_secs_f64() * 1e3;
+        Ok(json_response(
+            StatusCode::OK,
+            json!({"cached": cached, "prefilled": prefilled, "prefill_ms": prefill_ms, "serialize_ms": times.serialize.as_secs_f64() * 1e3, "transfer_ms": times.read.as_secs_f64() * 1e3, "state_bytes": bytes}),
+        ))
     };
     result.await.unwrap_or_else(|e: ApiError| e.into_response())
 }

@@ -27,6 +27,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -49,7 +50,7 @@ class Net:
     """Addresses for the router and workers: each in a network namespace of its own (veth to a
     bridge in this namespace), or, where that cannot be done, loopback ports."""
 
-    NAMES = ["router", "p1", "p2", "d1", "d2", "single"]
+    NAMES = ["router", "p1", "p2", "d1", "d2", "single", "router2", "p3", "d3"]
 
     def __init__(self):
         self.netns = False
@@ -188,7 +189,7 @@ def gpu():
         prefiller = Proc(net, "p1", ["--role", "prefill", "--model", MODEL, "--router", router.url, "--mode", "prefill-engine", "--prefill", "cuda:0", *share])
         procs += [decoder, prefiller]
         wait_until(lambda: live(router) == 2, "both workers registered with the router")
-        check(decoder.metrics().get('tandem_worker_state_memory{memory="gpu"}') == 1, "the decode worker receives states in GPU memory")
+        check(decoder.metrics().get('tandem_worker_state_transfer{transfer="nixl-gpu"}') == 1, "the decode worker receives states in GPU memory")
         prompts = [ids(5, 1), ids(16, 2), ids(300, 3), ids(1200, 4), ids(3000, 5)]
         for p in prompts:
             want = completion(single, p)[0]
@@ -261,6 +262,40 @@ def main():
 
         check(conversation(router, "s-router") == conversation(single, "s-single"), "a three-turn session through the router")
         print("sessions: three turns as the single server's")
+
+        # The bridges instead of NIXL: a decode worker that takes states by stream (the image
+        # POSTed to it), then one that takes them as state files in a directory both see.
+        router2 = Proc(net, "router2", ["--role", "router", "--prefill-placement", "remote"])
+        p3 = Proc(net, "p3", ["--role", "prefill", "--model", MODEL, "--router", router2.url, *ENGINES])
+        procs += [router2, p3]
+        shared = tempfile.mkdtemp(prefix="tandem-states-")
+        for how, kind in [("stream", "stream"), (f"file:{shared}", "file")]:
+            d3 = Proc(net, "d3", ["--role", "decode", "--model", MODEL, "--router", router2.url, "--state-transfer", how, *ENGINES])
+            procs.append(d3)
+            wait_until(lambda: live(router2) == 2, f"a decode worker taking states by {kind} registered")
+            check(d3.metrics().get(f'tandem_worker_state_transfer{{transfer="{kind}"}}') == 1, f"the decode worker says its states come by {kind}")
+            for p in prompts[:3]:
+                check(completion(router2, p)[0] == completion(single, p)[0], f"a {len(p)}-token prompt, its state by {kind}")
+            used = d3.metrics()['tandem_remote_states_total{outcome="used"}']
+            check(used == 3, f"every state by {kind} used ({used})")
+            if kind == "stream":
+                status, body = d3.request("POST", "/internal/reserve", {"tokens": 64})
+                slot = json.loads(body)["slot"]
+                c = http.client.HTTPConnection(*d3.url[len("http://"):].split(":"), timeout=10)
+                c.request("POST", f"/internal/state/{slot}", body=b"TNDMSTAT" + bytes(200), headers={"Content-Type": "application/octet-stream"})
+                r = c.getresponse()
+                answer = r.read().decode()
+                check(r.status == 400 and "refused" in answer, f"a damaged streamed state: {r.status} {answer[:200]}")
+                status, _ = d3.request("POST", "/internal/state/999999", {})
+                check(status == 404, f"a state for a slot never reserved: {status}")
+            else:
+                check(os.listdir(shared) == [], f"the state files are removed once read: {os.listdir(shared)}")
+            check(d3.metrics()["tandem_state_slots_reserved"] == 0, f"no slot stays reserved ({kind})")
+            d3.stop()
+            wait_until(lambda: live(router2) == 1, "the router notices the decode worker gone", seconds=15)
+        router2.stop()
+        p3.stop()
+        print("bridges instead of NIXL: states by stream and by state file, outputs as the single server's; a damaged streamed state refused, its slot freed")
 
         # A state that does not belong to its request is refused and the request prefilled on
         # the decode worker (the slot reserved for it freed).
