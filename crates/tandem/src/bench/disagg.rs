@@ -219,25 +219,50 @@ fn end_to_end(report: &mut String, args: &Args, spec: &str, prefill: &EngineSpec
     })?;
     writeln!(report, "| setup | failed | s | output tok/s | goodput tok/s (in SLO) | TTFT p50 / p99 (ms) | TTFT short / long p50 (ms) | ITL p50 / p99 (ms) | prefills remote |")?;
     writeln!(report, "|---|---|---|---|---|---|---|---|---|")?;
+    let rounds: usize = args.get("rounds", 1)?;
+    if rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    for (label, placement) in [("single server", None), ("router, prefill local", Some("local")), ("router, prefill remote", Some("remote")), ("router, conditional", Some("conditional"))] {
-        progress(&format!("end to end: {label}"));
-        let setup = start_setup(spec, prefill, decode, placement, concurrency)?;
-        let workload = Arc::new(Workload { addr: setup.front.addr, model: spec.to_string(), prompts: prompts.clone(), output_len: output, temperature: 0.0, top_k: 0, top_p: 1.0 });
-        let (outcomes, seconds) = rt.block_on(load::drive(workload, Arrivals::Concurrency(concurrency)));
-        let remote = if placement.is_some() {
-            let (_, m) = rt.block_on(load::get(setup.front.addr, "/metrics"))?;
-            super::serve::gauge(&m, "tandem_router_requests_total{prefill=\"remote\"}").map_or("-".into(), |v| format!("{v:.0}"))
-        } else {
-            "-".into()
-        };
-        writeln!(report, "{}", row(label, &outcomes, seconds, short, slo_ttft, slo_tpot, &remote))?;
-        drop(setup);
+    let setups = [("single server", None), ("router, prefill local", Some("local")), ("router, prefill remote", Some("remote")), ("router, conditional", Some("conditional"))];
+    // Per setup, per round: (output tok/s, goodput tok/s). Rounds run every setup in turn.
+    let mut rates: Vec<Vec<(f64, f64)>> = vec![Vec::new(); setups.len()];
+    for round in 1..=rounds {
+        for (i, (label, placement)) in setups.iter().enumerate() {
+            progress(&format!("end to end, round {round}/{rounds}: {label}"));
+            let setup = start_setup(spec, prefill, decode, *placement, concurrency)?;
+            let workload = Arc::new(Workload { addr: setup.front.addr, model: spec.to_string(), prompts: prompts.clone(), output_len: output, temperature: 0.0, top_k: 0, top_p: 1.0 });
+            let (outcomes, seconds) = rt.block_on(load::drive(workload, Arrivals::Concurrency(concurrency)));
+            let remote = if placement.is_some() {
+                let (_, m) = rt.block_on(load::get(setup.front.addr, "/metrics"))?;
+                super::serve::gauge(&m, "tandem_router_requests_total{prefill=\"remote\"}").map_or("-".into(), |v| format!("{v:.0}"))
+            } else {
+                "-".into()
+            };
+            let label = if rounds > 1 { format!("{label} (round {round})") } else { label.to_string() };
+            let (line, out, good) = row(&label, &outcomes, seconds, short, slo_ttft, slo_tpot, &remote);
+            writeln!(report, "{line}")?;
+            rates[i].push((out, good));
+            drop(setup);
+        }
+    }
+    if rounds > 1 {
+        let median = |v: &mut Vec<f64>| stats(v);
+        let local = median(&mut rates[1].iter().map(|r| r.0).collect()).0;
+        writeln!(report, "\n{rounds} rounds, the setups in turn in each: median (min - max).\n")?;
+        writeln!(report, "| setup | output tok/s | goodput tok/s | x always-local (medians) |")?;
+        writeln!(report, "|---|---|---|---|")?;
+        for ((label, _), r) in setups.iter().zip(&rates) {
+            let (o, olo, ohi) = median(&mut r.iter().map(|r| r.0).collect());
+            let (g, glo, ghi) = median(&mut r.iter().map(|r| r.1).collect());
+            writeln!(report, "| {label} | {o:.1} ({olo:.1} - {ohi:.1}) | {g:.1} ({glo:.1} - {ghi:.1}) | {:.2} |", o / local)?;
+        }
     }
     Ok(())
 }
 
-fn row(label: &str, outcomes: &[Outcome], seconds: f64, short: usize, slo_ttft: f64, slo_tpot: f64, remote: &str) -> String {
+/// A setup's row, with its output and goodput tok/s.
+fn row(label: &str, outcomes: &[Outcome], seconds: f64, short: usize, slo_ttft: f64, slo_tpot: f64, remote: &str) -> (String, f64, f64) {
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_none()).collect();
     let ms = |v: &[f64], p: f64| if v.is_empty() { f64::NAN } else { 1e3 * percentile(v, p) };
     let ttft: Vec<f64> = ok.iter().map(|o| o.ttft).collect();
@@ -245,7 +270,7 @@ fn row(label: &str, outcomes: &[Outcome], seconds: f64, short: usize, slo_ttft: 
     let itl: Vec<f64> = ok.iter().flat_map(|o| o.itl.iter().copied()).collect();
     let out: usize = ok.iter().map(|o| o.output_tokens).sum();
     let good: usize = ok.iter().filter(|o| o.ttft <= slo_ttft && o.tpot() <= slo_tpot).map(|o| o.output_tokens).sum();
-    format!(
+    let line = format!(
         "| {label} | {} | {seconds:.1} | {:.1} | {:.1} | {:.0} / {:.0} | {:.0} / {:.0} | {:.1} / {:.1} | {remote} |",
         outcomes.len() - ok.len(),
         out as f64 / seconds,
@@ -256,5 +281,6 @@ fn row(label: &str, outcomes: &[Outcome], seconds: f64, short: usize, slo_ttft: 
         ms(&ttft_of(false), 50.0),
         ms(&itl, 50.0),
         ms(&itl, 99.0),
-    )
+    );
+    (line, out as f64 / seconds, good as f64 / seconds)
 }

@@ -88,14 +88,16 @@ the decode engine's memory bandwidth, measured first. Requests per point: two pe
 
 --sections disagg [--model M] [--prefill P] [--decode P] [--prompts 410,2048,8192] [--reps 5]
                  [--short-len 64] [--long-len 2048] [--output-len 64] [--requests 24]
-                 [--concurrency 4] [--slo-ttft-ms 5000] [--slo-tpot-ms 200]:
+                 [--concurrency 4] [--slo-ttft-ms 5000] [--slo-tpot-ms 200] [--rounds 1]:
 disaggregated serving: the state's transfer at each prompt length (move, a memcpy of its
-image, a state file, the socket bridge and NIXL to another process; time, GB/s and the ratio
-to the memcpy), then one tandem serve (prefill engine P, decode engine P) against a router
-with a prefill worker on the prefill engine and a decode worker on the decode engine, with
-each prefill placement, under a mixed load of short and long prompts: TTFT, ITL, output tok/s
-and goodput. NIXL needs a tandem built with --features nixl (else its rows and the workers
-say so). --quick: 410 and 2048 tokens, 3 repetitions, a smaller load.
+image, a state file, the socket bridge and NIXL to another process; on a GPU also NIXL GPU
+memory to GPU memory against a copy on the GPU; time, GB/s and the ratio to the copy), then one
+tandem serve (prefill engine P, decode engine P) against a router with a prefill worker on the
+prefill engine and a decode worker on the decode engine, with each prefill placement, under a
+mixed load of short and long prompts: TTFT, ITL, output tok/s and goodput (--rounds N: the
+setups in turn N times, medians). NIXL needs a tandem built with --features nixl (else its
+rows say so and the workers move states by stream). --quick: 410 and 2048 tokens, 3
+repetitions, a smaller load.
 
 --sections prefix-cache [--model M] [engine options as for tandem serve] [--reps 2]
                  [--system-len 2000] [--questions 200] [--conversations 16] [--turns 10]
@@ -172,7 +174,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             // The prefix-cache section's.
             "system-len", "questions", "conversations", "turns", "shared-len", "few-shot", "prefix-cache-memory", "prefix-cache-device-memory", "prefix-snapshot-every", "no-reuse-requests", "no-reuse-len", "workloads",
             // The disagg section's.
-            "short-len", "long-len",
+            "short-len", "long-len", "rounds",
         ],
         &["quick"],
     )?;

@@ -33,7 +33,7 @@ import time
 
 import openai
 
-from test_serve import check, wait_until
+from test_serve import check, parse_metrics, wait_until
 
 TANDEM = os.environ.get("TANDEM", "target/release/tandem")
 MODEL = "synthetic:tiny"
@@ -123,13 +123,7 @@ class Proc:
         return out
 
     def metrics(self):
-        _, text = self.request("GET", "/metrics")
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        return parse_metrics(self.request("GET", "/metrics")[1])
 
     def client(self):
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)

@@ -73,13 +73,7 @@ class Server:
 
     def metrics(self):
         """/metrics as {name{labels}: value}."""
-        _, _, text = self.request("GET", "/metrics")
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        return parse_metrics(self.request("GET", "/metrics")[2])
 
     def rss_kib(self):
         with open(f"/proc/{self.proc.pid}/status") as f:
@@ -88,6 +82,16 @@ class Server:
     def curl(self, *args):
         r = subprocess.run(["curl", "-sS", *args], capture_output=True, text=True, timeout=60)
         return r.stdout
+
+
+def parse_metrics(text):
+    """Prometheus text as {name{labels}: value}."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
 
 
 def check(cond, what):
