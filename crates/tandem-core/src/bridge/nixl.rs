@@ -407,6 +407,30 @@ impl GpuHeader {
     }
 }
 
+/// A host slot whose state arrived, out of its receiver (`Receiver::take_arrived`).
+pub struct Arrived {
+    slot: u64,
+    /// The agent that wrote it.
+    from: String,
+    region: Region,
+}
+
+impl Arrived {
+    /// The state in the slot, checked as every bridge checks one (magic, version, model
+    /// fingerprint, layer table, checksums) and its position compared with `position`, before it
+    /// is built (into `reuse`'s buffers where given). Returns it with the times to check the
+    /// header and to rebuild.
+    pub fn state(&self, fingerprint: Fingerprint, cfg: &Qwen35Config, position: usize, reuse: Option<State>) -> Result<(State, Duration, Duration)> {
+        let (slot, from) = (self.slot, &self.from);
+        let mut bytes = self.region.memory.bytes();
+        let (state, read, rebuild) = super::socket::receive(&mut bytes, fingerprint, cfg, reuse).with_context(|| format!("the state {from} wrote in slot {slot}, refused"))?;
+        if state.position != position {
+            bail!("the state {from} wrote in slot {slot} holds {} tokens, the request {position}: refused", state.position);
+        }
+        Ok((state, read, rebuild))
+    }
+}
+
 /// A reserved slot's memory.
 enum Reserved {
     Host(Region),
@@ -562,7 +586,19 @@ impl Receiver {
     /// freed whatever the outcome. Returns the state and the times to check the header and to
     /// rebuild.
     pub fn take(&mut self, slot: u64, fingerprint: Fingerprint, cfg: &Qwen35Config, position: usize, reuse: Option<State>) -> Result<(State, Duration, Duration)> {
-        let from = self.arrived.remove(&slot).with_context(|| format!("no state has arrived in slot {slot}"))?;
+        let arrived = self.take_arrived(slot)?;
+        let result = arrived.state(fingerprint, cfg, position, reuse);
+        self.recycle(arrived);
+        result
+    }
+
+    /// Take host slot `slot`, whose state arrived, out of the receiver: its state is then checked
+    /// and copied out (`Arrived::state`) without holding the receiver, and its memory comes back
+    /// with `recycle`. The slot is no longer reserved.
+    pub fn take_arrived(&mut self, slot: u64) -> Result<Arrived> {
+        if !self.arrived.contains_key(&slot) {
+            bail!("no state has arrived in slot {slot}");
+        }
         let region = match self.reserved.remove(&slot) {
             Some(Reserved::Host(region)) => region,
             Some(gpu) => {
@@ -571,15 +607,14 @@ impl Receiver {
             }
             None => bail!("state slot {slot} is not reserved here"),
         };
-        let mut bytes = region.memory.bytes();
-        let result = super::socket::receive(&mut bytes, fingerprint, cfg, reuse).with_context(|| format!("the state {from} wrote in slot {slot}, refused"));
-        // The notification came after the last byte: the memory is free to reuse.
-        self.free.push(region);
-        let (state, read, rebuild) = result?;
-        if state.position != position {
-            bail!("the state {from} wrote in slot {slot} holds {} tokens, the request {position}: refused", state.position);
-        }
-        Ok((state, read, rebuild))
+        let from = self.arrived.remove(&slot).expect("checked above");
+        Ok(Arrived { slot, from, region })
+    }
+
+    /// The memory of a slot taken with `take_arrived`, back for later reservations (the
+    /// notification came after the last byte: nothing writes it any more).
+    pub fn recycle(&mut self, arrived: Arrived) {
+        self.free.push(arrived.region);
     }
 
     /// Take the state that arrived in GPU slot `slot`: its header checked (model

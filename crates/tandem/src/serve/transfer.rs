@@ -247,18 +247,21 @@ impl Inbox {
                         }
                     }
                 }
-                // GPU slots are checked by their header alone and become a snapshot without a
+                // A GPU slot is checked by its header alone and becomes a snapshot without a
                 // copy; a host slot's image is checked and copied into a state (tens of ms for
-                // long prompts), off the async threads.
-                let take = move |r: &mut tandem_core::bridge::nixl::Receiver| -> Result<Start> {
+                // long prompts) off the async threads and without holding the receiver, which
+                // other requests' reservations need meanwhile.
+                let arrived = {
+                    let mut r = lock(r);
                     if r.is_on_gpu() {
                         let snapshot = r.take_gpu(slot, fingerprint, tokens)?;
-                        Ok(Start::Cached(std::sync::Arc::new(tandem_core::state::Snapshot::Gpu(snapshot))))
-                    } else {
-                        r.take(slot, fingerprint, cfg, tokens, None).map(|(state, _, _)| state.into())
+                        return Ok(Start::Cached(std::sync::Arc::new(tandem_core::state::Snapshot::Gpu(snapshot))));
                     }
+                    r.take_arrived(slot)?
                 };
-                tokio::task::block_in_place(|| take(&mut lock(r)))
+                let state = tokio::task::block_in_place(|| arrived.state(fingerprint, cfg, tokens, None));
+                lock(r).recycle(arrived);
+                Ok(state?.0.into())
             }
             Inbox::Bridge(b) => {
                 let (slot_state, file) = {
