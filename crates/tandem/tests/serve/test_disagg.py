@@ -20,6 +20,7 @@ mid-stream gives its client an error and gets no more requests; delay and loss (
 the kernel has it. Exits 1 on a failure.
 """
 
+import contextlib
 import http.client
 import json
 import os
@@ -167,13 +168,27 @@ def summed(workers, name):
     return sum(w.metrics().get(name, 0.0) for w in workers)
 
 
+@contextlib.contextmanager
+def stopped_at_the_end(procs):
+    """Run the body; if it fails, print the last lines of each process's log; then kill them."""
+    try:
+        yield
+    except Exception:
+        for p in procs:
+            print(f"--- log of {p.name}:\n" + "\n".join(p.log[-30:]), file=sys.stderr)
+        raise
+    finally:
+        for p in procs:
+            p.stop(signal.SIGKILL)
+
+
 def gpu():
     """Two processes on one GPU: every state written GPU memory to GPU memory, and used."""
     net = Net.__new__(Net)
     net.netns, net.why = False, "loopback on the GPU machine"
     engines = ["--prefill", "cuda:0", "--decode", "cuda:0"]
     procs = []
-    try:
+    with stopped_at_the_end(procs):
         single = Proc(net, "single", ["--model", MODEL, *engines, "--gpu-memory-utilization", "0.25"])
         procs.append(single)
         router = Proc(net, "router", ["--role", "router", "--prefill-placement", "remote"])
@@ -197,20 +212,13 @@ def gpu():
         check(decoder.metrics()["tandem_state_slots_reserved"] == 0, "no slot stays reserved")
         print(f"gpu: {used:.0f} states (5-3000 tokens) GPU memory to GPU memory between two processes on one GPU, outputs as a single GPU server's")
         print("disagg gpu: ok")
-    except Exception:
-        for p in procs:
-            print(f"--- log of {p.name}:\n" + "\n".join(p.log[-30:]), file=sys.stderr)
-        raise
-    finally:
-        for p in procs:
-            p.stop(signal.SIGKILL)
 
 
 def main():
     net = Net()
     print(f"network: {'a namespace per process (veth pairs to a bridge), UCX over TCP' if net.netns else 'loopback ports (network namespaces not available: ' + net.why + ')'}")
     procs = []
-    try:
+    with stopped_at_the_end(procs):
         single = Proc(net, "single", ["--model", MODEL, *ENGINES])
         procs.append(single)
         router = Proc(net, "router", ["--role", "router", "--prefill-placement", "remote", "--prefill-timeout", "4"])
@@ -391,13 +399,6 @@ def main():
         else:
             print("netem: not tested (no network namespaces)")
         print("disagg: ok")
-    except Exception:
-        for p in procs:
-            print(f"--- log of {p.name}:\n" + "\n".join(p.log[-30:]), file=sys.stderr)
-        raise
-    finally:
-        for p in procs:
-            p.stop(signal.SIGKILL)
 
 
 if __name__ == "__main__":
