@@ -85,6 +85,9 @@ TTFT and ITL p50/p99, goodput within the SLO, GPU memory, and each point's physi
 the decode engine's memory bandwidth, measured first. Requests per point: two per client, or
 15 s of arrivals (--requests N for all). --quick: concurrency 1 and 4, 64 in / 16 out.
 --trace FILE: the server's timeline of its engines' work over every point (tandem serve --trace).
+--url http://IP:PORT: the same loads against a server already running there (a tandem serve,
+or a router in front of prefill and decode workers; --model names the served model), without
+the limits and the engines' gauges.
 
 --sections disagg [--model M] [--prefill P] [--decode P] [--prompts 410,2048,8192] [--reps 5]
                  [--short-len 64] [--long-len 2048] [--output-len 64] [--requests 24]
@@ -174,7 +177,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             // The prefix-cache section's.
             "system-len", "questions", "conversations", "turns", "shared-len", "few-shot", "prefix-cache-memory", "prefix-cache-device-memory", "prefix-snapshot-every", "no-reuse-requests", "no-reuse-len", "workloads",
             // The disagg section's.
-            "short-len", "long-len", "rounds",
+            "short-len", "long-len", "rounds", "url",
         ],
         &["quick"],
     )?;

@@ -299,6 +299,9 @@ fn server_args(o: &Options, args: &Args) -> Vec<String> {
 
 pub fn run(report: &mut String, args: &Args, quick: bool) -> Result<()> {
     let o = Options::parse(args, quick)?;
+    if let Some(url) = args.str("url") {
+        return run_against(report, &o, url);
+    }
     progress("measuring the engines' limits");
     let limits = Limits::measure(args)?;
     let server_args = server_args(&o, args);
@@ -495,4 +498,62 @@ mod tests {
         assert_eq!(gauge(page, "tandem_model_state_bytes"), Some(2.5e7));
         assert_eq!(gauge(page, "tandem_sequence"), None);
     }
+}
+
+/// `--url http://IP:PORT`: the same loads against a server already running there (a `tandem
+/// serve`, or a router in front of prefill and decode workers), measured from outside: no
+/// limits (its engines are not this process's to measure) and none of its engines' gauges.
+fn run_against(report: &mut String, o: &Options, url: &str) -> Result<()> {
+    let addr: SocketAddr = url.strip_prefix("http://").and_then(|a| a.trim_end_matches('/').parse().ok()).with_context(|| format!("--url {url:?}: give http://IP:PORT"))?;
+    let vocab = tandem_core::model::load::LoadedModel::load(&o.model).with_context(|| format!("--model {}: the served model, for its vocabulary", o.model))?.sampleable_vocab();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("starting the load generator's runtime")?;
+    writeln!(report, "## Serving under load ({}, at {url})\n", o.model)?;
+    writeln!(report, "| | |\n|---|---|\n| server | {url}, started elsewhere |\n| workload | {} random prompt tokens, {} output tokens (`ignore_eos`), temperature {}, streamed `/v1/completions` |\n| SLO for goodput | TTFT <= {:.0} ms and mean time per output token <= {:.0} ms |", o.input_len, o.output_len, o.temperature, o.slo_ttft * 1e3, o.slo_tpot * 1e3)?;
+    let workload = |n: usize, seed: u64| Arc::new(Workload { addr, model: o.model.clone(), prompts: Workload::random_prompts(n, o.input_len, vocab, seed), output_len: o.output_len, temperature: o.temperature, top_k: o.top_k, top_p: o.top_p });
+    let warm = o.max_concurrent.min(8);
+    progress(&format!("warm-up: {} requests at concurrency {warm}", 2 * warm));
+    let (outcomes, _) = rt.block_on(load::drive(workload(2 * warm, 1), Arrivals::Concurrency(warm)));
+    if let Some(e) = outcomes.iter().find_map(|o| o.error.clone()) {
+        bail!("a warm-up request to {url} failed: {e}");
+    }
+    writeln!(report, "\n| load | requests | failed | s | output tok/s | total tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 ms | goodput tok/s (requests in SLO) |")?;
+    writeln!(report, "|---|---|---|---|---|---|---|---|---|---|")?;
+    let mut loads: Vec<(String, Arrivals, usize)> = o.concurrency.iter().map(|&c| (format!("concurrency {c}"), Arrivals::Concurrency(c), o.requests.unwrap_or((2 * c).max(16)))).collect();
+    for (i, &rate) in o.rates.iter().enumerate() {
+        loads.push((format!("{rate} req/s (Poisson)"), Arrivals::Poisson { rate, seed: 1000 + i as u64 }, o.requests.unwrap_or(((rate * 15.0).round() as usize).clamp(16, 4096))));
+    }
+    let count = loads.len();
+    for (i, (label, arrivals, n)) in loads.into_iter().enumerate() {
+        progress(&format!("load {}/{count}: {label}, {n} requests", i + 1));
+        let (outcomes, seconds) = rt.block_on(load::drive(workload(n, 100 + i as u64), arrivals));
+        let ok: Vec<&Outcome> = outcomes.iter().filter(|r| r.error.is_none()).collect();
+        let ms = |v: &[f64], p: f64| if v.is_empty() { f64::NAN } else { 1e3 * percentile(v, p) };
+        let ttft: Vec<f64> = ok.iter().map(|r| r.ttft).collect();
+        let itl: Vec<f64> = ok.iter().flat_map(|r| r.itl.iter().copied()).collect();
+        let tpot: Vec<f64> = ok.iter().map(|r| r.tpot()).collect();
+        let out: usize = ok.iter().map(|r| r.output_tokens).sum();
+        let total: usize = out + ok.iter().map(|r| r.prompt_tokens).sum::<usize>();
+        let in_slo: Vec<&&Outcome> = ok.iter().filter(|r| r.ttft <= o.slo_ttft && r.tpot() <= o.slo_tpot).collect();
+        let good: usize = in_slo.iter().map(|r| r.output_tokens).sum();
+        writeln!(
+            report,
+            "| {label} | {} | {} | {seconds:.1} | {:.0} | {:.0} | {:.0} / {:.0} | {:.1} / {:.1} | {:.1} | {:.0} ({}/{}) |",
+            outcomes.len(),
+            outcomes.len() - ok.len(),
+            out as f64 / seconds,
+            total as f64 / seconds,
+            ms(&ttft, 50.0),
+            ms(&ttft, 99.0),
+            ms(&itl, 50.0),
+            ms(&itl, 99.0),
+            ms(&tpot, 50.0),
+            good as f64 / seconds,
+            in_slo.len(),
+            ok.len()
+        )?;
+        if let Some(e) = outcomes.iter().find_map(|o| o.error.as_deref()) {
+            writeln!(report, "\n{label}: the first failed request said: {e}\n")?;
+        }
+    }
+    Ok(())
 }

@@ -265,6 +265,11 @@ def main():
         check(conversation(router, "s-router") == conversation(single, "s-single"), "a three-turn session through the router")
         print("sessions: three turns as the single server's")
 
+        # The serving benchmark pointed at the router.
+        bench = subprocess.run([TANDEM, "bench", "--sections", "serve", "--url", router.url, "--model", MODEL, "--concurrency", "2", "--rates", "none", "--requests", "4", "--input-len", "300", "--output-len", "4"], capture_output=True, text=True, timeout=300)
+        check(bench.returncode == 0 and "| concurrency 2 | 4 | 0 |" in bench.stdout, f"tandem bench --sections serve --url at the router: {bench.returncode}\n{bench.stdout}\n{bench.stderr[-2000:]}")
+        print("the serving benchmark against the router: 4 requests at concurrency 2, none failed")
+
         # The bridges instead of NIXL: a decode worker that takes states by stream (the image
         # POSTed to it), then one that takes them as state files in a directory both see.
         router2 = Proc(net, "router2", ["--role", "router", "--prefill-placement", "remote"])
