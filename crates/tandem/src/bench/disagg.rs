@@ -39,12 +39,12 @@ pub fn run(report: &mut String, args: &Args, quick: bool) -> Result<()> {
         bail!("--reps and --prompts must be positive");
     }
     writeln!(report, "| | |\n|---|---|\n| model | {spec} |\n| prefill engine | {prefill} |\n| decode engine | {decode} |")?;
-    transfer(report, &spec, &prefill, &lengths, reps)?;
+    transfer(report, &spec, &prefill, &decode, &lengths, reps)?;
     end_to_end(report, args, &spec, &prefill, &decode, quick)
 }
 
 /// Part 1: each way a state crosses, at each length.
-fn transfer(report: &mut String, spec: &str, engine: &EngineSpec, lengths: &[usize], reps: usize) -> Result<()> {
+fn transfer(report: &mut String, spec: &str, engine: &EngineSpec, decode: &EngineSpec, lengths: &[usize], reps: usize) -> Result<()> {
     let model = LoadedModel::load(spec)?;
     let (fp, cfg) = (model.net.fingerprint(), model.net.config.clone());
     progress(&format!("prefilling states of {lengths:?} tokens"));
@@ -122,11 +122,14 @@ fn transfer(report: &mut String, spec: &str, engine: &EngineSpec, lengths: &[usi
     if let Err(e) = &nixl {
         writeln!(report, "\nNIXL: not measured: {e:#}")?;
     }
-    if let Device::Cuda(ordinal) = engine.device {
-        match super::nixl_peer::gpu_rows(spec, &model.net, ordinal, lengths, reps) {
+    if let Device::Cuda(from) = engine.device {
+        // To the decode engine's GPU where it has one, else within the prefill engine's.
+        let to = if let Device::Cuda(to) = decode.device { to } else { from };
+        match super::nixl_peer::gpu_rows(spec, &model.net, from, to, lengths, reps) {
             Ok(rows) => {
-                writeln!(report, "\n### GPU memory to GPU memory (cuda:{ordinal}; median of {reps}, min - max in brackets)\n")?;
-                writeln!(report, "| prompt tokens | state on the GPU | transfer | time (ms) | GB/s | x copy on the GPU |")?;
+                let gpus = if to == from { format!("cuda:{from}") } else { format!("cuda:{from} to cuda:{to}") };
+                writeln!(report, "\n### GPU memory to GPU memory ({gpus}; median of {reps}, min - max in brackets)\n")?;
+                writeln!(report, "| prompt tokens | state on the GPU | transfer | time (ms) | GB/s | x the copy in one process |")?;
                 writeln!(report, "|---|---|---|---|---|---|")?;
                 for row in rows {
                     let floor = stats(&mut row.times[0].1.iter().map(|d| ms(*d)).collect::<Vec<_>>()).0;
@@ -135,7 +138,7 @@ fn transfer(report: &mut String, spec: &str, engine: &EngineSpec, lengths: &[usi
                         writeln!(report, "| {} | {:.1} MB | {name} | {m:.3} ({lo:.3} - {hi:.3}) | {:.1} | {:.2} |", row.tokens, row.bytes as f64 / 1e6, row.bytes as f64 / (m / 1e3) / 1e9, m / floor)?;
                     }
                 }
-                writeln!(report, "\nThe state's own pieces (slot, K/V blocks, logits) move, each into the one the receiving process reserved; the NIXL time runs from the reservation to the receiver's checked header (its pieces then restore on the GPU as any snapshot does). UCX picks the transport (CUDA IPC between processes on one GPU).")?;
+                writeln!(report, "\nThe state's own pieces (slot, K/V blocks, logits) move, each into the one the receiving process reserved; the NIXL time runs from the reservation to the receiver's checked header (its pieces then restore on the GPU as any snapshot does). UCX picks the transport (CUDA IPC between processes on one host, over NVLink or PCIe between two GPUs).")?;
             }
             Err(e) => writeln!(report, "\nNIXL GPU to GPU: not measured: {e:#}")?,
         }
@@ -158,33 +161,70 @@ fn gpu_share(spec: &EngineSpec, share: &str) -> Vec<String> {
     }
 }
 
-fn start_setup(spec: &str, prefill: &EngineSpec, decode: &EngineSpec, placement: Option<&str>, max_concurrent: usize) -> Result<Setup> {
+/// One end-to-end setup.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Layout {
+    /// One `tandem serve` running the prefill and the decode engine.
+    Single,
+    /// A router with this prefill placement, a prefill worker (one engine on the prefill
+    /// engine's device) and a decode worker.
+    Split(&'static str),
+    /// Two GPUs: a router keeping every prefill local, and a decode worker on each GPU running
+    /// both engines there (two replicas).
+    Replicas,
+}
+
+/// Whether the engines are on two GPUs.
+fn two_gpus(prefill: &EngineSpec, decode: &EngineSpec) -> bool {
+    matches!((prefill.device, decode.device), (Device::Cuda(a), Device::Cuda(b)) if a != b)
+}
+
+fn start_setup(spec: &str, prefill: &EngineSpec, decode: &EngineSpec, layout: Layout, max_concurrent: usize) -> Result<Setup> {
     let common: Vec<String> = ["--model", spec, "--host", "127.0.0.1", "--port", "0", "--max-queue", "100000", "--prefix-cache-memory", "0", "--prefix-cache-device-memory", "0", "--max-concurrent", &max_concurrent.to_string()].map(String::from).to_vec();
-    let Some(placement) = placement else {
-        let mut a = common.clone();
-        a.extend(["--prefill".into(), prefill.to_string(), "--decode".into(), decode.to_string()]);
-        // Two engines on one GPU share it as one server does.
-        return Ok(Setup { front: Server::start(&a)?, _workers: Vec::new() });
+    let both_engines = |on: &EngineSpec| -> Vec<String> { ["--prefill".into(), on.to_string(), "--decode".into(), on.to_string()].to_vec() };
+    let placement = match layout {
+        Layout::Single => {
+            let mut a = common.clone();
+            a.extend(["--prefill".into(), prefill.to_string(), "--decode".into(), decode.to_string()]);
+            // Two engines on one GPU share it as one server does.
+            return Ok(Setup { front: Server::start(&a)?, _workers: Vec::new() });
+        }
+        Layout::Split(placement) => placement,
+        Layout::Replicas => "local",
     };
     let router = Server::start(&["--role", "router", "--host", "127.0.0.1", "--port", "0", "--prefill-placement", placement].map(String::from))?;
     let url = format!("http://{}", router.addr);
-    let mut p = common.clone();
-    p.extend(["--role".into(), "prefill".into(), "--router".into(), url.clone(), "--mode".into(), "prefill-engine".into(), "--prefill".into(), prefill.to_string()]);
-    p.extend(gpu_share(prefill, "0.35"));
-    let mut d = common;
-    d.extend(["--role".into(), "decode".into(), "--router".into(), url]);
-    // On a GPU the decode worker runs both engines as the single server does (they share the
-    // GPU); on CPU cores, one engine on the decode cores, so that the cores add up to the
-    // single server's.
-    match decode.device {
-        Device::Cuda(_) => d.extend(["--prefill".into(), prefill.to_string(), "--decode".into(), decode.to_string()]),
-        Device::Cpu => d.extend(["--mode".into(), "decode-engine".into(), "--decode".into(), decode.to_string()]),
-    }
-    // A GPU budget is a fraction of the whole GPU less everything in use when the server
-    // starts, the prefill worker's share among it: the decode worker, started second, names
-    // the total of both.
-    d.extend(gpu_share(decode, "0.85"));
-    let workers = vec![Server::start(&p)?, Server::start(&d)?];
+    let worker = |role: &str| -> Vec<String> {
+        let mut w = common.clone();
+        w.extend(["--role".into(), role.into(), "--router".into(), url.clone()]);
+        w
+    };
+    let workers = if layout == Layout::Replicas {
+        let (mut a, mut b) = (worker("decode"), worker("decode"));
+        a.extend(both_engines(prefill));
+        a.extend(gpu_share(prefill, "0.85"));
+        b.extend(both_engines(decode));
+        b.extend(gpu_share(decode, "0.85"));
+        vec![Server::start(&a)?, Server::start(&b)?]
+    } else {
+        let two = two_gpus(prefill, decode);
+        let mut p = worker("prefill");
+        p.extend(["--mode".into(), "prefill-engine".into(), "--prefill".into(), prefill.to_string()]);
+        p.extend(gpu_share(prefill, if two { "0.85" } else { "0.35" }));
+        let mut d = worker("decode");
+        // On one GPU the decode worker runs both engines as the single server does (they share
+        // the GPU); on two GPUs or on CPU cores, one engine on the decode engine's, so that the
+        // devices add up to the single server's.
+        match decode.device {
+            Device::Cuda(_) if !two => d.extend(both_engines(decode)),
+            _ => d.extend(["--mode".into(), "decode-engine".into(), "--decode".into(), decode.to_string()]),
+        }
+        // A GPU budget is a fraction of the whole GPU less everything in use when the server
+        // starts, the prefill worker's share among it on one GPU: the decode worker, started
+        // second, names the total of both.
+        d.extend(gpu_share(decode, "0.85"));
+        vec![Server::start(&p)?, Server::start(&d)?]
+    };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let started = Instant::now();
     loop {
@@ -214,6 +254,7 @@ fn end_to_end(report: &mut String, args: &Args, spec: &str, prefill: &EngineSpec
     let prompts: Vec<Vec<u32>> = (0..requests).map(|i| Workload::random_prompts(1, if i % 2 == 1 { long } else { short }, vocab, 1000 + i as u64).remove(0)).collect();
     writeln!(report, "\n## End to end: one server against a router with a prefill and a decode worker\n")?;
     writeln!(report, "{requests} requests, {concurrency} at a time, prompts of {short} and {long} tokens alternating (random tokens), {output} output tokens each (ignore_eos, greedy). SLO for goodput: TTFT <= {:.0} ms and time per output token <= {:.0} ms. The single server runs the prefill engine {prefill} and the decode engine {decode}; the prefill worker one engine on {prefill}; the decode worker {}.\n", slo_ttft * 1e3, slo_tpot * 1e3, match decode.device {
+        Device::Cuda(_) if two_gpus(prefill, decode) => format!("one engine on {decode}, which prefills what stays local between its decode steps; the two replicas each run both engines on their GPU"),
         Device::Cuda(_) => "both engines, as the single server".to_string(),
         Device::Cpu => format!("one engine on {decode}, which prefills what stays local between its decode steps"),
     })?;
@@ -224,16 +265,20 @@ fn end_to_end(report: &mut String, args: &Args, spec: &str, prefill: &EngineSpec
         bail!("--rounds must be at least 1");
     }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let setups = [("single server", None), ("router, prefill local", Some("local")), ("router, prefill remote", Some("remote")), ("router, conditional", Some("conditional"))];
+    let setups: Vec<(&str, Layout)> = if two_gpus(prefill, decode) {
+        vec![("single server", Layout::Single), ("two replicas behind the router", Layout::Replicas), ("router, prefill remote", Layout::Split("remote")), ("router, conditional", Layout::Split("conditional"))]
+    } else {
+        vec![("single server", Layout::Single), ("router, prefill local", Layout::Split("local")), ("router, prefill remote", Layout::Split("remote")), ("router, conditional", Layout::Split("conditional"))]
+    };
     // Per setup, per round: (output tok/s, goodput tok/s). Rounds run every setup in turn.
     let mut rates: Vec<Vec<(f64, f64)>> = vec![Vec::new(); setups.len()];
     for round in 1..=rounds {
-        for (i, (label, placement)) in setups.iter().enumerate() {
+        for (i, (label, layout)) in setups.iter().enumerate() {
             progress(&format!("end to end, round {round}/{rounds}: {label}"));
-            let setup = start_setup(spec, prefill, decode, *placement, concurrency)?;
+            let setup = start_setup(spec, prefill, decode, *layout, concurrency)?;
             let workload = Arc::new(Workload { addr: setup.front.addr, model: spec.to_string(), prompts: prompts.clone(), output_len: output, temperature: 0.0, top_k: 0, top_p: 1.0 });
             let (outcomes, seconds) = rt.block_on(load::drive(workload, Arrivals::Concurrency(concurrency)));
-            let remote = if placement.is_some() {
+            let remote = if *layout != Layout::Single {
                 let (_, m) = rt.block_on(load::get(setup.front.addr, "/metrics"))?;
                 super::serve::gauge(&m, "tandem_router_requests_total{prefill=\"remote\"}").map_or("-".into(), |v| format!("{v:.0}"))
             } else {
@@ -250,7 +295,7 @@ fn end_to_end(report: &mut String, args: &Args, spec: &str, prefill: &EngineSpec
         let median = |v: &mut Vec<f64>| stats(v);
         let local = median(&mut rates[1].iter().map(|r| r.0).collect()).0;
         writeln!(report, "\n{rounds} rounds, the setups in turn in each: median (min - max).\n")?;
-        writeln!(report, "| setup | output tok/s | goodput tok/s | x always-local (medians) |")?;
+        writeln!(report, "| setup | output tok/s | goodput tok/s | x {} (medians) |", setups[1].0)?;
         writeln!(report, "|---|---|---|---|")?;
         for ((label, _), r) in setups.iter().zip(&rates) {
             let (o, olo, ohi) = median(&mut r.iter().map(|r| r.0).collect());

@@ -98,8 +98,11 @@ memory to GPU memory against a copy on the GPU; time, GB/s and the ratio to the 
 tandem serve (prefill engine P, decode engine P) against a router with a prefill worker on the
 prefill engine and a decode worker on the decode engine, with each prefill placement, under a
 mixed load of short and long prompts: TTFT, ITL, output tok/s and goodput (--rounds N: the
-setups in turn N times, medians). NIXL needs a tandem built with --features nixl (else its
-rows say so and the workers move states by stream). --quick: 410 and 2048 tokens, 3
+setups in turn N times, medians). On two GPUs (--prefill cuda:0 --decode cuda:1): the state
+between the two, and end to end the single server, two replicas behind the router (one per
+GPU), and a prefill worker on one GPU with a decode worker on the other (remote, conditional).
+NIXL needs a tandem built with --features nixl (else its rows say so and the workers move
+states by stream). --quick: 410 and 2048 tokens, 3
 repetitions, a smaller load.
 
 --sections prefix-cache [--model M] [engine options as for tandem serve] [--reps 2]

@@ -59,7 +59,7 @@ pub fn state_receive(_cfg: &tandem_core::model::config::Qwen35Config, _fingerpri
 }
 
 #[cfg(not(feature = "nixl"))]
-pub fn gpu_rows(_spec: &str, _net: &tandem_core::model::Qwen35, _ordinal: usize, _lengths: &[usize], _reps: usize) -> Result<Vec<GpuRow>> {
+pub fn gpu_rows(_spec: &str, _net: &tandem_core::model::Qwen35, _from: usize, _to: usize, _lengths: &[usize], _reps: usize) -> Result<Vec<GpuRow>> {
     Err(tandem_core::bridge::nixl_not_built())
 }
 
@@ -148,27 +148,31 @@ mod with_nixl {
         }
     }
 
-    /// The GPU rows at each of `lengths`: a state prefilled by a GPU engine on `ordinal`, its
-    /// pieces copied on the GPU in this process (the floor), and written by NIXL GPU memory to
-    /// GPU memory into pieces a `tandem state-receive --nixl --gpu` process reserved on the
-    /// same GPU (the time until that process has checked the header), with the write alone.
-    pub fn gpu_rows(spec: &str, net: &tandem_core::model::Qwen35, ordinal: usize, lengths: &[usize], reps: usize) -> Result<Vec<GpuRow>> {
+    /// The GPU rows at each of `lengths`: a state prefilled by a GPU engine on `from`, its
+    /// pieces copied in this process to GPU `to` (the floor: a copy within one GPU, or a peer
+    /// copy), and written by NIXL GPU memory to GPU memory into pieces a `tandem state-receive
+    /// --nixl --gpu TO` process reserved (the time until that process has checked the header),
+    /// with the write alone.
+    pub fn gpu_rows(spec: &str, net: &tandem_core::model::Qwen35, from: usize, to: usize, lengths: &[usize], reps: usize) -> Result<Vec<GpuRow>> {
         let fp = net.fingerprint();
-        let mut gpu = GpuQwen35::upload(Gpu::open(ordinal)?, net, Precision::TensorCores)?;
+        let mut gpu = GpuQwen35::upload(Gpu::open(from)?, net, Precision::TensorCores)?;
         gpu.keep_snapshots_on_device()?;
         gpu.pools().set_exportable();
+        // The engine whose copy of the state is the floor: this one, or one on the other GPU.
+        let there = if to == from { None } else { Some(GpuQwen35::upload(Gpu::open(to)?, net, Precision::TensorCores)?) };
         let sender = Sender::new(&format!("tandem-bench-gpu-{}", std::process::id()), None)?.on_gpu(TransferPools::new(&gpu.pools(), net.config.vocab_size)?);
-        let mut peer = NixlPeer::with(sender, spec, fp, Some(ordinal))?;
+        let mut peer = NixlPeer::with(sender, spec, fp, Some(to))?;
         let mut rows = Vec::new();
+        let floor: &'static str = if to == from { "copy of its pieces on the GPU (one process)" } else { "peer copy of its pieces to the other GPU (one process)" };
         for &n in lengths {
             let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 17) % net.config.vocab_size.min(1 << 16) as u32).collect();
             let mut state = gpu.new_state()?;
             gpu.forward(&prompt, &mut state, Logits::Last)?;
             let snap = gpu.snapshot_state(&state)?.context("this engine keeps snapshots on the GPU")?;
-            let mut times: Vec<(&'static str, Vec<Duration>)> = vec![("copy of its pieces on the GPU (one process)", vec![]), ("NIXL, GPU memory to GPU memory (another process)", vec![]), ("of which NIXL's write alone (until complete)", vec![])];
+            let mut times: Vec<(&'static str, Vec<Duration>)> = vec![(floor, vec![]), ("NIXL, GPU memory to GPU memory (another process)", vec![]), ("of which NIXL's write alone (until complete)", vec![])];
             for _ in 0..reps {
                 let t = Instant::now();
-                let copy = gpu.copy_state(&state)?;
+                let copy = there.as_ref().unwrap_or(&gpu).copy_state(&state)?;
                 times[0].1.push(t.elapsed());
                 drop(copy);
                 let t = Instant::now();
