@@ -285,6 +285,33 @@ pub fn gpu_count() -> Result<usize> {
     CudaContext::device_count().map(|n| n as usize).map_err(|e| anyhow::anyhow!("cannot count GPUs: {e:?}"))
 }
 
+/// Let work of context `here` read and write memory of context `there` directly (over NVLink
+/// or PCIe), where the two GPUs can: without it, a peer copy passes through host memory (a
+/// 72 MB state took 4.6 ms between two NVLink-joined H200s). Once per pair and process; returns
+/// whether access is on.
+pub fn enable_peer_access(here: &Arc<CudaContext>, there: &Arc<CudaContext>) -> bool {
+    use std::sync::{Mutex, OnceLock};
+    static DONE: OnceLock<Mutex<HashMap<(usize, usize), bool>>> = OnceLock::new();
+    let pair = (here.ordinal(), there.ordinal());
+    if pair.0 == pair.1 {
+        return true;
+    }
+    let mut done = DONE.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    *done.entry(pair).or_insert_with(|| {
+        let mut can = 0;
+        // SAFETY: plain driver queries and a context setting, with the context bound.
+        unsafe {
+            if cudarc::driver::sys::cuDeviceCanAccessPeer(&mut can, here.cu_device(), there.cu_device()) != cudarc::driver::sys::CUresult::CUDA_SUCCESS || can == 0 {
+                return false;
+            }
+            if here.bind_to_thread().is_err() {
+                return false;
+            }
+            matches!(cudarc::driver::sys::cuCtxEnablePeerAccess(there.cu_ctx(), 0), cudarc::driver::sys::CUresult::CUDA_SUCCESS | cudarc::driver::sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)
+        }
+    })
+}
+
 /// The names of this machine's CUDA GPUs, by ordinal (without compiling any kernels).
 pub fn gpu_names() -> Result<Vec<String>> {
     (0..gpu_count()?)

@@ -101,6 +101,11 @@ impl GpuQwen35 {
         kv.grow(s.position)?;
         let bytes = self.kv.block_bytes();
         let (here, there) = (g.stream.context(), s.stream().context());
+        if here != there {
+            // Direct over NVLink or PCIe where the GPUs allow it (else through host memory).
+            super::super::enable_peer_access(here, there);
+            g.stream.context().bind_to_thread().map_err(err)?;
+        }
         let pieces = kv.table().iter().zip(s.kv.table()).map(|(&to, &from)| (to, from, bytes));
         for (to, from, bytes) in pieces.chain([(slot.addr(), s.slot.addr(), slot.layout().bytes())]) {
             // SAFETY: blocks of the same size (one model's pools), slots of the same layout.
