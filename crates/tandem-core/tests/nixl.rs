@@ -128,7 +128,6 @@ fn gpu_states_move_gpu_memory_to_gpu_memory_and_bad_ones_are_refused() {
     let engine = |what| {
         let mut e = GpuQwen35::upload(Gpu::open(0).unwrap_or_else(|e| panic!("{what}: {e:#}")), &m.net, Precision::Exact).unwrap();
         e.keep_snapshots_on_device().unwrap();
-        e.pools().set_exportable();
         e
     };
     let (prefill, decode) = (engine("prefill"), engine("decode"));

@@ -596,19 +596,24 @@ impl Receiver {
     /// and copied out (`Arrived::state`) without holding the receiver, and its memory comes back
     /// with `recycle`. The slot is no longer reserved.
     pub fn take_arrived(&mut self, slot: u64) -> Result<Arrived> {
+        let (from, Reserved::Host(region)) = self.take_out(slot, false)? else { unreachable!("take_out gives the kind asked for") };
+        Ok(Arrived { slot, from, region })
+    }
+
+    /// Slot `slot`, whose state arrived, out of the reserved ones, with the agent that wrote it:
+    /// GPU memory where `gpu`, else host memory; a slot of the other kind stays reserved (an
+    /// error names the call that takes it).
+    fn take_out(&mut self, slot: u64, gpu: bool) -> Result<(String, Reserved)> {
         if !self.arrived.contains_key(&slot) {
             bail!("no state has arrived in slot {slot}");
         }
-        let region = match self.reserved.remove(&slot) {
-            Some(Reserved::Host(region)) => region,
-            Some(gpu) => {
-                self.reserved.insert(slot, gpu);
-                bail!("state slot {slot} is GPU memory: take_gpu");
-            }
+        match self.reserved.get(&slot) {
             None => bail!("state slot {slot} is not reserved here"),
-        };
-        let from = self.arrived.remove(&slot).expect("checked above");
-        Ok(Arrived { slot, from, region })
+            Some(Reserved::Gpu(_)) if !gpu => bail!("state slot {slot} is GPU memory: take_gpu"),
+            Some(Reserved::Host(_)) if gpu => bail!("state slot {slot} is host memory: take"),
+            Some(_) => {}
+        }
+        Ok((self.arrived.remove(&slot).expect("checked above"), self.reserved.remove(&slot).expect("checked above")))
     }
 
     /// The memory of a slot taken with `take_arrived`, back for later reservations (the
@@ -622,15 +627,7 @@ impl Receiver {
     /// blocks, the header's checksum), then its pieces as a snapshot the engine restores. The
     /// slot is freed whatever the outcome.
     pub fn take_gpu(&mut self, slot: u64, fingerprint: Fingerprint, position: usize) -> Result<GpuSnapshot> {
-        let from = self.arrived.remove(&slot).with_context(|| format!("no state has arrived in slot {slot}"))?;
-        let incoming = match self.reserved.remove(&slot) {
-            Some(Reserved::Gpu(incoming)) => incoming,
-            Some(host) => {
-                self.reserved.insert(slot, host);
-                bail!("state slot {slot} is host memory: take");
-            }
-            None => bail!("state slot {slot} is not reserved here"),
-        };
+        let (from, Reserved::Gpu(incoming)) = self.take_out(slot, true)? else { unreachable!("take_out gives the kind asked for") };
         let pools = &self.gpu.as_ref().context("a GPU slot without GPU transfer memory")?.pools;
         let expected = GpuHeader::of(fingerprint, position, pools.layout(), pools.block_bytes(), pools.vocab());
         let checked = incoming.header().and_then(|h| GpuHeader::check(&h, &expected));
@@ -721,8 +718,8 @@ impl Sender {
         let serialize = t.elapsed();
         let (mut local, mut remote) = (XferDescList::new(MemType::Vram).map_err(nixl_err("a descriptor list"))?, XferDescList::new(MemType::Vram).map_err(nixl_err("a descriptor list"))?);
         let here = pieces.device as u64;
-        // The slot and blocks first, the logits and header last: a receiver that sees the header
-        // saw a write that reached its end.
+        // One request, so that its one notification comes after every piece (NIXL does not
+        // order the pieces among themselves): the receiver reads the header only then.
         local.add_desc(pieces.slot as usize, pieces.slot_bytes, here);
         remote.add_desc(slot as usize, pieces.slot_bytes, device);
         for (&from, &to) in pieces.blocks.iter().zip(blocks) {

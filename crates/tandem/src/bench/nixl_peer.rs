@@ -157,7 +157,6 @@ mod with_nixl {
         let fp = net.fingerprint();
         let mut gpu = GpuQwen35::upload(Gpu::open(from)?, net, Precision::TensorCores)?;
         gpu.keep_snapshots_on_device()?;
-        gpu.pools().set_exportable();
         // The engine whose copy of the state is the floor: this one, or one on the other GPU.
         let there = if to == from { None } else { Some(GpuQwen35::upload(Gpu::open(to)?, net, Precision::TensorCores)?) };
         let sender = Sender::new(&format!("tandem-bench-gpu-{}", std::process::id()), None)?.on_gpu(TransferPools::new(&gpu.pools(), net.config.vocab_size)?);

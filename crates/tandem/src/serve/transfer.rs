@@ -49,7 +49,7 @@ impl Method {
 }
 
 /// Whether NIXL can be used here: built in, its libraries found.
-pub fn nixl_available() -> Result<()> {
+fn nixl_available() -> Result<()> {
     #[cfg(feature = "nixl")]
     return tandem_core::bridge::nixl::load_library();
     #[cfg(not(feature = "nixl"))]
@@ -108,14 +108,14 @@ impl Inbox {
     /// them by NIXL (see `Receiver::on_gpu`).
     #[cfg_attr(not(feature = "nixl"), allow(unused_variables))]
     pub fn on_gpu(self, pipeline: &tandem_core::pipeline::Pipeline, vocab: usize) -> Result<Inbox> {
-        #[cfg(feature = "nixl")]
-        if let (Inbox::Nixl(_), Some(pools)) = (&self, pipeline.decode_pools()) {
-            pools.set_exportable();
-            let transfer = tandem_core::backend::cuda::qwen35::transfer::TransferPools::new(pools, vocab)?;
-            let Inbox::Nixl(r) = self else { unreachable!("matched above") };
-            return Ok(Inbox::Nixl(Mutex::new(r.into_inner().unwrap_or_else(|e| e.into_inner()).on_gpu(transfer))));
-        }
-        Ok(self)
+        Ok(match (self, pipeline.decode_pools()) {
+            #[cfg(feature = "nixl")]
+            (Inbox::Nixl(r), Some(pools)) => {
+                let transfer = tandem_core::backend::cuda::qwen35::transfer::TransferPools::new(pools, vocab)?;
+                Inbox::Nixl(Mutex::new(r.into_inner().unwrap_or_else(|e| e.into_inner()).on_gpu(transfer)))
+            }
+            (inbox, _) => inbox,
+        })
     }
 
     /// How states come here, for `/metrics`: nixl-gpu, nixl-host, stream or file.
@@ -312,7 +312,8 @@ impl Outbox {
     pub fn new(name: &str) -> Outbox {
         #[cfg(feature = "nixl")]
         {
-            match nixl_available().and_then(|_| tandem_core::bridge::nixl::Sender::new(name, None)) {
+            // Sender::new says what is missing where the libraries do not load.
+            match tandem_core::bridge::nixl::Sender::new(name, None) {
                 Ok(s) => Outbox { nixl: Some(Mutex::new(s)), no_nixl: None },
                 Err(e) => {
                     eprintln!("tandem serve: no NIXL here, states go by stream or file only: {e:#}");
@@ -332,11 +333,12 @@ impl Outbox {
     #[cfg_attr(not(feature = "nixl"), allow(unused_variables, unused_mut))]
     pub fn on_gpu(mut self, pipeline: &tandem_core::pipeline::Pipeline, vocab: usize) -> Result<Outbox> {
         #[cfg(feature = "nixl")]
-        if let (true, Some(pools)) = (self.nixl.is_some(), pipeline.prefill_pools()) {
-            pools.set_exportable();
-            let transfer = tandem_core::backend::cuda::qwen35::transfer::TransferPools::new(pools, vocab)?;
-            let s = self.nixl.take().expect("checked above");
-            self.nixl = Some(Mutex::new(s.into_inner().unwrap_or_else(|e| e.into_inner()).on_gpu(transfer)));
+        if let Some(pools) = pipeline.prefill_pools() {
+            // (Taken only here: a CPU prefill engine keeps its sender as it is.)
+            if let Some(s) = self.nixl.take() {
+                let transfer = tandem_core::backend::cuda::qwen35::transfer::TransferPools::new(pools, vocab)?;
+                self.nixl = Some(Mutex::new(s.into_inner().unwrap_or_else(|e| e.into_inner()).on_gpu(transfer)));
+            }
         }
         Ok(self)
     }

@@ -283,16 +283,6 @@ pub struct GpuPools {
     pub snapshots: Option<Arc<SlotPool>>,
 }
 
-impl GpuPools {
-    /// Allocate from now on memory another process can map (CUDA IPC, under NIXL), in each pool.
-    pub fn set_exportable(&self) {
-        self.kv.set_exportable();
-        self.slots.set_exportable();
-        if let Some(s) = &self.snapshots {
-            s.set_exportable();
-        }
-    }
-}
 
 /// A request's state in GPU memory: the same arrays as `State` (the K/V rows in blocks of the
 /// engine's paged cache), and once it has decoded a token, its captured decode step.

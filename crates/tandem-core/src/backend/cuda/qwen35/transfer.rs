@@ -49,9 +49,9 @@ pub struct TransferPools {
 }
 
 impl TransferPools {
-    /// The transfer memory of an engine with `pools`, for a model of `vocab` tokens. The
-    /// engine's pools must have been made exportable before they allocated
-    /// (`GpuPools::set_exportable`).
+    /// The transfer memory of an engine with `pools`, for a model of `vocab` tokens. Its pools
+    /// allocate exportable memory from here on (`DevicePool::set_exportable`): make this before
+    /// the engine's first state, or the slabs allocated until then cannot be moved.
     pub fn new(pools: &GpuPools, vocab: usize) -> Result<TransferPools> {
         Self::build(pools.kv.context(), pools.kv.clone(), *pools.slots.layout(), pools.snapshots.clone(), vocab)
     }
@@ -61,13 +61,16 @@ impl TransferPools {
     pub fn standalone(ordinal: usize, config: &Qwen35Config, dtype: StateDtype) -> Result<TransferPools> {
         let ctx = CudaContext::new(ordinal).map_err(|e| anyhow::anyhow!("cuda:{ordinal}: {e:?}"))?;
         let kv = Arc::new(KvPool::new(&ctx, config)?);
-        kv.set_exportable();
         Self::build(&ctx, kv, SlotLayout::new(config, dtype), None, config.vocab_size)
     }
 
     fn build(ctx: &Arc<CudaContext>, kv: Arc<KvPool>, layout: SlotLayout, snapshots: Option<Arc<SlotPool>>, vocab: usize) -> Result<TransferPools> {
         let slots = Arc::new(SlotPool::for_snapshots(ctx, layout, 4 * vocab + HEADER_ROOM)?);
-        slots.set_exportable();
+        // Every pool a transfer reads or writes, mappable by the other process (CUDA IPC).
+        for pool in [Some(&slots), snapshots.as_ref()].into_iter().flatten() {
+            pool.set_exportable();
+        }
+        kv.set_exportable();
         let copy_out = Arc::new(CopyOut::new(ctx)?);
         let stream = copy_out.stream.clone();
         Ok(TransferPools { kv, slots, snapshots, copy_out, stream, vocab })
