@@ -119,18 +119,29 @@ fn states_written_through_nixl_arrive_exactly_and_bad_ones_are_refused() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn gpu_states_move_gpu_memory_to_gpu_memory_and_bad_ones_are_refused() {
+    gpu_states_move(0, 0);
+}
+
+/// The same from an engine on GPU 0 to one on GPU 1.
+#[test]
+#[ignore = "needs two NVIDIA GPUs: run with --include-ignored on such a machine"]
+fn gpu_states_move_from_one_gpu_to_another_and_bad_ones_are_refused() {
+    gpu_states_move(0, 1);
+}
+
+fn gpu_states_move(from: usize, to: usize) {
     use tandem_core::backend::cuda::qwen35::transfer::TransferPools;
     use tandem_core::backend::cuda::qwen35::{GpuQwen35, Precision};
     use tandem_core::backend::cuda::Gpu;
 
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let (fp, cfg) = (m.net.fingerprint(), &m.net.config);
-    let engine = |what| {
-        let mut e = GpuQwen35::upload(Gpu::open(0).unwrap_or_else(|e| panic!("{what}: {e:#}")), &m.net, Precision::Exact).unwrap();
+    let engine = |ordinal| {
+        let mut e = GpuQwen35::upload(Gpu::open(ordinal).unwrap_or_else(|e| panic!("cuda:{ordinal}: {e:#}")), &m.net, Precision::Exact).unwrap();
         e.keep_snapshots_on_device().unwrap();
         e
     };
-    let (prefill, decode) = (engine("prefill"), engine("decode"));
+    let (prefill, decode) = (engine(from), engine(to));
     let pid = std::process::id();
     let mut sender = Sender::new(&format!("test-gpu-prefill-{pid}"), None).unwrap().on_gpu(TransferPools::new(&prefill.pools(), cfg.vocab_size).unwrap());
     let mut receiver = Receiver::new(&format!("test-gpu-decode-{pid}"), None).unwrap().on_gpu(TransferPools::new(&decode.pools(), cfg.vocab_size).unwrap());
@@ -155,8 +166,8 @@ fn gpu_states_move_gpu_memory_to_gpu_memory_and_bad_ones_are_refused() {
         receiver.wait(ticket.slot, TIMEOUT).unwrap();
         let got = receiver.take_gpu(ticket.slot, fp, n).unwrap();
         let back = decode.restore_state(&got, true).unwrap();
-        assert!(back.download().unwrap() == st.download().unwrap(), "{n} tokens GPU to GPU through NIXL");
-        assert_eq!(greedy_gpu(&decode, back), greedy_gpu(&prefill, st), "greedy tokens after {n} tokens GPU to GPU");
+        assert!(back.download().unwrap() == st.download().unwrap(), "{n} tokens cuda:{from} to cuda:{to} through NIXL");
+        assert_eq!(greedy_gpu(&decode, back), greedy_gpu(&prefill, st), "greedy tokens after {n} tokens cuda:{from} to cuda:{to}");
     }
     assert_eq!(receiver.reserved(), 0, "every slot taken is freed");
     assert_eq!(decode.kv_pool().level().used, kv_used, "every reserved K/V block came back");

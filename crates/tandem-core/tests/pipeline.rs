@@ -45,29 +45,32 @@ fn request(id: u64, tokens: Vec<u32>, max_tokens: usize, events: std::sync::mpsc
 /// Run `prompts` through a pipeline at once (all submitted before the first finishes) and
 /// return each one's generated tokens.
 fn run_pipeline(net: &Qwen35, config: &PipelineConfig, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<Vec<u32>> {
-    pipeline::run(net, config, |p| {
-        let (tx, rx) = channel();
-        for (i, prompt) in prompts.iter().enumerate() {
-            p.submit(request(i as u64, prompt.clone(), max_tokens, tx.clone()))?;
-        }
-        drop(tx);
-        let mut out = vec![Vec::new(); prompts.len()];
-        let mut done = 0;
-        for e in rx {
-            match e {
-                Event::Token { id, token } => out[id as usize].push(token),
-                Event::Done { finish, .. } => {
-                    assert_eq!(finish, Finish::Length);
-                    done += 1;
-                }
-                Event::Failed { id, error } => panic!("request {id} failed: {error}"),
-                Event::Snapshot { .. } => {}
+    pipeline::run(net, config, |p| submit_all(p, prompts, max_tokens)).unwrap()
+}
+
+/// Submit `prompts` to a running pipeline at once and return each one's generated tokens
+/// (every request must run to `max_tokens`).
+fn submit_all(p: &pipeline::Pipeline, prompts: &[Vec<u32>], max_tokens: usize) -> anyhow::Result<Vec<Vec<u32>>> {
+    let (tx, rx) = channel();
+    for (i, prompt) in prompts.iter().enumerate() {
+        p.submit(request(i as u64, prompt.clone(), max_tokens, tx.clone()))?;
+    }
+    drop(tx);
+    let mut out = vec![Vec::new(); prompts.len()];
+    let mut done = 0;
+    for e in rx {
+        match e {
+            Event::Token { id, token } => out[id as usize].push(token),
+            Event::Done { finish, .. } => {
+                assert_eq!(finish, Finish::Length);
+                done += 1;
             }
+            Event::Failed { id, error } => panic!("request {id} failed: {error}"),
+            Event::Snapshot { .. } => {}
         }
-        assert_eq!(done, prompts.len());
-        Ok(out)
-    })
-    .unwrap()
+    }
+    assert_eq!(done, prompts.len());
+    Ok(out)
 }
 
 fn config(mode: Mode, prefill: &str, decode: &str, transfer: Transfer, max_batch: usize) -> PipelineConfig {
@@ -165,14 +168,64 @@ fn cuda_placements_give_the_reference_greedy_tokens() {
     assert_placements_give_the_reference_tokens(&m, &configs);
 }
 
-/// GPU 0 prefills, GPU 1 decodes: the state crosses by a peer copy. Ignored by default (it
-/// needs two NVIDIA GPUs).
+/// One GPU prefills, the other decodes: the state crosses by a peer copy (either way, one
+/// sequence a step or several, prompts packed under a small token budget) or through a state
+/// file; the second GPU also takes the host's states and runs both engines alone. Ignored by
+/// default (it needs two NVIDIA GPUs).
 #[test]
 #[ignore = "needs two NVIDIA GPUs: run with --include-ignored on such a machine"]
 fn cuda_0_to_cuda_1_gives_the_reference_greedy_tokens() {
     gpus_at_least(2);
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
-    assert_placements_give_the_reference_tokens(&m, &[config(Mode::Hybrid, "cuda:0,precision=exact", "cuda:1,precision=exact", Transfer::Move, 8)]);
+    let (gpu0, gpu1) = ("cuda:0,precision=exact", "cuda:1,precision=exact");
+    let dir = common::scratch("pipeline-two-gpus-files");
+    assert_placements_give_the_reference_tokens(
+        &m,
+        &[
+            config(Mode::Hybrid, gpu0, gpu1, Transfer::Move, 8),
+            config(Mode::Hybrid, gpu0, gpu1, Transfer::Move, 1),
+            config(Mode::Hybrid, gpu1, gpu0, Transfer::Move, 8),
+            config(Mode::Hybrid, gpu0, gpu1, Transfer::File(dir), 2),
+            PipelineConfig { max_prefill_tokens: 64, ..config(Mode::Hybrid, gpu0, gpu1, Transfer::Move, 8) },
+            config(Mode::Hybrid, "cpu:threads=1", gpu1, Transfer::Move, 8),
+            config(Mode::Hybrid, gpu1, gpu1, Transfer::Move, 8),
+        ],
+    );
+}
+
+/// GPU 0 prefills for GPU 1 under load: four times the fixture's prompts submitted at once,
+/// eight decoding at a time, GPU 1's K/V cache too small for all of them (sequences wait for
+/// room or are swapped out to host memory). Every request's greedy tokens are those it gets
+/// alone in the same placement, and every block and state slot comes back. Ignored by default
+/// (it needs two NVIDIA GPUs).
+#[test]
+#[ignore = "needs two NVIDIA GPUs: run with --include-ignored on such a machine"]
+fn cuda_0_to_cuda_1_under_load_gives_each_request_its_tokens_alone() {
+    use tandem_core::backend::cuda::qwen35::kv_cache::KV_BLOCK;
+    gpus_at_least(2);
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..4).flat_map(|_| reference_prompts()).map(|c| c.0).collect();
+    let (max_tokens, blocks) = (48, 24);
+    let placement = config(Mode::Hybrid, "cuda:0,precision=exact", "cuda:1,precision=exact", Transfer::Move, 8);
+    let alone_config = PipelineConfig { max_batch: 1, ..placement.clone() };
+    let alone: Vec<Vec<u32>> = prompts.iter().map(|p| run_pipeline(&m.net, &alone_config, std::slice::from_ref(p), max_tokens).remove(0)).collect();
+    let c = PipelineConfig { kv_cache: KvBudget::Bytes(blocks * KV_BLOCK * m.net.config.kv_bytes_per_token()), ..placement };
+    let (got, swaps, blocks_left, slots_left) = pipeline::run(&m.net, &c, |p| {
+        let out = submit_all(p, &prompts, max_tokens)?;
+        let waited = std::time::Instant::now();
+        while (p.kv_level().unwrap().used > 1 || p.slot_level().unwrap().used > 1) && waited.elapsed() < std::time::Duration::from_secs(10) {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        Ok((out, p.swaps(), p.kv_level().unwrap().used, p.slot_level().unwrap().used))
+    })
+    .unwrap();
+    for (i, (g, want)) in got.iter().zip(&alone).enumerate() {
+        assert_eq!(g, want, "request {i} differs from its run alone");
+    }
+    eprintln!("cuda:0 -> cuda:1 under load: {} sequences swapped out, {} back", swaps.0, swaps.1);
+    assert_eq!(swaps.0, swaps.1, "sequences swapped out and never back");
+    // What is left: the batched step's padding rows' block and state slot.
+    assert!(blocks_left <= 1 && slots_left <= 1, "{blocks_left} K/V blocks and {slots_left} state slots still in use");
 }
 
 /// Fail the test, saying why, where fewer than `n` GPUs are found.
@@ -504,20 +557,7 @@ fn a_small_kv_cache_swaps_sequences_and_keeps_their_tokens() {
         let alone = if c.prefill.device == Device::Cpu { &alone_cpu } else { &alone_gpu };
         let (got, swaps, level) = pipeline::run(&m.net, &c, |p| {
             assert_eq!(p.kv_capacity().map(|k| k.blocks), Some(blocks));
-            let (tx, rx) = channel();
-            for (i, prompt) in prompts.iter().enumerate() {
-                p.submit(request(i as u64, prompt.clone(), max_tokens, tx.clone()))?;
-            }
-            drop(tx);
-            let mut out = vec![Vec::new(); prompts.len()];
-            for e in rx {
-                match e {
-                    Event::Token { id, token } => out[id as usize].push(token),
-                    Event::Done { finish, .. } => assert_eq!(finish, Finish::Length),
-                    Event::Failed { id, error } => panic!("{:?}: request {id} failed: {error}", c.mode),
-                    Event::Snapshot { .. } => {}
-                }
-            }
+            let out = submit_all(p, &prompts, max_tokens)?;
             // A finished sequence's blocks come back just after its last event: wait for them.
             let waited = std::time::Instant::now();
             while p.kv_level().unwrap().used > 1 && waited.elapsed() < std::time::Duration::from_secs(10) {

@@ -37,8 +37,21 @@ fn router_prefill_and_decode_workers_give_the_single_servers_outputs_and_survive
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn gpu_workers_on_one_gpu_move_states_gpu_to_gpu() {
+    gpu_workers("1");
+}
+
+/// On a machine with two GPUs: the prefill worker on cuda:0, the decode worker on cuda:1, each
+/// state moved from one GPU's memory to the other's through NIXL.
+#[test]
+#[ignore = "needs two NVIDIA GPUs: run with --include-ignored on such a machine"]
+fn gpu_workers_on_two_gpus_move_states_between_them() {
+    gpu_workers("2");
+}
+
+/// test_disagg.py's GPU mode on `gpus` GPUs.
+fn gpu_workers(gpus: &str) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/serve/test_disagg.py");
-    let out = run(Command::new(python()).arg(&script).env("TANDEM", env!("CARGO_BIN_EXE_tandem")).env("TANDEM_DISAGG_GPU", "1"), "tests/serve/test_disagg.py (GPU)");
+    let out = run(Command::new(python()).arg(&script).env("TANDEM", env!("CARGO_BIN_EXE_tandem")).env("TANDEM_DISAGG_GPU", gpus), &format!("tests/serve/test_disagg.py (GPU mode {gpus})"));
     println!("{out}");
     assert!(out.contains("disagg gpu: ok"), "the checks did not all run:\n{out}");
 }

@@ -94,7 +94,14 @@ impl<T> Sender<T> {
     /// Hand `state` over with `item`.
     pub fn send(&mut self, item: T, state: DeviceState) -> Result<(), SendError<T>> {
         let parcel = match &self.transfer {
-            Transfer::Move => Parcel::State(state),
+            Transfer::Move => Parcel::State(match state {
+                DeviceState::Gpu(mut s) => {
+                    // Unmarked, a copy waits for everything queued on its engine's stream.
+                    let _ = s.mark_handed_off();
+                    DeviceState::Gpu(s)
+                }
+                host => host,
+            }),
             Transfer::File(dir) => {
                 let t = Instant::now();
                 match write_state_file(&mut self.files, dir, state, self.fingerprint) {
@@ -168,6 +175,13 @@ impl<T> Receiver<T> {
                 Err(e) => return Err(e),
             }
             if rebuilt { times.rebuild += t.elapsed() } else { times.read = t.elapsed() }
+            // A state on the engine's GPU has arrived; one left on another GPU for want of room
+            // stays marked (nothing writes it there) until it is copied in.
+            if let (DeviceState::Gpu(s), Some(g)) = (&mut state, gpu) {
+                if s.ordinal() == g.gpu.ordinal {
+                    s.arrived();
+                }
+            }
             Ok(state)
         });
         Ok((item, received.map(|state| (state, times))))

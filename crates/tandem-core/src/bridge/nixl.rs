@@ -697,6 +697,9 @@ impl Sender {
         let SlotMemory::Gpu { device, slot, slot_bytes, tail, tail_bytes, ref blocks, block_bytes } = ticket.memory else {
             bail!("{} reserved host memory for slot {}; this state is on a GPU: give the prefill and decode workers engines of one kind", ticket.agent, ticket.slot);
         };
+        // The forward that made the state may still run on the GPU: its time is the prefill's,
+        // not the transfer's.
+        snap.wait_ready()?;
         let t = Instant::now();
         let gpu = self.gpu.as_mut().context("this sender has no GPU transfer memory (Sender::on_gpu)")?;
         let pools = &gpu.pools;

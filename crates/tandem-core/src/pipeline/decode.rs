@@ -131,9 +131,15 @@ pub(super) fn decode_loop(engine: &Engine, mut bridge: handoff::Receiver<Handoff
     reserve_batch_padding(engine, max_batch);
     let mut batch = Batch::default();
     let mut open = true;
+    // How long the last decode step took: what taking in states may cost between two steps.
+    let mut last_step = std::time::Duration::ZERO;
     while open || !batch.is_empty() {
         // Admit handed-over states: block when idle, else take what is waiting (up to the batch).
-        while batch.admits(max_batch) && open {
+        // While sequences run, their copies onto this engine's device (from another GPU, or
+        // from the host) take about one step's time at most before the next step, so that a
+        // burst of prefilled states does not stall the running sequences.
+        let mut copying = std::time::Duration::ZERO;
+        while batch.admits(max_batch) && open && (batch.active.is_empty() || copying <= last_step.max(std::time::Duration::from_millis(1))) {
             let (h, received) = match bridge.receive(batch.is_empty(), engine.gpu()) {
                 Ok(next) => next,
                 Err(TryRecvError::Empty) => break,
@@ -146,6 +152,13 @@ pub(super) fn decode_loop(engine: &Engine, mut bridge: handoff::Receiver<Handoff
             timings.handoff = prefilled.elapsed();
             match received {
                 Ok((state, transfer)) => {
+                    // Its reading and copying were the last of the call (the wait before them
+                    // is idle time, not the engine's).
+                    let moved = transfer.read + transfer.rebuild;
+                    copying += moved;
+                    if !moved.is_zero() {
+                        time.span(Instant::now() - moved, || Work::Receive { tokens: state.position() });
+                    }
                     timings.transfer = transfer;
                     let a = Active::new(request, state, timings, submitted, lease);
                     if !a.holds_room(engine, host) {
@@ -166,9 +179,11 @@ pub(super) fn decode_loop(engine: &Engine, mut bridge: handoff::Receiver<Handoff
             // Waiting for blocks that others hold (a prefill engine sharing the pool).
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
+        let stepping = Instant::now();
         for state in step(engine, &mut batch.active, time) {
             bridge.recycle(state);
         }
+        last_step = stepping.elapsed();
     }
 }
 

@@ -42,6 +42,9 @@ pub enum Work {
     Cache { snapshots: usize },
     /// A snapshot of `tokens` tokens copied from the GPU to host memory for a prefix cache.
     Demote { tokens: usize },
+    /// A state of `tokens` tokens the decode engine took in from the prefill engine: read from
+    /// a file or socket, or copied onto its device (from another GPU, or from the host).
+    Receive { tokens: usize },
 }
 
 impl Work {
@@ -59,6 +62,7 @@ impl Work {
             Work::Cache { snapshots: 0 } => "cache lookup",
             Work::Cache { .. } => "cache keep",
             Work::Demote { .. } => "demote",
+            Work::Receive { .. } => "receive",
         }
     }
 
@@ -67,7 +71,7 @@ impl Work {
             Work::Prefill { prompts, tokens } => format!("{{\"prompts\":{prompts},\"tokens\":{tokens}}}"),
             Work::Sample { sequences } => format!("{{\"sequences\":{sequences}}}"),
             Work::Decode { sequences, positions } => format!("{{\"sequences\":{sequences},\"positions\":{positions}}}"),
-            Work::Snapshot { tokens } | Work::Demote { tokens } => format!("{{\"tokens\":{tokens}}}"),
+            Work::Snapshot { tokens } | Work::Demote { tokens } | Work::Receive { tokens } => format!("{{\"tokens\":{tokens}}}"),
             Work::Restore { tokens, tier } => format!("{{\"tokens\":{tokens},\"tier\":\"{tier}\"}}"),
             Work::Cache { snapshots } => format!("{{\"snapshots\":{snapshots}}}"),
         }

@@ -9,7 +9,10 @@
 //!    `--prefill`) and a decode worker (on a GPU both engines, as the single server; on CPU
 //!    cores one engine on `--decode`, prefilling what the router leaves it), with each prefill
 //!    placement (local, remote, conditional), under a mixed load
-//!    of short and long prompts: TTFT and ITL percentiles, output tok/s and goodput.
+//!    of short and long prompts: TTFT and ITL percentiles, output tok/s and goodput, and the
+//!    states' transfers (mean time, size and bandwidth, from the router's counters). With the
+//!    engines on two GPUs, two replicas behind the router (one per GPU) replace the local
+//!    placement.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -252,14 +255,15 @@ fn end_to_end(report: &mut String, args: &Args, spec: &str, prefill: &EngineSpec
     let vocab = LoadedModel::load(spec).map(|m| m.sampleable_vocab()).context("the model's vocabulary")?;
     // Every other prompt long, in a fixed order; random tokens (no prefix shared).
     let prompts: Vec<Vec<u32>> = (0..requests).map(|i| Workload::random_prompts(1, if i % 2 == 1 { long } else { short }, vocab, 1000 + i as u64).remove(0)).collect();
+    let warm_up: Vec<Vec<u32>> = (0..6).map(|i| Workload::random_prompts(1, if i % 2 == 1 { long } else { short }, vocab, 500 + i as u64).remove(0)).collect();
     writeln!(report, "\n## End to end: one server against a router with a prefill and a decode worker\n")?;
-    writeln!(report, "{requests} requests, {concurrency} at a time, prompts of {short} and {long} tokens alternating (random tokens), {output} output tokens each (ignore_eos, greedy). SLO for goodput: TTFT <= {:.0} ms and time per output token <= {:.0} ms. The single server runs the prefill engine {prefill} and the decode engine {decode}; the prefill worker one engine on {prefill}; the decode worker {}.\n", slo_ttft * 1e3, slo_tpot * 1e3, match decode.device {
+    writeln!(report, "{requests} requests, {concurrency} at a time, prompts of {short} and {long} tokens alternating (random tokens), {output} output tokens each (ignore_eos, greedy), after 6 such requests 2 at a time to warm each setup up. SLO for goodput: TTFT <= {:.0} ms and time per output token <= {:.0} ms. The single server runs the prefill engine {prefill} and the decode engine {decode}; the prefill worker one engine on {prefill}; the decode worker {}.\n", slo_ttft * 1e3, slo_tpot * 1e3, match decode.device {
         Device::Cuda(_) if two_gpus(prefill, decode) => format!("one engine on {decode}, which prefills what stays local between its decode steps; the two replicas each run both engines on their GPU"),
         Device::Cuda(_) => "both engines, as the single server".to_string(),
         Device::Cpu => format!("one engine on {decode}, which prefills what stays local between its decode steps"),
     })?;
-    writeln!(report, "| setup | failed | s | output tok/s | goodput tok/s (in SLO) | TTFT p50 / p99 (ms) | TTFT short / long p50 (ms) | ITL p50 / p99 (ms) | prefills remote |")?;
-    writeln!(report, "|---|---|---|---|---|---|---|---|---|")?;
+    writeln!(report, "| setup | failed | s | output tok/s | goodput tok/s (in SLO) | TTFT p50 / p99 (ms) | TTFT short / long p50 (ms) | ITL p50 / p99 (ms) | prefills remote | a state's transfer: mean ms, MB, GB/s |")?;
+    writeln!(report, "|---|---|---|---|---|---|---|---|---|---|")?;
     let rounds: usize = args.get("rounds", 1)?;
     if rounds == 0 {
         bail!("--rounds must be at least 1");
@@ -276,16 +280,25 @@ fn end_to_end(report: &mut String, args: &Args, spec: &str, prefill: &EngineSpec
         for (i, (label, layout)) in setups.iter().enumerate() {
             progress(&format!("end to end, round {round}/{rounds}: {label}"));
             let setup = start_setup(spec, prefill, decode, *layout, concurrency)?;
-            let workload = Arc::new(Workload { addr: setup.front.addr, model: spec.to_string(), prompts: prompts.clone(), output_len: output, temperature: 0.0, top_k: 0, top_p: 1.0 });
+            let workload = |prompts: Vec<Vec<u32>>| Arc::new(Workload { addr: setup.front.addr, model: spec.to_string(), prompts, output_len: output, temperature: 0.0, top_k: 0, top_p: 1.0 });
+            // Warm-up, not reported: the first requests of a process make its buffers, the
+            // first states to a decode worker map its memory.
+            let (warm, _) = rt.block_on(load::drive(workload(warm_up.clone()), Arrivals::Concurrency(2)));
+            if let Some(e) = warm.iter().find_map(|o| o.error.clone()) {
+                bail!("{label}: a warm-up request failed: {e}");
+            }
+            let workload = workload(prompts.clone());
+            let router_before = if *layout != Layout::Single { Some(RouterCounts::read(&rt.block_on(load::get(setup.front.addr, "/metrics"))?.1)) } else { None };
             let (outcomes, seconds) = rt.block_on(load::drive(workload, Arrivals::Concurrency(concurrency)));
-            let remote = if *layout != Layout::Single {
-                let (_, m) = rt.block_on(load::get(setup.front.addr, "/metrics"))?;
-                super::serve::gauge(&m, "tandem_router_requests_total{prefill=\"remote\"}").map_or("-".into(), |v| format!("{v:.0}"))
-            } else {
-                "-".into()
+            let (remote, moved) = match router_before {
+                Some(before) => {
+                    let run = RouterCounts::read(&rt.block_on(load::get(setup.front.addr, "/metrics"))?.1).since(&before);
+                    (format!("{:.0}", run.remote), run.state_moves())
+                }
+                None => ("-".into(), "-".into()),
             };
             let label = if rounds > 1 { format!("{label} (round {round})") } else { label.to_string() };
-            let (line, out, good) = row(&label, &outcomes, seconds, short, slo_ttft, slo_tpot, &remote);
+            let (line, out, good) = row(&label, &outcomes, seconds, short, slo_ttft, slo_tpot, &remote, &moved);
             writeln!(report, "{line}")?;
             rates[i].push((out, good));
             drop(setup);
@@ -306,8 +319,39 @@ fn end_to_end(report: &mut String, args: &Args, spec: &str, prefill: &EngineSpec
     Ok(())
 }
 
+/// The router's counters of remote prefills and the states they wrote into decode workers'
+/// slots.
+#[derive(Clone, Copy)]
+struct RouterCounts {
+    remote: f64,
+    transfer_seconds: f64,
+    state_bytes: f64,
+}
+
+impl RouterCounts {
+    fn read(metrics: &str) -> RouterCounts {
+        let get = |name: &str| super::serve::gauge(metrics, name).unwrap_or(0.0);
+        RouterCounts { remote: get("tandem_router_requests_total{prefill=\"remote\"}"), transfer_seconds: get("tandem_router_state_transfer_seconds_total"), state_bytes: get("tandem_router_state_bytes_total") }
+    }
+
+    fn since(&self, before: &RouterCounts) -> RouterCounts {
+        RouterCounts { remote: self.remote - before.remote, transfer_seconds: self.transfer_seconds - before.transfer_seconds, state_bytes: self.state_bytes - before.state_bytes }
+    }
+
+    /// The mean time of one state's transfer (from the prefill worker's snapshot to the
+    /// write's completion, the image included where one is built), its mean size, and the
+    /// bandwidth of the two.
+    fn state_moves(&self) -> String {
+        if self.remote < 1.0 || self.transfer_seconds <= 0.0 {
+            return "-".into();
+        }
+        format!("{:.2}, {:.1}, {:.1}", self.transfer_seconds / self.remote * 1e3, self.state_bytes / self.remote / 1e6, self.state_bytes / self.transfer_seconds / 1e9)
+    }
+}
+
 /// A setup's row, with its output and goodput tok/s.
-fn row(label: &str, outcomes: &[Outcome], seconds: f64, short: usize, slo_ttft: f64, slo_tpot: f64, remote: &str) -> (String, f64, f64) {
+#[allow(clippy::too_many_arguments)]
+fn row(label: &str, outcomes: &[Outcome], seconds: f64, short: usize, slo_ttft: f64, slo_tpot: f64, remote: &str, moved: &str) -> (String, f64, f64) {
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_none()).collect();
     let ms = |v: &[f64], p: f64| if v.is_empty() { f64::NAN } else { 1e3 * percentile(v, p) };
     let ttft: Vec<f64> = ok.iter().map(|o| o.ttft).collect();
@@ -316,7 +360,7 @@ fn row(label: &str, outcomes: &[Outcome], seconds: f64, short: usize, slo_ttft: 
     let out: usize = ok.iter().map(|o| o.output_tokens).sum();
     let good: usize = ok.iter().filter(|o| o.ttft <= slo_ttft && o.tpot() <= slo_tpot).map(|o| o.output_tokens).sum();
     let line = format!(
-        "| {label} | {} | {seconds:.1} | {:.1} | {:.1} | {:.0} / {:.0} | {:.0} / {:.0} | {:.1} / {:.1} | {remote} |",
+        "| {label} | {} | {seconds:.1} | {:.1} | {:.1} | {:.0} / {:.0} | {:.0} / {:.0} | {:.1} / {:.1} | {remote} | {moved} |",
         outcomes.len() - ok.len(),
         out as f64 / seconds,
         good as f64 / seconds,

@@ -229,10 +229,18 @@ async fn route(r: &Arc<Routing>, endpoint: &str, path: &str, raw: Bytes) -> Resu
     let mut prefillers = r.members.live("prefill");
     prefillers.sort_by_key(|m| m.in_flight * 1000 / m.max_concurrent.max(1));
     let least_busy = prefillers.first().map(|m| m.in_flight);
-    let costs = *r.costs.lock().expect("costs lock");
-    let (mut go_remote, mut reason) = policy::remote(r.placement, r.min_remote_tokens, plan.prompt.len(), uncached, &plan.candidate, least_busy, &costs);
-    let explorer = reason == policy::Reason::Exploring && !r.exploring.swap(true, Ordering::AcqRel);
-    if reason == policy::Reason::Exploring && !explorer {
+    let (mut go_remote, mut reason) = {
+        let mut costs = r.costs.lock().expect("costs lock");
+        let decided = policy::remote(r.placement, r.min_remote_tokens, plan.prompt.len(), uncached, &plan.candidate, least_busy, &costs);
+        if decided.1 == policy::Reason::LocalCheaper {
+            costs.kept_local();
+        }
+        decided
+    };
+    // Measuring prefills go one at a time.
+    let measuring = matches!(reason, policy::Reason::Exploring | policy::Reason::Remeasuring);
+    let explorer = measuring && !r.exploring.swap(true, Ordering::AcqRel);
+    if measuring && !explorer {
         (go_remote, reason) = (false, policy::Reason::AwaitingMeasurement);
     }
     *r.counters.reasons.lock().expect("counters lock").entry(reason.name()).or_default() += 1;
@@ -395,9 +403,9 @@ async fn metrics(AppState(r): AppState<Arc<Routing>>) -> Response {
     let _ = writeln!(out, "# HELP tandem_router_state_transfer_seconds_total Time prefill workers spent writing states into decode workers' slots (image and transfer).\n# TYPE tandem_router_state_transfer_seconds_total counter\ntandem_router_state_transfer_seconds_total {:.6}", load(&c.transfer_us) as f64 / 1e6);
     let _ = writeln!(out, "# HELP tandem_router_remote_prefill_seconds_total Time prefill workers spent prefilling.\n# TYPE tandem_router_remote_prefill_seconds_total counter\ntandem_router_remote_prefill_seconds_total {:.6}", load(&c.prefill_us) as f64 / 1e6);
     let _ = writeln!(out, "# HELP tandem_router_state_bytes_total Bytes of states written into decode workers' slots.\n# TYPE tandem_router_state_bytes_total counter\ntandem_router_state_bytes_total {}", load(&c.state_bytes));
-    let costs = *r.costs.lock().expect("costs lock");
-    let _ = writeln!(out, "# HELP tandem_router_remote_cost_seconds_per_token What remote prefills cost so far, moving averages: per token prefilled on a prefill worker, and per prompt token of the rest (the state's transfer, checks, HTTP).\n# TYPE tandem_router_remote_cost_seconds_per_token gauge");
-    for (part, v) in [("prefill", costs.prefill), ("overhead", costs.overhead)] {
+    let costs = r.costs.lock().expect("costs lock").clone();
+    let _ = writeln!(out, "# HELP tandem_router_remote_cost_seconds_per_token What remote prefills cost lately, medians of the last five: per token prefilled on a prefill worker, and per prompt token of the rest (the state's transfer, checks, HTTP).\n# TYPE tandem_router_remote_cost_seconds_per_token gauge");
+    for (part, v) in [("prefill", costs.prefill()), ("overhead", costs.overhead())] {
         if let Some(v) = v {
             let _ = writeln!(out, "tandem_router_remote_cost_seconds_per_token{{part=\"{part}\"}} {v:.9}");
         }

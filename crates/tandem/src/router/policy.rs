@@ -9,8 +9,10 @@
 //! the state's transfer (per prompt token, as measured); a local prefill also stalls the
 //! sequences the decode worker runs, so a remote one may take up to (1 + that worker's load)
 //! times as long and still be chosen. Below `min_remote_tokens` uncached tokens, or with no
-//! prefill worker, it is local; with no remote measurement yet, a busy decode worker tries one
-//! (one at a time: the router keeps the others local until it has come back).
+//! prefill worker, it is local; until a few remote prefills are measured, a busy decode worker
+//! tries one (one at a time: the router keeps the others local until it has come back), and
+//! after a run of local ones, one goes remote again to measure anew, so that a slow measurement
+//! cannot keep every prefill local for good.
 
 use std::time::Duration;
 
@@ -76,6 +78,8 @@ pub enum Reason {
     AwaitingMeasurement,
     LocalCheaper,
     RemoteCheaper,
+    /// Local would be cheaper by the estimates, but they are old: one goes remote to measure.
+    Remeasuring,
 }
 
 impl Reason {
@@ -89,32 +93,67 @@ impl Reason {
             Reason::AwaitingMeasurement => "awaiting_remote_measurement",
             Reason::LocalCheaper => "local_cheaper",
             Reason::RemoteCheaper => "remote_cheaper",
+            Reason::Remeasuring => "remeasuring",
         }
     }
 }
 
-/// What remote prefills have cost so far: per prompt token prefilled, and per prompt token of
-/// the state moved (its transfer, checks and the HTTP around it), as moving averages.
-#[derive(Clone, Copy, Debug, Default)]
+/// What remote prefills have cost lately: per prompt token prefilled, and per prompt token of
+/// the state moved (its transfer, checks and the HTTP around it), each the median of the last
+/// few remote prefills, so that one slow one (the first write to a decode worker maps its
+/// memory; the first prefill of a process makes its buffers) does not decide the next ones.
+#[derive(Clone, Debug, Default)]
 pub struct RemoteCosts {
-    /// Seconds per prefilled token on a prefill worker.
-    pub prefill: Option<f64>,
-    /// Seconds per prompt token of everything else a remote prefill costs.
-    pub overhead: Option<f64>,
+    /// The last samples, oldest first: (seconds per prefilled token, seconds per prompt token
+    /// of everything else).
+    samples: std::collections::VecDeque<(Option<f64>, f64)>,
+    /// Prefills the rule has kept local since the last sample.
+    kept_local: usize,
 }
 
 impl RemoteCosts {
+    /// Samples kept; the estimates are their medians.
+    const KEPT: usize = 5;
+    /// Remote prefills measured before the rule decides by the estimates.
+    pub const FIRST: usize = 3;
+    /// Prefills kept local by the rule after which one goes remote again to measure anew (the
+    /// prefill workers' load and the transfer change while serving).
+    pub const REMEASURE_AFTER: usize = 16;
+
     /// Take in one remote prefill: `prefilled` tokens computed in `prefill`, the whole call
     /// (with the transfer) in `total`, for a prompt of `prompt` tokens.
     pub fn observe(&mut self, prefilled: usize, prompt: usize, prefill: Duration, total: Duration) {
-        let blend = |old: Option<f64>, new: f64| Some(old.map_or(new, |o| 0.8 * o + 0.2 * new));
-        if prefilled > 0 {
-            self.prefill = blend(self.prefill, prefill.as_secs_f64() / prefilled as f64);
+        if prompt == 0 {
+            return;
         }
-        if prompt > 0 {
-            self.overhead = blend(self.overhead, total.saturating_sub(prefill).as_secs_f64() / prompt as f64);
+        let per_token = (prefilled > 0).then(|| prefill.as_secs_f64() / prefilled as f64);
+        if self.samples.len() == Self::KEPT {
+            self.samples.pop_front();
         }
+        self.samples.push_back((per_token, total.saturating_sub(prefill).as_secs_f64() / prompt as f64));
+        self.kept_local = 0;
     }
+
+    /// Count a prefill the rule kept local.
+    pub fn kept_local(&mut self) {
+        self.kept_local += 1;
+    }
+
+    /// Seconds per prefilled token on a prefill worker (None before the first sample).
+    pub fn prefill(&self) -> Option<f64> {
+        median(self.samples.iter().filter_map(|s| s.0).collect())
+    }
+
+    /// Seconds per prompt token of everything else a remote prefill costs.
+    pub fn overhead(&self) -> Option<f64> {
+        median(self.samples.iter().map(|s| s.1).collect())
+    }
+}
+
+/// The middle value (of an even count, the lower of the two middle ones).
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len().saturating_sub(1) / 2).copied()
 }
 
 /// Whether to prefill remotely (true) a prompt of `prompt` tokens of which `uncached` are left
@@ -132,9 +171,10 @@ pub fn remote(placement: Placement, min_remote_tokens: usize, prompt: usize, unc
         return (false, Reason::Short);
     }
     let busy = decode.active.max(decode.in_flight) + decode.queued;
-    let (Some(per_token), Some(overhead), Some(local_rate)) = (costs.prefill, costs.overhead, decode.prefill_rate) else {
-        // Nothing measured yet: an idle decode worker loses nothing by prefilling; a busy one
-        // tries a prefill worker, which measures it.
+    let measured = costs.samples.len() >= RemoteCosts::FIRST;
+    let (true, Some(per_token), Some(overhead), Some(local_rate)) = (measured, costs.prefill(), costs.overhead(), decode.prefill_rate) else {
+        // Too little measured yet: an idle decode worker loses nothing by prefilling; a busy
+        // one tries a prefill worker, which measures it.
         return if busy == 0 { (false, Reason::DecodeIdle) } else { (true, Reason::Exploring) };
     };
     // Expected seconds to the first token: locally the prefill after those queued ahead (as
@@ -145,6 +185,8 @@ pub fn remote(placement: Placement, min_remote_tokens: usize, prompt: usize, unc
     let stall = 1.0 + decode.active.max(decode.in_flight) as f64 / decode.max_concurrent.max(1) as f64;
     if remote < local * stall {
         (true, Reason::RemoteCheaper)
+    } else if costs.kept_local >= RemoteCosts::REMEASURE_AFTER && prefill_in_flight == 0 {
+        (true, Reason::Remeasuring)
     } else {
         (false, Reason::LocalCheaper)
     }
@@ -179,15 +221,23 @@ mod tests {
         assert_eq!(remote(c, 256, 1000, 1000, &idle, free, &none), (false, Reason::DecodeIdle));
         assert_eq!(remote(c, 256, 1000, 1000, &busy, free, &none), (true, Reason::Exploring));
         // The decode worker prefills 1000 tok/s: 1 s for 1000 tokens.
-        let mut costs = RemoteCosts::default();
-        costs.observe(1000, 1000, Duration::from_millis(500), Duration::from_millis(600));
+        let measured = |prefill_ms: u64, total_ms: u64| {
+            let mut costs = RemoteCosts::default();
+            for _ in 0..RemoteCosts::FIRST {
+                costs.observe(1000, 1000, Duration::from_millis(prefill_ms), Duration::from_millis(total_ms));
+            }
+            costs
+        };
+        let costs = measured(500, 600);
         assert_eq!(remote(c, 256, 1000, 1000, &busy, free, &costs), (true, Reason::RemoteCheaper), "0.6 s remote against 1 s local");
-        let mut slow = RemoteCosts::default();
-        slow.observe(1000, 1000, Duration::from_millis(500), Duration::from_millis(2500));
+        // Until a few remote prefills are measured, a busy decode worker keeps trying one.
+        let mut first = RemoteCosts::default();
+        first.observe(1000, 1000, Duration::from_millis(500), Duration::from_millis(600));
+        assert_eq!(remote(c, 256, 1000, 1000, &busy, free, &first), (true, Reason::Exploring));
+        let slow = measured(500, 2500);
         assert_eq!(remote(c, 256, 1000, 1000, &busy, free, &slow), (false, Reason::LocalCheaper), "2.5 s remote against 1 s local, 1.5 s with the stall");
         // Half a batch running: 1.5 s remote is worth sparing it the stall only when full.
-        let mut mid = RemoteCosts::default();
-        mid.observe(1000, 1000, Duration::from_millis(500), Duration::from_millis(1600));
+        let mid = measured(500, 1600);
         assert!(!remote(c, 256, 1000, 1000, &busy, free, &mid).0, "1.6 s against 1 s x 1.5");
         assert!(remote(c, 256, 1000, 1000, &worker(0, 8, 0), free, &mid).0, "1.6 s against 1 s x 2");
         // The options override the rule, but not the lack of a prefill worker.
@@ -198,11 +248,39 @@ mod tests {
     }
 
     #[test]
-    fn remote_costs_are_moving_averages_per_token() {
+    fn remote_costs_are_medians_per_token_of_the_last_samples() {
         let mut c = RemoteCosts::default();
+        assert_eq!((c.prefill(), c.overhead()), (None, None));
         c.observe(100, 200, Duration::from_millis(100), Duration::from_millis(300));
-        assert_eq!((c.prefill, c.overhead), (Some(0.001), Some(0.001)));
+        assert_eq!((c.prefill(), c.overhead()), (Some(0.001), Some(0.001)));
+        // A slow first one (10 s more for the transfer) no longer counts once two more came.
+        let mut c = RemoteCosts::default();
+        c.observe(100, 200, Duration::from_millis(100), Duration::from_millis(10_100));
+        c.observe(100, 200, Duration::from_millis(100), Duration::from_millis(300));
         c.observe(100, 200, Duration::from_millis(200), Duration::from_millis(400));
-        assert!((c.prefill.unwrap() - 0.0012).abs() < 1e-12 && (c.overhead.unwrap() - 0.001).abs() < 1e-12);
+        assert!((c.prefill().unwrap() - 0.001).abs() < 1e-12 && (c.overhead().unwrap() - 0.001).abs() < 1e-12, "{c:?}");
+        // Only the last five count: five cheap transfers replace it altogether.
+        for _ in 0..5 {
+            c.observe(100, 200, Duration::from_millis(100), Duration::from_millis(120));
+        }
+        assert!((c.overhead().unwrap() - 0.0001).abs() < 1e-12, "{c:?}");
+    }
+
+    #[test]
+    fn after_a_run_of_local_prefills_one_goes_remote_to_measure_anew() {
+        let mut c = RemoteCosts::default();
+        for _ in 0..RemoteCosts::FIRST {
+            c.observe(1000, 1000, Duration::from_millis(500), Duration::from_millis(2500));
+        }
+        let busy = worker(0, 4, 0);
+        for _ in 0..RemoteCosts::REMEASURE_AFTER {
+            assert_eq!(remote(Placement::Conditional, 256, 1000, 1000, &busy, Some(0), &c), (false, Reason::LocalCheaper));
+            c.kept_local();
+        }
+        // Not while the prefill worker is busy; then once, and the sample starts a new run.
+        assert_eq!(remote(Placement::Conditional, 256, 1000, 1000, &busy, Some(1), &c), (false, Reason::LocalCheaper));
+        assert_eq!(remote(Placement::Conditional, 256, 1000, 1000, &busy, Some(0), &c), (true, Reason::Remeasuring));
+        c.observe(1000, 1000, Duration::from_millis(500), Duration::from_millis(2500));
+        assert_eq!(remote(Placement::Conditional, 256, 1000, 1000, &busy, Some(0), &c), (false, Reason::LocalCheaper));
     }
 }

@@ -9,7 +9,8 @@ Where namespaces cannot be made, the same processes run on loopback ports (said 
 
 With TANDEM_DISAGG_GPU=1 (on a GPU machine, loopback ports): a prefill worker and a decode
 worker as two processes on one GPU, the state moved GPU memory to GPU memory through NIXL;
-greedy outputs as a single GPU server's.
+greedy outputs as a single GPU server's. TANDEM_DISAGG_GPU=2 (two GPUs): the prefill worker
+on cuda:0, the decode worker on cuda:1.
 
 Checks: greedy outputs through the router (remote prefill, local prefill, conditional) equal a
 single-process server's for plain requests, chat, streams, sessions and prefix-cache hits;
@@ -182,8 +183,9 @@ def stopped_at_the_end(procs):
             p.stop(signal.SIGKILL)
 
 
-def gpu():
-    """Two processes on one GPU: every state written GPU memory to GPU memory, and used."""
+def gpu(gpus):
+    """Two processes on one GPU (gpus 1) or one on each of two (gpus 2: the prefill worker on
+    cuda:0, the decode worker on cuda:1): every state written GPU memory to GPU memory, and used."""
     net = Net.__new__(Net)
     net.netns, net.why = False, "loopback on the GPU machine"
     engines = ["--prefill", "cuda:0", "--decode", "cuda:0"]
@@ -194,7 +196,8 @@ def gpu():
         router = Proc(net, "router", ["--role", "router", "--prefill-placement", "remote"])
         procs.append(router)
         share = ["--gpu-memory-utilization", "0.25"]
-        decoder = Proc(net, "d1", ["--role", "decode", "--model", MODEL, "--router", router.url, *engines, *share])
+        decode_engines = ["--mode", "decode-engine", "--decode", "cuda:1"] if gpus == 2 else engines
+        decoder = Proc(net, "d1", ["--role", "decode", "--model", MODEL, "--router", router.url, *decode_engines, *share])
         prefiller = Proc(net, "p1", ["--role", "prefill", "--model", MODEL, "--router", router.url, "--mode", "prefill-engine", "--prefill", "cuda:0", *share])
         procs += [decoder, prefiller]
         wait_until(lambda: live(router) == 2, "both workers registered with the router")
@@ -210,7 +213,8 @@ def gpu():
         refused = decoder.metrics()['tandem_remote_states_total{outcome="refused"}']
         check(used == len(prompts) + 1 and refused == 0, f"every state used ({used}), none refused ({refused})")
         check(decoder.metrics()["tandem_state_slots_reserved"] == 0, "no slot stays reserved")
-        print(f"gpu: {used:.0f} states (5-3000 tokens) GPU memory to GPU memory between two processes on one GPU, outputs as a single GPU server's")
+        where = "from cuda:0 to cuda:1" if gpus == 2 else "between two processes on one GPU"
+        print(f"gpu: {used:.0f} states (5-3000 tokens) GPU memory to GPU memory {where}, outputs as a single GPU server's")
         print("disagg gpu: ok")
 
 
@@ -408,7 +412,7 @@ def main():
 
 if __name__ == "__main__":
     try:
-        gpu() if os.environ.get("TANDEM_DISAGG_GPU") == "1" else main()
+        gpu(int(os.environ["TANDEM_DISAGG_GPU"])) if os.environ.get("TANDEM_DISAGG_GPU") in ("1", "2") else main()
     except AssertionError as e:
         print(f"FAILED: {e}")
         sys.exit(1)

@@ -302,6 +302,10 @@ pub struct GpuState {
     staging: Arc<Mutex<Staging>>,
     /// The snapshots it went on from (whose K/V rows it holds).
     lineage: Lineage,
+    /// While it is handed from one engine to another (`mark_handed_off`): passed on its
+    /// stream once the work its engine queued for it is done, so that a copy to another GPU
+    /// waits for that alone and not for what the engine queued since. None otherwise.
+    handed_off: Option<cudarc::driver::CudaEvent>,
 }
 
 /// Where a state's last logits are: on the host, or, after a decode step replayed from its graph

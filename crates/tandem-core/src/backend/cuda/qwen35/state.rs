@@ -42,7 +42,7 @@ impl GpuQwen35 {
                 LayerType::FullAttention => GpuLayerState::Full,
             })
             .collect();
-        GpuState { position, slot, layers, kv, stream: self.gpu.stream.clone(), last, step: None, staging: self.staging.clone(), lineage }
+        GpuState { position, slot, layers, kv, stream: self.gpu.stream.clone(), last, step: None, staging: self.staging.clone(), lineage, handed_off: None }
     }
 
     /// `s` copied to the GPU (`place`).
@@ -94,8 +94,12 @@ impl GpuQwen35 {
             // Recurrent states of another dtype: converted through host memory.
             return self.place_state(&s.download()?);
         }
-        // The source's stream must be done writing before this stream reads.
-        s.stream().synchronize().map_err(err)?;
+        // The source's writes must be done before this stream reads: those queued for it when
+        // it was handed off, else everything queued on its stream.
+        match &s.handed_off {
+            Some(written) => written.synchronize().map_err(err)?,
+            None => s.stream().synchronize().map_err(err)?,
+        }
         let slot = StateSlot::take(&self.slots)?;
         let mut kv = KvBlocks::new(self.kv.clone());
         kv.grow(s.position)?;
@@ -307,6 +311,12 @@ impl GpuSnapshot {
         self.stream.context().ordinal()
     }
 
+    /// Wait until its copies (and the work queued before them: the forward that made the
+    /// state) are done on the GPU.
+    pub fn wait_ready(&self) -> Result<()> {
+        self.ready.synchronize().map_err(|e| anyhow::anyhow!("cuda:{}: waiting for a snapshot: {e:?}", self.ordinal()))
+    }
+
     /// Bytes of GPU memory it holds: its slot (with its logits) and its blocks (some of them
     /// shared).
     pub fn bytes(&self) -> usize {
@@ -441,6 +451,19 @@ impl GpuState {
 
     pub(super) fn stream(&self) -> &std::sync::Arc<cudarc::driver::CudaStream> {
         &self.stream
+    }
+
+    /// Mark the work queued for this state so far, as it leaves the engine that made it (called
+    /// on that engine's thread): a copy to another GPU then waits for that work only, not for
+    /// the engine's next forward. `arrived` ends the mark.
+    pub fn mark_handed_off(&mut self) -> Result<()> {
+        self.handed_off = Some(self.stream.record_event(None).map_err(|e| anyhow::anyhow!("cuda:{}: marking a state handed off: {e:?}", self.ordinal()))?);
+        Ok(())
+    }
+
+    /// End the mark of `mark_handed_off` (the state has arrived: an engine may write it again).
+    pub fn arrived(&mut self) {
+        self.handed_off = None;
     }
 
     /// This state copied to host memory (the bridge's device-to-host copy).
