@@ -97,3 +97,38 @@ fn unknown_token_and_context_overflow() {
     assert!(e.contains("context of 8 tokens"), "{e}");
     assert_eq!(st.position, 0);
 }
+
+/// Rewrite the tiny checkpoint in `d` with `edit` applied to its tensors (by name).
+fn rewrite_tensors(d: &Path, edit: impl Fn(&str, &[u8]) -> Option<Vec<u8>>) {
+    let bytes = std::fs::read(d.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st.tensors().into_iter().filter_map(|(n, t)| edit(&n, t.data()).map(|data| (n, t.dtype(), t.shape().to_vec(), data))).collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = kept.iter().map(|(n, dt, shape, data)| (n.clone(), safetensors::tensor::TensorView::new(*dt, shape.clone(), data).unwrap())).collect();
+    safetensors::serialize_to_file(views, None, &d.join("model.safetensors")).unwrap();
+}
+
+#[test]
+fn a_missing_output_projection_is_named() {
+    // The fixture's config does not tie the embeddings: without lm_head.weight it cannot run.
+    let d = copy_tiny("no-lm-head");
+    rewrite_tensors(&d, |n, data| (n != "lm_head.weight").then(|| data.to_vec()));
+    let e = load_err(&d);
+    assert!(e.contains("lm_head.weight") && e.contains("tie_word_embeddings"), "{e}");
+}
+
+#[test]
+fn non_finite_weights_are_named() {
+    // One NaN (bf16 0x7FC0) in a projection, then one infinity (0x7F80) in a norm.
+    for (name, at, bits) in [("model.language_model.layers.1.mlp.up_proj.weight", 77, 0x7FC0u16), ("model.language_model.norm.weight", 5, 0x7F80)] {
+        let d = copy_tiny("non-finite");
+        rewrite_tensors(&d, |n, data| {
+            let mut data = data.to_vec();
+            if n == name {
+                data[2 * at..2 * at + 2].copy_from_slice(&bits.to_le_bytes());
+            }
+            Some(data)
+        });
+        let e = load_err(&d);
+        assert!(e.contains(name.trim_start_matches("model.language_model.")) && e.contains("not finite") && e.contains(&format!("element {at}")), "{e}");
+    }
+}

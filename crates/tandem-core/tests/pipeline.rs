@@ -395,6 +395,58 @@ fn bad_state_files_are_refused_with_the_reason() {
     assert!(e.contains("layers"), "{e}");
 }
 
+/// A state file cut short or rewritten while it is being loaded (another process's doing) is
+/// refused with the reason, or read whole as saved: never a crash (a mapped file kills its
+/// reader with SIGBUS at the first page past a new end).
+#[test]
+fn a_state_file_truncated_while_it_is_loaded_is_refused_never_a_crash() {
+    use std::sync::atomic::Ordering;
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let fp = m.net.fingerprint();
+    let path = common::scratch("bridge-truncating").join("cut.state");
+    // Long enough (a few MB of K/V) that a load takes a while to read it.
+    let saved = prefilled(&m, 3000);
+    bridge::file::save(&path, &saved, fp).unwrap();
+    let good = std::fs::read(&path).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let cutter = {
+        let (path, stop, good) = (path.clone(), Arc::clone(&stop), good.clone());
+        std::thread::spawn(move || {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                // Cut to a third, grow back with zeros, write it whole again.
+                let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+                f.set_len(if i.is_multiple_of(3) { good.len() as u64 / 3 } else { good.len() as u64 }).unwrap();
+                if i % 3 == 2 {
+                    std::fs::write(&path, &good).unwrap();
+                }
+                i += 1;
+            }
+        })
+    };
+    let (mut whole, mut refused) = (0, 0);
+    for _ in 0..300 {
+        match bridge::file::load(&path, fp, &m.net.config, None) {
+            Ok((back, _, _)) => {
+                assert!(back == saved, "a state loaded from the file differs from the one saved");
+                whole += 1;
+            }
+            Err(e) => {
+                let e = format!("{e:#}");
+                assert!(["truncated", "checksum", "not a tandem state"].iter().any(|w| e.contains(w)), "{e}");
+                refused += 1;
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    cutter.join().unwrap();
+    eprintln!("300 loads while the file changed: {whole} whole, {refused} refused");
+    assert!(refused > 0, "the file was never seen damaged: nothing was tested");
+    // Whole again, it loads as saved.
+    std::fs::write(&path, &good).unwrap();
+    assert!(bridge::file::load(&path, fp, &m.net.config, None).unwrap().0 == saved);
+}
+
 /// bf16 and int8 forms of one checkpoint share a fingerprint (a state made by one can be
 /// decoded by the other); another checkpoint does not.
 #[test]

@@ -31,14 +31,17 @@ pub fn default_dir() -> std::path::PathBuf {
 }
 
 /// Load a state file written by `save`, for the model `cfg` with `fingerprint`, into this
-/// process's memory (a copy: the file may change after), returning the state and the time spent
-/// reading (map + header checks) and rebuilding (payloads copied and checksummed). `reuse`: see
-/// `receive`.
+/// process's memory, returning the state and the time spent reading (the file's bytes, header
+/// checks) and rebuilding (payloads copied and checksummed). `reuse`: see `receive`.
+///
+/// The file is read, not mapped: it may come from another process or sit on disk, and a mapped
+/// file that someone truncates kills the reader (SIGBUS) at the first page past its new end,
+/// where a read just comes back short and the checks refuse it.
 pub fn load(path: &Path, fingerprint: Fingerprint, cfg: &Qwen35Config, reuse: Option<State>) -> Result<(State, Duration, Duration)> {
     let t = Instant::now();
-    let file = Arc::new(StateFile::open(path)?);
+    let bytes = std::fs::read(path).with_context(|| format!("reading state file {}", path.display()))?;
     let opened = t.elapsed();
-    let (state, read, rebuild) = read_file(&file, fingerprint, cfg, reuse, false)?;
+    let (state, read, rebuild) = read_image(&bytes, &|| format!("state file {}", path.display()), fingerprint, cfg, reuse, None)?;
     Ok((state, opened + read, rebuild))
 }
 
@@ -73,12 +76,6 @@ impl StateFile {
             .truncate(false)
             .open(path)
             .with_context(|| format!("creating state file {}", path.display()))?;
-        Self::mapped(path, file)
-    }
-
-    /// Open an existing state file to read it.
-    pub fn open(path: &Path) -> Result<StateFile> {
-        let file = std::fs::OpenOptions::new().read(true).write(true).open(path).with_context(|| format!("opening state file {}", path.display()))?;
         Self::mapped(path, file)
     }
 
@@ -218,9 +215,13 @@ pub fn state_in_file(file: &mut Arc<StateFile>, cfg: &Qwen35Config, prompt: usiz
 /// copied out. Every byte is checksummed before the state is returned. Returns the times spent
 /// reading (header and table checks) and rebuilding (checksum, copies).
 pub fn read_file(file: &Arc<StateFile>, fingerprint: Fingerprint, cfg: &Qwen35Config, reuse: Option<State>, in_place: bool) -> Result<(State, Duration, Duration)> {
+    read_image(file.bytes(), &|| format!("state file {}", file.path.display()), fingerprint, cfg, reuse, in_place.then_some(file))
+}
+
+/// `read_file` of the image `bytes` (named by `name` in errors); with `in_place` (the mapped
+/// file `bytes` are), the fixed-size arrays stay there.
+fn read_image(bytes: &[u8], name: &dyn Fn() -> String, fingerprint: Fingerprint, cfg: &Qwen35Config, reuse: Option<State>, in_place: Option<&Arc<StateFile>>) -> Result<(State, Duration, Duration)> {
     let t = Instant::now();
-    let bytes = file.bytes();
-    let name = || format!("state file {}", file.path.display());
     let header = parse_header(bytes, fingerprint, cfg).with_context(name)?;
     if bytes.len() != header.total {
         bail!("{}: {} bytes, its header announces {} (truncated or extended)", name(), bytes.len(), header.total);
@@ -238,7 +239,7 @@ pub fn read_file(file: &Arc<StateFile>, fingerprint: Fingerprint, cfg: &Qwen35Co
         let src = &bytes[start..start + 4 * count];
         // Arrays 2l and 2l+1 belong to layer l; the last one is the logits.
         let fixed_size = header.kinds.get(i / 2) == Some(&KIND_LINEAR);
-        if in_place && fixed_size {
+        if let (Some(file), true) = (in_place, fixed_size) {
             hash.update(src);
             let ptr = file.base.wrapping_add(start) as *mut f32;
             arrays.push(StateArray::InFile { file: Arc::clone(file), ptr, len: count });

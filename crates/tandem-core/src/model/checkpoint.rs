@@ -45,7 +45,11 @@ impl TensorSet {
             return Ok(make());
         }
         self.get(name, shape)?;
-        Ok(self.tensors.remove(name).expect("checked by get"))
+        let t = self.tensors.remove(name).expect("checked by get");
+        if let Some(i) = t.first_non_finite()? {
+            bail!("{}: tensor {name} holds a value that is not finite (NaN or infinity) at element {i}: the checkpoint is damaged", self.source);
+        }
+        Ok(t)
     }
 
     /// Memory-map every safetensors file of `dir` (following `model.safetensors.index.json`

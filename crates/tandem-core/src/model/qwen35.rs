@@ -4,7 +4,7 @@
 //! costs (weight bytes, prefill FLOPs) and is (its fingerprint). The forward passes over these
 //! weights are the backends' (`backend::cpu::forward`, `backend::cuda`).
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 
 use crate::backend::cpu::kernels::deltanet;
 use crate::backend::cpu::kernels::rope::{inv_freq, inv_freq_bf16};
@@ -87,13 +87,16 @@ impl Qwen35 {
         let (h, v) = (c.hidden_size, c.vocab_size);
         // The embedding table is only looked up (one row per token): it stays as stored.
         let embed_tokens = matrix(ts, None, "embed_tokens.weight", &[v, h])?;
-        let lm_head = if ts.contains("lm_head.weight") && !c.tie_word_embeddings {
-            matrix(ts, int8, "lm_head.weight", &[v, h])?
-        } else {
+        let lm_head = if c.tie_word_embeddings {
             match int8 {
                 Some(pool) => quantize_int8_on(pool, &embed_tokens),
                 None => embed_tokens.clone(),
             }
+        } else if ts.contains("lm_head.weight") {
+            matrix(ts, int8, "lm_head.weight", &[v, h])?
+        } else {
+            // Using the embeddings instead would run, and generate the wrong tokens.
+            bail!("tensor lm_head.weight is missing: the config sets tie_word_embeddings to false, so the checkpoint must hold its own output projection (lm_head.weight)");
         };
         let final_norm = zero_centred(ts.take("norm.weight", &[h])?)?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);

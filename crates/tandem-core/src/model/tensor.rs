@@ -161,6 +161,37 @@ impl Tensor {
             DType::I8 => bail!("tensor {} is int8; checkpoints hold bf16, f16 or f32", self.name),
         })
     }
+
+    /// The index of its first value that is NaN or infinite (None: every value is finite).
+    /// A checkpoint damaged that way would load without a word and generate one token forever.
+    pub fn first_non_finite(&self) -> Result<Option<usize>> {
+        let n = self.numel();
+        Ok(match self.dtype {
+            DType::F32 => first_where(Buf::<u32>::new(self.storage.clone(), self.offset, n)?.as_slice(), |b| b & 0x7F80_0000 == 0x7F80_0000),
+            DType::BF16 => first_where(Buf::<u16>::new(self.storage.clone(), self.offset, n)?.as_slice(), |b| b & 0x7F80 == 0x7F80),
+            DType::F16 => first_where(Buf::<u16>::new(self.storage.clone(), self.offset, n)?.as_slice(), |b| b & 0x7C00 == 0x7C00),
+            DType::I8 => None,
+        })
+    }
+}
+
+/// The first index of `values` where `bad` holds (every exponent bit set: NaN or infinity),
+/// large slices split over the machine's cores; each part is tested in blocks without an early
+/// exit, which the compiler vectorizes, then searched in the block that holds one.
+fn first_where<T: Copy + Sync>(values: &[T], bad: impl Fn(T) -> bool + Sync) -> Option<usize> {
+    const BLOCK: usize = 4096;
+    let scan = |part: &[T]| -> Option<usize> {
+        part.chunks(BLOCK).enumerate().find(|(_, b)| b.iter().fold(false, |any, &x| any | bad(x))).and_then(|(i, b)| b.iter().position(|&x| bad(x)).map(|j| i * BLOCK + j))
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(16);
+    if values.len() < (1 << 22) || threads == 1 {
+        return scan(values);
+    }
+    let part = values.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        let scans: Vec<_> = values.chunks(part).enumerate().map(|(i, p)| (i, s.spawn(move || scan(p)))).collect();
+        scans.into_iter().filter_map(|(i, h)| h.join().ok().flatten().map(|j| i * part + j)).min()
+    })
 }
 
 /// A weight matrix `[rows, cols]` in PyTorch layout (`rows` = output features), row-major,
@@ -250,4 +281,32 @@ pub fn f16_to_f32(bits: u16) -> f32 {
 /// Round-to-nearest-even f32 -> bf16 (what PyTorch's `.to(torch.bfloat16)` does).
 pub fn f32_to_bf16(x: f32) -> u16 {
     half::bf16::from_f32(x).to_bits()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_non_finite_value_is_found_in_small_and_split_scans() {
+        let bf16_bad = |b: u16| b & 0x7F80 == 0x7F80;
+        // 1.0 in bf16 is 0x3F80; NaN 0x7FC0; -infinity 0xFF80.
+        for n in [10, 5000, (1 << 22) + 12_345] {
+            let mut v = vec![0x3F80u16; n];
+            assert_eq!(first_where(&v, bf16_bad), None, "{n} finite values");
+            // NaNs added one by one, each before the last: the plain search's answer each time.
+            for at in [n - 1, n / 2, n / 3] {
+                v[at] = 0x7FC0;
+                assert_eq!(first_where(&v, bf16_bad), v.iter().position(|&b| bf16_bad(b)), "{n} values, NaN at {at}");
+                assert_eq!(first_where(&v, bf16_bad), Some(at), "{n} values, NaN at {at}");
+            }
+            v.fill(0x3F80);
+            v[n - 1] = 0xFF80;
+            assert_eq!(first_where(&v, bf16_bad), Some(n - 1), "{n} values, -inf last");
+        }
+        // f32: the largest finite value passes, infinity does not.
+        let f32_bad = |b: u32| b & 0x7F80_0000 == 0x7F80_0000;
+        assert_eq!(first_where(&[f32::MAX.to_bits(), f32::MIN_POSITIVE.to_bits()], f32_bad), None);
+        assert_eq!(first_where(&[1f32.to_bits(), f32::INFINITY.to_bits()], f32_bad), Some(1));
+    }
 }

@@ -1,7 +1,9 @@
 //! The OpenAI wire format: request bodies read field by field (so that an error names the
 //! field and what was wrong with it), the error object, and the response and chunk objects.
 //! Fields tandem does not know are ignored, as OpenAI-compatible servers do, so that clients
-//! sending extra options keep working; a known field of the wrong type or out of range is a 400.
+//! sending extra options (`user`, `metadata`, ...) keep working; a known field of the wrong type
+//! or out of range is a 400, and so is an option that would change what is generated and that
+//! tandem does not do (at any value but the one that changes nothing).
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -161,8 +163,13 @@ impl Fields<'_> {
 
     /// Accepted only at the value that changes nothing (tandem does not implement it).
     fn only(&self, key: &str, neutral: &Value) -> Result<(), ApiError> {
+        // Numbers by value: 0 and 0.0 are the same penalty.
+        let same = |v: &Value| match (v.as_f64(), neutral.as_f64()) {
+            (Some(a), Some(b)) => a == b,
+            _ => v == neutral,
+        };
         match self.get(key) {
-            Some(v) if v != neutral => Err(ApiError::invalid(key, format!("{key} = {v} is not supported by tandem (only {neutral})"))),
+            Some(v) if !same(v) => Err(ApiError::invalid(key, format!("{key} = {v} is not supported by tandem (only {neutral})"))),
             _ => Ok(()),
         }
     }
@@ -211,8 +218,21 @@ fn options(f: &Fields, max_tokens_keys: &[&str]) -> Result<Options, ApiError> {
     f.only("presence_penalty", &json!(0))?;
     f.only("frequency_penalty", &json!(0))?;
     f.only("logprobs", &json!(false))?;
+    f.only("top_logprobs", &json!(0))?;
     f.only("echo", &json!(false))?;
     f.only("best_of", &json!(1))?;
+    // Options that would change what is generated: refused until tandem does them, never
+    // accepted and ignored.
+    f.only("response_format", &json!({"type": "text"}))?;
+    f.only("logit_bias", &json!({}))?;
+    f.only("repetition_penalty", &json!(1))?;
+    f.only("min_p", &json!(0))?;
+    f.only("stop_token_ids", &json!([]))?;
+    for key in ["functions", "function_call", "prediction", "audio"] {
+        if f.get(key).is_some() {
+            return Err(ApiError::invalid(key, format!("{key} is not supported by tandem")));
+        }
+    }
     let stream = f.bool("stream")?.unwrap_or(false);
     let include_usage = match f.object("stream_options")? {
         Some(o) => o.bool("include_usage")?.unwrap_or(false),
@@ -238,7 +258,9 @@ fn content_text(i: usize, v: Option<&Value>) -> Result<String, ApiError> {
             for (j, p) in parts.iter().enumerate() {
                 match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
                     (Some("text"), Some(t)) => text.push_str(t),
-                    (kind, _) => return Err(ApiError::invalid(&param, format!("{param}[{j}]: only text parts are supported (got type {kind:?})"))),
+                    (Some("text"), None) => return Err(ApiError::invalid(&param, format!("{param}[{j}]: a text part needs its text as a string"))),
+                    (Some(kind), _) => return Err(ApiError::invalid(&param, format!("{param}[{j}]: only text parts are supported (this one's type is \"{kind}\")"))),
+                    (None, _) => return Err(ApiError::invalid(&param, format!("{param}[{j}]: only text parts are supported (this one has no type)"))),
                 }
             }
             Ok(text)
@@ -252,6 +274,7 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
     let f = Fields(&map);
     let options = options(&f, &["max_tokens", "max_completion_tokens"])?;
     f.only("tools", &json!([]))?;
+    f.only("tool_choice", &json!("none"))?;
     let raw = match f.get("messages") {
         None => return Err(ApiError::invalid("messages", "messages is required")),
         Some(Value::Array(a)) => a,
@@ -436,7 +459,8 @@ mod tests {
     fn a_chat_request_reads_every_option() {
         let r = parse_chat(br#"{"model":"m","messages":[{"role":"developer","content":"Be brief."},{"role":"user","content":[{"type":"text","text":"Hi"}]}],
             "max_completion_tokens":7,"temperature":0,"top_p":0.5,"top_k":-1,"seed":3,"stop":"x","stream":true,"stream_options":{"include_usage":true},
-            "session_id":"s1","chat_template_kwargs":{"enable_thinking":true},"user":"ignored","presence_penalty":0,"ignore_eos":true}"#)
+            "session_id":"s1","chat_template_kwargs":{"enable_thinking":true},"user":"ignored","presence_penalty":0,"frequency_penalty":0.0,"logit_bias":{},
+            "response_format":{"type":"text"},"tool_choice":"none","ignore_eos":true}"#)
             .unwrap_or_else(|e| panic!("{}", e.message));
         assert_eq!(r.messages, vec![Message::new("system", "Be brief."), Message::new("user", "Hi")]);
         let o = r.options;
@@ -455,9 +479,16 @@ mod tests {
             (r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":0}"#, "max_tokens", "out of range"),
             (r#"{"messages":[{"role":"user","content":"x"}],"temperature":3}"#, "temperature", "between 0 and 2"),
             (r#"{"messages":[{"role":"user","content":"x"}],"n":2}"#, "n", "not supported"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}}"#, "response_format", "not supported"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"logit_bias":{"5":100}}"#, "logit_bias", "not supported"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"tool_choice":"required"}"#, "tool_choice", "not supported"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"top_logprobs":3}"#, "top_logprobs", "not supported"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"repetition_penalty":1.1}"#, "repetition_penalty", "not supported"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"functions":[]}"#, "functions", "not supported"),
             (r#"{"messages":[{"role":"user","content":"x"}],"stop":["a","b","c","d","e"]}"#, "stop", "up to 4"),
             (r#"{"messages":[{"role":"robot","content":"x"}]}"#, "messages[0].role", "not supported"),
-            (r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#, "messages[0].content", "only text parts"),
+            (r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#, "messages[0].content", "only text parts are supported (this one's type is \"image_url\")"),
+            (r#"{"messages":[{"role":"user","content":[{"text":"hi"}]}]}"#, "messages[0].content", "this one has no type"),
         ] {
             let e = chat_err(body);
             assert_eq!(e.status, StatusCode::BAD_REQUEST, "{body}");

@@ -98,6 +98,8 @@ pub struct Completion {
     /// The snapshots of the prompt going into the cache (off the tokens' way, in order), done
     /// before the reply's end is answered.
     keeping: Option<tokio::task::JoinHandle<()>>,
+    /// The server's end of the grace period after a stop (`App::ending`).
+    ending: tokio::sync::watch::Receiver<bool>,
 }
 
 /// Where the prompt's last turn begins: the last `<|im_start|>` (the generation prompt's, in a
@@ -262,7 +264,21 @@ fn server_error(e: anyhow::Error) -> ApiError {
 impl Completion {
     /// Admit the request (or refuse it: 429), take what the cache has, and start it.
     pub async fn start(app: &Arc<App>, p: Prepared) -> Result<Completion, ApiError> {
-        let slot = app.engines.admit().await.map_err(|full| {
+        // A request whose client leaves while it waits for a slot is counted as cancelled.
+        let waiting = Waiting { app, endpoint: p.endpoint };
+        let mut ending = app.ending.clone();
+        let admitted = tokio::select! {
+            admitted = app.engines.admit() => Some(admitted),
+            _ = ending.wait_for(|e| *e) => None,
+        };
+        std::mem::forget(waiting);
+        // Past a stop's grace period nothing starts (a slot freed by a request ended then
+        // would otherwise let one in).
+        let Some(admitted) = admitted.filter(|_| !*app.ending.borrow()) else {
+            app.metrics.outcome(p.endpoint.name(), "refused");
+            return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", "the server is stopping; retry on another"));
+        };
+        let slot = admitted.map_err(|full| {
             app.metrics.outcome(p.endpoint.name(), "refused");
             let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", format!("the server is busy: {} requests are running and {} waiting (--max-concurrent, --max-queue); retry later", app.max_concurrent, app.max_queue));
             e.retry_after = Some(full.retry_after);
@@ -317,6 +333,7 @@ impl Completion {
             pending: VecDeque::new(),
             done: false,
             keeping: None,
+            ending: app.ending.clone(),
         })
     }
 
@@ -328,7 +345,18 @@ impl Completion {
             if self.done {
                 return None;
             }
-            match self.running.events.recv().await {
+            let (events, ending) = (&mut self.running.events, &mut self.ending);
+            let next = tokio::select! {
+                event = events.recv() => Some(event),
+                _ = async { let _ = ending.wait_for(|e| *e).await; } => None,
+            };
+            let Some(event) = next else {
+                // The server's stop: its grace period is over.
+                self.running.cancel();
+                self.end("abort");
+                continue;
+            };
+            match event {
                 Some(Event::Snapshot { state, .. }) => self.snapshot(state),
                 Some(Event::Token { token, .. }) => self.token(token),
                 Some(Event::Done { finish, .. }) => {
@@ -477,6 +505,18 @@ impl Completion {
         self.running.cancel();
         self.app.metrics.outcome(self.endpoint.name(), "error");
         self.pending.push_back(Piece::Failed(server_error(e)));
+    }
+}
+
+/// A request waiting for a sequence slot; dropped there (its client gone), it is counted.
+struct Waiting<'a> {
+    app: &'a App,
+    endpoint: Endpoint,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.app.metrics.outcome(self.endpoint.name(), "cancelled");
     }
 }
 

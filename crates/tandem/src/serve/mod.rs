@@ -148,6 +148,9 @@ pub struct App {
     metrics: Metrics,
     started: u64,
     next_id: AtomicU64,
+    /// Turns true when a stop's grace period is over: the requests still running end then
+    /// (finish reason `abort`), the ones still queued are refused (503).
+    ending: tokio::sync::watch::Receiver<bool>,
 }
 
 /// Stands for the message being typed while the conversation is rendered.
@@ -307,6 +310,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             cache = cache.with_disk(tier, found);
         }
         let worker = worker.map(|w| w.on_gpu(pipeline, cfg.vocab_size)).transpose()?;
+        let (end_requests, ending) = tokio::sync::watch::channel(false);
         let app = Arc::new(App {
             engines: Engines::start(pipeline.clone(), max_concurrent, max_queue),
             im_start: tokenizer.token_id("<|im_start|>"),
@@ -328,6 +332,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             metrics: Metrics::new(served),
             started: completion::unix_now(),
             next_id: AtomicU64::new(1),
+            ending,
         });
         let router = Router::new()
             .route("/v1/chat/completions", post(routes::chat_completions))
@@ -381,10 +386,14 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
                 eprintln!("tandem serve: stopping; requests in flight get {} s to finish", SHUTDOWN_GRACE.as_secs());
                 let _ = stopping.send(true);
             });
-            // Past the grace period the runtime is dropped, which cancels what is left.
+            // Past the grace period the requests still running end (each stream with a finish
+            // reason and [DONE]); whatever is left after a moment more goes with the runtime.
             let deadline = async {
                 let _ = stop_seen.changed().await;
                 tokio::time::sleep(SHUTDOWN_GRACE).await;
+                eprintln!("tandem serve: the grace period is over; ending the requests still running");
+                let _ = end_requests.send(true);
+                tokio::time::sleep(ENDING_WAIT).await;
             };
             tokio::select! {
                 served = server => served,
@@ -402,6 +411,9 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
 
 /// How long requests in flight may run on after Ctrl-C or SIGTERM.
 const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How long the requests ended at the grace period's end have to send their last chunk.
+const ENDING_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Ctrl-C or SIGTERM: stop taking connections and finish the requests in flight.
 pub(crate) async fn shutdown_signal() {

@@ -173,6 +173,12 @@ pub async fn typing(AppState(app): AppState<Arc<App>>, raw: Body) -> Response {
         check_model(&app, req.model.as_deref())?;
         let a = Arc::clone(&app);
         let (stable, full) = blocking(move || a.typing_prompts(&req.messages, req.enable_thinking)).await?;
+        // As the chat endpoint says it (400): what is typed ahead must leave room to answer.
+        if full.len() >= app.max_context {
+            let mut e = ApiError::invalid("messages", format!("this model's context is {} tokens (--max-context); the conversation typed so far has {} tokens, which leaves no room to generate", app.max_context, full.len()));
+            e.code = Some("context_length_exceeded");
+            return Err(e);
+        }
         let _slot = app.engines.admit().await.map_err(|full| {
             let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", "the server is busy; typing ahead can wait");
             e.retry_after = Some(full.retry_after);

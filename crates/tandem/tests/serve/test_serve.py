@@ -177,13 +177,19 @@ def api_and_sdk():
         refused(400, "max_tokens", extra_body={"max_tokens": "ten"})
         refused(400, "temperature", temperature=5)
         refused(400, "n", n=3)
+        # Options that would change the output and that tandem does not do: refused, not ignored.
+        refused(400, "response_format", response_format={"type": "json_object"})
+        refused(400, "logit_bias", logit_bias={"5": 10})
         m = refused(400, "messages", messages=user("word " * 300), max_tokens=10)
         check("context is 256 tokens" in m, f"a prompt past --max-context says so: {m}")
         m = refused(400, "messages", messages=user("word " * 40), max_tokens=250)
         check("250 more were asked for" in m, f"a reply that would not fit says so: {m}")
+        status, _, body = s.request("POST", "/v1/chat/typing", json.dumps({"model": MODEL, "session_id": "long", "messages": user("word " * 300)}))
+        err = json.loads(body)["error"]
+        check(status == 400 and err["param"] == "messages" and err["code"] == "context_length_exceeded", f"typing past --max-context is refused as chat is: {status} {body}")
         r = c.chat.completions.create(model=MODEL, messages=user("still serving?"), max_tokens=3, temperature=0)
         check(r.usage.completion_tokens == 3, "the server serves after refusing")
-        print(f"  openai {openai.__version__}: models, chat and completions (whole and streamed), stop, seed, top_k, 8 refusals")
+        print(f"  openai {openai.__version__}: models, chat and completions (whole and streamed), stop, seed, top_k, 10 refusals")
 
 
 def curl_checks():
@@ -361,17 +367,34 @@ def cancellation():
 
 
 def shutdown():
-    s = Server()
+    s = Server("--max-concurrent", "1")
     # (ignore_eos: a sampled stop token must not end the stream before the signal's grace does)
     stream = raw_post(s, "/v1/chat/completions", {"model": MODEL, "messages": user("Go on."), "max_tokens": 30000, "ignore_eos": True, "stream": True})
-    read_events(stream.makefile("rb"), 2)
+    events = stream.makefile("rb")
+    read_events(events, 2)
+    queued = raw_post(s, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3})
+    wait_until(lambda: s.metrics()["tandem_queue_depth"] == 1, "a second request queues behind the stream")
     t = time.monotonic()
     s.proc.terminate()
+    # The stream runs on through the grace period, then ends with a finish reason and [DONE].
+    last, done = None, False
+    for line in events:
+        if line.startswith(b"data: "):
+            payload = line[6:].strip()
+            if payload == b"[DONE]":
+                done = True
+                break
+            last = json.loads(payload)
+    ended = time.monotonic() - t
+    answer = queued.makefile("rb").read().decode(errors="replace")
     code = s.proc.wait(30)
     took = time.monotonic() - t
-    check(code == 0 and 9 < took < 20, f"SIGTERM with a stream in flight: exit {code} after {took:.1f} s (10 s of grace)")
+    finish = last and last["choices"] and last["choices"][0]["finish_reason"]
+    check(done and finish == "abort" and 9 < ended < 15, f"SIGTERM: the stream ended after {ended:.1f} s (10 s of grace) with finish_reason {finish!r} and [DONE] ({done})")
+    check(answer.startswith("HTTP/1.1 503") and "shutting_down" in answer, f"a request still queued at the grace period's end is refused: {answer[:300]}")
+    check(code == 0 and took < 20, f"exit {code} after {took:.1f} s")
     check(any("stopping" in line for line in s.log) and any(line.endswith("stopped") for line in s.log), "\n".join(s.log))
-    print(f"  shutdown: SIGTERM with a stream in flight: the request had its 10 s, then the server exited cleanly ({took:.1f} s)")
+    print(f"  shutdown: SIGTERM with a stream running and a request queued: the stream had its 10 s, then ended with finish_reason abort and [DONE]; the queued request got 503; exit 0 after {took:.1f} s")
 
 
 def queue_and_429():
@@ -389,12 +412,19 @@ def queue_and_429():
             raise AssertionError("the openai client got through a full queue")
         except openai.RateLimitError as e:
             check(e.status_code == 429, "openai sees RateLimitError")
-        first.close()
-        read_events(second.makefile("rb"), 2)
-        check(s.metrics()["tandem_queue_depth"] == 0 and s.metrics()["tandem_active_sequences"] == 1, "the queued request runs once the first leaves")
+        # A client that leaves while queued frees its place and is counted as cancelled.
+        cancelled = 'tandem_requests_total{endpoint="chat",outcome="cancelled"}'
         second.close()
+        wait_until(lambda: s.metrics()["tandem_queue_depth"] == 0, "a client gone while queued leaves the queue")
+        check(s.metrics().get(cancelled, 0) == 1, f"a request dropped while queued is counted: {s.metrics().get(cancelled)}")
+        third = raw_post(s, "/v1/chat/completions", long)
+        wait_until(lambda: s.metrics()["tandem_queue_depth"] == 1, "the third request queues")
+        first.close()
+        read_events(third.makefile("rb"), 2)
+        check(s.metrics()["tandem_queue_depth"] == 0 and s.metrics()["tandem_active_sequences"] == 1, "the queued request runs once the first leaves")
+        third.close()
         wait_until(lambda: s.metrics()["tandem_active_sequences"] == 0, "all freed")
-        print(f"  queue: past --max-concurrent 1 a request waits; past --max-queue 1, 429 with Retry-After {headers.get('retry-after')}")
+        print(f"  queue: past --max-concurrent 1 a request waits (one that leaves while waiting is counted as cancelled); past --max-queue 1, 429 with Retry-After {headers.get('retry-after')}")
 
 
 def load_test(clients=32, requests=256):
