@@ -48,14 +48,19 @@ fn run_pipeline(net: &Qwen35, config: &PipelineConfig, prompts: &[Vec<u32>], max
     pipeline::run(net, config, |p| submit_all(p, prompts, max_tokens)).unwrap()
 }
 
-/// Submit `prompts` to a running pipeline at once and return each one's generated tokens
-/// (every request must run to `max_tokens`).
-fn submit_all(p: &pipeline::Pipeline, prompts: &[Vec<u32>], max_tokens: usize) -> anyhow::Result<Vec<Vec<u32>>> {
+/// Submit `prompts` to a running pipeline at once, request i for prompt i: their events.
+fn submit(p: &pipeline::Pipeline, prompts: &[Vec<u32>], max_tokens: usize) -> anyhow::Result<std::sync::mpsc::Receiver<Event>> {
     let (tx, rx) = channel();
     for (i, prompt) in prompts.iter().enumerate() {
         p.submit(request(i as u64, prompt.clone(), max_tokens, tx.clone()))?;
     }
-    drop(tx);
+    Ok(rx)
+}
+
+/// Submit `prompts` to a running pipeline at once and return each one's generated tokens
+/// (every request must run to `max_tokens`).
+fn submit_all(p: &pipeline::Pipeline, prompts: &[Vec<u32>], max_tokens: usize) -> anyhow::Result<Vec<Vec<u32>>> {
+    let rx = submit(p, prompts, max_tokens)?;
     let mut out = vec![Vec::new(); prompts.len()];
     let mut done = 0;
     for e in rx {
@@ -539,11 +544,7 @@ fn a_cpu_budget_swaps_sequences_to_disk_and_keeps_their_tokens() {
             let capacity = p.kv_capacity().expect("a CPU budget reports its capacity");
             assert_eq!((capacity.device, capacity.blocks, capacity.slots), (Device::Cpu, blocks, 2 * c.max_batch));
             assert!(capacity.describe(c.max_batch).starts_with("cpu: up to 4 sequences decoding; K/V cache"), "{}", capacity.describe(c.max_batch));
-            let (tx, rx) = channel();
-            for (i, prompt) in prompts.iter().enumerate() {
-                p.submit(request(i as u64, prompt.clone(), max_tokens, tx.clone()))?;
-            }
-            drop(tx);
+            let rx = submit(p, &prompts, max_tokens)?;
             let mut out = vec![Vec::new(); prompts.len()];
             let mut peak = 0;
             for e in rx {
@@ -675,11 +676,7 @@ fn state_slots_bound_the_requests_in_flight() {
     let c = PipelineConfig { kv_cache: KvBudget::Bytes(64 << 20), ..config(Mode::Hybrid, gpu, gpu, Transfer::Move, 2) };
     let (got, peak, level) = pipeline::run(&m.net, &c, |p| {
         assert_eq!(p.kv_capacity().map(|k| k.slots), Some(5));
-        let (tx, rx) = channel();
-        for (i, prompt) in prompts.iter().enumerate() {
-            p.submit(request(i as u64, prompt.clone(), max_tokens, tx.clone()))?;
-        }
-        drop(tx);
+        let rx = submit(p, &prompts, max_tokens)?;
         let (mut out, mut peak) = (vec![Vec::new(); prompts.len()], 0);
         for e in rx {
             peak = peak.max(p.slot_level().unwrap().used);

@@ -254,8 +254,8 @@ fn end_to_end(report: &mut String, args: &Args, spec: &str, prefill: &EngineSpec
     let slo_tpot: f64 = args.get("slo-tpot-ms", 200.0)? / 1e3;
     let vocab = LoadedModel::load(spec).map(|m| m.sampleable_vocab()).context("the model's vocabulary")?;
     // Every other prompt long, in a fixed order; random tokens (no prefix shared).
-    let prompts: Vec<Vec<u32>> = (0..requests).map(|i| Workload::random_prompts(1, if i % 2 == 1 { long } else { short }, vocab, 1000 + i as u64).remove(0)).collect();
-    let warm_up: Vec<Vec<u32>> = (0..6).map(|i| Workload::random_prompts(1, if i % 2 == 1 { long } else { short }, vocab, 500 + i as u64).remove(0)).collect();
+    let mixed = |n: usize, seed: u64| -> Vec<Vec<u32>> { (0..n).map(|i| Workload::random_prompts(1, if i % 2 == 1 { long } else { short }, vocab, seed + i as u64).remove(0)).collect() };
+    let (prompts, warm_up) = (mixed(requests, 1000), mixed(6, 500));
     writeln!(report, "\n## End to end: one server against a router with a prefill and a decode worker\n")?;
     writeln!(report, "{requests} requests, {concurrency} at a time, prompts of {short} and {long} tokens alternating (random tokens), {output} output tokens each (ignore_eos, greedy), after 6 such requests 2 at a time to warm each setup up. SLO for goodput: TTFT <= {:.0} ms and time per output token <= {:.0} ms. The single server runs the prefill engine {prefill} and the decode engine {decode}; the prefill worker one engine on {prefill}; the decode worker {}.\n", slo_ttft * 1e3, slo_tpot * 1e3, match decode.device {
         Device::Cuda(_) if two_gpus(prefill, decode) => format!("one engine on {decode}, which prefills what stays local between its decode steps; the two replicas each run both engines on their GPU"),

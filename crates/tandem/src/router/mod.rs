@@ -403,9 +403,12 @@ async fn metrics(AppState(r): AppState<Arc<Routing>>) -> Response {
     let _ = writeln!(out, "# HELP tandem_router_state_transfer_seconds_total Time prefill workers spent writing states into decode workers' slots (image and transfer).\n# TYPE tandem_router_state_transfer_seconds_total counter\ntandem_router_state_transfer_seconds_total {:.6}", load(&c.transfer_us) as f64 / 1e6);
     let _ = writeln!(out, "# HELP tandem_router_remote_prefill_seconds_total Time prefill workers spent prefilling.\n# TYPE tandem_router_remote_prefill_seconds_total counter\ntandem_router_remote_prefill_seconds_total {:.6}", load(&c.prefill_us) as f64 / 1e6);
     let _ = writeln!(out, "# HELP tandem_router_state_bytes_total Bytes of states written into decode workers' slots.\n# TYPE tandem_router_state_bytes_total counter\ntandem_router_state_bytes_total {}", load(&c.state_bytes));
-    let costs = r.costs.lock().expect("costs lock").clone();
+    let (prefill, overhead) = {
+        let costs = r.costs.lock().expect("costs lock");
+        (costs.prefill(), costs.overhead())
+    };
     let _ = writeln!(out, "# HELP tandem_router_remote_cost_seconds_per_token What remote prefills cost lately, medians of the last five: per token prefilled on a prefill worker, and per prompt token of the rest (the state's transfer, checks, HTTP).\n# TYPE tandem_router_remote_cost_seconds_per_token gauge");
-    for (part, v) in [("prefill", costs.prefill()), ("overhead", costs.overhead())] {
+    for (part, v) in [("prefill", prefill), ("overhead", overhead)] {
         if let Some(v) = v {
             let _ = writeln!(out, "tandem_router_remote_cost_seconds_per_token{{part=\"{part}\"}} {v:.9}");
         }

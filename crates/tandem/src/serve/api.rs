@@ -229,9 +229,7 @@ fn options(f: &Fields, max_tokens_keys: &[&str]) -> Result<Options, ApiError> {
     f.only("min_p", &json!(0))?;
     f.only("stop_token_ids", &json!([]))?;
     for key in ["functions", "function_call", "prediction", "audio"] {
-        if f.get(key).is_some() {
-            return Err(ApiError::invalid(key, format!("{key} is not supported by tandem")));
-        }
+        f.only(key, &Value::Null)?;
     }
     let stream = f.bool("stream")?.unwrap_or(false);
     let include_usage = match f.object("stream_options")? {

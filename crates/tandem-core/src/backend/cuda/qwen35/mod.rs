@@ -283,7 +283,6 @@ pub struct GpuPools {
     pub snapshots: Option<Arc<SlotPool>>,
 }
 
-
 /// A request's state in GPU memory: the same arrays as `State` (the K/V rows in blocks of the
 /// engine's paged cache), and once it has decoded a token, its captured decode step.
 pub struct GpuState {
