@@ -375,6 +375,19 @@ impl<'m> Engine<'m> {
         })
     }
 
+    /// A copy of `state` that goes on apart from it (another choice of the same prompt): on
+    /// this engine's GPU where its pools have room, else in host memory.
+    pub fn fork(&self, state: &DeviceState) -> Result<DeviceState> {
+        if let (Backend::Cuda(g), DeviceState::Gpu(s)) = (&self.backend, state) {
+            match g.copy_state(s) {
+                Ok(copy) => return Ok(DeviceState::Gpu(Box::new(copy))),
+                Err(e) if PoolFull::is(&e) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(DeviceState::Host(state.snapshot()?.into_owned()))
+    }
+
     /// Blocks of `KV_BLOCK` positions this engine's K/V cache could still give out under its
     /// limit: None where nothing limits it (a CPU engine, or a pool without a limit).
     pub fn kv_room(&self) -> Option<usize> {

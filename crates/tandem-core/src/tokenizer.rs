@@ -42,6 +42,29 @@ impl Tokenizer {
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
     }
+
+    /// The bytes token `id` stands for (what a log-probability's `bytes` reports): an added
+    /// token's text, or a byte-level BPE piece mapped back through the byte-to-character table
+    /// of GPT-2's byte-level encoding (which Qwen's tokenizer uses). A piece of another kind of
+    /// vocabulary comes back as its UTF-8. None for an id outside the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        let piece = self.inner.id_to_token(id)?;
+        if self.inner.get_added_tokens_decoder().contains_key(&id) {
+            return Some(piece.into_bytes());
+        }
+        piece.chars().map(byte_of_char).collect::<Option<Vec<u8>>>().or(Some(piece.into_bytes()))
+    }
+}
+
+/// The byte that byte-level BPE writes as `c`: the printable bytes (`!`..`~`, `¡`..`¬`,
+/// `®`..`ÿ`) stand for themselves, and the other 68 bytes, in order, for U+0100 onwards.
+fn byte_of_char(c: char) -> Option<u8> {
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let c = c as u32;
+    if c < 256 {
+        return printable(c).then_some(c as u8);
+    }
+    (0..=255u32).filter(|&b| !printable(b)).nth((c - 256) as usize).map(|b| b as u8)
 }
 
 /// Turns a growing list of ids into text deltas, holding back bytes that do not yet form whole

@@ -39,6 +39,7 @@ fn request(id: u64, tokens: Vec<u32>, max_tokens: usize, events: std::sync::mpsc
         snapshots: Vec::new(),
         cancel: Arc::new(AtomicBool::new(false)),
         events,
+        forks: Vec::new(),
     }
 }
 
@@ -65,7 +66,7 @@ fn submit_all(p: &pipeline::Pipeline, prompts: &[Vec<u32>], max_tokens: usize) -
     let mut done = 0;
     for e in rx {
         match e {
-            Event::Token { id, token } => out[id as usize].push(token),
+            Event::Token { id, token, .. } => out[id as usize].push(token),
             Event::Done { finish, .. } => {
                 assert_eq!(finish, Finish::Length);
                 done += 1;
@@ -552,7 +553,7 @@ fn a_cpu_budget_swaps_sequences_to_disk_and_keeps_their_tokens() {
                 assert!(level.used <= blocks, "{} blocks held, over the budget of {blocks}", level.used);
                 peak = peak.max(p.slot_level().unwrap().used);
                 match e {
-                    Event::Token { id, token } => out[id as usize].push(token),
+                    Event::Token { id, token, .. } => out[id as usize].push(token),
                     Event::Done { finish, .. } => assert_eq!(finish, Finish::Length),
                     Event::Failed { id, error } => panic!("{:?}: request {id} failed: {error}", c.mode),
                     Event::Snapshot { .. } => {}
@@ -681,7 +682,7 @@ fn state_slots_bound_the_requests_in_flight() {
         for e in rx {
             peak = peak.max(p.slot_level().unwrap().used);
             match e {
-                Event::Token { id, token } => out[id as usize].push(token),
+                Event::Token { id, token, .. } => out[id as usize].push(token),
                 Event::Done { finish, .. } => assert_eq!(finish, Finish::Length),
                 Event::Failed { id, error } => panic!("request {id} failed: {error}"),
                 Event::Snapshot { .. } => {}
@@ -700,4 +701,107 @@ fn state_slots_bound_the_requests_in_flight() {
     eprintln!("state slots: at most {peak} of 5 in use, {} at the end", level.used);
     assert_eq!(peak, 5, "the prefill engine never waited for a slot");
     assert_eq!(level.used, 1, "slots still held after every request finished (the padding rows' one stays)");
+}
+
+/// Each choice's tokens when a prompt is decoded as one request with forks (OpenAI's `n`) beside
+/// the fixture's other prompts: request 0 is the forked one (its forks ids 100, 101, ...,
+/// seeded one further each), requests 1.. the others. Every token must carry log-probabilities.
+fn run_forked(net: &Qwen35, config: &PipelineConfig, prompt: &[u32], others: &[Vec<u32>], sampling: &SamplingParams, forks: usize, max_tokens: usize) -> std::collections::HashMap<u64, Vec<u32>> {
+    use tandem_core::pipeline::Fork;
+    pipeline::run(net, config, |p| {
+        let (tx, rx) = channel();
+        let mut forked = request(0, prompt.to_vec(), max_tokens, tx.clone());
+        forked.sampling = sampling.clone();
+        forked.forks = (1..=forks as u64).map(|k| Fork { id: 99 + k, seed: sampling.seed + k, cancel: Arc::new(AtomicBool::new(false)) }).collect();
+        p.submit(forked)?;
+        for (i, o) in others.iter().enumerate() {
+            p.submit(request(i as u64 + 1, o.clone(), max_tokens, tx.clone()))?;
+        }
+        drop(tx);
+        let mut out: std::collections::HashMap<u64, Vec<u32>> = Default::default();
+        for e in rx {
+            match e {
+                Event::Token { id, token, logprobs } => {
+                    if id == 0 || id >= 100 {
+                        let l = logprobs.unwrap_or_else(|| panic!("choice {id}: a token without its log-probabilities"));
+                        assert!(l.token == token && l.logprob <= 0.0 && l.top.len() == 2, "{l:?}");
+                    }
+                    out.entry(id).or_default().push(token)
+                }
+                Event::Done { id, finish, .. } => assert_eq!(finish, Finish::Length, "choice {id}"),
+                Event::Failed { id, error } => panic!("request {id} failed: {error}"),
+                Event::Snapshot { .. } => {}
+            }
+        }
+        Ok(out)
+    })
+    .unwrap()
+}
+
+/// Check `n` choices of one prompt in `configs`: each choice's tokens are those the prompt gets
+/// alone with that choice's seed (and no log-probabilities asked for).
+fn check_forks(net: &Qwen35, configs: &[PipelineConfig]) {
+    let prompts: Vec<Vec<u32>> = reference_prompts().into_iter().map(|c| c.0).collect();
+    let (prompt, others) = (&prompts[3], &prompts[..3]);
+    let sampling = SamplingParams { temperature: 0.9, top_p: 0.95, seed: 40, logprobs: Some(2), ..Default::default() };
+    let max_tokens = 24;
+    for c in configs {
+        let forks = 3;
+        let alone: Vec<Vec<u32>> = (0..=forks as u64)
+            .map(|k| {
+                let solo = SamplingParams { seed: sampling.seed + k, logprobs: None, ..sampling.clone() };
+                pipeline::run(net, &PipelineConfig { max_batch: 1, ..c.clone() }, |p| {
+                    let (tx, rx) = channel();
+                    let mut r = request(0, prompt.clone(), max_tokens, tx);
+                    r.sampling = solo;
+                    p.submit(r)?;
+                    Ok(rx.into_iter().filter_map(|e| match e {
+                        Event::Token { token, .. } => Some(token),
+                        _ => None,
+                    }).collect())
+                })
+                .unwrap()
+            })
+            .collect();
+        assert!(alone.iter().skip(1).any(|a| a != &alone[0]), "the seeds give different choices");
+        let got = run_forked(net, c, prompt, others, &sampling, forks, max_tokens);
+        for (k, want) in alone.iter().enumerate() {
+            let id = if k == 0 { 0 } else { 99 + k as u64 };
+            assert_eq!(got.get(&id), Some(want), "{:?} {} -> {}: choice {k} differs from its request alone", c.mode, c.prefill, c.decode);
+        }
+        assert_eq!(got.len(), forks + 1 + others.len(), "every request and choice answered");
+    }
+}
+
+/// n choices from one prompt: the prompt is prefilled once and its state copied for each
+/// choice, which then decodes as the request alone with its seed, in the batch beside other
+/// requests: in one engine, two, and under a memory budget too small for all of them at once
+/// (a copy waits for room with the swapped-out sequences).
+#[test]
+fn forked_choices_decode_as_their_requests_alone() {
+    use tandem_core::backend::cuda::qwen35::kv_cache::KV_BLOCK;
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let budget = KvBudget::Bytes(10 * KV_BLOCK * m.net.config.kv_bytes_per_token());
+    check_forks(&m.net, &[
+        config(Mode::Hybrid, "cpu:threads=1", "cpu:threads=1", Transfer::Move, 8),
+        config(Mode::AllOnDecodeEngine, "cpu:threads=2", "cpu:threads=2", Transfer::Move, 8),
+        PipelineConfig { kv_cache: budget, ..config(Mode::Hybrid, "cpu:threads=1", "cpu:threads=1", Transfer::Move, 8) },
+        PipelineConfig { kv_cache: budget, max_prefill_tokens: 20, ..config(Mode::AllOnDecodeEngine, "cpu:threads=2", "cpu:threads=2", Transfer::Move, 8) },
+    ]);
+}
+
+/// As `forked_choices_decode_as_their_requests_alone` on a GPU: the copies made on the GPU
+/// (and, with a small K/V cache, in host memory first). Ignored by default (it needs an NVIDIA
+/// GPU).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn forked_choices_on_a_gpu_decode_as_their_requests_alone() {
+    gpus_at_least(1);
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let gpu = "cuda:0,precision=exact";
+    check_forks(&m.net, &[
+        config(Mode::Hybrid, gpu, gpu, Transfer::Move, 8),
+        config(Mode::Hybrid, "cpu:threads=2", gpu, Transfer::Move, 8),
+        PipelineConfig { kv_cache: KvBudget::Bytes(48 << 20), ..config(Mode::Hybrid, gpu, gpu, Transfer::Move, 8) },
+    ]);
 }

@@ -88,6 +88,7 @@ fn a_hit_anywhere_gives_the_bits_of_a_cold_prefill() {
                         snapshots: found.stops.iter().map(|s| s - found.reused).collect(),
                         cancel: Arc::new(AtomicBool::new(false)),
                         events: tx.clone(),
+                        forks: Vec::new(),
                     })?;
                 }
                 drop(tx);
@@ -173,7 +174,7 @@ fn cuda_logits_after_a_device_hit_are_a_cold_prefill_cut_at_the_same_places() {
     let ps = prompts(&mut seed, 24, vocab);
     let prefill = |p: &pipeline::Pipeline, start: Option<Start>, tokens: &[u32], stops: Vec<usize>| -> anyhow::Result<(Vec<tandem_core::state::Snapshot>, State)> {
         let (tx, rx) = channel();
-        p.submit(Request { id: 0, start, tokens: tokens.to_vec(), max_tokens: 0, sampling: SamplingParams::default(), vocab: vocab as usize, stop_ids: vec![], return_state: true, snapshots: stops, cancel: Arc::new(AtomicBool::new(false)), events: tx })?;
+        p.submit(Request { id: 0, start, tokens: tokens.to_vec(), max_tokens: 0, sampling: SamplingParams::default(), vocab: vocab as usize, stop_ids: vec![], return_state: true, snapshots: stops, cancel: Arc::new(AtomicBool::new(false)), events: tx, forks: Vec::new() })?;
         let mut taken = Vec::new();
         for e in rx {
             match e {
@@ -272,6 +273,7 @@ fn greedy_after_hits(config: PipelineConfig, host: usize, disk: Option<&std::pat
                 snapshots: found.stops.iter().map(|s| s - found.reused).collect(),
                 cancel: Arc::new(AtomicBool::new(false)),
                 events: tx,
+                forks: Vec::new(),
             })?;
             let mut got = Vec::new();
             for e in rx {

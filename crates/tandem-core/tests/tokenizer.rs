@@ -31,6 +31,25 @@ fn all_vectors_encode_exactly() {
 }
 
 #[test]
+fn token_bytes_put_together_give_the_text_back() {
+    let tok = tokenizer();
+    let text = std::fs::read_to_string(common::fixtures().join("qwen35-tokenizer/vectors.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let mut texts: Vec<String> = v["vectors"].as_array().unwrap().iter().map(|c| c["text"].as_str().unwrap().to_string()).collect();
+    // Control characters, a space run, split characters and special tokens.
+    texts.push("tab\there\u{0}\u{7f} \u{ad}  x 😀👍🏽 数学 <|im_start|>user\n<tool_call>\n".into());
+    for t in &texts {
+        let ids = tok.encode(t).unwrap();
+        let bytes: Vec<u8> = ids.iter().flat_map(|&id| tok.token_bytes(id).expect("in the vocabulary")).collect();
+        // The decoder's text: the tokenizer normalises to NFC first.
+        assert_eq!(String::from_utf8(bytes).unwrap(), tok.decode(&ids).unwrap(), "{t:?}");
+    }
+    assert_eq!(tok.token_bytes(tok.token_id("<|im_end|>").unwrap()).unwrap(), b"<|im_end|>");
+    assert_eq!(tok.token_bytes(198).unwrap(), b"\n", "id 198 is a newline");
+    assert!(tok.token_bytes(10_000_000).is_none());
+}
+
+#[test]
 fn streaming_decode_reassembles_split_characters() {
     let tok = tokenizer();
     // Emoji and CJK split into several byte-level tokens.

@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use tandem_core::bridge::Transfer;
 use tandem_core::engine::{Dispatch, EngineSpec};
 use tandem_core::pipeline::{KvBudget, Mode, PipelineConfig};
-use tandem_core::sampling::SamplingParams;
+use tandem_core::sampling::{Penalties, SamplingParams};
 
 pub struct Args {
     values: HashMap<String, Vec<String>>,
@@ -178,14 +178,21 @@ fn single_engine(args: &Args) -> Result<EngineSpec> {
     Ok(p)
 }
 
-/// `--temperature`, `--top-k`, `--top-p`, `--seed`.
+/// `--temperature`, `--top-k`, `--top-p`, `--min-p`, `--seed` and the penalties (the
+/// repetition penalty's prompt tokens are set per request).
 pub fn sampling(args: &Args) -> Result<SamplingParams> {
     let params = SamplingParams {
         temperature: args.get("temperature", 0.0)?,
         top_k: args.get("top-k", 0)?,
         top_p: args.get("top-p", 1.0)?,
+        min_p: args.get("min-p", 0.0)?,
         seed: args.get("seed", 0)?,
+        penalties: Penalties { presence: args.get("presence-penalty", 0.0)?, frequency: args.get("frequency-penalty", 0.0)?, repetition: args.get("repetition-penalty", 1.0)?, ..Default::default() },
+        ..Default::default()
     };
     params.validate()?;
     Ok(params)
 }
+
+/// The options `sampling` reads.
+pub const SAMPLING_OPTIONS: [&str; 8] = ["temperature", "top-k", "top-p", "min-p", "seed", "presence-penalty", "frequency-penalty", "repetition-penalty"];

@@ -16,10 +16,11 @@ use tandem_core::state::State;
 use tandem_core::tokenizer::StreamDecoder;
 
 use crate::args::Args;
-use crate::args::{pipeline_config, sampling, ENGINE_OPTIONS};
+use crate::args::{pipeline_config, sampling, SAMPLING_OPTIONS, ENGINE_OPTIONS};
 
 pub fn run(argv: &[String]) -> Result<ExitCode> {
-    let mut with_value = vec!["model", "system", "max-tokens", "temperature", "top-k", "top-p", "seed"];
+    let mut with_value = vec!["model", "system", "max-tokens"];
+    with_value.extend(SAMPLING_OPTIONS);
     with_value.extend(ENGINE_OPTIONS);
     let args = Args::parse(argv, &with_value, &["enable-thinking", "quiet"])?;
     let config = pipeline_config(&args)?;

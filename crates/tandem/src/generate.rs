@@ -12,13 +12,15 @@ use anyhow::{bail, Context, Result};
 use tandem_core::chat::Message;
 use tandem_core::model::load::LoadedModel;
 use tandem_core::pipeline::{self, Event, Finish, Mode, PipelineConfig, Request, Timings};
+use tandem_core::sampling::{Penalties, SamplingParams};
 use tandem_core::tokenizer::{StreamDecoder, Tokenizer};
 
-use crate::args::{pipeline_config, sampling, Args, ENGINE_OPTIONS};
+use crate::args::{pipeline_config, sampling, SAMPLING_OPTIONS, Args, ENGINE_OPTIONS};
 use crate::ms;
 
 pub fn run(argv: &[String]) -> Result<ExitCode> {
-    let mut with_value = vec!["model", "system", "token-ids", "prompts-file", "max-tokens", "temperature", "top-k", "top-p", "seed"];
+    let mut with_value = vec!["model", "system", "token-ids", "prompts-file", "max-tokens"];
+    with_value.extend(SAMPLING_OPTIONS);
     with_value.extend(ENGINE_OPTIONS);
     let args = Args::parse_with_lists(argv, &with_value, &["prompt"], &["chat", "ids-out", "enable-thinking"])?;
     let params = sampling(&args)?;
@@ -54,13 +56,15 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
                 start: None,
                 tokens: p.clone(),
                 max_tokens,
-                sampling: params.clone(),
+                // The repetition penalty counts the prompt's tokens.
+                sampling: SamplingParams { penalties: Penalties { prompt: p.as_slice().into(), ..params.penalties.clone() }, ..params.clone() },
                 vocab: model.sampleable_vocab(),
                 stop_ids: model.stop_ids.clone(),
                 return_state: false,
                 snapshots: Vec::new(),
                 cancel: Arc::new(AtomicBool::new(false)),
                 events: events.clone(),
+                forks: Vec::new(),
             })?;
         }
         drop(events);
@@ -70,7 +74,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         let mut decoder = StreamDecoder::new();
         for event in rx {
             match event {
-                Event::Token { id, token } => {
+                Event::Token { id, token, .. } => {
                     outputs[id as usize].push(token);
                     if streaming {
                         write!(stdout, "{}", render(&model.tokenizer, ids_out, &mut decoder, &outputs[0], token)?)?;

@@ -82,6 +82,11 @@ GENERATE OPTIONS:
   --temperature T        0 = greedy (default 0)
   --top-k K              keep the K most likely tokens (default 0 = all)
   --top-p P              nucleus sampling mass (default 1.0)
+  --min-p P              leave out tokens less likely than P times the likeliest (default 0)
+  --presence-penalty X   subtract X from the logits of tokens generated (default 0)
+  --frequency-penalty X  subtract X per time generated (default 0)
+  --repetition-penalty R divide positive logits of tokens seen (prompt and reply) by R, multiply
+                         negative ones (default 1; in chat, the reply's tokens)
   --seed S               sampling seed (default 0)
   Per-request timings (queue, prefill, handoff and bridge, TTFT, decode tok/s) and the aggregate
   throughput go to stderr.

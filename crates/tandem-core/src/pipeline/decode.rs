@@ -106,6 +106,23 @@ impl Active {
     }
 }
 
+/// The sequences that `a`'s forks decode as (OpenAI's `n`), each from a copy of its prompt
+/// state: on the engine's GPU where its pools have room, else in host memory (then it waits
+/// for room as a swapped-out sequence does). A fork whose copy fails is answered so.
+fn forks(engine: &Engine, a: &Active) -> Vec<Active> {
+    let mut forks = Vec::with_capacity(a.request.forks.len());
+    for fork in &a.request.forks {
+        let request = a.request.forked(fork);
+        match engine.fork(&a.state) {
+            Ok(state) => forks.push(Active::new(request, state, a.timings, a.submitted, None)),
+            Err(e) => {
+                let _ = request.events.send(Event::Failed { id: request.id, error: format!("copying the prompt's state for another choice: {e:#}") });
+            }
+        }
+    }
+    forks
+}
+
 /// The sequences of a decode engine: those in the batch, in the order they were admitted, and
 /// those swapped out to host memory to make room in the K/V cache, in the same order.
 #[derive(Default)]
@@ -161,12 +178,15 @@ pub(super) fn decode_loop(engine: &Engine, mut bridge: handoff::Receiver<Handoff
                     }
                     timings.transfer = transfer;
                     let a = Active::new(request, state, timings, submitted, lease);
-                    if !a.holds_room(engine, host) {
-                        // No room for it in the K/V cache yet: it waits with the swapped-out
-                        // sequences, and comes in as they do.
-                        batch.swapped.push(a);
-                    } else {
-                        batch.active.push(a);
+                    let forks = forks(engine, &a);
+                    for a in std::iter::once(a).chain(forks) {
+                        if !a.holds_room(engine, host) {
+                            // No room for it in the K/V cache yet: it waits with the swapped-out
+                            // sequences, and comes in as they do.
+                            batch.swapped.push(a);
+                        } else {
+                            batch.active.push(a);
+                        }
                     }
                 }
                 Err(e) => {
@@ -231,7 +251,7 @@ pub(super) fn single_engine_loop(engine: &Engine, mut queue: Queue, max_batch: u
             }
             queue.put_back(no_slot);
         }
-        prefill_chunks(engine, &mut prefilling, &mut batch, max_prefill_tokens, time);
+        prefill_chunks(engine, host, &mut prefilling, &mut batch, max_prefill_tokens, time);
         fit_kv_cache(engine, host, &mut batch, time);
         step(engine, &mut batch.active, time);
     }
@@ -241,7 +261,7 @@ pub(super) fn single_engine_loop(engine: &Engine, mut queue: Queue, max_batch: u
 /// in all; a request whose whole prompt is applied joins the batch (a prefill-only one is
 /// answered). A chunk that finds the K/V cache full waits for the next step, unless nothing
 /// runs that could free blocks: then the request fails, saying so.
-fn prefill_chunks(engine: &Engine, prefilling: &mut Vec<Prefill>, batch: &mut Batch, max_tokens: usize, time: &EngineTime) {
+fn prefill_chunks(engine: &Engine, host: Option<&Arc<HostBudget>>, prefilling: &mut Vec<Prefill>, batch: &mut Batch, max_tokens: usize, time: &EngineTime) {
     prefilling.retain(|p| {
         let cancelled = p.request.cancel.load(Ordering::Relaxed);
         if cancelled {
@@ -276,7 +296,13 @@ fn prefill_chunks(engine: &Engine, prefilling: &mut Vec<Prefill>, batch: &mut Ba
                 if request.max_tokens == 0 {
                     finish_prefill_only(request, state, timings);
                 } else {
-                    batch.active.push(Active::new(request, state, timings, submitted, lease));
+                    let a = Active::new(request, state, timings, submitted, lease);
+                    let forks = forks(engine, &a);
+                    batch.active.push(a);
+                    // A fork without its room yet waits with the swapped-out sequences.
+                    for f in forks {
+                        if f.holds_room(engine, host) { batch.active.push(f) } else { batch.swapped.push(f) }
+                    }
                 }
             }
         }
@@ -421,7 +447,8 @@ fn step(engine: &Engine, active: &mut Vec<Active>, time: &EngineTime) -> Vec<Dev
                 Some(Finish::Stop)
             } else {
                 a.timings.generated += 1;
-                let _ = a.request.events.send(Event::Token { id: a.request.id, token });
+                let logprobs = a.sampler.take_logprobs().map(Box::new);
+                let _ = a.request.events.send(Event::Token { id: a.request.id, token, logprobs });
                 if a.timings.generated >= a.request.max_tokens || a.state.position() >= ctx {
                     Some(Finish::Length)
                 } else {

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-pub use request::{Event, Finish, Generated, Request, RequestParams, Start, Timings};
+pub use request::{Event, Finish, Fork, Generated, Request, RequestParams, Start, Timings};
 
 use crate::backend::cuda::qwen35::{device_pool::PoolLevel, kv_cache::{KvPool, KV_BLOCK}, state_slots::{SlotPool, StateDtype}, GpuPools};
 use crate::prefix_cache::DeviceTier;
@@ -298,6 +298,7 @@ impl Pipeline {
             snapshots: Vec::new(),
             cancel: Arc::new(AtomicBool::new(false)),
             events,
+            forks: Vec::new(),
         })?;
         let mut out = Vec::new();
         for event in rx {

@@ -479,7 +479,7 @@ mod tests {
 
     fn send(to: &Sender<(Request, Instant)>, id: u64, prompt: usize) {
         let (events, _) = channel();
-        let request = Request { id, start: None, tokens: vec![1; prompt], max_tokens: 1, sampling: SamplingParams::default(), vocab: 8, stop_ids: vec![], return_state: false, snapshots: vec![], cancel: Arc::new(AtomicBool::new(false)), events };
+        let request = Request { id, start: None, tokens: vec![1; prompt], max_tokens: 1, sampling: SamplingParams::default(), vocab: 8, stop_ids: vec![], return_state: false, snapshots: vec![], cancel: Arc::new(AtomicBool::new(false)), events, forks: Vec::new() };
         to.send((request, Instant::now())).unwrap();
     }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::bridge::TransferTimes;
 use crate::engine::PrefillStats;
-use crate::sampling::SamplingParams;
+use crate::sampling::{SamplingParams, TokenLogprobs};
 use crate::state::{Snapshot, State};
 
 /// One request: tokens to apply to a state (fresh, or a checkpoint of a conversation), then
@@ -34,6 +34,40 @@ pub struct Request {
     pub cancel: Arc<AtomicBool>,
     /// Where this request's events go.
     pub events: Sender<Event>,
+    /// More sequences that continue the prompt's state beside this one (OpenAI's `n`): the
+    /// prompt is prefilled once and its state copied for each.
+    pub forks: Vec<Fork>,
+}
+
+/// A sequence forked from a request's prompt state: sampled as the request is but with its own
+/// seed, stopped by its own flag, its events sent on the request's channel under its own id.
+/// It never returns its state.
+#[derive(Clone, Debug)]
+pub struct Fork {
+    pub id: u64,
+    pub seed: u64,
+    pub cancel: Arc<AtomicBool>,
+}
+
+impl Request {
+    /// The request a fork decodes as: this one's sampling, stops and channel, under the fork's
+    /// id, seed and flag; no tokens of its own to apply.
+    pub fn forked(&self, fork: &Fork) -> Request {
+        Request {
+            id: fork.id,
+            start: None,
+            tokens: Vec::new(),
+            max_tokens: self.max_tokens,
+            sampling: SamplingParams { seed: fork.seed, ..self.sampling.clone() },
+            vocab: self.vocab,
+            stop_ids: self.stop_ids.clone(),
+            return_state: false,
+            snapshots: Vec::new(),
+            cancel: Arc::clone(&fork.cancel),
+            events: self.events.clone(),
+            forks: Vec::new(),
+        }
+    }
 }
 
 /// Where a request starts: a state of its own (a conversation's checkpoint), or a copy of a
@@ -118,7 +152,8 @@ pub enum Event {
     /// A copy of the state part way into the prompt (or at its end), as `snapshots` asked;
     /// before the request's tokens.
     Snapshot { id: u64, state: Snapshot },
-    Token { id: u64, token: u32 },
+    /// A sampled token, with its log-probabilities where the request asked for them.
+    Token { id: u64, token: u32, logprobs: Option<Box<TokenLogprobs>> },
     Done { id: u64, finish: Finish, timings: Timings, state: Option<State> },
     Failed { id: u64, error: String },
 }

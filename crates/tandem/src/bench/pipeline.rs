@@ -498,6 +498,7 @@ pub fn concurrency(rec: &mut Record, model: &LoadedModel, config: &PipelineConfi
                         snapshots: Vec::new(),
                         cancel: Default::default(),
                         events: tx.clone(),
+                        forks: Vec::new(),
                     })?;
                 }
                 drop(tx);

@@ -9,7 +9,8 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 use tandem_core::chat::Message;
-use tandem_core::sampling::SamplingParams;
+use tandem_core::sampling::{Penalties, SamplingParams, TokenLogprobs, MAX_TOP_LOGPROBS};
+use tandem_core::tokenizer::Tokenizer;
 
 /// An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}` with its status.
 #[derive(Debug)]
@@ -59,6 +60,9 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// The most choices one request may ask for (`n`; OpenAI's limit).
+pub const MAX_CHOICES: i64 = 128;
+
 /// What both endpoints share.
 #[derive(Clone, Debug)]
 pub struct Options {
@@ -67,6 +71,11 @@ pub struct Options {
     pub max_tokens: Option<usize>,
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
+    /// vLLM's extension: token ids that end a choice as the model's end-of-turn does (also
+    /// with `ignore_eos`).
+    pub stop_token_ids: Vec<u32>,
+    /// Choices to generate from the one prompt.
+    pub n: usize,
     pub stream: bool,
     /// `stream_options.include_usage`: a last chunk with the usage.
     pub include_usage: bool,
@@ -200,7 +209,37 @@ fn options(f: &Fields, max_tokens_keys: &[&str]) -> Result<Options, ApiError> {
         None => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
         Some(v) => v.as_u64().or_else(|| v.as_i64().map(|s| s as u64)).ok_or_else(|| Fields::wrong("seed", "an integer", v))?,
     };
-    let sampling = SamplingParams { temperature: f.in_range("temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32, top_k, top_p: top_p as f32, seed };
+    let logit_bias = match f.object("logit_bias")? {
+        None => Vec::new(),
+        Some(o) => {
+            let mut bias = Vec::with_capacity(o.0.len());
+            for (key, v) in o.0 {
+                let id = key.parse::<u32>().map_err(|_| ApiError::invalid("logit_bias", format!("logit_bias: {key:?} is not a token id (the keys are token ids, as strings)")))?;
+                let b = v.as_f64().ok_or_else(|| Fields::wrong(&format!("logit_bias[{key:?}]"), "a number", v))?;
+                bias.push((id, b as f32));
+            }
+            bias.sort_unstable_by_key(|&(id, _)| id);
+            bias
+        }
+    };
+    let penalties = Penalties {
+        presence: f.in_range("presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+        frequency: f.in_range("frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+        repetition: f.in_range("repetition_penalty", 0.0, 2.0)?.unwrap_or(1.0) as f32,
+        // The prompt's tokens are set once it is tokenized.
+        prompt: Default::default(),
+    };
+    let sampling = SamplingParams {
+        temperature: f.in_range("temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32,
+        top_k,
+        top_p: top_p as f32,
+        min_p: f.in_range("min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32,
+        seed,
+        logit_bias,
+        penalties,
+        // Each endpoint reads its own form of the option.
+        logprobs: None,
+    };
     sampling.validate().map_err(|e| ApiError::bad_request(format!("{e:#}")))?;
     let stop = match f.get("stop") {
         None => Vec::new(),
@@ -211,23 +250,20 @@ fn options(f: &Fields, max_tokens_keys: &[&str]) -> Result<Options, ApiError> {
     if stop.len() > 4 || stop.iter().any(String::is_empty) {
         return Err(ApiError::invalid("stop", "stop takes up to 4 non-empty strings"));
     }
-    let n = f.i64("n")?.unwrap_or(1);
-    if n != 1 {
-        return Err(ApiError::invalid("n", format!("n = {n} is not supported: tandem returns one choice per request (n = 1)")));
-    }
-    f.only("presence_penalty", &json!(0))?;
-    f.only("frequency_penalty", &json!(0))?;
-    f.only("logprobs", &json!(false))?;
-    f.only("top_logprobs", &json!(0))?;
+    let stop_token_ids = match f.get("stop_token_ids") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => a.iter().map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| ApiError::invalid("stop_token_ids", format!("stop_token_ids: {x} is not a token id")))).collect::<Result<_, _>>()?,
+        Some(v) => return Err(Fields::wrong("stop_token_ids", "an array of token ids", v)),
+    };
+    let n = match f.i64("n")?.unwrap_or(1) {
+        n @ 1..=MAX_CHOICES => n as usize,
+        n => return Err(ApiError::invalid("n", format!("n = {n} is out of range: between 1 and {MAX_CHOICES} choices"))),
+    };
     f.only("echo", &json!(false))?;
     f.only("best_of", &json!(1))?;
     // Options that would change what is generated: refused until tandem does them, never
     // accepted and ignored.
     f.only("response_format", &json!({"type": "text"}))?;
-    f.only("logit_bias", &json!({}))?;
-    f.only("repetition_penalty", &json!(1))?;
-    f.only("min_p", &json!(0))?;
-    f.only("stop_token_ids", &json!([]))?;
     for key in ["functions", "function_call", "prediction", "audio"] {
         f.only(key, &Value::Null)?;
     }
@@ -242,7 +278,11 @@ fn options(f: &Fields, max_tokens_keys: &[&str]) -> Result<Options, ApiError> {
         return Err(ApiError::invalid("cache_salt", "cache_salt must not be empty"));
     }
     let return_token_ids = f.bool("return_token_ids")?.unwrap_or(false);
-    Ok(Options { model: f.str("model")?.map(str::to_string), max_tokens, sampling, stop, stream, include_usage, session_id: f.str("session_id")?.map(str::to_string), cache_salt, return_token_ids, ignore_eos })
+    let session_id = f.str("session_id")?.map(str::to_string);
+    if session_id.is_some() && n > 1 {
+        return Err(ApiError::invalid("n", format!("n = {n} with a session_id: a session goes on from one reply, so it takes one choice")));
+    }
+    Ok(Options { model: f.str("model")?.map(str::to_string), max_tokens, sampling, stop, stop_token_ids, n, stream, include_usage, session_id, cache_salt, return_token_ids, ignore_eos })
 }
 
 /// The text of a message's `content`: a string, or an array of `{"type": "text", "text"}` parts.
@@ -270,7 +310,15 @@ fn content_text(i: usize, v: Option<&Value>) -> Result<String, ApiError> {
 pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
     let map = parse_object(body)?;
     let f = Fields(&map);
-    let options = options(&f, &["max_tokens", "max_completion_tokens"])?;
+    let mut options = options(&f, &["max_tokens", "max_completion_tokens"])?;
+    // Chat: `logprobs` switches them on, `top_logprobs` (which needs it) asks for the likeliest.
+    let top = f.i64("top_logprobs")?;
+    options.sampling.logprobs = match (f.bool("logprobs")?.unwrap_or(false), top) {
+        (_, Some(k)) if !(0..=MAX_TOP_LOGPROBS as i64).contains(&k) => return Err(ApiError::invalid("top_logprobs", format!("top_logprobs = {k} is out of range: between 0 and {MAX_TOP_LOGPROBS}"))),
+        (false, Some(k)) if k > 0 => return Err(ApiError::invalid("top_logprobs", "top_logprobs needs logprobs: true")),
+        (false, _) => None,
+        (true, k) => Some(k.unwrap_or(0) as usize),
+    };
     f.only("tools", &json!([]))?;
     f.only("tool_choice", &json!("none"))?;
     let raw = match f.get("messages") {
@@ -309,7 +357,13 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
 pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
     let map = parse_object(body)?;
     let f = Fields(&map);
-    let options = options(&f, &["max_tokens"])?;
+    let mut options = options(&f, &["max_tokens"])?;
+    // Completions: `logprobs` is how many of the likeliest to report besides the chosen token.
+    options.sampling.logprobs = match f.i64("logprobs")? {
+        None => None,
+        Some(k) if (0..=MAX_TOP_LOGPROBS as i64).contains(&k) => Some(k as usize),
+        Some(k) => return Err(ApiError::invalid("logprobs", format!("logprobs = {k} is out of range: between 0 and {MAX_TOP_LOGPROBS}"))),
+    };
     f.only("suffix", &Value::Null)?;
     let prompt = match f.get("prompt") {
         None => return Err(ApiError::invalid("prompt", "prompt is required")),
@@ -366,6 +420,8 @@ pub struct ResponseHead {
     pub endpoint: Endpoint,
     /// Choices carry `token_ids` (`return_token_ids`).
     pub token_ids: bool,
+    /// Choices carry `logprobs` (else `"logprobs": null`).
+    pub logprobs: bool,
     pub id: String,
     pub created: u64,
     pub model: String,
@@ -389,6 +445,48 @@ impl Usage {
     }
 }
 
+/// A sampled token's log-probability as a response reports it: the token's text (its bytes
+/// read as UTF-8, a partial character replaced) and bytes, and the likeliest tokens likewise.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Logprob {
+    pub token: String,
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+    pub top: Vec<(String, Vec<u8>, f32)>,
+    /// Where the token's text starts in the choice's text (characters; completions'
+    /// `text_offset`).
+    pub offset: usize,
+}
+
+impl Logprob {
+    pub fn of(tokenizer: &Tokenizer, l: &TokenLogprobs, offset: usize) -> Logprob {
+        let text = |id: u32| {
+            let bytes = tokenizer.token_bytes(id).unwrap_or_default();
+            (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+        };
+        let (token, bytes) = text(l.token);
+        let top = l.top.iter().map(|&(id, lp)| {
+            let (t, b) = text(id);
+            (t, b, lp)
+        });
+        Logprob { token, bytes, logprob: l.logprob, top: top.collect(), offset }
+    }
+}
+
+/// A log-probability as JSON: -inf (a token the model gives no chance) as the most negative
+/// finite number, since JSON has no infinities.
+fn logprob_json(lp: f32) -> Value {
+    json!(if lp.is_finite() { lp } else { f32::MIN })
+}
+
+/// One choice of a whole response.
+pub struct ChoiceOut {
+    pub text: String,
+    pub ids: Vec<u32>,
+    pub logprobs: Vec<Logprob>,
+    pub finish: &'static str,
+}
+
 impl ResponseHead {
     fn object(&self, stream: bool) -> &'static str {
         match (self.endpoint, stream) {
@@ -406,7 +504,41 @@ impl ResponseHead {
         v
     }
 
-    fn with_ids(&self, mut choice: Value, ids: &[u32]) -> Value {
+    /// A choice's `logprobs` for these tokens: a chat's `content` list, a completion's parallel
+    /// lists; null where not asked for.
+    fn logprobs_json(&self, logprobs: &[Logprob]) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        match self.endpoint {
+            Endpoint::Chat => {
+                let entry = |token: &str, bytes: &[u8], lp: f32| json!({"token": token, "logprob": logprob_json(lp), "bytes": bytes});
+                let content: Vec<Value> = logprobs
+                    .iter()
+                    .map(|l| {
+                        let mut e = entry(&l.token, &l.bytes, l.logprob);
+                        e["top_logprobs"] = l.top.iter().map(|(t, b, lp)| entry(t, b, *lp)).collect();
+                        e
+                    })
+                    .collect();
+                json!({"content": content, "refusal": null})
+            }
+            Endpoint::Completion => json!({
+                "tokens": logprobs.iter().map(|l| l.token.as_str()).collect::<Vec<_>>(),
+                "token_logprobs": logprobs.iter().map(|l| logprob_json(l.logprob)).collect::<Vec<_>>(),
+                "top_logprobs": logprobs.iter().map(|l| l.top.iter().map(|(t, _, lp)| (t.clone(), logprob_json(*lp))).collect::<Map<String, Value>>()).collect::<Vec<_>>(),
+                "text_offset": logprobs.iter().map(|l| l.offset).collect::<Vec<_>>(),
+            }),
+        }
+    }
+
+    fn choice(&self, index: usize, body: Value, ids: &[u32], logprobs: &[Logprob], finish: Option<&str>) -> Value {
+        let mut choice = json!({"index": index});
+        for (k, v) in body.as_object().into_iter().flatten() {
+            choice[k] = v.clone();
+        }
+        choice["logprobs"] = self.logprobs_json(logprobs);
+        choice["finish_reason"] = json!(finish);
         if self.token_ids {
             choice["token_ids"] = json!(ids);
         }
@@ -414,29 +546,36 @@ impl ResponseHead {
     }
 
     /// The whole response of a request that did not stream.
-    pub fn complete(&self, text: &str, ids: &[u32], finish: &str, usage: &Usage) -> Value {
-        let choice = match self.endpoint {
-            Endpoint::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": null}),
-            Endpoint::Completion => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null}),
-        };
-        self.wrap(false, json!([self.with_ids(choice, ids)]), Some(usage))
+    pub fn complete(&self, choices: &[ChoiceOut], usage: &Usage) -> Value {
+        let choices: Vec<Value> = choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let body = match self.endpoint {
+                    Endpoint::Chat => json!({"message": {"role": "assistant", "content": c.text}}),
+                    Endpoint::Completion => json!({"text": c.text}),
+                };
+                self.choice(i, body, &c.ids, &c.logprobs, Some(c.finish))
+            })
+            .collect();
+        self.wrap(false, json!(choices), Some(usage))
     }
 
-    /// A streamed chunk: the first one of a chat carries the role; the last one the finish;
-    /// `ids`: the tokens sampled since the previous chunk.
-    pub fn chunk(&self, text: &str, ids: &[u32], first: bool, finish: Option<&str>) -> Value {
-        let choice = match self.endpoint {
+    /// A streamed chunk of choice `index`: the first one of a chat's choice carries the role; the
+    /// last one the finish; `ids` and `logprobs`: the tokens sampled since the previous chunk.
+    pub fn chunk(&self, index: usize, text: &str, ids: &[u32], logprobs: &[Logprob], first: bool, finish: Option<&str>) -> Value {
+        let body = match self.endpoint {
             Endpoint::Chat => {
                 let delta = match (first, finish) {
                     (true, _) => json!({"role": "assistant", "content": text}),
                     (false, Some(_)) if text.is_empty() => json!({}),
                     _ => json!({"content": text}),
                 };
-                json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null})
+                json!({"delta": delta})
             }
-            Endpoint::Completion => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null}),
+            Endpoint::Completion => json!({"text": text}),
         };
-        self.wrap(true, json!([self.with_ids(choice, ids)]), None)
+        self.wrap(true, json!([self.choice(index, body, ids, logprobs, finish)]), None)
     }
 
     /// `stream_options.include_usage`: a chunk with no choices and the usage.
@@ -458,7 +597,8 @@ mod tests {
         let r = parse_chat(br#"{"model":"m","messages":[{"role":"developer","content":"Be brief."},{"role":"user","content":[{"type":"text","text":"Hi"}]}],
             "max_completion_tokens":7,"temperature":0,"top_p":0.5,"top_k":-1,"seed":3,"stop":"x","stream":true,"stream_options":{"include_usage":true},
             "session_id":"s1","chat_template_kwargs":{"enable_thinking":true},"user":"ignored","presence_penalty":0,"frequency_penalty":0.0,"logit_bias":{},
-            "response_format":{"type":"text"},"tool_choice":"none","ignore_eos":true}"#)
+            "response_format":{"type":"text"},"tool_choice":"none","ignore_eos":true,"n":1,"logprobs":true,"top_logprobs":2,"min_p":0.1,
+            "repetition_penalty":1.1,"stop_token_ids":[7]}"#)
             .unwrap_or_else(|e| panic!("{}", e.message));
         assert_eq!(r.messages, vec![Message::new("system", "Be brief."), Message::new("user", "Hi")]);
         let o = r.options;
@@ -466,6 +606,14 @@ mod tests {
         assert_eq!((o.sampling.temperature, o.sampling.top_p, o.sampling.top_k, o.sampling.seed), (0.0, 0.5, 0, 3));
         assert_eq!(o.stop, vec!["x".to_string()]);
         assert!(r.enable_thinking && o.ignore_eos);
+        assert_eq!((o.n, o.sampling.logprobs, o.sampling.min_p, o.sampling.penalties.repetition, o.stop_token_ids), (1, Some(2), 0.1, 1.1, vec![7]));
+        let r = parse_chat(br#"{"messages":[{"role":"user","content":"x"}],"logit_bias":{"9":-100,"3":5.5},"presence_penalty":0.5,"frequency_penalty":-1}"#).unwrap_or_else(|e| panic!("{}", e.message));
+        let s = r.options.sampling;
+        assert_eq!((s.logit_bias, s.penalties.presence, s.penalties.frequency, s.logprobs), (vec![(3, 5.5), (9, -100.0)], 0.5, -1.0, None));
+        // Completions: logprobs is the count of the likeliest.
+        let c = parse_completion(br#"{"prompt":"x","logprobs":3,"n":4}"#).ok().map(|c| (c.options.sampling.logprobs, c.options.n));
+        assert_eq!(c, Some((Some(3), 4)));
+        assert!(parse_completion(br#"{"prompt":"x","logprobs":true}"#).err().is_some_and(|e| e.message.contains("must be an integer")));
     }
 
     #[test]
@@ -476,12 +624,19 @@ mod tests {
             (r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":"5"}"#, "max_tokens", "must be an integer, not a string"),
             (r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":0}"#, "max_tokens", "out of range"),
             (r#"{"messages":[{"role":"user","content":"x"}],"temperature":3}"#, "temperature", "between 0 and 2"),
-            (r#"{"messages":[{"role":"user","content":"x"}],"n":2}"#, "n", "not supported"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"n":0}"#, "n", "between 1 and 128"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"n":2,"session_id":"s"}"#, "n", "a session goes on from one reply"),
             (r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}}"#, "response_format", "not supported"),
-            (r#"{"messages":[{"role":"user","content":"x"}],"logit_bias":{"5":100}}"#, "logit_bias", "not supported"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"logit_bias":{"five":1}}"#, "logit_bias", "\"five\" is not a token id"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"logit_bias":{"5":"up"}}"#, "logit_bias[\"5\"]", "must be a number"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":21}"#, "top_logprobs", "between 0 and 20"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"stop_token_ids":[-1]}"#, "stop_token_ids", "-1 is not a token id"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"presence_penalty":2.5}"#, "presence_penalty", "between -2 and 2"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"min_p":-0.1}"#, "min_p", "between 0 and 1"),
             (r#"{"messages":[{"role":"user","content":"x"}],"tool_choice":"required"}"#, "tool_choice", "not supported"),
-            (r#"{"messages":[{"role":"user","content":"x"}],"top_logprobs":3}"#, "top_logprobs", "not supported"),
-            (r#"{"messages":[{"role":"user","content":"x"}],"repetition_penalty":1.1}"#, "repetition_penalty", "not supported"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"top_logprobs":3}"#, "top_logprobs", "needs logprobs: true"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"repetition_penalty":3}"#, "repetition_penalty", "between 0 and 2"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"best_of":2}"#, "best_of", "not supported"),
             (r#"{"messages":[{"role":"user","content":"x"}],"functions":[]}"#, "functions", "not supported"),
             (r#"{"messages":[{"role":"user","content":"x"}],"stop":["a","b","c","d","e"]}"#, "stop", "up to 4"),
             (r#"{"messages":[{"role":"robot","content":"x"}]}"#, "messages[0].role", "not supported"),

@@ -16,9 +16,10 @@ use tandem_core::prefix_cache::{Pin, PrefixCache};
 use tandem_core::pipeline::trace::Work;
 use tandem_core::pipeline::Start;
 use tandem_core::state::Snapshot;
+use tandem_core::sampling::TokenLogprobs;
 use tandem_core::tokenizer::StreamDecoder;
 
-use super::api::{ApiError, Endpoint, Options, Usage};
+use super::api::{ApiError, Endpoint, Logprob, Options, Usage};
 use super::engines::{Running, Slot};
 use super::metrics::add;
 use super::App;
@@ -48,6 +49,11 @@ impl Prepared {
         if let Some(&bad) = prompt.iter().find(|&&id| id as usize >= app.vocab) {
             return Err(ApiError::invalid(param, format!("token id {bad} is outside the vocabulary (ids 0..{})", app.vocab)));
         }
+        for (param, ids) in [("logit_bias", options.sampling.logit_bias.iter().map(|b| b.0).collect::<Vec<_>>()), ("stop_token_ids", options.stop_token_ids.clone())] {
+            if let Some(bad) = ids.into_iter().find(|&id| id as usize >= app.vocab) {
+                return Err(ApiError::invalid(param, format!("{param}: token id {bad} is outside the vocabulary (ids 0..{})", app.vocab)));
+            }
+        }
         let room = app.max_context.saturating_sub(prompt.len());
         let too_long = |asked: String| {
             let mut e = ApiError::invalid(param, format!("this model's context is {} tokens (--max-context); the prompt has {} tokens{asked}", app.max_context, prompt.len()));
@@ -64,12 +70,37 @@ impl Prepared {
     }
 }
 
-/// What a generation yields, in order: text deltas (with the ids of the tokens sampled since
-/// the previous one), then one `Finished` (with the ids not yet given) or `Failed`.
+/// What a generation yields, in order: each choice's text deltas (with the ids, and where asked
+/// the log-probabilities, of the tokens sampled since its previous piece) and its end (with the
+/// ids not yet given), then one `Finished` once every choice has ended; or `Failed`.
 pub enum Piece {
-    Text(String, Vec<u32>),
-    Finished { finish: &'static str, usage: Usage, ids: Vec<u32> },
+    Text { choice: usize, text: String, ids: Vec<u32>, logprobs: Vec<Logprob> },
+    Ended { choice: usize, finish: &'static str, ids: Vec<u32>, logprobs: Vec<Logprob> },
+    Finished { usage: Usage },
     Failed(ApiError),
+}
+
+/// One choice of a request (OpenAI's `n`): its tokens, its text as sent, and its end.
+struct Choice {
+    /// Tokens sampled so far, and how many of them went out with a piece.
+    ids: Vec<u32>,
+    ids_given: usize,
+    /// The log-probabilities of the tokens not yet given (where asked for).
+    logprobs: Vec<Logprob>,
+    /// Where the next token's text starts in the choice's text (characters).
+    offset: usize,
+    /// The text sent so far.
+    text: String,
+    decoder: StreamDecoder,
+    stops: StopStrings,
+    last_token: Option<Instant>,
+    finish: Option<&'static str>,
+}
+
+impl Choice {
+    fn new(stops: Vec<String>) -> Choice {
+        Choice { ids: Vec::new(), ids_given: 0, logprobs: Vec::new(), offset: 0, text: String::new(), decoder: StreamDecoder::new(), stops: StopStrings::new(stops), last_token: None, finish: None }
+    }
 }
 
 pub struct Completion {
@@ -84,15 +115,10 @@ pub struct Completion {
     salt: Option<String>,
     session: Option<String>,
     conversation: Option<(Vec<Message>, bool)>,
-    /// Tokens sampled so far, and how many of them went out with a piece.
-    ids: Vec<u32>,
-    ids_given: usize,
-    /// The text sent so far.
-    text: String,
-    decoder: StreamDecoder,
-    stops: StopStrings,
+    choices: Vec<Choice>,
+    /// Whether the request's first token came (for the time to it).
+    answered: bool,
     arrived: Instant,
-    last_token: Option<Instant>,
     pending: VecDeque<Piece>,
     done: bool,
     /// The snapshots of the prompt going into the cache (off the tokens' way, in order), done
@@ -310,8 +336,15 @@ impl Completion {
             stops.dedup();
         }
         let snapshots = stops.iter().map(|&s| s - reused).collect();
-        let params = pipeline::RequestParams { max_tokens: p.max_tokens, sampling: p.options.sampling.clone(), vocab: app.vocab, stop_ids: if p.options.ignore_eos { Vec::new() } else { app.stop_ids.clone() } };
-        let running = app.engines.submit(found.state, p.prompt[reused..].to_vec(), params, snapshots).map_err(server_error)?;
+        let mut sampling = p.options.sampling.clone();
+        if sampling.penalties.repetition != 1.0 {
+            // The repetition penalty counts the whole prompt's tokens.
+            sampling.penalties.prompt = p.prompt.as_slice().into();
+        }
+        let mut stop_ids = if p.options.ignore_eos { Vec::new() } else { app.stop_ids.clone() };
+        stop_ids.extend(&p.options.stop_token_ids);
+        let params = pipeline::RequestParams { max_tokens: p.max_tokens, sampling, vocab: app.vocab, stop_ids };
+        let running = app.engines.submit(found.state, p.prompt[reused..].to_vec(), params, snapshots, p.options.n).map_err(server_error)?;
         Ok(Completion {
             app: Arc::clone(app),
             endpoint: p.endpoint,
@@ -323,13 +356,9 @@ impl Completion {
             salt,
             session,
             conversation: p.conversation,
-            ids: Vec::new(),
-            ids_given: 0,
-            text: String::new(),
-            decoder: StreamDecoder::new(),
-            stops: StopStrings::new(p.options.stop),
+            choices: (0..p.options.n).map(|_| Choice::new(p.options.stop.clone())).collect(),
+            answered: false,
             arrived: p.arrived,
-            last_token: None,
             pending: VecDeque::new(),
             done: false,
             keeping: None,
@@ -353,21 +382,30 @@ impl Completion {
             let Some(event) = next else {
                 // The server's stop: its grace period is over.
                 self.running.cancel();
-                self.end("abort");
+                for c in 0..self.choices.len() {
+                    if self.choices[c].finish.is_none() {
+                        self.end(c, "abort");
+                    }
+                }
                 continue;
             };
+            let Some(event) = event else {
+                self.fail(anyhow::anyhow!("the engines stopped before the request finished"));
+                continue;
+            };
+            // The events of a choice already ended (by a stop string) are let go.
+            let Some(c) = self.running.choice_of(&event).filter(|&c| self.choices[c].finish.is_none()) else { continue };
             match event {
-                Some(Event::Snapshot { state, .. }) => self.snapshot(state),
-                Some(Event::Token { token, .. }) => self.token(token),
-                Some(Event::Done { finish, .. }) => {
+                Event::Snapshot { state, .. } => self.snapshot(state),
+                Event::Token { token, logprobs, .. } => self.token(c, token, logprobs.map(|l| *l)),
+                Event::Done { finish, .. } => {
                     // A request sent after this reply ends finds its prompt's snapshots.
                     if let Some(keeping) = self.keeping.take() {
                         let _ = keeping.await;
                     }
-                    self.finish(finish)
+                    self.finish(c, finish)
                 }
-                Some(Event::Failed { error, .. }) => self.fail(anyhow::anyhow!(error)),
-                None => self.fail(anyhow::anyhow!("the engines stopped before the request finished")),
+                Event::Failed { error, .. } => self.fail(anyhow::anyhow!(error)),
             }
         }
     }
@@ -390,51 +428,62 @@ impl Completion {
         }));
     }
 
-    fn token(&mut self, token: u32) {
+    fn token(&mut self, c: usize, token: u32, logprobs: Option<TokenLogprobs>) {
         let now = Instant::now();
         let m = &self.app.metrics;
-        match self.last_token {
-            None => m.ttft(now - self.arrived),
+        let choice = &mut self.choices[c];
+        match choice.last_token {
+            None if !self.answered => m.ttft(now - self.arrived),
+            None => {}
             Some(last) => m.tpot(now - last),
         }
-        self.last_token = Some(now);
+        self.answered = true;
+        choice.last_token = Some(now);
         add(&m.counters.generation_tokens, 1);
-        self.ids.push(token);
-        let text = match self.decoder.push(&self.app.tokenizer, token) {
+        choice.ids.push(token);
+        if let Some(l) = logprobs {
+            let entry = Logprob::of(&self.app.tokenizer, &l, choice.offset);
+            choice.offset += entry.token.chars().count();
+            choice.logprobs.push(entry);
+        }
+        let text = match choice.decoder.push(&self.app.tokenizer, token) {
             Ok(t) => t,
             Err(e) => return self.fail(e),
         };
-        let (out, stopped) = self.stops.push(&text);
-        self.send_text(out);
+        let (out, stopped) = choice.stops.push(&text);
+        self.send_text(c, out);
         if stopped {
-            // The rest of the reply is not wanted: the engine drops the sequence.
-            self.running.cancel();
-            self.end("stop");
+            // The rest of the choice is not wanted: the engine drops the sequence.
+            self.running.cancel_choice(c);
+            self.end(c, "stop");
         }
     }
 
-    /// Queue `out` (where there is any) with the ids sampled since the last piece.
-    fn send_text(&mut self, out: String) {
+    /// Queue `out` (where there is any) with the ids sampled since the choice's last piece.
+    fn send_text(&mut self, c: usize, out: String) {
+        let choice = &mut self.choices[c];
         if out.is_empty() {
             return;
         }
-        self.text.push_str(&out);
-        let ids = self.ids[self.ids_given..].to_vec();
-        self.ids_given = self.ids.len();
-        self.pending.push_back(Piece::Text(out, ids));
+        choice.text.push_str(&out);
+        let ids = choice.ids[choice.ids_given..].to_vec();
+        choice.ids_given = choice.ids.len();
+        let logprobs = std::mem::take(&mut choice.logprobs);
+        self.pending.push_back(Piece::Text { choice: c, text: out, ids, logprobs });
     }
 
-    fn finish(&mut self, finish: Finish) {
-        let tail = match self.decoder.finish(&self.app.tokenizer) {
+    fn finish(&mut self, c: usize, finish: Finish) {
+        let choice = &mut self.choices[c];
+        let tail = match choice.decoder.finish(&self.app.tokenizer) {
             Ok(t) => t,
             Err(e) => return self.fail(e),
         };
-        let (mut out, stopped) = self.stops.push(&tail);
+        let (mut out, stopped) = choice.stops.push(&tail);
         if !stopped {
-            out.push_str(&self.stops.flush());
+            out.push_str(&choice.stops.flush());
         }
-        self.send_text(out);
-        self.end(if stopped || finish == Finish::Stop { "stop" } else { "length" });
+        self.send_text(c, out);
+        self.end(c, if stopped || finish == Finish::Stop { "stop" } else { "length" });
     }
 
     /// In a session, the state its next turn starts from: the prompt and the reply as the next
@@ -452,8 +501,8 @@ impl Completion {
             Chat(Vec<Message>, bool, String),
         }
         let lead = match &self.conversation {
-            Some((messages, thinking)) => Lead::Chat(messages.clone(), *thinking, self.text.clone()),
-            None => Lead::Ids([&self.prompt[..], &self.ids[..]].concat()),
+            Some((messages, thinking)) => Lead::Chat(messages.clone(), *thinking, self.choices[0].text.clone()),
+            None => Lead::Ids([&self.prompt[..], &self.choices[0].ids[..]].concat()),
         };
         // Where the cache no longer holds the prompt's snapshot (its last turn's start, for a
         // chat, which the history renders the same way; its end otherwise), evicted under a
@@ -491,13 +540,22 @@ impl Completion {
         });
     }
 
-    fn end(&mut self, finish: &'static str) {
-        self.done = true;
-        self.remember_reply();
-        self.app.metrics.outcome(self.endpoint.name(), finish);
-        let usage = Usage { prompt: self.prompt.len(), completion: self.ids.len(), cached: self.cached };
-        let ids = self.ids[self.ids_given..].to_vec();
-        self.pending.push_back(Piece::Finished { finish, usage, ids });
+    /// End choice `c`; once every choice has ended, the request.
+    fn end(&mut self, c: usize, finish: &'static str) {
+        let choice = &mut self.choices[c];
+        choice.finish = Some(finish);
+        let ids = choice.ids[choice.ids_given..].to_vec();
+        choice.ids_given = choice.ids.len();
+        let logprobs = std::mem::take(&mut choice.logprobs);
+        self.pending.push_back(Piece::Ended { choice: c, finish, ids, logprobs });
+        if self.choices.iter().all(|c| c.finish.is_some()) {
+            self.done = true;
+            // A session takes one choice (checked with the request).
+            self.remember_reply();
+            self.app.metrics.outcome(self.endpoint.name(), self.choices[0].finish.unwrap_or(finish));
+            let usage = Usage { prompt: self.prompt.len(), completion: self.choices.iter().map(|c| c.ids.len()).sum(), cached: self.cached };
+            self.pending.push_back(Piece::Finished { usage });
+        }
     }
 
     fn fail(&mut self, e: anyhow::Error) {

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tandem_core::sampling::SamplingParams;
-use tandem_core::pipeline::{Event, Pipeline, Request, RequestParams, Start};
+use tandem_core::pipeline::{Event, Fork, Pipeline, Request, RequestParams, Start};
 use tandem_core::state::Snapshot;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
@@ -43,26 +43,42 @@ pub struct Slot {
     _permit: OwnedSemaphorePermit,
 }
 
-/// A submitted request: its events, in order. Dropping it cancels the request.
+/// A submitted request: its events, in order (those of all its choices). Dropping it cancels
+/// the request.
 pub struct Running {
-    id: u64,
+    /// Each choice's id in the pipeline and its stop flag; the first is the request's own.
+    choices: Vec<(u64, Arc<AtomicBool>)>,
     pub events: mpsc::UnboundedReceiver<Event>,
-    cancel: Arc<AtomicBool>,
     routes: Routes,
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
         // After the request finished this changes nothing; before, the engine drops it.
-        self.cancel.store(true, Ordering::Relaxed);
-        self.routes.lock().expect("routes lock").remove(&self.id);
+        self.cancel();
+        let mut routes = self.routes.lock().expect("routes lock");
+        for (id, _) in &self.choices {
+            routes.remove(id);
+        }
     }
 }
 
 impl Running {
-    /// Stop the request now (a stop string matched): its state is dropped.
+    /// Stop the request now (every choice): its states are dropped.
     pub fn cancel(&self) {
-        self.cancel.store(true, Ordering::Relaxed);
+        for (_, flag) in &self.choices {
+            flag.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Stop one choice (a stop string matched in it).
+    pub fn cancel_choice(&self, choice: usize) {
+        self.choices[choice].1.store(true, Ordering::Relaxed);
+    }
+
+    /// The choice (0..n) an event belongs to.
+    pub fn choice_of(&self, event: &Event) -> Option<usize> {
+        self.choices.iter().position(|&(id, _)| id == event.id())
     }
 }
 
@@ -166,14 +182,21 @@ impl Engines {
     }
 
     /// Run `tokens` applied to `start` (a fresh state when None), then sample as `params` says
-    /// (`max_tokens` 0: prefill only, the state comes back in `Done`); `snapshots`: where the
+    /// (`max_tokens` 0: prefill only, the state comes back in `Done`), `choices` sequences from
+    /// the one prompt (the others forks of it, each seeded one further); `snapshots`: where the
     /// prefill sends back copies of the state (`Event::Snapshot`, counts of `tokens`).
-    pub fn submit(&self, start: Option<Start>, tokens: Vec<u32>, params: RequestParams, snapshots: Vec<usize>) -> anyhow::Result<Running> {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+    pub fn submit(&self, start: Option<Start>, tokens: Vec<u32>, params: RequestParams, snapshots: Vec<usize>, choices: usize) -> anyhow::Result<Running> {
         let (tx, rx) = mpsc::unbounded_channel();
-        self.routes.lock().expect("routes lock").insert(id, tx);
-        let cancel = Arc::new(AtomicBool::new(false));
-        let running = Running { id, events: rx, cancel: Arc::clone(&cancel), routes: Arc::clone(&self.routes) };
+        let choices: Vec<(u64, Arc<AtomicBool>)> = (0..choices.max(1)).map(|_| (self.next_id.fetch_add(1, Ordering::Relaxed), Arc::new(AtomicBool::new(false)))).collect();
+        let mut routes = self.routes.lock().expect("routes lock");
+        for (id, _) in &choices {
+            routes.insert(*id, tx.clone());
+        }
+        drop(routes);
+        let seed = params.sampling.seed;
+        let forks = choices[1..].iter().zip(1u64..).map(|((id, cancel), k)| Fork { id: *id, seed: seed.wrapping_add(k), cancel: Arc::clone(cancel) }).collect();
+        let (id, cancel) = (choices[0].0, Arc::clone(&choices[0].1));
+        let running = Running { choices, events: rx, routes: Arc::clone(&self.routes) };
         self.pipeline.submit(Request {
             id,
             start,
@@ -186,6 +209,7 @@ impl Engines {
             snapshots,
             cancel,
             events: self.events.clone(),
+            forks,
         })?;
         Ok(running)
     }
@@ -194,7 +218,7 @@ impl Engines {
     /// `snapshots` says (counts of `tokens`, ascending; the last one its end).
     pub async fn prefill(&self, start: Option<Start>, tokens: Vec<u32>, snapshots: Vec<usize>) -> anyhow::Result<Vec<Snapshot>> {
         let prefill_only = RequestParams { max_tokens: 0, sampling: SamplingParams::default(), vocab: usize::MAX, stop_ids: Vec::new() };
-        let mut running = self.submit(start, tokens, prefill_only, snapshots)?;
+        let mut running = self.submit(start, tokens, prefill_only, snapshots, 1)?;
         let mut taken = Vec::new();
         loop {
             match running.events.recv().await {

@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, StreamExt};
 use serde_json::{json, Value};
 
-use super::api::{self, ApiError, Endpoint, Options, Prompt, ResponseHead};
+use super::api::{self, ApiError, ChoiceOut, Endpoint, Options, Prompt, ResponseHead};
 use super::completion::{remember, unix_now, Completion, Piece, Prepared};
 use super::metrics::{add, CacheGauges, Gauges};
 use super::{worker, App};
@@ -107,37 +107,44 @@ fn refuse(app: &App, endpoint: Endpoint, e: ApiError) -> Response {
 }
 
 async fn serve(app: &Arc<App>, p: Prepared) -> Result<Response, ApiError> {
-    let head = ResponseHead { endpoint: p.endpoint, token_ids: p.options.return_token_ids, id: format!("{}-{}", if p.endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" }, app.request_id()), created: unix_now(), model: app.model_name.clone() };
-    let Options { stream, include_usage, .. } = p.options;
+    let id = format!("{}-{}", if p.endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" }, app.request_id());
+    let head = ResponseHead { endpoint: p.endpoint, token_ids: p.options.return_token_ids, logprobs: p.options.sampling.logprobs.is_some(), id, created: unix_now(), model: app.model_name.clone() };
+    let Options { stream, include_usage, n, .. } = p.options;
     let mut generation = Completion::start(app, p).await?;
     if stream {
-        return Ok(stream_response(head, generation, include_usage));
+        return Ok(stream_response(head, generation, n, include_usage));
     }
     // Dropped with the handler when the client goes away: that cancels the request.
-    let (mut text, mut ids) = (String::new(), Vec::new());
+    let mut choices: Vec<ChoiceOut> = (0..n).map(|_| ChoiceOut { text: String::new(), ids: Vec::new(), logprobs: Vec::new(), finish: "" }).collect();
     while let Some(piece) = generation.next().await {
         match piece {
-            Piece::Text(t, more) => {
-                text.push_str(&t);
-                ids.extend(more);
+            Piece::Text { choice, text, ids, logprobs } => {
+                let c = &mut choices[choice];
+                c.text.push_str(&text);
+                c.ids.extend(ids);
+                c.logprobs.extend(logprobs);
             }
-            Piece::Finished { finish, usage, ids: rest } => {
-                ids.extend(rest);
-                return Ok(json_response(head.complete(&text, &ids, finish, &usage)));
+            Piece::Ended { choice, finish, ids, logprobs } => {
+                let c = &mut choices[choice];
+                c.ids.extend(ids);
+                c.logprobs.extend(logprobs);
+                c.finish = finish;
             }
+            Piece::Finished { usage } => return Ok(json_response(head.complete(&choices, &usage))),
             Piece::Failed(e) => return Err(e),
         }
     }
     Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", "the generation ended without finishing"))
 }
 
-/// Server-sent events: a chunk per text delta (a chat's first carries the role), a last chunk
-/// with the finish reason, the usage chunk when asked for, then `data: [DONE]`.
-fn stream_response(head: ResponseHead, generation: Completion, include_usage: bool) -> Response {
+/// Server-sent events: a chunk per text delta of each choice (a chat choice's first carries
+/// the role), a chunk with each choice's finish reason, the usage chunk when asked for, then
+/// `data: [DONE]`.
+fn stream_response(head: ResponseHead, generation: Completion, n: usize, include_usage: bool) -> Response {
     let data = |v: Value| SseEvent::default().data(v.to_string());
     let head = Arc::new(head);
     let opening = match head.endpoint {
-        Endpoint::Chat => vec![data(head.chunk("", &[], true, None))],
+        Endpoint::Chat => (0..n).map(|i| data(head.chunk(i, "", &[], &[], true, None))).collect(),
         Endpoint::Completion => Vec::new(),
     };
     let events = stream::unfold(Some(generation), move |generation| {
@@ -145,9 +152,10 @@ fn stream_response(head: ResponseHead, generation: Completion, include_usage: bo
         async move {
             let mut g = generation?;
             let events = match g.next().await? {
-                Piece::Text(t, ids) => vec![data(head.chunk(&t, &ids, false, None))],
-                Piece::Finished { finish, usage, ids } => {
-                    let mut v = vec![data(head.chunk("", &ids, false, Some(finish)))];
+                Piece::Text { choice, text, ids, logprobs } => vec![data(head.chunk(choice, &text, &ids, &logprobs, false, None))],
+                Piece::Ended { choice, finish, ids, logprobs } => vec![data(head.chunk(choice, "", &ids, &logprobs, false, Some(finish)))],
+                Piece::Finished { usage } => {
+                    let mut v = Vec::new();
                     if include_usage {
                         v.push(data(head.usage_chunk(&usage)));
                     }

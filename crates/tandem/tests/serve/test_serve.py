@@ -176,10 +176,9 @@ def api_and_sdk():
         refused(400, "max_tokens", max_tokens=0)
         refused(400, "max_tokens", extra_body={"max_tokens": "ten"})
         refused(400, "temperature", temperature=5)
-        refused(400, "n", n=3)
+        refused(400, "n", n=0)
         # Options that would change the output and that tandem does not do: refused, not ignored.
         refused(400, "response_format", response_format={"type": "json_object"})
-        refused(400, "logit_bias", logit_bias={"5": 10})
         m = refused(400, "messages", messages=user("word " * 300), max_tokens=10)
         check("context is 256 tokens" in m, f"a prompt past --max-context says so: {m}")
         m = refused(400, "messages", messages=user("word " * 40), max_tokens=250)
@@ -190,6 +189,92 @@ def api_and_sdk():
         r = c.chat.completions.create(model=MODEL, messages=user("still serving?"), max_tokens=3, temperature=0)
         check(r.usage.completion_tokens == 3, "the server serves after refusing")
         print(f"  openai {openai.__version__}: models, chat and completions (whole and streamed), stop, seed, top_k, 10 refusals")
+
+
+def raw_json(s, path, body):
+    """POST a JSON body; the (status, decoded JSON) of the answer."""
+    status, _, text = s.request("POST", path, json.dumps({"model": MODEL, **body}))
+    return status, json.loads(text)
+
+
+def sampling_options():
+    """logprobs, n, logit_bias, the penalties, min_p and stop_token_ids, through the SDK (and
+    raw JSON where the SDK has no field)."""
+    with Server() as s:
+        c = s.client
+        ask = dict(model=MODEL, messages=user("Tell me about tandem bicycles."), max_tokens=12, temperature=0)
+
+        # logprobs: each token's, with the likeliest three; greedy picks the likeliest, and the
+        # tokens' bytes put together are the text.
+        r = c.chat.completions.create(logprobs=True, top_logprobs=3, **ask)
+        text, content = r.choices[0].message.content, r.choices[0].logprobs.content
+        check(len(content) == 12, f"a log-probability per token: {len(content)}")
+        for e in content:
+            check(e.logprob <= 0 and len(e.top_logprobs) == 3, f"{e}")
+            check(e.top_logprobs[0].token == e.token and abs(e.top_logprobs[0].logprob - e.logprob) < 1e-6, f"greedy takes the likeliest: {e}")
+            check(e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob, f"likeliest first: {e.top_logprobs}")
+        check(bytes(b for e in content for b in e.bytes).decode() == text, f"the tokens' bytes are the text {text!r}")
+        streamed = [e for ch in c.chat.completions.create(stream=True, logprobs=True, top_logprobs=3, **ask) for choice in ch.choices if choice.logprobs for e in choice.logprobs.content]
+        check([(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content], "streamed log-probabilities == whole")
+        plain = c.chat.completions.create(**ask)
+        check(plain.choices[0].logprobs is None and plain.choices[0].message.content == text, "no logprobs unless asked; asking changes nothing")
+        r = c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=10, temperature=0, logprobs=2)
+        lp = r.choices[0].logprobs
+        check(len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 10, f"completion logprobs: {lp}")
+        check("".join(lp.tokens) == r.choices[0].text and all(len(t) == 2 for t in lp.top_logprobs), f"completion logprobs: {lp}")
+        check(lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(10)], f"offsets: {lp.text_offset}")
+
+        # n: one prompt, n choices; choice k is what the request alone samples with seed + k.
+        kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0, top_p=0.95)
+        r = c.completions.create(n=3, seed=11, **kw)
+        texts = [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)]
+        alone = [c.completions.create(seed=11 + k, **kw).choices[0].text for k in range(3)]
+        check(texts == alone and len(set(texts)) > 1, f"n = 3: {texts} vs alone {alone}")
+        check(r.usage.completion_tokens == 48, f"usage counts every choice: {r.usage}")
+        parts = {}
+        for ch in c.completions.create(n=3, seed=11, stream=True, **kw):
+            for choice in ch.choices:
+                parts[choice.index] = parts.get(choice.index, "") + choice.text
+        check([parts[k] for k in range(3)] == texts, f"n = 3 streamed: {parts}")
+        chat = c.chat.completions.create(model=MODEL, messages=user("Hi"), n=2, max_tokens=8, temperature=1.0, seed=3)
+        check(sorted(ch.index for ch in chat.choices) == [0, 1] and all(ch.finish_reason for ch in chat.choices), f"chat n = 2: {chat}")
+
+        # logit_bias: +100 on one token makes greedy pick it every time; -100 on greedy's first
+        # pick moves it.
+        base = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+        _, g = raw_json(s, "/v1/completions", base)
+        ids = g["choices"][0]["token_ids"]
+        _, b = raw_json(s, "/v1/completions", {**base, "logit_bias": {"1234": 100}})
+        check(b["choices"][0]["token_ids"] == [1234] * 8, f"logit_bias +100: {b['choices'][0]['token_ids']}")
+        _, b = raw_json(s, "/v1/completions", {**base, "logit_bias": {str(ids[0]): -100}})
+        check(b["choices"][0]["token_ids"][0] != ids[0], f"logit_bias -100 moves greedy's first pick {ids[0]}")
+        status, e = raw_json(s, "/v1/completions", {**base, "logit_bias": {"999999999": 1}})
+        check(status == 400 and e["error"]["param"] == "logit_bias" and "outside the vocabulary" in e["error"]["message"], f"{e}")
+
+        # Penalties: the synthetic model's greedy text repeats no token in 48; negative penalties
+        # reward repeats (the repetition penalty's also the prompt's tokens), and a positive
+        # frequency penalty ends a run that a logit bias forces.
+        long = {**base, "max_tokens": 48}
+        _, g = raw_json(s, "/v1/completions", long)
+        ids = g["choices"][0]["token_ids"]
+        check(len(set(ids)) == 48, f"greedy repeats nothing: {ids}")
+        for option in [{"frequency_penalty": -2.0}, {"presence_penalty": -2.0}, {"repetition_penalty": 0.5}]:
+            _, p = raw_json(s, "/v1/completions", {**long, **option})
+            pids = p["choices"][0]["token_ids"]
+            check(len(set(pids)) < 48, f"{option} rewards repeats: {pids}")
+        _, forced = raw_json(s, "/v1/completions", {**long, "logit_bias": {"1234": 30}})
+        _, ended = raw_json(s, "/v1/completions", {**long, "logit_bias": {"1234": 30}, "frequency_penalty": 2.0})
+        runs = [r["choices"][0]["token_ids"].count(1234) for r in (forced, ended)]
+        check(runs[0] == 48 and 0 < runs[1] < 48, f"a +30 bias repeats token 1234 {runs[0]} times, with frequency_penalty 2 {runs[1]} times")
+        # min_p = 1 keeps only the likeliest: sampling at any temperature is greedy.
+        r = c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=8, temperature=1.5, seed=1, extra_body={"min_p": 1.0})
+        check(r.choices[0].text == c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=8, temperature=0).choices[0].text, "min_p 1 is greedy")
+
+        # stop_token_ids: the choice ends before the first of them, finish_reason stop.
+        stop_id = ids[5]
+        _, r = raw_json(s, "/v1/completions", {**long, "stop_token_ids": [stop_id]})
+        check(r["choices"][0]["token_ids"] == ids[: ids.index(stop_id)] and r["choices"][0]["finish_reason"] == "stop", f"stop_token_ids [{stop_id}]: {r['choices'][0]}")
+        print("  logprobs (chat and completions, whole and streamed), n (each choice as its seed alone), logit_bias, three penalties, min_p, stop_token_ids")
 
 
 def curl_checks():
@@ -524,7 +609,7 @@ def disk_tier():
 
 
 def main():
-    checks = [api_and_sdk, curl_checks, multi_turn, typing_ahead, cancellation, disk_tier, shutdown, queue_and_429, load_test]
+    checks = [api_and_sdk, sampling_options, curl_checks, multi_turn, typing_ahead, cancellation, disk_tier, shutdown, queue_and_429, load_test]
     only = sys.argv[1:]
     failed = 0
     for f in checks:
