@@ -12,6 +12,8 @@ use tandem_core::chat::Message;
 use tandem_core::sampling::{Penalties, SamplingParams, TokenLogprobs, MAX_TOP_LOGPROBS};
 use tandem_core::tokenizer::Tokenizer;
 
+use super::tool_calls::ToolCall;
+
 /// An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}` with its status.
 #[derive(Debug)]
 pub struct ApiError {
@@ -93,11 +95,20 @@ pub struct Options {
     pub ignore_eos: bool,
 }
 
-pub struct ChatRequest {
-    pub options: Options,
+/// What a chat prompt is rendered from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Conversation {
     pub messages: Vec<Message>,
+    /// The functions the model may call (OpenAI's `tools` as given), rendered into the prompt;
+    /// None without tools or with `tool_choice: "none"`.
+    pub tools: Option<Value>,
     /// `chat_template_kwargs.enable_thinking` (default off, as `tandem chat`).
     pub enable_thinking: bool,
+}
+
+pub struct ChatRequest {
+    pub options: Options,
+    pub conversation: Conversation,
 }
 
 pub enum Prompt {
@@ -307,6 +318,30 @@ fn content_text(i: usize, v: Option<&Value>) -> Result<String, ApiError> {
     }
 }
 
+/// An assistant message's `tool_calls` as the chat templates read them: each call's
+/// `arguments` (JSON text on the wire) as the object it encodes.
+fn tool_calls(i: usize, calls: &Value) -> Result<Value, ApiError> {
+    let param = format!("messages[{i}].tool_calls");
+    let Some(list) = calls.as_array() else { return Err(Fields::wrong(&param, "an array of tool calls", calls)) };
+    let mut out = Vec::with_capacity(list.len());
+    for (j, call) in list.iter().enumerate() {
+        let at = format!("{param}[{j}]");
+        let name = call.pointer("/function/name").and_then(Value::as_str).filter(|n| !n.is_empty());
+        let Some(name) = name else { return Err(ApiError::invalid(&param, format!("{at}.function.name is required (a string)"))) };
+        let arguments = match call.pointer("/function/arguments") {
+            None | Some(Value::Null) => json!({}),
+            Some(Value::String(text)) => match serde_json::from_str::<Value>(text) {
+                Ok(v @ Value::Object(_)) => v,
+                _ => return Err(ApiError::invalid(&param, format!("{at}.function.arguments must be a JSON object encoded as a string, not {text:?}"))),
+            },
+            Some(v @ Value::Object(_)) => v.clone(),
+            Some(v) => return Err(Fields::wrong(&format!("{at}.function.arguments"), "a JSON object encoded as a string", v)),
+        };
+        out.push(json!({"id": call.get("id"), "type": "function", "function": {"name": name, "arguments": arguments}}));
+    }
+    Ok(Value::Array(out))
+}
+
 pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
     let map = parse_object(body)?;
     let f = Fields(&map);
@@ -319,8 +354,33 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
         (false, _) => None,
         (true, k) => Some(k.unwrap_or(0) as usize),
     };
-    f.only("tools", &json!([]))?;
-    f.only("tool_choice", &json!("none"))?;
+    let tools = match f.get("tools") {
+        None => None,
+        Some(Value::Array(list)) => {
+            for (i, t) in list.iter().enumerate() {
+                let param = format!("tools[{i}]");
+                match t.get("type").and_then(Value::as_str) {
+                    None | Some("function") => {}
+                    Some(other) => return Err(ApiError::invalid(&param, format!("{param}.type {other:?} is not supported: only functions"))),
+                }
+                let name = t.pointer("/function/name").and_then(Value::as_str).unwrap_or_default();
+                if name.is_empty() || name.contains(['<', '>', '\n']) {
+                    return Err(ApiError::invalid(&param, format!("{param}.function.name must be a non-empty string without '<', '>' or newlines")));
+                }
+                if t.pointer("/function/parameters").is_some_and(|p| !p.is_object() && !p.is_null()) {
+                    return Err(ApiError::invalid(&param, format!("{param}.function.parameters must be a JSON schema object")));
+                }
+            }
+            (!list.is_empty()).then(|| Value::Array(list.clone()))
+        }
+        Some(v) => return Err(Fields::wrong("tools", "an array of functions", v)),
+    };
+    let tools = match f.get("tool_choice") {
+        None => tools,
+        Some(Value::String(c)) if c == "none" => None,
+        Some(Value::String(c)) if c == "auto" => tools,
+        Some(v) => return Err(ApiError::invalid("tool_choice", format!("tool_choice = {v} is not supported by tandem yet (\"auto\" or \"none\")"))),
+    };
     let raw = match f.get("messages") {
         None => return Err(ApiError::invalid("messages", "messages is required")),
         Some(Value::Array(a)) => a,
@@ -335,8 +395,8 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
             return Err(ApiError::invalid(&format!("messages[{i}]"), format!("messages[{i}] must be an object with role and content, not {}", type_name(m))));
         };
         let role = match obj.get("role") {
-            Some(Value::String(r)) if ["system", "user", "assistant", "developer"].contains(&r.as_str()) => r.clone(),
-            Some(Value::String(r)) => return Err(ApiError::invalid(&format!("messages[{i}].role"), format!("messages[{i}].role {r:?} is not supported: system, user, assistant or developer"))),
+            Some(Value::String(r)) if ["system", "user", "assistant", "developer", "tool"].contains(&r.as_str()) => r.clone(),
+            Some(Value::String(r)) => return Err(ApiError::invalid(&format!("messages[{i}].role"), format!("messages[{i}].role {r:?} is not supported: system, user, assistant, developer or tool"))),
             other => return Err(ApiError::invalid(&format!("messages[{i}].role"), format!("messages[{i}].role is required and must be a string (got {})", other.map_or("nothing", type_name)))),
         };
         // The Qwen3.5 template knows system, user and assistant; OpenAI's "developer" is the system.
@@ -345,13 +405,24 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
         if let Some(r) = obj.get("reasoning_content").and_then(Value::as_str) {
             message.reasoning_content = Some(r.to_string());
         }
+        match (role.as_str(), obj.get("tool_calls").filter(|v| !v.is_null())) {
+            ("assistant", Some(calls)) => message.tool_calls = Some(tool_calls(i, calls)?),
+            (_, Some(_)) => return Err(ApiError::invalid(&format!("messages[{i}].tool_calls"), format!("messages[{i}]: only an assistant message makes tool calls"))),
+            _ => {}
+        }
+        if role == "tool" {
+            match obj.get("tool_call_id") {
+                Some(Value::String(id)) => message.tool_call_id = Some(id.clone()),
+                _ => return Err(ApiError::invalid(&format!("messages[{i}].tool_call_id"), format!("messages[{i}]: a tool message needs the tool_call_id (a string) of the call it answers"))),
+            }
+        }
         messages.push(message);
     }
     let enable_thinking = match f.object("chat_template_kwargs")? {
         Some(k) => k.bool("enable_thinking")?.unwrap_or(false),
         None => false,
     };
-    Ok(ChatRequest { options, messages, enable_thinking })
+    Ok(ChatRequest { options, conversation: Conversation { messages, tools, enable_thinking } })
 }
 
 pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
@@ -384,19 +455,18 @@ pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
 /// `typing` (tandem's extension): the conversation so far, its last message being typed.
 pub struct TypingRequest {
     pub model: Option<String>,
-    pub messages: Vec<Message>,
+    pub conversation: Conversation,
     pub session_id: String,
     pub cache_salt: Option<String>,
-    pub enable_thinking: bool,
 }
 
 pub fn parse_typing(body: &[u8]) -> Result<TypingRequest, ApiError> {
     let chat = parse_chat(body)?;
     let session_id = chat.options.session_id.ok_or_else(|| ApiError::invalid("session_id", "session_id is required: typed-ahead states are kept for one session"))?;
-    if chat.messages.last().is_some_and(|m| m.role != "user") {
+    if chat.conversation.messages.last().is_some_and(|m| m.role != "user") {
         return Err(ApiError::invalid("messages", "the last message is the one being typed: its role must be user"));
     }
-    Ok(TypingRequest { model: chat.options.model, messages: chat.messages, session_id, cache_salt: chat.options.cache_salt, enable_thinking: chat.enable_thinking })
+    Ok(TypingRequest { model: chat.options.model, conversation: chat.conversation, session_id, cache_salt: chat.options.cache_salt })
 }
 
 /// Which endpoint a response is for.
@@ -484,6 +554,8 @@ pub struct ChoiceOut {
     pub text: String,
     pub ids: Vec<u32>,
     pub logprobs: Vec<Logprob>,
+    /// A chat choice's tool calls.
+    pub calls: Vec<ToolCall>,
     pub finish: &'static str,
 }
 
@@ -552,6 +624,11 @@ impl ResponseHead {
             .enumerate()
             .map(|(i, c)| {
                 let body = match self.endpoint {
+                    // With tool calls and no text besides, the content is null (as OpenAI's).
+                    Endpoint::Chat if !c.calls.is_empty() => {
+                        let content = if c.text.is_empty() { Value::Null } else { json!(c.text) };
+                        json!({"message": {"role": "assistant", "content": content, "tool_calls": c.calls.iter().map(|t| t.json(None)).collect::<Vec<_>>()}})
+                    }
                     Endpoint::Chat => json!({"message": {"role": "assistant", "content": c.text}}),
                     Endpoint::Completion => json!({"text": c.text}),
                 };
@@ -578,6 +655,14 @@ impl ResponseHead {
         self.wrap(true, json!([self.choice(index, body, ids, logprobs, finish)]), None)
     }
 
+    /// A streamed chat chunk with one whole tool call of choice `index` (its `call_index`-th):
+    /// the id, name and all the arguments in one delta, which clients put together as they do
+    /// OpenAI's argument fragments.
+    pub fn call_chunk(&self, index: usize, call_index: usize, call: &ToolCall, ids: &[u32], logprobs: &[Logprob]) -> Value {
+        let body = json!({"delta": {"tool_calls": [call.json(Some(call_index))]}});
+        self.wrap(true, json!([self.choice(index, body, ids, logprobs, None)]), None)
+    }
+
     /// `stream_options.include_usage`: a chunk with no choices and the usage.
     pub fn usage_chunk(&self, usage: &Usage) -> Value {
         self.wrap(true, json!([]), Some(usage))
@@ -600,12 +685,12 @@ mod tests {
             "response_format":{"type":"text"},"tool_choice":"none","ignore_eos":true,"n":1,"logprobs":true,"top_logprobs":2,"min_p":0.1,
             "repetition_penalty":1.1,"stop_token_ids":[7]}"#)
             .unwrap_or_else(|e| panic!("{}", e.message));
-        assert_eq!(r.messages, vec![Message::new("system", "Be brief."), Message::new("user", "Hi")]);
+        assert_eq!(r.conversation.messages, vec![Message::new("system", "Be brief."), Message::new("user", "Hi")]);
         let o = r.options;
         assert_eq!((o.model.as_deref(), o.max_tokens, o.stream, o.include_usage, o.session_id.as_deref()), (Some("m"), Some(7), true, true, Some("s1")));
         assert_eq!((o.sampling.temperature, o.sampling.top_p, o.sampling.top_k, o.sampling.seed), (0.0, 0.5, 0, 3));
         assert_eq!(o.stop, vec!["x".to_string()]);
-        assert!(r.enable_thinking && o.ignore_eos);
+        assert!(r.conversation.enable_thinking && o.ignore_eos);
         assert_eq!((o.n, o.sampling.logprobs, o.sampling.min_p, o.sampling.penalties.repetition, o.stop_token_ids), (1, Some(2), 0.1, 1.1, vec![7]));
         let r = parse_chat(br#"{"messages":[{"role":"user","content":"x"}],"logit_bias":{"9":-100,"3":5.5},"presence_penalty":0.5,"frequency_penalty":-1}"#).unwrap_or_else(|e| panic!("{}", e.message));
         let s = r.options.sampling;
@@ -659,6 +744,27 @@ mod tests {
         assert!(matches!(parse_completion(br#"{"prompt":[1,2]}"#).ok().map(|r| r.prompt), Some(Prompt::Ids(v)) if v == [1, 2]));
         let e = parse_completion(br#"{"prompt":[1,-2]}"#).err().unwrap();
         assert!(e.message.contains("-2 is not a token id"), "{}", e.message);
+    }
+
+    #[test]
+    fn tool_calls_take_the_openai_shape_whole_and_streamed() {
+        let head = ResponseHead { endpoint: Endpoint::Chat, token_ids: false, logprobs: false, id: "chatcmpl-1".into(), created: 0, model: "m".into() };
+        let call = ToolCall { id: "call_a_0".into(), name: "get_weather".into(), arguments: r#"{"city":"Paris"}"#.into() };
+        let choice = ChoiceOut { text: String::new(), ids: Vec::new(), logprobs: Vec::new(), calls: vec![call.clone()], finish: "tool_calls" };
+        let whole = head.complete(&[choice], &Usage { prompt: 5, completion: 9, cached: 0 });
+        let c = &whole["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls");
+        assert_eq!(c["message"], json!({"role": "assistant", "content": null, "tool_calls": [{"id": "call_a_0", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]}));
+        let chunk = head.call_chunk(1, 0, &call, &[], &[]);
+        assert_eq!(chunk["choices"][0]["index"], 1);
+        assert_eq!(chunk["choices"][0]["delta"]["tool_calls"][0]["index"], 0);
+        assert_eq!(chunk["choices"][0]["delta"]["tool_calls"][0]["function"]["name"], "get_weather");
+        // Tool messages and an assistant's calls are read, arguments as objects for the template.
+        let r = parse_chat(br#"{"messages":[{"role":"user","content":"x"},{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{\"a\": 1}"}}]},{"role":"tool","tool_call_id":"c1","content":"ok"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#).unwrap_or_else(|e| panic!("{}", e.message));
+        let m = &r.conversation.messages;
+        assert_eq!(m[1].tool_calls, Some(json!([{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}])));
+        assert_eq!((m[2].role.as_str(), m[2].tool_call_id.as_deref()), ("tool", Some("c1")));
+        assert!(r.conversation.tools.is_some());
     }
 
     #[test]

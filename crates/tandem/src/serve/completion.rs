@@ -19,7 +19,8 @@ use tandem_core::state::Snapshot;
 use tandem_core::sampling::TokenLogprobs;
 use tandem_core::tokenizer::StreamDecoder;
 
-use super::api::{ApiError, Endpoint, Logprob, Options, Usage};
+use super::api::{ApiError, Conversation, Endpoint, Logprob, Options, Usage};
+use super::tool_calls::{Out, Tool, ToolCall, ToolCallReader};
 use super::engines::{Running, Slot};
 use super::metrics::add;
 use super::App;
@@ -31,8 +32,9 @@ pub struct Prepared {
     pub max_tokens: usize,
     pub options: Options,
     pub arrived: Instant,
-    /// A chat's messages and thinking switch (to find the tokens its next turn starts with).
-    pub conversation: Option<(Vec<Message>, bool)>,
+    /// A chat's conversation (to find the tokens its next turn starts with, and the tools it
+    /// may call).
+    pub conversation: Option<Conversation>,
     /// Where a prefill worker put the prompt's state (a decode worker's request from the
     /// router), to start from instead of prefilling.
     pub prefilled: Option<super::worker::Prefilled>,
@@ -75,6 +77,8 @@ impl Prepared {
 /// ids not yet given), then one `Finished` once every choice has ended; or `Failed`.
 pub enum Piece {
     Text { choice: usize, text: String, ids: Vec<u32>, logprobs: Vec<Logprob> },
+    /// A tool call the choice made (its `index` among the choice's calls).
+    Call { choice: usize, index: usize, call: ToolCall, ids: Vec<u32>, logprobs: Vec<Logprob> },
     Ended { choice: usize, finish: &'static str, ids: Vec<u32>, logprobs: Vec<Logprob> },
     Finished { usage: Usage },
     Failed(ApiError),
@@ -94,12 +98,28 @@ struct Choice {
     decoder: StreamDecoder,
     stops: StopStrings,
     last_token: Option<Instant>,
+    /// Reads the tool calls out of the text (a chat that offers tools); taken at the end.
+    tools: Option<ToolCallReader>,
+    calls: Vec<ToolCall>,
     finish: Option<&'static str>,
 }
 
 impl Choice {
-    fn new(stops: Vec<String>) -> Choice {
-        Choice { ids: Vec::new(), ids_given: 0, logprobs: Vec::new(), offset: 0, text: String::new(), decoder: StreamDecoder::new(), stops: StopStrings::new(stops), last_token: None, finish: None }
+    fn new(stops: Vec<String>, tools: Option<ToolCallReader>) -> Choice {
+        Choice { ids: Vec::new(), ids_given: 0, logprobs: Vec::new(), offset: 0, text: String::new(), decoder: StreamDecoder::new(), stops: StopStrings::new(stops), last_token: None, tools, calls: Vec::new(), finish: None }
+    }
+
+    /// The choice as the assistant message a client sends back next turn.
+    fn message(&self) -> Message {
+        let mut m = Message::new("assistant", &self.text);
+        if !self.calls.is_empty() {
+            let calls = self.calls.iter().map(|c| {
+                let arguments: serde_json::Value = serde_json::from_str(&c.arguments).unwrap_or_default();
+                serde_json::json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": arguments}})
+            });
+            m.tool_calls = Some(calls.collect());
+        }
+        m
     }
 }
 
@@ -114,7 +134,7 @@ pub struct Completion {
     cached: usize,
     salt: Option<String>,
     session: Option<String>,
-    conversation: Option<(Vec<Message>, bool)>,
+    conversation: Option<Conversation>,
     choices: Vec<Choice>,
     /// Whether the request's first token came (for the time to it).
     answered: bool,
@@ -355,8 +375,13 @@ impl Completion {
             cached,
             salt,
             session,
+            choices: (0..p.options.n)
+                .map(|_| {
+                    let tools = p.conversation.as_ref().and_then(|c| c.tools.as_ref());
+                    Choice::new(p.options.stop.clone(), tools.map(|t| ToolCallReader::new(Tool::list(t), format!("call_{}", app.request_id()))))
+                })
+                .collect(),
             conversation: p.conversation,
-            choices: (0..p.options.n).map(|_| Choice::new(p.options.stop.clone())).collect(),
             answered: false,
             arrived: p.arrived,
             pending: VecDeque::new(),
@@ -459,17 +484,37 @@ impl Completion {
         }
     }
 
-    /// Queue `out` (where there is any) with the ids sampled since the choice's last piece.
+    /// Queue `out` (where there is any) with the ids sampled since the choice's last piece,
+    /// read for tool calls where the chat offers tools.
     fn send_text(&mut self, c: usize, out: String) {
-        let choice = &mut self.choices[c];
-        if out.is_empty() {
-            return;
+        let outs = match &mut self.choices[c].tools {
+            Some(reader) => reader.push(&out),
+            None if out.is_empty() => Vec::new(),
+            None => vec![Out::Text(out)],
+        };
+        self.give(c, outs);
+    }
+
+    /// Queue the text and calls of choice `c`, the first with the ids (and log-probabilities)
+    /// sampled since its last piece.
+    fn give(&mut self, c: usize, outs: Vec<Out>) {
+        for o in outs {
+            let choice = &mut self.choices[c];
+            let ids = choice.ids[choice.ids_given..].to_vec();
+            choice.ids_given = choice.ids.len();
+            let logprobs = std::mem::take(&mut choice.logprobs);
+            let piece = match o {
+                Out::Text(text) => {
+                    choice.text.push_str(&text);
+                    Piece::Text { choice: c, text, ids, logprobs }
+                }
+                Out::Call(call) => {
+                    choice.calls.push(call.clone());
+                    Piece::Call { choice: c, index: choice.calls.len() - 1, call, ids, logprobs }
+                }
+            };
+            self.pending.push_back(piece);
         }
-        choice.text.push_str(&out);
-        let ids = choice.ids[choice.ids_given..].to_vec();
-        choice.ids_given = choice.ids.len();
-        let logprobs = std::mem::take(&mut choice.logprobs);
-        self.pending.push_back(Piece::Text { choice: c, text: out, ids, logprobs });
     }
 
     fn finish(&mut self, c: usize, finish: Finish) {
@@ -498,10 +543,10 @@ impl Completion {
         // the prompt and the reply's ids.
         enum Lead {
             Ids(Vec<u32>),
-            Chat(Vec<Message>, bool, String),
+            Chat(Conversation, Message),
         }
         let lead = match &self.conversation {
-            Some((messages, thinking)) => Lead::Chat(messages.clone(), *thinking, self.choices[0].text.clone()),
+            Some(c) => Lead::Chat(c.clone(), self.choices[0].message()),
             None => Lead::Ids([&self.prompt[..], &self.choices[0].ids[..]].concat()),
         };
         // Where the cache no longer holds the prompt's snapshot (its last turn's start, for a
@@ -520,9 +565,9 @@ impl Completion {
             let made = async {
                 let tokens = match lead {
                     Lead::Ids(ids) => ids,
-                    Lead::Chat(messages, thinking, reply) => {
+                    Lead::Chat(conversation, reply) => {
                         let a = Arc::clone(&app);
-                        tokio::task::spawn_blocking(move || a.next_turn_lead(&messages, &reply, thinking)).await.map_err(|e| anyhow::anyhow!("{e}"))?.map_err(|e| anyhow::anyhow!("{}", e.message))?
+                        tokio::task::spawn_blocking(move || a.next_turn_lead(&conversation, reply)).await.map_err(|e| anyhow::anyhow!("{e}"))?.map_err(|e| anyhow::anyhow!("{}", e.message))?
                     }
                 };
                 remember(&app, salt, tokens, least, Some((session.clone(), Pin::Latest))).await
@@ -542,7 +587,14 @@ impl Completion {
 
     /// End choice `c`; once every choice has ended, the request.
     fn end(&mut self, c: usize, finish: &'static str) {
+        // The text a tool-call reader still holds (a block never closed) goes out as text.
+        if let Some(mut reader) = self.choices[c].tools.take() {
+            let outs = reader.finish();
+            self.give(c, outs);
+        }
         let choice = &mut self.choices[c];
+        // A reply that ends after its calls ends for them (OpenAI's "tool_calls").
+        let finish = if finish == "stop" && !choice.calls.is_empty() { "tool_calls" } else { finish };
         choice.finish = Some(finish);
         let ids = choice.ids[choice.ids_given..].to_vec();
         choice.ids_given = choice.ids.len();

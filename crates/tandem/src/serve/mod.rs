@@ -12,6 +12,7 @@ mod completion;
 mod metrics;
 mod routes;
 mod transfer;
+mod tool_calls;
 mod worker;
 
 use std::collections::HashMap;
@@ -33,7 +34,8 @@ use tandem_core::session::HOLD_BACK;
 use tandem_core::tokenizer::Tokenizer;
 
 use crate::args::{kv_budget, parse_size, pipeline_config, Args, ENGINE_OPTIONS};
-use api::ApiError;
+use api::{ApiError, Conversation};
+use serde_json::Value;
 use engines::Engines;
 use metrics::{Metrics, Served};
 
@@ -50,7 +52,9 @@ ENDPOINTS:
   POST /v1/chat/typing        tandem's extension: {messages, session_id}, the last message being
                               typed; prefills it ahead so that sending it costs no prefill
   Request options: max_tokens (max_completion_tokens), temperature (default 1), top_p, top_k,
-  seed, stop (up to 4 strings), n=1, stream, stream_options.include_usage, session_id (pins
+  min_p, seed, stop (up to 4 strings), stop_token_ids, logit_bias, presence_penalty,
+  frequency_penalty, repetition_penalty, logprobs (chat: with top_logprobs), n (up to 128),
+  tools with tool_choice auto or none, stream, stream_options.include_usage, session_id (pins
   the conversation's latest states in the prefix cache and prefills each reply's end for the
   next turn), cache_salt (match only cached states made under the same salt),
   ignore_eos (generate max_tokens past end-of-turn tokens),
@@ -164,8 +168,8 @@ impl App {
         format!("{:x}{:06x}", self.started, self.next_id.fetch_add(1, Ordering::Relaxed))
     }
 
-    fn render(&self, messages: &[Message], generation_prompt: bool, enable_thinking: bool) -> Result<String, ApiError> {
-        self.template.render(messages, generation_prompt, enable_thinking).map_err(|e| ApiError::invalid("messages", format!("the chat template refused the messages: {e:#}")))
+    fn render(&self, messages: &[Message], tools: Option<&Value>, generation_prompt: bool, enable_thinking: bool) -> Result<String, ApiError> {
+        self.template.render_with_tools(messages, tools, generation_prompt, enable_thinking).map_err(|e| ApiError::invalid("messages", format!("the chat template refused the messages: {e:#}")))
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -173,31 +177,31 @@ impl App {
     }
 
     /// The prompt of a chat request: the template with the generation prompt, tokenized.
-    fn chat_prompt(&self, messages: &[Message], enable_thinking: bool) -> Result<Vec<u32>, ApiError> {
-        self.encode(&self.render(messages, true, enable_thinking)?)
+    fn chat_prompt(&self, c: &Conversation) -> Result<Vec<u32>, ApiError> {
+        self.encode(&self.render(&c.messages, c.tools.as_ref(), true, c.enable_thinking)?)
     }
 
     /// For typing ahead: the tokens of the conversation up to the typed text's last few tokens
     /// (which may still change as typing goes on), and the whole prompt sending it now makes.
-    fn typing_prompts(&self, messages: &[Message], enable_thinking: bool) -> Result<(Vec<u32>, Vec<u32>), ApiError> {
-        let (last, earlier) = messages.split_last().expect("parse_typing checks there is a message");
+    fn typing_prompts(&self, c: &Conversation) -> Result<(Vec<u32>, Vec<u32>), ApiError> {
+        let (last, earlier) = c.messages.split_last().expect("parse_typing checks there is a message");
         let mut marked = earlier.to_vec();
         marked.push(Message::new(&last.role, TYPING_MARK));
-        let rendered = self.render(&marked, false, enable_thinking)?;
+        let rendered = self.render(&marked, c.tools.as_ref(), false, c.enable_thinking)?;
         let (before, _) = rendered.split_once(TYPING_MARK).ok_or_else(|| ApiError::bad_request("the chat template drops the last message, so it cannot be typed ahead"))?;
         let mut stable = self.encode(&format!("{before}{}", last.content))?;
         stable.truncate(stable.len().saturating_sub(HOLD_BACK));
-        Ok((stable, self.chat_prompt(messages, enable_thinking)?))
+        Ok((stable, self.chat_prompt(c)?))
     }
 
-    /// The tokens a conversation's next turn starts with once `reply` answered `messages`: the
+    /// The tokens a conversation's next turn starts with once `reply` answered it: the
     /// conversation rendered with the reply and a next user message, up to that message (less
     /// its last token, which may merge with the message's first characters).
-    fn next_turn_lead(&self, messages: &[Message], reply: &str, enable_thinking: bool) -> Result<Vec<u32>, ApiError> {
-        let mut marked = messages.to_vec();
-        marked.push(Message::new("assistant", reply));
+    fn next_turn_lead(&self, c: &Conversation, reply: Message) -> Result<Vec<u32>, ApiError> {
+        let mut marked = c.messages.clone();
+        marked.push(reply);
         marked.push(Message::new("user", TYPING_MARK));
-        let rendered = self.render(&marked, false, enable_thinking)?;
+        let rendered = self.render(&marked, c.tools.as_ref(), false, c.enable_thinking)?;
         let (before, _) = rendered.split_once(TYPING_MARK).ok_or_else(|| ApiError::bad_request("the chat template drops the last message"))?;
         let mut lead = self.encode(before)?;
         lead.pop();

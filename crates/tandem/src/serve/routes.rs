@@ -78,9 +78,9 @@ pub async fn prepare(app: &Arc<App>, endpoint: Endpoint, raw: &[u8], arrived: In
             let req = api::parse_chat(raw)?;
             check_model(app, req.options.model.as_deref())?;
             let a = Arc::clone(app);
-            let (prompt, req) = blocking(move || a.chat_prompt(&req.messages, req.enable_thinking).map(|p| (p, req))).await?;
+            let (prompt, req) = blocking(move || a.chat_prompt(&req.conversation).map(|p| (p, req))).await?;
             let mut prepared = Prepared::new(app, Endpoint::Chat, prompt, req.options, arrived)?;
-            prepared.conversation = Some((req.messages, req.enable_thinking));
+            prepared.conversation = Some(req.conversation);
             Ok(prepared)
         }
         Endpoint::Completion => {
@@ -115,12 +115,18 @@ async fn serve(app: &Arc<App>, p: Prepared) -> Result<Response, ApiError> {
         return Ok(stream_response(head, generation, n, include_usage));
     }
     // Dropped with the handler when the client goes away: that cancels the request.
-    let mut choices: Vec<ChoiceOut> = (0..n).map(|_| ChoiceOut { text: String::new(), ids: Vec::new(), logprobs: Vec::new(), finish: "" }).collect();
+    let mut choices: Vec<ChoiceOut> = (0..n).map(|_| ChoiceOut { text: String::new(), ids: Vec::new(), logprobs: Vec::new(), calls: Vec::new(), finish: "" }).collect();
     while let Some(piece) = generation.next().await {
         match piece {
             Piece::Text { choice, text, ids, logprobs } => {
                 let c = &mut choices[choice];
                 c.text.push_str(&text);
+                c.ids.extend(ids);
+                c.logprobs.extend(logprobs);
+            }
+            Piece::Call { choice, call, ids, logprobs, .. } => {
+                let c = &mut choices[choice];
+                c.calls.push(call);
                 c.ids.extend(ids);
                 c.logprobs.extend(logprobs);
             }
@@ -153,6 +159,7 @@ fn stream_response(head: ResponseHead, generation: Completion, n: usize, include
             let mut g = generation?;
             let events = match g.next().await? {
                 Piece::Text { choice, text, ids, logprobs } => vec![data(head.chunk(choice, &text, &ids, &logprobs, false, None))],
+                Piece::Call { choice, index, call, ids, logprobs } => vec![data(head.call_chunk(choice, index, &call, &ids, &logprobs))],
                 Piece::Ended { choice, finish, ids, logprobs } => vec![data(head.chunk(choice, "", &ids, &logprobs, false, Some(finish)))],
                 Piece::Finished { usage } => {
                     let mut v = Vec::new();
@@ -180,7 +187,7 @@ pub async fn typing(AppState(app): AppState<Arc<App>>, raw: Body) -> Response {
         let req = api::parse_typing(&body(raw)?)?;
         check_model(&app, req.model.as_deref())?;
         let a = Arc::clone(&app);
-        let (stable, full) = blocking(move || a.typing_prompts(&req.messages, req.enable_thinking)).await?;
+        let (stable, full) = blocking(move || a.typing_prompts(&req.conversation)).await?;
         // As the chat endpoint says it (400): what is typed ahead must leave room to answer.
         if full.len() >= app.max_context {
             let mut e = ApiError::invalid("messages", format!("this model's context is {} tokens (--max-context); the conversation typed so far has {} tokens, which leaves no room to generate", app.max_context, full.len()));

@@ -277,6 +277,43 @@ def sampling_options():
         print("  logprobs (chat and completions, whole and streamed), n (each choice as its seed alone), logit_bias, three penalties, min_p, stop_token_ids")
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Today's weather in a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def tools_in_prompts():
+    """A tool round trip's requests as the SDK sends them: the tools go into the prompt through
+    the template (unless tool_choice is none), an assistant turn's calls and the tool's result
+    go back in; what tandem cannot do yet is refused, and bad calls are named."""
+    with Server() as s:
+        c = s.client
+        ask = dict(model=MODEL, messages=user("Weather in Paris?"), max_tokens=4, temperature=0)
+        plain = c.chat.completions.create(**ask).usage.prompt_tokens
+        with_tools = c.chat.completions.create(tools=[WEATHER], **ask)
+        none = c.chat.completions.create(tools=[WEATHER], tool_choice="none", **ask).usage.prompt_tokens
+        check(with_tools.usage.prompt_tokens > plain + 20 and none == plain, f"prompt tokens: plain {plain}, with tools {with_tools.usage.prompt_tokens}, tool_choice none {none}")
+        check(with_tools.choices[0].finish_reason in ("length", "stop"), f"{with_tools}")
+        history = user("Weather in Paris?") + [
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+        ]
+        r = c.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=4, temperature=0)
+        check(r.usage.prompt_tokens > with_tools.usage.prompt_tokens + 15, f"the call and its result are in the prompt: {r.usage}")
+
+        def refused(param, **kw):
+            try:
+                c.chat.completions.create(**{**ask, **kw})
+            except openai.BadRequestError as e:
+                check(e.body.get("param") == param, f"{kw}: {e.body}")
+                return
+            raise AssertionError(f"{kw} was accepted")
+
+        refused("tool_choice", tools=[WEATHER], tool_choice="required")
+        refused("tools[0]", tools=[{"type": "function", "function": {"name": ""}}])
+        refused("messages[1].tool_calls", messages=user("x") + [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}, *user("y")])
+        refused("messages[1].tool_call_id", messages=user("x") + [{"role": "tool", "content": "r"}])
+        print("  tools rendered into the prompt (not with tool_choice none), a call and its result sent back, 4 refusals")
+
+
 def curl_checks():
     with Server() as s:
         body = json.dumps({"model": MODEL, "messages": user("Hello"), "max_tokens": 5, "temperature": 0})
@@ -609,7 +646,7 @@ def disk_tier():
 
 
 def main():
-    checks = [api_and_sdk, sampling_options, curl_checks, multi_turn, typing_ahead, cancellation, disk_tier, shutdown, queue_and_429, load_test]
+    checks = [api_and_sdk, sampling_options, tools_in_prompts, curl_checks, multi_turn, typing_ahead, cancellation, disk_tier, shutdown, queue_and_429, load_test]
     only = sys.argv[1:]
     failed = 0
     for f in checks:
