@@ -5,7 +5,7 @@
 //! prefill `engine`) → `state` (what a prefill leaves: conv windows, recurrent states, K/V,
 //! the last logits) → `bridge` (the state moved to the decode engine: in process, through a
 //! file, over a socket, between host and GPU) → the decode `engine` (batched steps) →
-//! `sampling` → events back to the caller. `model` is the Qwen3.5 checkpoint (config, weights,
+//! `sampling` (with a `grammar` where the reply must follow one) → events back to the caller. `model` is the Qwen3.5 checkpoint (config, weights,
 //! loading); `backend` holds the compute under every engine: `backend::cpu` (the forward pass
 //! on the CPU, its kernels, the worker pool) and `backend::cuda` (the same on NVIDIA GPUs).
 //! `verify` compares a backend with the reference implementation's outputs.
@@ -14,6 +14,7 @@ pub mod backend;
 pub mod bridge;
 pub mod chat;
 pub mod engine;
+pub mod grammar;
 pub mod model;
 pub mod pipeline;
 pub mod prefix_cache;

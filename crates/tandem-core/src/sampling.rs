@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Result};
 
+use crate::grammar::{self, Constraint};
 use crate::rng::Rng;
 
 #[derive(Clone, Debug, PartialEq)]
@@ -34,6 +35,8 @@ pub struct SamplingParams {
     /// Report each token's log-probability and those of this many of the likeliest
     /// (OpenAI's `logprobs` / `top_logprobs`). None: nothing reported.
     pub logprobs: Option<usize>,
+    /// A grammar the tokens must follow (structured output, tool-call arguments).
+    pub constraint: Option<Constraint>,
 }
 
 /// OpenAI's presence and frequency penalties (subtracted from the logits of tokens generated
@@ -64,7 +67,7 @@ impl Penalties {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 0, logit_bias: Vec::new(), penalties: Penalties::default(), logprobs: None }
+        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 0, logit_bias: Vec::new(), penalties: Penalties::default(), logprobs: None, constraint: None }
     }
 }
 
@@ -103,7 +106,7 @@ impl SamplingParams {
     /// Whether the logits are changed before a token is chosen (so that only the host, with
     /// the row in hand, chooses).
     fn adjusts(&self) -> bool {
-        !self.logit_bias.is_empty() || self.penalties.any() || (self.temperature > 0.0 && self.min_p > 0.0)
+        !self.logit_bias.is_empty() || self.penalties.any() || (self.temperature > 0.0 && self.min_p > 0.0) || self.constraint.is_some()
     }
 }
 
@@ -142,6 +145,8 @@ pub struct Sampler {
     in_prompt: HashSet<u32>,
     /// The last token's log-probabilities, until taken.
     logprobs: Option<TokenLogprobs>,
+    /// Where the request has a grammar: this sequence's place in it.
+    matcher: Option<llguidance::Matcher>,
 }
 
 /// A token that may be sampled: its id, its logit less the largest over the temperature, and
@@ -169,7 +174,8 @@ impl Sampler {
     pub fn new(params: SamplingParams, allowed_vocab: usize) -> Self {
         let rng = Rng::new(params.seed);
         let in_prompt = if params.penalties.repetition != 1.0 { params.penalties.prompt.iter().copied().collect() } else { HashSet::new() };
-        Sampler { params, rng, allowed: allowed_vocab, candidates: Vec::new(), adjusted: Vec::new(), generated: HashMap::new(), in_prompt, logprobs: None }
+        let matcher = params.constraint.as_ref().map(Constraint::matcher);
+        Sampler { params, rng, allowed: allowed_vocab, candidates: Vec::new(), adjusted: Vec::new(), generated: HashMap::new(), in_prompt, logprobs: None, matcher }
     }
 
     /// Whether this sampler must see the logits row itself: it changes the logits, or reports
@@ -189,12 +195,14 @@ impl Sampler {
     /// temperature, cut to those at least `min_p` as likely as the likeliest, to the `top_k`
     /// highest and then to the shortest run of highest whose mass reaches `top_p`, and one
     /// drawn from what is kept (walking it in id order, so that no sort is needed without a
-    /// cut). The logit bias and the penalties first change the row where the request has them.
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+    /// cut). The logit bias and the penalties first change the row where the request has them,
+    /// and a grammar leaves only the tokens it allows. An error where the grammar engine fails
+    /// or allows nothing.
+    pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
         let logits = &logits[..self.allowed.min(logits.len())];
         let u = (self.params.temperature > 0.0).then(|| self.rng.next_f64());
         let row = if self.params.adjusts() {
-            self.adjust(logits);
+            self.adjust(logits)?;
             &self.adjusted[..]
         } else {
             logits
@@ -203,8 +211,8 @@ impl Sampler {
             None => argmax(row),
             Some(u) => draw(&mut self.candidates, &self.params, row, u),
         };
-        self.chose(logits, token);
-        token
+        self.chose(logits, token)?;
+        Ok(token)
     }
 
     /// The draw a GPU makes for this sampler's next token from a row of logits it holds
@@ -220,7 +228,8 @@ impl Sampler {
     pub fn sample_drawn(&mut self, logits: &[f32], u: f64) -> u32 {
         let logits = &logits[..self.allowed.min(logits.len())];
         let token = draw(&mut self.candidates, &self.params, logits, u);
-        self.chose(logits, token);
+        // No grammar here (`gpu_draw` gave the draw): nothing to fail.
+        let _ = self.chose(logits, token);
         token
     }
 
@@ -229,8 +238,8 @@ impl Sampler {
         self.logprobs.take()
     }
 
-    /// `logits` with the bias and the penalties, into `adjusted`.
-    fn adjust(&mut self, logits: &[f32]) {
+    /// `logits` with the bias, the penalties and the grammar's mask, into `adjusted`.
+    fn adjust(&mut self, logits: &[f32]) -> Result<()> {
         let row = &mut self.adjusted;
         row.clear();
         row.extend_from_slice(logits);
@@ -253,16 +262,28 @@ impl Sampler {
                 *l -= p.frequency * count as f32 + p.presence;
             }
         }
+        match &mut self.matcher {
+            Some(m) => grammar::mask(m, row),
+            None => Ok(()),
+        }
     }
 
-    /// Note the chosen token (for the penalties) and its log-probabilities (where asked for).
-    fn chose(&mut self, logits: &[f32], token: u32) {
+    /// Note the chosen token (for the penalties and the grammar) and its log-probabilities
+    /// (where asked for).
+    fn chose(&mut self, logits: &[f32], token: u32) -> Result<()> {
         if self.params.penalties.any() {
             *self.generated.entry(token).or_insert(0) += 1;
         }
         if let Some(n) = self.params.logprobs {
             self.logprobs = Some(logprobs(logits, token, n));
         }
+        if let Some(m) = &mut self.matcher {
+            // An end token once the grammar is complete is the reply's end, not the grammar's.
+            if !m.is_stopped() {
+                m.consume_token(token).map_err(|e| anyhow::anyhow!("the grammar engine refused token {token}: {e}"))?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -445,21 +466,21 @@ mod tests {
     fn greedy_ignores_padded_vocabulary_rows() {
         let logits = [0.0, 3.0, 1.0, 9.0];
         let mut s = Sampler::new(SamplingParams::default(), 3);
-        assert_eq!(s.sample(&logits), 1);
+        assert_eq!(s.sample(&logits).unwrap(), 1);
     }
 
     #[test]
     fn top_k_one_is_greedy_and_seeds_repeat() {
         let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 100) as f32 / 10.0).collect();
         let p = SamplingParams { temperature: 1.0, top_k: 1, seed: 5, ..Default::default() };
-        assert_eq!(Sampler::new(p, 100).sample(&logits), argmax(&logits));
+        assert_eq!(Sampler::new(p, 100).sample(&logits).unwrap(), argmax(&logits));
         let p = SamplingParams { temperature: 1.0, top_p: 0.9, seed: 5, ..Default::default() };
         let a: Vec<u32> = {
             let mut s = Sampler::new(p.clone(), 100);
-            (0..20).map(|_| s.sample(&logits)).collect()
+            (0..20).map(|_| s.sample(&logits).unwrap()).collect()
         };
         let mut s = Sampler::new(p, 100);
-        let b: Vec<u32> = (0..20).map(|_| s.sample(&logits)).collect();
+        let b: Vec<u32> = (0..20).map(|_| s.sample(&logits).unwrap()).collect();
         assert_eq!(a, b);
         assert!(a.iter().collect::<std::collections::HashSet<_>>().len() > 1, "sampling at T=1 varies");
     }
@@ -469,9 +490,9 @@ mod tests {
         // Probabilities ~ [0.6, 0.3, 0.1]: top_p 0.5 leaves only the first.
         let logits = [0.6f32.ln(), 0.3f32.ln(), 0.1f32.ln()];
         let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_p: 0.5, seed: 1, ..Default::default() }, 3);
-        assert!((0..50).all(|_| s.sample(&logits) == 0));
+        assert!((0..50).all(|_| s.sample(&logits).unwrap() == 0));
         let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_p: 0.85, seed: 1, ..Default::default() }, 3);
-        let picks: Vec<u32> = (0..200).map(|_| s.sample(&logits)).collect();
+        let picks: Vec<u32> = (0..200).map(|_| s.sample(&logits).unwrap()).collect();
         assert!(picks.contains(&1) && !picks.contains(&2));
     }
 
@@ -522,7 +543,7 @@ mod tests {
                 let mut s = Sampler::new(params.clone(), n);
                 let mut rng = Rng::new(params.seed);
                 for draw in 0..30 {
-                    assert_eq!(s.sample(&logits), sample_ref(&params, &mut rng, &logits), "{n} logits, {params:?}, draw {draw}");
+                    assert_eq!(s.sample(&logits).unwrap(), sample_ref(&params, &mut rng, &logits), "{n} logits, {params:?}, draw {draw}");
                 }
             }
         }
@@ -535,7 +556,7 @@ mod tests {
         let mut s = Sampler::new(SamplingParams { temperature: 1.0, seed: 7, ..Default::default() }, 3);
         let mut counts = [0usize; 3];
         for _ in 0..20_000 {
-            counts[s.sample(&logits) as usize] += 1;
+            counts[s.sample(&logits).unwrap() as usize] += 1;
         }
         for (count, p) in counts.iter().zip([0.6, 0.3, 0.1]) {
             assert!((*count as f64 / 20_000.0 - p).abs() < 0.01, "{counts:?}");
@@ -593,7 +614,7 @@ mod tests {
             for step in 0..40 {
                 let row = adjusted_ref(&params, &logits, &generated);
                 let want = if temperature == 0.0 { argmax_ref(&row) } else { sample_ref(&params, &mut rng, &row) };
-                let got = s.sample(&logits);
+                let got = s.sample(&logits).unwrap();
                 assert_eq!(got, want, "{params:?}, step {step}");
                 generated.push(got);
             }
@@ -611,7 +632,7 @@ mod tests {
         let logits: Vec<f32> = (0..1000).map(|_| (gen.next_signed_f32() * 16.0).round() / 4.0).collect();
         let params = SamplingParams { logprobs: Some(5), logit_bias: vec![(10, 50.0)], ..Default::default() };
         let mut s = Sampler::new(params, 1000);
-        assert_eq!(s.sample(&logits), 10, "the bias decides the pick");
+        assert_eq!(s.sample(&logits).unwrap(), 10, "the bias decides the pick");
         let lp = s.take_logprobs().expect("asked for");
         assert!(s.take_logprobs().is_none(), "taken once");
         // The plain way: f64 softmax, every token sorted.
@@ -631,7 +652,7 @@ mod tests {
         let mut plain = Sampler::new(p.clone(), 1000);
         let mut reporting = Sampler::new(SamplingParams { logprobs: Some(0), ..p }, 1000);
         for _ in 0..20 {
-            assert_eq!(plain.sample(&logits), reporting.sample(&logits));
+            assert_eq!(plain.sample(&logits).unwrap(), reporting.sample(&logits).unwrap());
             assert!(reporting.take_logprobs().is_some_and(|l| l.top.is_empty()));
         }
     }

@@ -9,6 +9,8 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// Ids below this are real tokens (BPE ranks + added tokens); logit rows past it are padding.
     vocab_size: usize,
+    /// The added tokens, and whether each is special (`<|im_end|>`, `<tool_call>`, ...).
+    added: std::collections::HashMap<u32, bool>,
 }
 
 impl Tokenizer {
@@ -20,7 +22,8 @@ impl Tokenizer {
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| anyhow!("{e}"))?;
         let vocab_size = inner.get_vocab_size(true);
-        Ok(Tokenizer { inner, vocab_size })
+        let added = inner.get_added_tokens_decoder().into_iter().map(|(id, t)| (id, t.special)).collect();
+        Ok(Tokenizer { inner, vocab_size, added })
     }
 
     /// Encode text as the model sees it: special tokens such as `<|im_start|>` written in the
@@ -49,10 +52,17 @@ impl Tokenizer {
     /// vocabulary comes back as its UTF-8. None for an id outside the vocabulary.
     pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
         let piece = self.inner.id_to_token(id)?;
-        if self.inner.get_added_tokens_decoder().contains_key(&id) {
+        if self.added.contains_key(&id) {
             return Some(piece.into_bytes());
         }
         piece.chars().map(byte_of_char).collect::<Option<Vec<u8>>>().or(Some(piece.into_bytes()))
+    }
+}
+
+impl Tokenizer {
+    /// Whether `id` is a special token (one the text of a reply cannot spell out by itself).
+    pub fn is_special(&self, id: u32) -> bool {
+        self.added.get(&id).copied().unwrap_or(false)
     }
 }
 

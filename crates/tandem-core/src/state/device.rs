@@ -47,7 +47,7 @@ impl DeviceState {
                 return Ok(token);
             }
         }
-        Ok(sampler.sample(self.last_logits()?))
+        sampler.sample(self.last_logits()?)
     }
 
     /// K/V blocks (of `KV_BLOCK` positions) the state must take to hold `end` positions on a

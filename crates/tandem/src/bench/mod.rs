@@ -37,6 +37,7 @@ mod prefix_cache;
 mod serve;
 mod serving_step;
 mod state_dtype;
+mod grammar;
 mod step_heads;
 mod study;
 mod svg;
@@ -44,7 +45,7 @@ mod svg;
 /// The report's sections, in order (the study's tables 1-7 after the engine kernels).
 const SECTIONS: [&str; 8] = ["kernels", "modes", "dispatch", "transfer", "multiturn", "concurrency", "crossover", "energy"];
 /// Sections run only when named, each on its own.
-const OWN_SECTIONS: [&str; 4] = ["cuda", "serve", "prefix-cache", "disagg"];
+const OWN_SECTIONS: [&str; 5] = ["cuda", "serve", "prefix-cache", "disagg", "grammar"];
 
 pub const USAGE: &str = "\
 tandem bench [--model M] [--prefill PLACEMENT] [--decode PLACEMENT] [--quant bf16,int8]
@@ -119,6 +120,13 @@ few-shot prompts sharing a long run of examples, random prompts that share nothi
 against the ideal (the prompt tokens finished requests applied), TTFT p50/p99, output tok/s,
 the cache's memory. --quick: the tiny sizes of a test. --trace PREFIX: each server's timeline
 of its engines' work in PREFIX-cache-on-1.json and so on (tandem serve --trace).
+
+--sections grammar [--model M] [--prefill P] [--decode P] [--concurrency 1,32]
+                   [--decode-tokens 48] [--reps 3]:
+constrained decoding (response_format, required tool calls): the grammar engine's setup and
+compile times, the sampler's time per token with a JSON schema, any JSON object and a tool
+call against none, for one sequence and a serving batch, and the decode rate through the
+pipeline with the schema against none, interleaved. --quick: 1 and 8 sequences, 16 tokens.
 ";
 
 /// What a run produces: the Markdown report, every raw measurement (the JSON file) and the
@@ -207,6 +215,13 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         started();
         let mut report = String::from("# tandem bench (disaggregated serving)\n\n");
         let result = disagg::run(&mut report, &args, quick);
+        print!("{report}");
+        return result.map(|()| ExitCode::SUCCESS);
+    }
+    if sections == ["grammar"] {
+        started();
+        let mut report = String::from("# tandem bench (constrained decoding)\n\n");
+        let result = grammar::run(&mut report, &args, quick);
         print!("{report}");
         return result.map(|()| ExitCode::SUCCESS);
     }

@@ -93,6 +93,31 @@ pub struct Options {
     /// vLLM's extension: generate `max_tokens` even past the model's end-of-turn tokens (what
     /// load generators send, so that every request has the asked-for length).
     pub ignore_eos: bool,
+    /// The grammar the reply must follow (`response_format`, or `tool_choice` required or
+    /// named), compiled into `sampling.constraint` before the request runs.
+    pub format: Option<Format>,
+}
+
+/// What a reply's grammar is made from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Format {
+    /// `response_format: {"type": "json_object"}`: any JSON object.
+    JsonObject,
+    /// `response_format: {"type": "json_schema", "json_schema": {"schema": ...}}`.
+    JsonSchema(Value),
+    /// `tool_choice: "required"` (`only` None: one call or more of the `tools`) or a named
+    /// function (exactly one call of it).
+    ToolCalls { tools: Value, only: Option<String> },
+}
+
+impl Format {
+    /// The request field the grammar came from (what an error names).
+    pub fn param(&self) -> &'static str {
+        match self {
+            Format::ToolCalls { .. } => "tool_choice",
+            _ => "response_format",
+        }
+    }
 }
 
 /// What a chat prompt is rendered from.
@@ -250,6 +275,8 @@ fn options(f: &Fields, max_tokens_keys: &[&str]) -> Result<Options, ApiError> {
         penalties,
         // Each endpoint reads its own form of the option.
         logprobs: None,
+        // Compiled from `format` once the request is checked.
+        constraint: None,
     };
     sampling.validate().map_err(|e| ApiError::bad_request(format!("{e:#}")))?;
     let stop = match f.get("stop") {
@@ -272,9 +299,20 @@ fn options(f: &Fields, max_tokens_keys: &[&str]) -> Result<Options, ApiError> {
     };
     f.only("echo", &json!(false))?;
     f.only("best_of", &json!(1))?;
+    let format = match f.object("response_format")? {
+        None => None,
+        Some(r) => match r.str("type")? {
+            Some("text") => None,
+            Some("json_object") => Some(Format::JsonObject),
+            Some("json_schema") => match r.object("json_schema")?.and_then(|j| j.0.get("schema").cloned()) {
+                Some(schema @ (Value::Object(_) | Value::Bool(_))) => Some(Format::JsonSchema(schema)),
+                _ => return Err(ApiError::invalid("response_format", "response_format json_schema needs json_schema.schema, a JSON schema object")),
+            },
+            other => return Err(ApiError::invalid("response_format", format!("response_format.type {} is not supported: text, json_object or json_schema", other.map_or("(none)".into(), |t| format!("{t:?}"))))),
+        },
+    };
     // Options that would change what is generated: refused until tandem does them, never
     // accepted and ignored.
-    f.only("response_format", &json!({"type": "text"}))?;
     for key in ["functions", "function_call", "prediction", "audio"] {
         f.only(key, &Value::Null)?;
     }
@@ -293,7 +331,7 @@ fn options(f: &Fields, max_tokens_keys: &[&str]) -> Result<Options, ApiError> {
     if session_id.is_some() && n > 1 {
         return Err(ApiError::invalid("n", format!("n = {n} with a session_id: a session goes on from one reply, so it takes one choice")));
     }
-    Ok(Options { model: f.str("model")?.map(str::to_string), max_tokens, sampling, stop, stop_token_ids, n, stream, include_usage, session_id, cache_salt, return_token_ids, ignore_eos })
+    Ok(Options { model: f.str("model")?.map(str::to_string), max_tokens, sampling, stop, stop_token_ids, n, stream, include_usage, session_id, cache_salt, return_token_ids, ignore_eos, format })
 }
 
 /// The text of a message's `content`: a string, or an array of `{"type": "text", "text"}` parts.
@@ -375,11 +413,31 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
         }
         Some(v) => return Err(Fields::wrong("tools", "an array of functions", v)),
     };
-    let tools = match f.get("tool_choice") {
-        None => tools,
-        Some(Value::String(c)) if c == "none" => None,
-        Some(Value::String(c)) if c == "auto" => tools,
-        Some(v) => return Err(ApiError::invalid("tool_choice", format!("tool_choice = {v} is not supported by tandem yet (\"auto\" or \"none\")"))),
+    // "required" and a named function constrain the reply to calls (after any other format
+    // the request asked for: both at once is refused).
+    let only = match f.get("tool_choice") {
+        None => None,
+        Some(Value::String(c)) if c == "none" || c == "auto" || c == "required" => Some(c.clone()),
+        Some(v) => match v.pointer("/function/name").and_then(Value::as_str) {
+            Some(name) if v.get("type").is_none_or(|t| t == "function") => Some(format!("function:{name}")),
+            _ => return Err(ApiError::invalid("tool_choice", format!("tool_choice = {v}: give \"none\", \"auto\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"))),
+        },
+    };
+    let tools = match only.as_deref() {
+        Some("none") => None,
+        None | Some("auto") => tools,
+        Some(choice) => {
+            let Some(list) = tools else { return Err(ApiError::invalid("tool_choice", format!("tool_choice {choice:?} needs tools"))) };
+            let name = choice.strip_prefix("function:");
+            if let Some(name) = name.filter(|n| !list.as_array().is_some_and(|a| a.iter().any(|t| t.pointer("/function/name").and_then(Value::as_str) == Some(n)))) {
+                return Err(ApiError::invalid("tool_choice", format!("tool_choice names {name:?}, which is not among the tools")));
+            }
+            if options.format.is_some() {
+                return Err(ApiError::invalid("tool_choice", "tool_choice required or named together with a response_format: give one of them"));
+            }
+            options.format = Some(Format::ToolCalls { tools: list.clone(), only: name.map(str::to_string) });
+            Some(list)
+        }
     };
     let raw = match f.get("messages") {
         None => return Err(ApiError::invalid("messages", "messages is required")),
@@ -711,14 +769,16 @@ mod tests {
             (r#"{"messages":[{"role":"user","content":"x"}],"temperature":3}"#, "temperature", "between 0 and 2"),
             (r#"{"messages":[{"role":"user","content":"x"}],"n":0}"#, "n", "between 1 and 128"),
             (r#"{"messages":[{"role":"user","content":"x"}],"n":2,"session_id":"s"}"#, "n", "a session goes on from one reply"),
-            (r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}}"#, "response_format", "not supported"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"xml"}}"#, "response_format", "not supported"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema","json_schema":{"name":"x"}}}"#, "response_format", "needs json_schema.schema"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"tool_choice":{"type":"function","function":{"name":"f"}},"tools":[{"type":"function","function":{"name":"g"}}]}"#, "tool_choice", "not among the tools"),
             (r#"{"messages":[{"role":"user","content":"x"}],"logit_bias":{"five":1}}"#, "logit_bias", "\"five\" is not a token id"),
             (r#"{"messages":[{"role":"user","content":"x"}],"logit_bias":{"5":"up"}}"#, "logit_bias[\"5\"]", "must be a number"),
             (r#"{"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":21}"#, "top_logprobs", "between 0 and 20"),
             (r#"{"messages":[{"role":"user","content":"x"}],"stop_token_ids":[-1]}"#, "stop_token_ids", "-1 is not a token id"),
             (r#"{"messages":[{"role":"user","content":"x"}],"presence_penalty":2.5}"#, "presence_penalty", "between -2 and 2"),
             (r#"{"messages":[{"role":"user","content":"x"}],"min_p":-0.1}"#, "min_p", "between 0 and 1"),
-            (r#"{"messages":[{"role":"user","content":"x"}],"tool_choice":"required"}"#, "tool_choice", "not supported"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"tool_choice":"required"}"#, "tool_choice", "needs tools"),
             (r#"{"messages":[{"role":"user","content":"x"}],"top_logprobs":3}"#, "top_logprobs", "needs logprobs: true"),
             (r#"{"messages":[{"role":"user","content":"x"}],"repetition_penalty":3}"#, "repetition_penalty", "between 0 and 2"),
             (r#"{"messages":[{"role":"user","content":"x"}],"best_of":2}"#, "best_of", "not supported"),

@@ -31,10 +31,11 @@ use tandem_core::engine::Device;
 use tandem_core::pipeline::{self, KvBudget, Mode};
 use tandem_core::prefix_cache::{DiskTier, PrefixCache};
 use tandem_core::session::HOLD_BACK;
+use tandem_core::grammar::{Constraint, Grammars};
 use tandem_core::tokenizer::Tokenizer;
 
 use crate::args::{kv_budget, parse_size, pipeline_config, Args, ENGINE_OPTIONS};
-use api::{ApiError, Conversation};
+use api::{ApiError, Conversation, Format};
 use serde_json::Value;
 use engines::Engines;
 use metrics::{Metrics, Served};
@@ -155,12 +156,15 @@ pub struct App {
     /// Turns true when a stop's grace period is over: the requests still running end then
     /// (finish reason `abort`), the ones still queued are refused (503).
     ending: tokio::sync::watch::Receiver<bool>,
+    /// The grammar engine for this tokenizer, set up by the first request with a
+    /// `response_format` or a required tool call (or why it could not be).
+    grammars: std::sync::OnceLock<Result<Grammars, String>>,
 }
 
-/// Stands for the message being typed while the conversation is rendered.
 /// `--gpu-memory-utilization` unless given (as the large serving engines default to).
 const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
 
+/// Stands for the message being typed while the conversation is rendered.
 const TYPING_MARK: &str = "\u{E000}tandem-typing\u{E000}";
 
 impl App {
@@ -170,6 +174,19 @@ impl App {
 
     fn render(&self, messages: &[Message], tools: Option<&Value>, generation_prompt: bool, enable_thinking: bool) -> Result<String, ApiError> {
         self.template.render_with_tools(messages, tools, generation_prompt, enable_thinking).map_err(|e| ApiError::invalid("messages", format!("the chat template refused the messages: {e:#}")))
+    }
+
+    /// The grammar a request's reply must follow, compiled (a 400 naming the field where it
+    /// does not compile).
+    fn constraint(&self, format: &Format) -> Result<Constraint, ApiError> {
+        let grammars = self.grammars.get_or_init(|| Grammars::new(&self.tokenizer, &self.stop_ids).map_err(|e| format!("{e:#}")));
+        let g = grammars.as_ref().map_err(|e| ApiError::new(axum::http::StatusCode::INTERNAL_SERVER_ERROR, "grammar_error", format!("constrained decoding is not available: {e}")))?;
+        let compiled = match format {
+            Format::JsonObject => g.json_schema(&serde_json::json!({"type": "object"})),
+            Format::JsonSchema(schema) => g.json_schema(schema),
+            Format::ToolCalls { tools, only } => g.tool_calls(tools, only.as_deref()),
+        };
+        compiled.map_err(|e| ApiError::invalid(format.param(), format!("{}: the grammar engine could not compile it: {e:#}", format.param())))
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -337,6 +354,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             started: completion::unix_now(),
             next_id: AtomicU64::new(1),
             ending,
+            grammars: Default::default(),
         });
         let router = Router::new()
             .route("/v1/chat/completions", post(routes::chat_completions))

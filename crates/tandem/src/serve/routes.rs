@@ -18,6 +18,7 @@ use super::api::{self, ApiError, ChoiceOut, Endpoint, Options, Prompt, ResponseH
 use super::completion::{remember, unix_now, Completion, Piece, Prepared};
 use super::metrics::{add, CacheGauges, Gauges};
 use super::{worker, App};
+use tandem_core::grammar::Constraint;
 use tandem_core::prefix_cache::Pin;
 use tandem_core::state::Tier;
 
@@ -78,14 +79,16 @@ pub async fn prepare(app: &Arc<App>, endpoint: Endpoint, raw: &[u8], arrived: In
             let req = api::parse_chat(raw)?;
             check_model(app, req.options.model.as_deref())?;
             let a = Arc::clone(app);
-            let (prompt, req) = blocking(move || a.chat_prompt(&req.conversation).map(|p| (p, req))).await?;
+            let (prompt, mut req) = blocking(move || a.chat_prompt(&req.conversation).map(|p| (p, req))).await?;
+            req.options.sampling.constraint = constraint(app, &req.options).await?;
             let mut prepared = Prepared::new(app, Endpoint::Chat, prompt, req.options, arrived)?;
             prepared.conversation = Some(req.conversation);
             Ok(prepared)
         }
         Endpoint::Completion => {
-            let req = api::parse_completion(raw)?;
+            let mut req = api::parse_completion(raw)?;
             check_model(app, req.options.model.as_deref())?;
+            req.options.sampling.constraint = constraint(app, &req.options).await?;
             let prompt = match req.prompt {
                 Prompt::Ids(ids) => ids,
                 Prompt::Text(text) => {
@@ -96,6 +99,14 @@ pub async fn prepare(app: &Arc<App>, endpoint: Endpoint, raw: &[u8], arrived: In
             Prepared::new(app, Endpoint::Completion, prompt, req.options, arrived)
         }
     }
+}
+
+/// The request's grammar compiled (on a blocking thread: a schema can take milliseconds),
+/// where it has one.
+async fn constraint(app: &Arc<App>, options: &Options) -> Result<Option<Constraint>, ApiError> {
+    let Some(format) = options.format.clone() else { return Ok(None) };
+    let a = Arc::clone(app);
+    blocking(move || a.constraint(&format).map(Some)).await
 }
 
 /// Count a refused request (a 429 was counted when it was refused) and answer it.

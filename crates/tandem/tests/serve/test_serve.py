@@ -178,7 +178,7 @@ def api_and_sdk():
         refused(400, "temperature", temperature=5)
         refused(400, "n", n=0)
         # Options that would change the output and that tandem does not do: refused, not ignored.
-        refused(400, "response_format", response_format={"type": "json_object"})
+        refused(400, "response_format", response_format={"type": "xml"})
         m = refused(400, "messages", messages=user("word " * 300), max_tokens=10)
         check("context is 256 tokens" in m, f"a prompt past --max-context says so: {m}")
         m = refused(400, "messages", messages=user("word " * 40), max_tokens=250)
@@ -307,11 +307,88 @@ def tools_in_prompts():
                 return
             raise AssertionError(f"{kw} was accepted")
 
-        refused("tool_choice", tools=[WEATHER], tool_choice="required")
+        refused("tool_choice", tool_choice="required")
         refused("tools[0]", tools=[{"type": "function", "function": {"name": ""}}])
         refused("messages[1].tool_calls", messages=user("x") + [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}, *user("y")])
         refused("messages[1].tool_call_id", messages=user("x") + [{"role": "tool", "content": "r"}])
         print("  tools rendered into the prompt (not with tool_choice none), a call and its result sent back, 4 refusals")
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+          "pets": {"type": "array", "items": {"type": "string", "enum": ["cat", "dog"]}, "maxItems": 3}}, "required": ["name", "age", "pets"], "additionalProperties": False}
+CITY_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Today's weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"]}}}
+
+
+def structured_output():
+    """response_format and required tool calls, enforced while sampling: the synthetic model's
+    random text, which is no JSON unconstrained, parses and validates; a tool round trip and
+    streamed tool calls through the SDK; curl and the jsonschema validator as a second client."""
+    import jsonschema
+
+    with Server() as s:
+        c = s.client
+        ask = dict(model=MODEL, messages=user("Describe a person as JSON."), max_tokens=120, temperature=0)
+        free = c.chat.completions.create(**ask).choices[0].message.content
+        try:
+            json.loads(free)
+            raise AssertionError(f"the unconstrained reply parses as JSON: {free!r}")
+        except json.JSONDecodeError:
+            pass
+        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+        for temperature, seed in [(0, 0), (1.0, 1), (1.0, 2)]:
+            r = c.chat.completions.create(response_format=fmt, **{**ask, "temperature": temperature, "seed": seed})
+            text = r.choices[0].message.content
+            jsonschema.validate(json.loads(text), PERSON)
+            check(r.choices[0].finish_reason == "stop", f"the reply ends with the JSON: {r.choices[0]}")
+        # Any object: the random model's keys would run on for ever, so a bias on '"' (id 1)
+        # closes each string at once; the grammar still decides what may come.
+        r = c.chat.completions.create(response_format={"type": "json_object"}, logit_bias={"1": 30}, **{**ask, "max_tokens": 400, "temperature": 0.7, "seed": 3})
+        check(r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict), f"json_object: {r.choices[0]}")
+        # The same through streaming, n choices and the completions endpoint.
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(response_format=fmt, stream=True, **ask) if ch.choices)
+        check(streamed == c.chat.completions.create(response_format=fmt, **ask).choices[0].message.content, f"streamed {streamed!r}")
+        for ch in c.chat.completions.create(response_format=fmt, n=3, **{**ask, "temperature": 1.0, "seed": 4}).choices:
+            jsonschema.validate(json.loads(ch.message.content), PERSON)
+        r = c.completions.create(model=MODEL, prompt="A person:", max_tokens=120, temperature=0, extra_body={"response_format": fmt})
+        jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+
+        # Tool calls: required forces a call; its arguments follow the function's schema; the
+        # call and its result go back for the next turn.
+        tools = [CITY_WEATHER]
+        r = c.chat.completions.create(model=MODEL, messages=user("Weather in Paris?"), tools=tools, tool_choice="required", max_tokens=200, temperature=0)
+        m = r.choices[0].message
+        check(r.choices[0].finish_reason == "tool_calls" and m.tool_calls and not m.content, f"a required call: {r.choices[0]}")
+        call = m.tool_calls[0]
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, CITY_WEATHER["function"]["parameters"])
+        check(call.function.name == "get_weather" and call.type == "function" and call.id, f"{call}")
+        history = user("Weather in Paris?") + [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}]
+        r2 = c.chat.completions.create(model=MODEL, messages=history, tools=tools, max_tokens=8, temperature=0)
+        check(r2.choices[0].finish_reason in ("length", "stop", "tool_calls"), f"the round trip's next turn: {r2}")
+        # Streamed: the call arrives as delta.tool_calls; put together it is the whole reply's call.
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        whole = c.chat.completions.create(model=MODEL, messages=user("Weather in Rome?"), tools=tools, tool_choice=named, max_tokens=200, temperature=0).choices[0].message.tool_calls
+        parts, finish = {}, None
+        for ch in c.chat.completions.create(model=MODEL, messages=user("Weather in Rome?"), tools=tools, tool_choice=named, max_tokens=200, temperature=0, stream=True):
+            for choice in ch.choices:
+                finish = choice.finish_reason or finish
+                for tc in choice.delta.tool_calls or []:
+                    p = parts.setdefault(tc.index, {"name": "", "arguments": ""})
+                    p["name"] += tc.function.name or ""
+                    p["arguments"] += tc.function.arguments or ""
+        check(finish == "tool_calls" and [(p["name"], json.loads(p["arguments"])) for p in parts.values()] == [(w.function.name, json.loads(w.function.arguments)) for w in whole], f"streamed calls {parts} vs {whole}")
+        # The SDK's own parse helper reads the schema-constrained reply into its model.
+        parsed = c.chat.completions.parse(model=MODEL, messages=user("A person"), response_format=fmt, max_tokens=120, temperature=0)
+        check(json.loads(parsed.choices[0].message.content) == json.loads(c.chat.completions.create(response_format=fmt, **{**ask, "messages": user("A person")}).choices[0].message.content), "parse")
+
+        # A second client: curl, the reply checked by the jsonschema validator.
+        body = json.dumps({"model": MODEL, "messages": user("A person, please"), "max_tokens": 120, "temperature": 0.8, "seed": 9, "response_format": fmt})
+        out = json.loads(s.curl(s.url + "/v1/chat/completions", "-H", "Content-Type: application/json", "-d", body))
+        jsonschema.validate(json.loads(out["choices"][0]["message"]["content"]), PERSON)
+        bad = json.loads(s.curl(s.url + "/v1/chat/completions", "-d", json.dumps({"messages": user("x"), "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}})))
+        check(bad["error"]["param"] == "response_format" and "could not compile" in bad["error"]["message"], f"{bad}")
+        print("  response_format json_schema (whole, streamed, n = 3, completions) and json_object validate; required and named tool calls, a round trip, streamed calls; curl + jsonschema")
 
 
 def curl_checks():
@@ -646,7 +723,7 @@ def disk_tier():
 
 
 def main():
-    checks = [api_and_sdk, sampling_options, tools_in_prompts, curl_checks, multi_turn, typing_ahead, cancellation, disk_tier, shutdown, queue_and_429, load_test]
+    checks = [api_and_sdk, sampling_options, tools_in_prompts, structured_output, curl_checks, multi_turn, typing_ahead, cancellation, disk_tier, shutdown, queue_and_429, load_test]
     only = sys.argv[1:]
     failed = 0
     for f in checks:

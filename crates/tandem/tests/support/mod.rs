@@ -6,8 +6,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The client version the checks were written against.
-const OPENAI: &str = "openai==3.54.0";
+/// The client version the checks were written against, and the JSON-schema validator that
+/// checks structured output.
+const PACKAGES: [&str; 2] = ["openai==3.54.0", "jsonschema==4.25.1"];
 
 pub fn run(cmd: &mut Command, what: &str) -> String {
     let out = cmd.output().unwrap_or_else(|e| panic!("{what}: cannot run {cmd:?}: {e}"));
@@ -16,14 +17,14 @@ pub fn run(cmd: &mut Command, what: &str) -> String {
     text
 }
 
-/// A Python with `openai` installed: target/tmp/openai-venv, made when missing.
+/// A Python with `openai` and `jsonschema` installed: target/tmp/openai-venv, made when missing.
 pub fn python() -> PathBuf {
     let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
     let python = venv.join("bin/python");
-    let ready = venv.join(format!("{OPENAI}.installed"));
+    let ready = venv.join(format!("{}.installed", PACKAGES.join("+")));
     if !ready.exists() {
         run(Command::new("python3").args(["-m", "venv", "--clear"]).arg(&venv), "making a virtualenv (python3 -m venv; Debian: apt install python3-venv)");
-        run(Command::new(&python).args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", OPENAI]), "installing the openai package from PyPI");
+        run(Command::new(&python).args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"]).args(PACKAGES), "installing the openai and jsonschema packages from PyPI");
         std::fs::write(&ready, "").expect("marking the virtualenv ready");
     }
     python
