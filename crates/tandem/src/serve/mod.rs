@@ -55,7 +55,8 @@ ENDPOINTS:
   Request options: max_tokens (max_completion_tokens), temperature (default 1), top_p, top_k,
   min_p, seed, stop (up to 4 strings), stop_token_ids, logit_bias, presence_penalty,
   frequency_penalty, repetition_penalty, logprobs (chat: with top_logprobs), n (up to 128),
-  tools with tool_choice auto or none, stream, stream_options.include_usage, session_id (pins
+  tools with tool_choice (auto, none, required, a named function), response_format
+  (json_object, json_schema; enforced while sampling), stream, stream_options.include_usage, session_id (pins
   the conversation's latest states in the prefix cache and prefills each reply's end for the
   next turn), cache_salt (match only cached states made under the same salt),
   ignore_eos (generate max_tokens past end-of-turn tokens),
