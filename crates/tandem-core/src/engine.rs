@@ -499,8 +499,8 @@ impl<'m> Engine<'m> {
 
     /// The next token of each sequence (its state and sampler), from its state's last logits:
     /// a GPU engine draws at a temperature on the GPU where its step left the logits, every
-    /// such row in one launch (only indices cross); a greedy pick is the GPU's argmax
-    /// (`DeviceState::sample`); else the host samples the row.
+    /// such row in one launch (only indices cross); a greedy pick is the GPU's argmax; else the
+    /// host samples the row.
     pub fn sample(&self, seqs: &mut [(&mut DeviceState, &mut Sampler)]) -> Vec<Result<u32>> {
         // Per sequence, a draw the GPU was asked for and its answer: the id, None where the host
         // draws, or the launch's error (as text, for each of its rows).
@@ -523,15 +523,47 @@ impl<'m> Engine<'m> {
                 }
             }
         }
-        seqs.iter_mut()
-            .zip(drawn)
-            .map(|((state, sampler), drawn)| match (drawn, &mut **state) {
-                (Some((_, Ok(Some(id)))), _) => Ok(id),
-                (Some((_, Err(e))), _) => Err(anyhow::anyhow!("drawing on the GPU: {e}")),
-                (Some((d, Ok(None))), DeviceState::Gpu(s)) => Ok(sampler.sample_drawn(s.last_logits()?, d.u)),
-                _ => state.sample(sampler),
-            })
-            .collect()
+        // The rows the host samples are brought over first (a copy each), then sampled side by
+        // side on a GPU engine's machine where there are several: a grammar's mask costs a few
+        // hundred microseconds a row, which the decode thread would otherwise pay for each in
+        // turn. (A CPU engine's cores are its own engines'.)
+        let mut picks: Vec<Option<Result<u32>>> = Vec::with_capacity(seqs.len());
+        let mut host: Vec<(usize, &[f32], &mut Sampler)> = Vec::new();
+        for (i, ((state, sampler), drawn)) in seqs.iter_mut().zip(drawn).enumerate() {
+            // A greedy pick the GPU's argmax already made (no logits cross to the host).
+            let greedy = match &**state {
+                DeviceState::Gpu(s) => s.last_argmax().and_then(|a| sampler.greedy_pick(a)),
+                DeviceState::Host(_) => None,
+            };
+            let pick = match (drawn, &mut **state) {
+                (Some((_, Ok(Some(id)))), _) => Some(Ok(id)),
+                (Some((_, Err(e))), _) => Some(Err(anyhow::anyhow!("drawing on the GPU: {e}"))),
+                (Some((d, Ok(None))), DeviceState::Gpu(s)) => Some(s.last_logits().map(|l| sampler.sample_drawn(l, d.u))),
+                _ if greedy.is_some() => greedy.map(Ok),
+                (_, state) => match state.last_logits() {
+                    Ok(row) => {
+                        host.push((i, row, &mut **sampler));
+                        None
+                    }
+                    Err(e) => Some(Err(e)),
+                },
+            };
+            picks.push(pick);
+        }
+        let threads = match self.backend {
+            Backend::Cuda(_) => (std::thread::available_parallelism().map_or(1, |n| n.get()) / 2).clamp(1, 8).min(host.len() / 2),
+            Backend::Cpu(_) => 1,
+        };
+        let mut rows: Vec<(&[f32], &mut Sampler)> = Vec::with_capacity(host.len());
+        let mut at = Vec::with_capacity(host.len());
+        for (i, row, sampler) in host {
+            at.push(i);
+            rows.push((row, sampler));
+        }
+        for (i, pick) in at.into_iter().zip(crate::sampling::sample_side_by_side(&mut rows, threads)) {
+            picks[i] = Some(pick);
+        }
+        picks.into_iter().map(|p| p.expect("every sequence picked")).collect()
     }
 
     /// One decode step: `tokens[i]` applied to `states[i]`, all in one pass over the weights.

@@ -287,6 +287,20 @@ impl Sampler {
     }
 }
 
+/// Each sampler's next token from its row, the rows split over up to `threads` threads (the
+/// rows of a step are independent; each sampler is used by one thread). The same picks as one
+/// after another.
+pub fn sample_side_by_side(rows: &mut [(&[f32], &mut Sampler)], threads: usize) -> Vec<Result<u32>> {
+    if threads <= 1 || rows.len() <= 1 {
+        return rows.iter_mut().map(|(row, s)| s.sample(row)).collect();
+    }
+    let per = rows.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let parts: Vec<_> = rows.chunks_mut(per).map(|part| scope.spawn(move || part.iter_mut().map(|(row, s)| s.sample(row)).collect::<Vec<_>>())).collect();
+        parts.into_iter().flat_map(|p| p.join().unwrap_or_else(|_| vec![Err(anyhow::anyhow!("a sampling thread panicked"))])).collect()
+    })
+}
+
 /// One token drawn from `logits` (already cut to the allowed ids) at the temperature, with the
 /// cuts, by the uniform `u`.
 fn draw(candidates: &mut Vec<Candidate>, params: &SamplingParams, logits: &[f32], u: f64) -> u32 {

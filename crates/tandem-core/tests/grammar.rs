@@ -137,3 +137,26 @@ fn regex_like_call() -> impl Fn(&str, Option<&str>) -> bool {
         }
     }
 }
+
+#[test]
+fn samplers_side_by_side_pick_what_they_pick_one_after_another() {
+    use tandem_core::sampling::sample_side_by_side;
+    let tok = tokenizer();
+    let ends = ends(&tok);
+    let g = Grammars::new(&tok, &ends).unwrap();
+    let schema = g.json_schema(&json!({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 8}}, "required": ["a", "b"]})).unwrap();
+    let n = tok.vocab_size();
+    let params = |k: u64| SamplingParams { temperature: if k % 2 == 0 { 0.0 } else { 0.8 }, seed: k, constraint: (k % 3 != 0).then(|| schema.clone()), ..Default::default() };
+    let mut rng = Rng::new(4);
+    let rows: Vec<Vec<f32>> = (0..4).map(|_| (0..n).map(|_| rng.next_signed_f32() * 4.0).collect()).collect();
+    for threads in [2, 3, 8] {
+        let mut alone: Vec<Sampler> = (0..7).map(|k| Sampler::new(params(k), n)).collect();
+        let mut together: Vec<Sampler> = (0..7).map(|k| Sampler::new(params(k), n)).collect();
+        for step in 0..20 {
+            let want: Vec<u32> = alone.iter_mut().enumerate().map(|(i, s)| s.sample(&rows[(step + i) % 4]).unwrap()).collect();
+            let mut pairs: Vec<(&[f32], &mut Sampler)> = together.iter_mut().enumerate().map(|(i, s)| (&rows[(step + i) % 4][..], s)).collect();
+            let got: Vec<u32> = sample_side_by_side(&mut pairs, threads).into_iter().map(Result::unwrap).collect();
+            assert_eq!(got, want, "{threads} threads, step {step}");
+        }
+    }
+}
