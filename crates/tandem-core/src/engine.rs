@@ -498,28 +498,41 @@ impl<'m> Engine<'m> {
     }
 
     /// The next token of each sequence (its state and sampler), from its state's last logits:
-    /// a GPU engine draws at a temperature on the GPU where its step left the logits, every
-    /// such row in one launch (only indices cross); a greedy pick is the GPU's argmax; else the
-    /// host samples the row.
+    /// a GPU engine picks on the GPU where its step left the logits (only ids cross): a greedy
+    /// pick is the step's argmax; draws at a temperature are made all in one launch; a sampler
+    /// whose grammar alone changes the logits has its row masked there (the masks computed on
+    /// the host, ahead where `Sampler::prepare` was called). Else the host samples the row.
     pub fn sample(&self, seqs: &mut [(&mut DeviceState, &mut Sampler)]) -> Vec<Result<u32>> {
-        // Per sequence, a draw the GPU was asked for and its answer: the id, None where the host
-        // draws, or the launch's error (as text, for each of its rows).
-        type Answer = Result<Option<u32>, String>;
-        let mut drawn: Vec<Option<(GpuDraw, Answer)>> = vec![None; seqs.len()];
+        let mut picks: Vec<Option<Result<u32>>> = (0..seqs.len()).map(|_| None).collect();
+        // Per sequence, what the GPU was asked for (a draw, or a masked pick with its draw or
+        // None for greedy) and its answer: the id, None where the host picks, or the launch's
+        // error (as text, for each of its rows).
+        let mut asked: Vec<Option<(GpuAsk, GpuAnswer)>> = vec![None; seqs.len()];
         if let Backend::Cuda(g) = &self.backend {
-            let mut draws = Vec::new();
+            let (mut draws, mut masked) = (Vec::new(), Vec::new());
             for (i, (state, sampler)) in seqs.iter_mut().enumerate() {
-                if let DeviceState::Gpu(s) = &**state {
-                    if let Some(d) = sampler.gpu_draw() {
-                        draws.push((i, &**s, d));
+                let DeviceState::Gpu(s) = &**state else { continue };
+                if let Some(d) = sampler.gpu_draw() {
+                    draws.push((i, &**s, d));
+                } else if let Some(p) = sampler.gpu_masked_pick() {
+                    match p {
+                        Ok(p) => masked.push((i, &**s, p)),
+                        Err(e) => picks[i] = Some(Err(e)),
                     }
                 }
             }
             if !draws.is_empty() {
-                let rows: Vec<(&GpuState, GpuDraw)> = draws.iter().map(|&(_, s, d)| (s, d)).collect();
+                let rows: Vec<_> = draws.iter().map(|&(_, s, d)| (s, d)).collect();
                 let ids = g.sample_rows(&rows).map_err(|e| format!("{e:#}"));
                 for (k, &(i, _, d)) in draws.iter().enumerate() {
-                    drawn[i] = Some((d, ids.as_ref().map(|ids| ids[k]).map_err(Clone::clone)));
+                    asked[i] = Some((GpuAsk::Draw(d), ids.as_ref().map(|ids| ids[k]).map_err(Clone::clone)));
+                }
+            }
+            if !masked.is_empty() {
+                let rows: Vec<_> = masked.iter().map(|&(_, s, p)| (s, p)).collect();
+                let ids = g.sample_masked(&rows).map_err(|e| format!("{e:#}"));
+                for (k, &(i, _, p)) in masked.iter().enumerate() {
+                    asked[i] = Some((GpuAsk::Masked(p.draw), ids.as_ref().map(|ids| ids[k]).map_err(Clone::clone)));
                 }
             }
         }
@@ -527,43 +540,51 @@ impl<'m> Engine<'m> {
         // side on a GPU engine's machine where there are several: a grammar's mask costs a few
         // hundred microseconds a row, which the decode thread would otherwise pay for each in
         // turn. (A CPU engine's cores are its own engines'.)
-        let mut picks: Vec<Option<Result<u32>>> = Vec::with_capacity(seqs.len());
-        let mut host: Vec<(usize, &[f32], &mut Sampler)> = Vec::new();
-        for (i, ((state, sampler), drawn)) in seqs.iter_mut().zip(drawn).enumerate() {
+        let (mut at, mut rows): (Vec<usize>, Vec<(&[f32], &mut Sampler)>) = (Vec::new(), Vec::new());
+        for (i, ((state, sampler), asked)) in seqs.iter_mut().zip(asked).enumerate() {
+            if picks[i].is_some() {
+                continue;
+            }
             // A greedy pick the GPU's argmax already made (no logits cross to the host).
             let greedy = match &**state {
                 DeviceState::Gpu(s) => s.last_argmax().and_then(|a| sampler.greedy_pick(a)),
                 DeviceState::Host(_) => None,
             };
-            let pick = match (drawn, &mut **state) {
-                (Some((_, Ok(Some(id)))), _) => Some(Ok(id)),
-                (Some((_, Err(e))), _) => Some(Err(anyhow::anyhow!("drawing on the GPU: {e}"))),
-                (Some((d, Ok(None))), DeviceState::Gpu(s)) => Some(s.last_logits().map(|l| sampler.sample_drawn(l, d.u))),
+            picks[i] = match asked {
+                Some((GpuAsk::Draw(_), Ok(Some(id)))) => Some(Ok(id)),
+                Some((GpuAsk::Masked(_), Ok(Some(id)))) => {
+                    sampler.took(id);
+                    Some(Ok(id))
+                }
+                Some((_, Err(e))) => Some(Err(anyhow::anyhow!("picking on the GPU: {e}"))),
+                Some((GpuAsk::Draw(d) | GpuAsk::Masked(Some(d)), Ok(None))) => Some(state.last_logits().and_then(|l| sampler.sample_drawn(l, d.u))),
                 _ if greedy.is_some() => greedy.map(Ok),
-                (_, state) => match state.last_logits() {
+                _ => match state.last_logits() {
                     Ok(row) => {
-                        host.push((i, row, &mut **sampler));
+                        at.push(i);
+                        rows.push((row, &mut **sampler));
                         None
                     }
                     Err(e) => Some(Err(e)),
                 },
             };
-            picks.push(pick);
         }
-        let threads = match self.backend {
-            Backend::Cuda(_) => (std::thread::available_parallelism().map_or(1, |n| n.get()) / 2).clamp(1, 8).min(host.len() / 2),
-            Backend::Cpu(_) => 1,
-        };
-        let mut rows: Vec<(&[f32], &mut Sampler)> = Vec::with_capacity(host.len());
-        let mut at = Vec::with_capacity(host.len());
-        for (i, row, sampler) in host {
-            at.push(i);
-            rows.push((row, sampler));
-        }
+        let threads = self.sampling_threads(rows.len());
         for (i, pick) in at.into_iter().zip(crate::sampling::sample_side_by_side(&mut rows, threads)) {
             picks[i] = Some(pick);
         }
         picks.into_iter().map(|p| p.expect("every sequence picked")).collect()
+    }
+
+    /// How many threads the host's sampling of `rows` rows takes (or the grammars' masks
+    /// computed ahead for them): on a GPU engine's machine all its cores but two (the decode
+    /// and prefill threads'), at most 16, and at least two rows each; one on a CPU engine,
+    /// whose cores are its engines'.
+    pub fn sampling_threads(&self, rows: usize) -> usize {
+        match self.backend {
+            Backend::Cuda(_) => std::thread::available_parallelism().map_or(1, |n| n.get()).saturating_sub(2).clamp(1, 16).min(rows / 2).max(1),
+            Backend::Cpu(_) => 1,
+        }
     }
 
     /// One decode step: `tokens[i]` applied to `states[i]`, all in one pass over the weights.
@@ -592,6 +613,19 @@ impl<'m> Engine<'m> {
             }
         }
     }
+}
+
+/// A GPU's answer to a pick (`Engine::sample`): the id, None where the host picks, or the
+/// launch's error as text (one for each of its rows).
+type GpuAnswer = Result<Option<u32>, String>;
+
+/// What a GPU engine was asked to pick for a sequence (`Engine::sample`).
+#[derive(Clone, Copy)]
+enum GpuAsk {
+    /// A draw from the row as it is.
+    Draw(GpuDraw),
+    /// A pick from the row masked by a grammar: a draw, or greedy.
+    Masked(Option<GpuDraw>),
 }
 
 #[cfg(test)]

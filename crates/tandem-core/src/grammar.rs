@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Context, Result};
 use llguidance::api::TopLevelGrammar;
-use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
+use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
 use llguidance::{JsonCompileOptions, Matcher, ParserFactory};
 
 use crate::tokenizer::Tokenizer;
@@ -171,19 +171,87 @@ impl PartialEq for Constraint {
     }
 }
 
-/// Leave in `row` (logits over the tokenizer's ids, rows past it untouched) only what `matcher`
-/// allows next: every other token's logit becomes -inf. Once the grammar is complete only the
-/// end tokens are allowed.
-pub fn mask(matcher: &mut Matcher, row: &mut [f32]) -> Result<()> {
-    let allowed = matcher.compute_mask_or_eos().map_err(|e| anyhow::anyhow!("the grammar engine: {e}"))?;
-    let n = allowed.len().min(row.len());
-    for (id, l) in row[..n].iter_mut().enumerate() {
-        if !allowed.is_allowed(id as u32) {
-            *l = f32::NEG_INFINITY;
+/// One sequence's place in a grammar: its matcher, the token it took last (not yet fed to the
+/// matcher), and the mask for its next token once computed. Feeding the token and computing the
+/// next mask both happen in `prepare`, which a GPU engine's decode loop runs on other threads
+/// while the GPU computes the logits that the mask will apply to; a sampler that finds it not
+/// done does it when it picks. (A token a mask allowed is one the matcher takes: a refusal, an
+/// error of the grammar engine, is reported at the next pick.)
+pub struct Follower {
+    matcher: Matcher,
+    taken: Option<u32>,
+    next: Option<Result<SimpleVob, String>>,
+}
+
+impl Follower {
+    /// At the grammar's start.
+    pub fn new(constraint: &Constraint) -> Follower {
+        Follower { matcher: constraint.matcher(), taken: None, next: None }
+    }
+
+    /// Feed the matcher the token taken last, and compute the mask for the next one (where not
+    /// done yet).
+    pub fn prepare(&mut self) {
+        if self.next.is_some() {
+            return;
+        }
+        let mut next = || {
+            if let Some(token) = self.taken.take() {
+                // An end token once the grammar is complete is the reply's end, not the grammar's.
+                if !self.matcher.is_stopped() {
+                    self.matcher.consume_token(token).map_err(|e| anyhow::anyhow!("the grammar engine refused token {token}: {e}"))?;
+                }
+            }
+            allowed(&mut self.matcher)
+        };
+        self.next = Some(next().map_err(|e| format!("{e:#}")));
+    }
+
+    /// Whether the next token's mask is computed.
+    pub fn prepared(&self) -> bool {
+        self.next.is_some()
+    }
+
+    /// The tokens allowed next (bit i: token i), computed now where `prepare` has not.
+    pub fn mask(&mut self) -> Result<&[u32]> {
+        self.prepare();
+        match &self.next {
+            Some(Ok(mask)) => Ok(mask.as_slice()),
+            Some(Err(e)) => Err(anyhow::anyhow!("{e}")),
+            None => unreachable!("prepared above"),
         }
     }
+
+    /// Note the token taken next (from the mask).
+    pub fn take(&mut self, token: u32) {
+        self.taken = Some(token);
+        self.next = None;
+    }
+}
+
+/// The tokens `matcher` allows next (bit i: token i; once the grammar is complete, only the end
+/// tokens). An error where the engine fails or allows nothing.
+pub fn allowed(matcher: &mut Matcher) -> Result<SimpleVob> {
+    let allowed = matcher.compute_mask_or_eos().map_err(|e| anyhow::anyhow!("the grammar engine: {e}"))?;
     if allowed.num_set() == 0 {
         bail!("the grammar allows no token here");
     }
-    Ok(())
+    Ok(allowed)
+}
+
+/// Leave in `row` (logits over the tokenizer's ids) only what `allowed` allows: every other
+/// token's logit, and any past the mask's ids, becomes -inf (as kernels/sample.cu mask_rows
+/// does on a GPU). A word at a time: a grammar's mask is mostly whole words of one kind.
+pub fn apply(allowed: &[u32], row: &mut [f32]) {
+    for (w, chunk) in row.chunks_mut(32).enumerate() {
+        let bits = allowed.get(w).copied().unwrap_or(0);
+        if bits == u32::MAX {
+            continue;
+        }
+        for (b, l) in chunk.iter_mut().enumerate() {
+            if (bits >> b) & 1 == 0 {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
 }

@@ -146,7 +146,17 @@ pub struct Sampler {
     /// The last token's log-probabilities, until taken.
     logprobs: Option<TokenLogprobs>,
     /// Where the request has a grammar: this sequence's place in it.
-    matcher: Option<llguidance::Matcher>,
+    grammar: Option<grammar::Follower>,
+}
+
+/// A pick a GPU makes from a row it holds after masking it with a grammar's mask
+/// (`Sampler::gpu_masked_pick`; kernels/sample.cu mask_rows): over ids below `allowed`, only
+/// those whose bit in `mask` is set; greedy, or `draw`.
+#[derive(Clone, Copy, Debug)]
+pub struct MaskedPick<'a> {
+    pub allowed: usize,
+    pub mask: &'a [u32],
+    pub draw: Option<GpuDraw>,
 }
 
 /// A token that may be sampled: its id, its logit less the largest over the temperature, and
@@ -174,8 +184,45 @@ impl Sampler {
     pub fn new(params: SamplingParams, allowed_vocab: usize) -> Self {
         let rng = Rng::new(params.seed);
         let in_prompt = if params.penalties.repetition != 1.0 { params.penalties.prompt.iter().copied().collect() } else { HashSet::new() };
-        let matcher = params.constraint.as_ref().map(Constraint::matcher);
-        Sampler { params, rng, allowed: allowed_vocab, candidates: Vec::new(), adjusted: Vec::new(), generated: HashMap::new(), in_prompt, logprobs: None, matcher }
+        let grammar = params.constraint.as_ref().map(grammar::Follower::new);
+        Sampler { params, rng, allowed: allowed_vocab, candidates: Vec::new(), adjusted: Vec::new(), generated: HashMap::new(), in_prompt, logprobs: None, grammar }
+    }
+
+    /// Compute the grammar's mask for the next token now (where there is a grammar and it is
+    /// not computed yet): it depends only on the tokens taken so far, so a decode loop computes
+    /// it while the GPU computes the logits it will mask. The pick is the same either way.
+    pub fn prepare(&mut self) {
+        if let Some(g) = &mut self.grammar {
+            g.prepare();
+        }
+    }
+
+    /// Whether this sampler's next pick waits on a grammar's mask that `prepare` has not
+    /// computed yet.
+    pub fn unprepared(&self) -> bool {
+        self.grammar.as_ref().is_some_and(|g| !g.prepared())
+    }
+
+    /// Where a grammar is all that changes this sampler's logits and nothing else reads them:
+    /// the pick a GPU makes by masking the row it holds (the mask computed now where `prepare`
+    /// has not; the draw's uniform taken from the generator now). The GPU's token goes back
+    /// through `took`; where the GPU cannot pick, `sample_drawn` with the draw's uniform (or
+    /// `sample` for a greedy pick) picks the same on the host. An error where the grammar
+    /// engine fails.
+    pub fn gpu_masked_pick(&mut self) -> Option<Result<MaskedPick<'_>>> {
+        let p = &self.params;
+        let only_grammar = p.logit_bias.is_empty() && !p.penalties.any() && !(p.temperature > 0.0 && p.min_p > 0.0) && p.logprobs.is_none();
+        if self.grammar.is_none() || !only_grammar {
+            return None;
+        }
+        let draw = (p.temperature > 0.0).then(|| GpuDraw { allowed: self.allowed, inv_t: 1.0 / p.temperature, top_k: p.top_k, top_p: p.top_p, u: self.rng.next_f64() });
+        let allowed = self.allowed;
+        self.grammar.as_mut().map(|g| g.mask().map(|mask| MaskedPick { allowed, mask, draw }))
+    }
+
+    /// Note `token`, which a GPU picked for this sampler (`gpu_masked_pick`).
+    pub fn took(&mut self, token: u32) {
+        self.chose(&[], token)
     }
 
     /// Whether this sampler must see the logits row itself: it changes the logits, or reports
@@ -211,7 +258,7 @@ impl Sampler {
             None => argmax(row),
             Some(u) => draw(&mut self.candidates, &self.params, row, u),
         };
-        self.chose(logits, token)?;
+        self.chose(logits, token);
         Ok(token)
     }
 
@@ -224,13 +271,19 @@ impl Sampler {
         (p.temperature > 0.0 && !self.reads_logits()).then(|| GpuDraw { allowed: self.allowed, inv_t: 1.0 / p.temperature, top_k: p.top_k, top_p: p.top_p, u: self.rng.next_f64() })
     }
 
-    /// `sample` with its uniform draw `u` (in [0, 1)) already taken (by `gpu_draw`).
-    pub fn sample_drawn(&mut self, logits: &[f32], u: f64) -> u32 {
+    /// `sample` with its uniform draw `u` (in [0, 1)) already taken (by `gpu_draw` or
+    /// `gpu_masked_pick`).
+    pub fn sample_drawn(&mut self, logits: &[f32], u: f64) -> Result<u32> {
         let logits = &logits[..self.allowed.min(logits.len())];
-        let token = draw(&mut self.candidates, &self.params, logits, u);
-        // No grammar here (`gpu_draw` gave the draw): nothing to fail.
-        let _ = self.chose(logits, token);
-        token
+        let row = if self.params.adjusts() {
+            self.adjust(logits)?;
+            &self.adjusted[..]
+        } else {
+            logits
+        };
+        let token = draw(&mut self.candidates, &self.params, row, u);
+        self.chose(logits, token);
+        Ok(token)
     }
 
     /// The log-probabilities of the token chosen last (where the request asked for them).
@@ -262,28 +315,24 @@ impl Sampler {
                 *l -= p.frequency * count as f32 + p.presence;
             }
         }
-        match &mut self.matcher {
-            Some(m) => grammar::mask(m, row),
-            None => Ok(()),
+        if let Some(g) = &mut self.grammar {
+            grammar::apply(g.mask()?, row);
         }
+        Ok(())
     }
 
     /// Note the chosen token (for the penalties and the grammar) and its log-probabilities
     /// (where asked for).
-    fn chose(&mut self, logits: &[f32], token: u32) -> Result<()> {
+    fn chose(&mut self, logits: &[f32], token: u32) {
         if self.params.penalties.any() {
             *self.generated.entry(token).or_insert(0) += 1;
         }
         if let Some(n) = self.params.logprobs {
             self.logprobs = Some(logprobs(logits, token, n));
         }
-        if let Some(m) = &mut self.matcher {
-            // An end token once the grammar is complete is the reply's end, not the grammar's.
-            if !m.is_stopped() {
-                m.consume_token(token).map_err(|e| anyhow::anyhow!("the grammar engine refused token {token}: {e}"))?;
-            }
+        if let Some(g) = &mut self.grammar {
+            g.take(token);
         }
-        Ok(())
     }
 }
 
@@ -299,6 +348,22 @@ pub fn sample_side_by_side(rows: &mut [(&[f32], &mut Sampler)], threads: usize) 
         let parts: Vec<_> = rows.chunks_mut(per).map(|part| scope.spawn(move || part.iter_mut().map(|(row, s)| s.sample(row)).collect::<Vec<_>>())).collect();
         parts.into_iter().flat_map(|p| p.join().unwrap_or_else(|_| vec![Err(anyhow::anyhow!("a sampling thread panicked"))])).collect()
     })
+}
+
+/// `Sampler::prepare` for every sampler whose grammar's mask is not computed yet, split over up
+/// to `threads` threads.
+pub fn prepare_side_by_side(samplers: &mut [&mut Sampler], threads: usize) {
+    let mut waiting: Vec<&mut Sampler> = samplers.iter_mut().filter(|s| s.unprepared()).map(|s| &mut **s).collect();
+    if threads <= 1 || waiting.len() <= 1 {
+        waiting.iter_mut().for_each(|s| s.prepare());
+        return;
+    }
+    let per = waiting.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        for part in waiting.chunks_mut(per) {
+            scope.spawn(move || part.iter_mut().for_each(|s| s.prepare()));
+        }
+    });
 }
 
 /// One token drawn from `logits` (already cut to the allowed ids) at the temperature, with the

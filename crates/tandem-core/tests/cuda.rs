@@ -386,7 +386,7 @@ fn draws_on_the_gpu_are_the_hosts() {
             let mut host = Sampler::new(params.clone(), allowed);
             let mine = &picks[i * draws.len()..(i + 1) * draws.len()];
             for (&u, pick) in draws.iter().zip(mine) {
-                assert_eq!(*pick, Some(host.sample_drawn(&row, u)), "state {i}, {params:?}, u {u}");
+                assert_eq!(*pick, Some(host.sample_drawn(&row, u).unwrap()), "state {i}, {params:?}, u {u}");
             }
             if top_k != 1 {
                 assert!(mine.iter().collect::<std::collections::HashSet<_>>().len() > 1, "draws with {params:?} vary");
@@ -398,6 +398,68 @@ fn draws_on_the_gpu_are_the_hosts() {
         let draw = GpuDraw { allowed, inv_t: 1.0, top_k: 0, top_p: 1.0, u: 0.5 };
         assert_eq!(gpu.sample_rows(&[(s, draw)]).unwrap(), vec![None], "the row is on the host now");
     }
+}
+
+/// Picks on the GPU from rows masked by a grammar's mask (kernels/sample.cu mask_rows, then
+/// argmax_rows or sample_rows) are what the host picks from the same rows masked the same way
+/// (grammar::apply): greedy and drawn, with masks of every kind (all allowed, a few words, one
+/// id, the step's own argmax masked out), after a batched step and one sequence's; a row on the
+/// host is declined.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn masked_picks_on_the_gpu_are_the_hosts() {
+    use tandem_core::grammar;
+    use tandem_core::sampling::{argmax, GpuDraw, MaskedPick, Sampler, SamplingParams};
+    let (gpu0, _turn) = gpu_for("picks masked by a grammar");
+    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
+    let tokens = prompt("p4");
+    let gpu = GpuQwen35::upload(gpu0, &m.net, Precision::TensorCores).unwrap();
+    let mut states: Vec<_> = (0..3).map(|i| prefilled(&gpu, &tokens[..5 + i])).collect();
+    gpu.decode_batch(&[1, 2], &mut states[..2].iter_mut().collect::<Vec<_>>()).unwrap();
+    gpu.forward(&[3], &mut states[2], Logits::Last).unwrap();
+    let allowed = m.net.config.vocab_size - 7;
+    let words = allowed.div_ceil(32);
+    let mut seed = 99u32;
+    let mut next = || {
+        seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        seed
+    };
+    let masks: Vec<Vec<u32>> = vec![
+        vec![u32::MAX; words],
+        (0..words).map(|w| if w % 5 == 0 { next() } else { 0 }).collect(),
+        (0..words).map(|w| if w == words / 3 { 1 << 7 } else { 0 }).collect(),
+        (0..words).map(|w| if w % 2 == 1 { u32::MAX } else { 0 }).collect(),
+        // Shorter than the row: the ids past it are masked.
+        vec![u32::MAX; words / 2],
+    ];
+    let kinds: Vec<Option<(f32, usize, f32)>> = vec![None, Some((1.0, 0, 1.0)), Some((0.7, 20, 0.9)), Some((2.0, 0, 0.5))];
+    let mut rows = Vec::new();
+    for s in &states {
+        for (mi, mask) in masks.iter().enumerate() {
+            for (ki, kind) in kinds.iter().enumerate() {
+                let u = ((mi * 7 + ki * 3) as f64 * 0.618_034).fract();
+                let draw = kind.map(|(t, top_k, top_p)| GpuDraw { allowed, inv_t: 1.0 / t, top_k, top_p, u });
+                rows.push((s, MaskedPick { allowed, mask: &mask[..], draw }));
+            }
+        }
+    }
+    let picks = gpu.sample_masked(&rows).unwrap();
+    for ((s, p), pick) in rows.iter().zip(&picks) {
+        let mut row = s.host_logits().unwrap()[..allowed].to_vec();
+        grammar::apply(p.mask, &mut row);
+        let want = match p.draw {
+            None => argmax(&row),
+            Some(d) => {
+                let params = SamplingParams { temperature: 1.0 / d.inv_t, top_k: d.top_k, top_p: d.top_p, ..Default::default() };
+                Sampler::new(params, allowed).sample_drawn(&row, d.u).unwrap()
+            }
+        };
+        assert_eq!(*pick, Some(want), "{:?}", p.draw);
+        assert!(p.mask.get(want as usize / 32).is_some_and(|w| (w >> (want % 32)) & 1 == 1), "an allowed id");
+    }
+    states[0].last_logits().unwrap();
+    let pick = MaskedPick { allowed, mask: &masks[0], draw: None };
+    assert_eq!(gpu.sample_masked(&[(&states[0], pick)]).unwrap(), vec![None], "the row is on the host now");
 }
 
 /// A decode step far into the context: the decode attention splits its 5,000 visible

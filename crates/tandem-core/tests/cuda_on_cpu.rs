@@ -6,7 +6,7 @@
 //! the conv of a prefill (with the q/k l2 norm), the decode attention (split over the positions)
 //! and the tiled one, the decode DeltaNet step (two launches: the conv window, the state and the
 //! blocks' hand-over carry from one to the next), the chunked delta rule of a prefill and the
-//! greedy pick (argmax_rows) and the draw with its top-k and top-p cuts (sample_rows); the prefill kernels of a packed prefill against each sequence alone; and the tensor-core attention and state walk against the f32 kernels
+//! greedy pick (argmax_rows), the draw with its top-k and top-p cuts (sample_rows) and a grammar's mask (mask_rows); the prefill kernels of a packed prefill against each sequence alone; and the tensor-core attention and state walk against the f32 kernels
 //! (the tensor-core instructions emulated: shim.h); and every kernel's Rust declaration (the
 //! parameter types a launch passes) against its C++ signature. A kernel's logic is checked on every
 //! machine with a C++ compiler, GPU or not (tests/cuda.rs holds the real GPU to the CPU engine

@@ -160,3 +160,55 @@ fn samplers_side_by_side_pick_what_they_pick_one_after_another() {
         }
     }
 }
+
+/// A grammar's masks computed ahead (`prepare`, as a GPU engine's decode loop does while the
+/// step runs) and the GPU's way of picking (`gpu_masked_pick`: the row masked by the mask it
+/// hands out, greedy or drawn with its uniform, the token handed back through `took`; or the
+/// host's fallback with the same uniform) pick what `sample` picks alone.
+#[test]
+fn masks_computed_ahead_and_masked_picks_are_the_samplers_own() {
+    use tandem_core::grammar;
+    use tandem_core::sampling::{argmax, prepare_side_by_side};
+    let tok = tokenizer();
+    let ends = ends(&tok);
+    let g = Grammars::new(&tok, &ends).unwrap();
+    let schema = g.json_schema(&json!({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 8}}, "required": ["a", "b"]})).unwrap();
+    let n = tok.vocab_size();
+    let params = |k: u64| SamplingParams { temperature: [0.0, 0.8, 1.3][k as usize % 3], top_k: if k == 4 { 40 } else { 0 }, seed: k, constraint: Some(schema.clone()), ..Default::default() };
+    let mut rng = Rng::new(11);
+    let rows: Vec<Vec<f32>> = (0..5).map(|_| (0..n + 243).map(|_| rng.next_signed_f32() * 4.0).collect()).collect();
+    let samplers = || (0..6).map(|k| Sampler::new(params(k), n)).collect::<Vec<_>>();
+    let (mut alone, mut ahead, mut masked) = (samplers(), samplers(), samplers());
+    for step in 0..40 {
+        let row = |i: usize| &rows[(step + i) % rows.len()][..];
+        let want: Vec<u32> = alone.iter_mut().enumerate().map(|(i, s)| s.sample(row(i)).unwrap()).collect();
+        prepare_side_by_side(&mut ahead.iter_mut().collect::<Vec<_>>(), 3);
+        assert!(ahead.iter().all(|s| !s.unprepared()));
+        let got: Vec<u32> = ahead.iter_mut().enumerate().map(|(i, s)| s.sample(row(i)).unwrap()).collect();
+        assert_eq!(got, want, "masks computed ahead, step {step}");
+        let got: Vec<u32> = masked
+            .iter_mut()
+            .enumerate()
+            .map(|(i, s)| {
+                let pick = s.gpu_masked_pick().expect("a grammar alone changes the logits").unwrap();
+                let (mask, draw) = (pick.mask.to_vec(), pick.draw);
+                match draw {
+                    // The host's fallback for a draw the GPU could not make.
+                    Some(d) => s.sample_drawn(row(i), d.u).unwrap(),
+                    // What mask_rows and argmax_rows compute.
+                    None => {
+                        let mut r = row(i)[..n].to_vec();
+                        grammar::apply(&mask, &mut r);
+                        let id = argmax(&r);
+                        s.took(id);
+                        id
+                    }
+                }
+            })
+            .collect();
+        assert_eq!(got, want, "masked picks, step {step}");
+    }
+    // A sampler that reads the logits otherwise (logprobs) takes no masked pick on a GPU.
+    let mut s = Sampler::new(SamplingParams { logprobs: Some(2), constraint: Some(schema.clone()), ..Default::default() }, n);
+    assert!(s.gpu_masked_pick().is_none());
+}

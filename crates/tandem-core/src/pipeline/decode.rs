@@ -478,9 +478,19 @@ fn step(engine: &Engine, active: &mut Vec<Active>, time: &EngineTime) -> Vec<Dev
     if active.is_empty() {
         return unused;
     }
-    let mut states: Vec<&mut DeviceState> = active.iter_mut().map(|a| &mut a.state).collect();
+    let (mut states, mut samplers): (Vec<&mut DeviceState>, Vec<&mut Sampler>) = active.iter_mut().map(|a| (&mut a.state, &mut a.sampler)).unzip();
     let started = Instant::now();
-    let decoded = engine.decode(&tokens, &mut states);
+    // The grammars' masks for the next tokens depend only on the tokens taken so far: a GPU
+    // engine's host computes them while the GPU runs the step (a CPU engine's cores are busy
+    // with it, and its samplers compute them when they pick).
+    let ahead = engine.gpu().is_some() && samplers.iter().any(|s| s.unprepared());
+    let threads = engine.sampling_threads(samplers.len());
+    let decoded = std::thread::scope(|scope| {
+        if ahead {
+            scope.spawn(|| crate::sampling::prepare_side_by_side(&mut samplers, threads));
+        }
+        engine.decode(&tokens, &mut states)
+    });
     EngineTime::add(&time.decode_ns, started);
     time.span(started, || Work::Decode { sequences: states.len(), positions: states.iter().map(|s| s.position()).sum() });
     if let Err(e) = decoded {

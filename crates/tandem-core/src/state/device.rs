@@ -7,7 +7,6 @@ use anyhow::Result;
 use super::State;
 use crate::backend::cuda::qwen35::kv_cache::KV_BLOCK;
 use crate::backend::cuda::qwen35::{GpuQwen35, GpuState};
-use crate::sampling::Sampler;
 
 pub enum DeviceState {
     Host(State),
@@ -37,17 +36,6 @@ impl DeviceState {
             DeviceState::Host(s) => !s.last_logits.is_empty(),
             DeviceState::Gpu(s) => s.has_logits(),
         }
-    }
-
-    /// The next token by `sampler`, from the last logits: a greedy pick the GPU already made is
-    /// taken as it is (no logits cross to the host), anything else reads the logits.
-    pub fn sample(&mut self, sampler: &mut Sampler) -> Result<u32> {
-        if let DeviceState::Gpu(s) = self {
-            if let Some(token) = s.last_argmax().and_then(|a| sampler.greedy_pick(a)) {
-                return Ok(token);
-            }
-        }
-        sampler.sample(self.last_logits()?)
     }
 
     /// K/V blocks (of `KV_BLOCK` positions) the state must take to hold `end` positions on a

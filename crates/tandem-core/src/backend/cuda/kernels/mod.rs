@@ -199,4 +199,7 @@ kernels! {
     ARGMAX_ROWS = "argmax_rows" as (F32, i32, F32, U32, U32, U32);
     /// (rows, params, out): a draw from each row, params (n, inv_t, top_k, top_p, u, argmax) a row.
     SAMPLE_ROWS = "sample_rows" as (Table, DevPtr<f64>, U32);
+    /// (rows, allowed, words, n, out): each row's first n logits masked by its `words` words of
+    /// bits into out (n a row).
+    MASK_ROWS = "mask_rows" as (Table, U32, i32, i32, F32);
 }

@@ -56,6 +56,19 @@ extern "C" __global__ void __launch_bounds__(256) argmax_rows(const float* logit
     }
 }
 
+// A grammar's mask on rows of logits (sampling.rs Sampler::gpu_masked_pick; grammar::apply the
+// host's form): out[r * n + i] = rows[r][i] where bit i of row r's mask (`words` u32 a row, bit i
+// of word i / 32) allows id i, else -inf, for ids 0..n. A copy, so that a state's own row stays
+// the model's logits; argmax_rows and sample_rows then pick from it. Grid: (spans, rows); block
+// 256.
+extern "C" __global__ void __launch_bounds__(256) mask_rows(float* const* rows, const u32* allowed, int words, int n, float* out) {
+    pdl_enter();
+    const float* x = rows[blockIdx.y];
+    const u32* bits = allowed + (size_t)blockIdx.y * words;
+    float* o = out + (size_t)blockIdx.y * n;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) o[i] = (bits[i >> 5] >> (i & 31)) & 1u ? x[i] : NEG_INF;
+}
+
 // Sampling at a temperature with top-k and top-p cuts, one row of logits per block (sampling.rs
 // Sampler::sample_drawn, the host's form; sample_reference.cpp its plain check). Over the first n
 // ids, the scores s = (logit - max) * inv_t above -30 are the candidates; each weighs

@@ -116,9 +116,61 @@ static void check_sample_rows(int n, int threads) {
     printf("%s sample_rows, %d rows of about %d logits with top-k and top-p cuts, %d threads: the plain draw's picks, the sentinel without a finite logit\n", ok ? "ok  " : "FAIL", rows_n, n, threads);
 }
 
+// mask_rows against the plain mask (grammar::apply): rows of different masks (all allowed, a
+// few ids, whole words and single bits, none), ids past the mask's words never reached; then the
+// greedy pick of each masked row by argmax_rows is the plain loop's over the allowed ids, -inf
+// elsewhere.
+static void check_mask_rows(int rows_n, int n, int spans) {
+    int words = (n + 31) / 32;
+    auto x = random((size_t)rows_n * n, -8, 8);
+    x[3] = std::nanf("");
+    std::vector<u32> bits((size_t)rows_n * words);
+    unsigned seed = 12345;
+    auto next = [&] { seed = seed * 1664525u + 1013904223u; return seed; };
+    for (int r = 0; r < rows_n; r++) {
+        u32* b = &bits[(size_t)r * words];
+        for (int w = 0; w < words; w++) {
+            switch (r % 4) {
+                case 0: b[w] = 0xffffffffu; break;                     // every id
+                case 1: b[w] = (w % 7 == 0) ? next() : 0u; break;      // a few words, random bits
+                case 2: b[w] = (w == words / 2) ? 1u << (r % 32) : 0u; break;  // one id
+                default: b[w] = (w % 3 == 1) ? 0xffffffffu : 0u; break;  // whole words
+            }
+        }
+    }
+    std::vector<const float*> ptrs;
+    for (int r = 0; r < rows_n; r++) ptrs.push_back(&x[(size_t)r * n]);
+    std::vector<float> out((size_t)rows_n * n, 1.0f);
+    launch(spans, rows_n, 1, 256, [&] { mask_rows((float* const*)ptrs.data(), bits.data(), words, n, out.data()); });
+    bool ok = true;
+    for (int r = 0; r < rows_n; r++)
+        for (int i = 0; i < n; i++) {
+            bool allowed = (bits[(size_t)r * words + i / 32] >> (i % 32)) & 1u;
+            float want = allowed ? x[(size_t)r * n + i] : -INFINITY, got = out[(size_t)r * n + i];
+            ok &= (std::isnan(want) && std::isnan(got)) || got == want;
+        }
+    std::vector<float> pv((size_t)rows_n * spans);
+    std::vector<u32> pi((size_t)rows_n * spans), got(rows_n);
+    std::vector<unsigned> done(rows_n, 0);
+    launch(spans, rows_n, 1, 256, [&] { argmax_rows(out.data(), n, pv.data(), pi.data(), done.data(), got.data()); });
+    for (int r = 0; r < rows_n; r++) {
+        int best = -1;
+        for (int i = 0; i < n; i++) {
+            bool allowed = (bits[(size_t)r * words + i / 32] >> (i % 32)) & 1u;
+            float v = allowed ? x[(size_t)r * n + i] : -INFINITY;
+            if (!std::isnan(v) && (best < 0 || v > (((bits[(size_t)r * words + best / 32] >> (best % 32)) & 1u) ? x[(size_t)r * n + best] : -INFINITY))) best = i;
+        }
+        ok &= got[r] == (u32)std::max(best, 0);
+    }
+    failures += !ok;
+    printf("%s mask_rows, %d rows of %d in %d spans: the plain mask, and argmax_rows' picks of the masked rows the plain loop's\n", ok ? "ok  " : "FAIL", rows_n, n, spans);
+}
+
 static void check_sample_kernels() {
     check_sample_rows(10007, 256);
     check_sample_rows(300, 96);
     check_argmax(4, 10007, 64);
     check_argmax(3, 300, 7);
+    check_mask_rows(8, 10007, 64);
+    check_mask_rows(5, 300, 3);
 }

@@ -57,7 +57,7 @@ use crate::model::Mixer;
 use crate::model::{Logits, Qwen35};
 use crate::state::{HostSnapshot, LayerState, Lineage, State};
 use crate::model::tensor::{Matrix, WeightData};
-use crate::sampling::GpuDraw;
+use crate::sampling::{GpuDraw, MaskedPick};
 
 /// How the products with the weights are computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,6 +109,8 @@ fn decode_gemm_from_for(c: &Qwen35Config) -> usize {
 const STEP_HEADS_FROM: usize = 4;
 /// Blocks per logits row of the greedy pick (kernels/sample.cu argmax_rows; at most 256).
 const ARGMAX_SPANS: usize = 64;
+/// Blocks per logits row of a grammar's mask (kernels/sample.cu mask_rows).
+const MASK_SPANS: usize = 64;
 /// The longest GEMV input row whose 1/rms each GEMV block computes itself (see `gemv`).
 const RMS_IN_GEMV_MAX_K: usize = 2048;
 /// The row length of the streaming GEMV (kernels/gemv.cu gemv_stream_*: 32 lanes x 8 x
@@ -857,10 +859,79 @@ impl GpuQwen35 {
         let (ptrs_dev, params_dev, out) = (g.upload(&ptrs)?, g.upload(&params)?, g.scratch::<u32>(ptrs.len())?);
         g.launch(k::SAMPLE_ROWS, Grid::new((ptrs.len(), 1, 1), 1024), (g.ptr(&ptrs_dev).reinterpret(), g.ptr(&params_dev), g.ptr(&out)))?;
         let mut ids = g.download(&out, ptrs.len())?.into_iter();
-        // A row that a later step may have overwritten while it was read (another engine's
-        // reused buffer) counts as not drawn: the host then refuses it with the reason.
-        let current = |s: &GpuState| !matches!(&s.last, LastLogits::InBatch { written, step, .. } if written.load(Ordering::Acquire) != *step);
-        Ok(rows.iter().zip(draws).map(|(row, (s, _))| row.and_then(|_| ids.next()).filter(|&id| id != u32::MAX && current(s))).collect())
+        Ok(rows.iter().zip(draws).map(|(row, (s, _))| row.and_then(|_| ids.next()).filter(|&id| id != u32::MAX && still_current(s))).collect())
+    }
+
+    /// Picks from the last logits of states whose step left them on this GPU, each row masked
+    /// first by its grammar (`sampling::MaskedPick`; kernels/sample.cu mask_rows, into a copy,
+    /// so that the state's row stays the model's): greedy (argmax_rows over the masked rows) or
+    /// a draw (sample_rows). Only the masks go up and the ids come back. None for a state whose
+    /// logits are elsewhere or where a draw finds no logit: the host picks then.
+    pub fn sample_masked(&self, picks: &[(&GpuState, MaskedPick)]) -> Result<Vec<Option<u32>>> {
+        let g = &self.gpu;
+        let Some(n) = picks.first().map(|(_, p)| p.allowed) else { return Ok(Vec::new()) };
+        if let Some((_, p)) = picks.iter().find(|(_, p)| p.allowed != n) {
+            bail!("sample_masked: rows of {n} and of {} ids in one call", p.allowed);
+        }
+        let rows: Vec<Option<u64>> = picks.iter().map(|(s, _)| self.logits_row(s, n)).collect();
+        let words = n.div_ceil(32);
+        let (mut ptrs, mut masks, mut kept) = (Vec::new(), Vec::new(), Vec::new());
+        for (row, (_, p)) in rows.iter().zip(picks) {
+            if let Some(row) = row {
+                ptrs.push(*row);
+                let m = &p.mask[..words.min(p.mask.len())];
+                masks.extend_from_slice(m);
+                masks.resize(masks.len() + words - m.len(), 0);
+                kept.push(p);
+            }
+        }
+        let m = ptrs.len();
+        if m == 0 {
+            return Ok(vec![None; picks.len()]);
+        }
+        let (ptrs_dev, masks_dev, masked) = (g.upload(&ptrs)?, g.upload(&masks)?, g.scratch::<f32>(m * n)?);
+        g.launch(k::MASK_ROWS, Grid::new((MASK_SPANS, m, 1), 256), (g.ptr(&ptrs_dev).reinterpret(), g.ptr(&masks_dev), words as i32, n as i32, g.ptr(&masked)))?;
+        // The greedy picks: every masked row's argmax, in one launch.
+        let greedy = if kept.iter().any(|p| p.draw.is_none()) {
+            let (part_v, part_i, done, out) = (g.scratch::<f32>(m * ARGMAX_SPANS)?, g.scratch::<u32>(m * ARGMAX_SPANS)?, g.zeros::<u32>(m)?, g.scratch::<u32>(m)?);
+            g.launch(k::ARGMAX_ROWS, Grid::new((ARGMAX_SPANS, m, 1), 256), (g.ptr(&masked), n as i32, g.ptr(&part_v), g.ptr(&part_i), g.ptr(&done), g.ptr(&out)))?;
+            g.download(&out, m)?
+        } else {
+            Vec::new()
+        };
+        // The draws: from the masked rows, their largest found again (the step's argmax may be
+        // masked).
+        let (mut draw_rows, mut params) = (Vec::new(), Vec::new());
+        for (j, p) in kept.iter().enumerate() {
+            if let Some(d) = p.draw {
+                draw_rows.push(g.ptr(&masked).offset(j * n).addr());
+                params.extend([n as f64, d.inv_t as f64, d.top_k as f64, d.top_p as f64, d.u, -1.0]);
+            }
+        }
+        let mut drawn = if draw_rows.is_empty() {
+            Vec::new()
+        } else {
+            let (rows_dev, params_dev, out) = (g.upload(&draw_rows)?, g.upload(&params)?, g.scratch::<u32>(draw_rows.len())?);
+            g.launch(k::SAMPLE_ROWS, Grid::new((draw_rows.len(), 1, 1), 1024), (g.ptr(&rows_dev).reinterpret(), g.ptr(&params_dev), g.ptr(&out)))?;
+            g.download(&out, draw_rows.len())?
+        }
+        .into_iter();
+        let mut j = 0;
+        let mut out = Vec::with_capacity(picks.len());
+        for (row, (s, p)) in rows.iter().zip(picks) {
+            out.push(match row {
+                None => None,
+                Some(_) => {
+                    j += 1;
+                    let id = match p.draw {
+                        None => Some(greedy[j - 1]),
+                        Some(_) => drawn.next().filter(|&id| id != u32::MAX),
+                    };
+                    id.filter(|_| still_current(s))
+                }
+            });
+        }
+        Ok(out)
     }
 
     /// The address of `state`'s last logits where a step on this GPU left them in GPU memory,
@@ -886,4 +957,11 @@ impl GpuQwen35 {
         let args = (g.ptr(&ws.logits), self.config.vocab_size as i32, g.ptr(&ws.pick_v), g.ptr(&ws.pick_i), g.ptr(&ws.pick_done), g.ptr(&ws.pick));
         g.launch(k::ARGMAX_ROWS, Grid::new((ARGMAX_SPANS, rows, 1), 256), args)
     }
+}
+
+/// Whether a state's last logits on the GPU are still its own: a row that a later step may
+/// have overwritten while it was read (another engine's reused buffer) counts as not picked,
+/// and the host then refuses it with the reason.
+fn still_current(s: &GpuState) -> bool {
+    !matches!(&s.last, LastLogits::InBatch { written, step, .. } if written.load(Ordering::Acquire) != *step)
 }
