@@ -27,20 +27,7 @@ fn reference_prompts() -> Vec<(Vec<u32>, Vec<u32>)> {
 }
 
 fn request(id: u64, tokens: Vec<u32>, max_tokens: usize, events: std::sync::mpsc::Sender<Event>) -> Request {
-    Request {
-        id,
-        start: None,
-        tokens,
-        max_tokens,
-        sampling: SamplingParams::default(),
-        vocab: 1024,
-        stop_ids: vec![],
-        return_state: false,
-        snapshots: Vec::new(),
-        cancel: Arc::new(AtomicBool::new(false)),
-        events,
-        forks: Vec::new(),
-    }
+    Request::new(id, tokens, max_tokens, 1024, events)
 }
 
 /// Run `prompts` through a pipeline at once (all submitted before the first finishes) and

@@ -76,20 +76,9 @@ fn a_hit_anywhere_gives_the_bits_of_a_cold_prefill() {
                 for (i, prompt) in group.iter().enumerate() {
                     let found = cache.lookup(None, prompt);
                     cache.count(&found);
-                    p.submit(Request {
-                        id: i as u64,
-                        start: found.state.map(Start::Cached),
-                        tokens: prompt[found.reused..].to_vec(),
-                        max_tokens: 0,
-                        sampling: SamplingParams::default(),
-                        vocab: vocab as usize,
-                        stop_ids: vec![],
-                        return_state: true,
-                        snapshots: found.stops.iter().map(|s| s - found.reused).collect(),
-                        cancel: Arc::new(AtomicBool::new(false)),
-                        events: tx.clone(),
-                        forks: Vec::new(),
-                    })?;
+                    let snapshots = found.stops.iter().map(|s| s - found.reused).collect();
+                    let request = Request::new(i as u64, prompt[found.reused..].to_vec(), 0, vocab as usize, tx.clone());
+                    p.submit(Request { start: found.state.map(Start::Cached), return_state: true, snapshots, ..request })?;
                 }
                 drop(tx);
                 for e in rx {
@@ -261,20 +250,9 @@ fn greedy_after_hits(config: PipelineConfig, host: usize, disk: Option<&std::pat
             let found = cache.lookup(None, prompt);
             hits += usize::from(found.reused > 0);
             let (tx, rx) = channel();
-            p.submit(Request {
-                id: 0,
-                start: found.state.map(Start::Cached),
-                tokens: prompt[found.reused..].to_vec(),
-                max_tokens: params.max_tokens,
-                sampling: params.sampling.clone(),
-                vocab: params.vocab,
-                stop_ids: vec![],
-                return_state: false,
-                snapshots: found.stops.iter().map(|s| s - found.reused).collect(),
-                cancel: Arc::new(AtomicBool::new(false)),
-                events: tx,
-                forks: Vec::new(),
-            })?;
+            let snapshots = found.stops.iter().map(|s| s - found.reused).collect();
+            let request = Request::new(0, prompt[found.reused..].to_vec(), params.max_tokens, params.vocab, tx);
+            p.submit(Request { start: found.state.map(Start::Cached), sampling: params.sampling.clone(), snapshots, ..request })?;
             let mut got = Vec::new();
             for e in rx {
                 match e {

@@ -3,9 +3,7 @@
 
 use std::io::Write;
 use std::process::ExitCode;
-use std::sync::atomic::AtomicBool;
 use std::sync::mpsc::channel;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -51,21 +49,9 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     let results = pipeline::run(&model.net, &config, |pipeline| {
         let (events, rx) = channel();
         for (i, p) in prompts.iter().enumerate() {
-            pipeline.submit(Request {
-                id: i as u64,
-                start: None,
-                tokens: p.clone(),
-                max_tokens,
-                // The repetition penalty counts the prompt's tokens.
-                sampling: SamplingParams { penalties: Penalties { prompt: p.as_slice().into(), ..params.penalties.clone() }, ..params.clone() },
-                vocab: model.sampleable_vocab(),
-                stop_ids: model.stop_ids.clone(),
-                return_state: false,
-                snapshots: Vec::new(),
-                cancel: Arc::new(AtomicBool::new(false)),
-                events: events.clone(),
-                forks: Vec::new(),
-            })?;
+            // The repetition penalty counts the prompt's tokens.
+            let sampling = SamplingParams { penalties: Penalties { prompt: p.as_slice().into(), ..params.penalties.clone() }, ..params.clone() };
+            pipeline.submit(Request { sampling, stop_ids: model.stop_ids.clone(), ..Request::new(i as u64, p.clone(), max_tokens, model.sampleable_vocab(), events.clone()) })?;
         }
         drop(events);
         let mut outputs = vec![Vec::new(); prompts.len()];

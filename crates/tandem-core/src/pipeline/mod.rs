@@ -18,7 +18,7 @@ pub mod request;
 mod swap_file;
 pub mod trace;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::path::PathBuf;
@@ -286,20 +286,8 @@ impl Pipeline {
     /// token to `on_token` as it is sampled.
     pub fn generate(&self, start: Option<State>, tokens: Vec<u32>, params: &RequestParams, mut on_token: impl FnMut(u32) -> Result<()>) -> Result<Generated> {
         let (events, rx) = channel();
-        self.submit(Request {
-            id: 0,
-            start: start.map(Start::State),
-            tokens,
-            max_tokens: params.max_tokens,
-            sampling: params.sampling.clone(),
-            vocab: params.vocab,
-            stop_ids: params.stop_ids.clone(),
-            return_state: true,
-            snapshots: Vec::new(),
-            cancel: Arc::new(AtomicBool::new(false)),
-            events,
-            forks: Vec::new(),
-        })?;
+        let request = Request::new(0, tokens, params.max_tokens, params.vocab, events);
+        self.submit(Request { start: start.map(Start::State), sampling: params.sampling.clone(), stop_ids: params.stop_ids.clone(), return_state: true, ..request })?;
         let mut out = Vec::new();
         for event in rx {
             match event {

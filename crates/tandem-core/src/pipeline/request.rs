@@ -50,6 +50,26 @@ pub struct Fork {
 }
 
 impl Request {
+    /// A request for `max_tokens` tokens after `tokens`, from a fresh state, sampled greedily
+    /// over `vocab` ids with no stop tokens, its events to `events`; the other fields set by
+    /// struct update where a caller wants more.
+    pub fn new(id: u64, tokens: Vec<u32>, max_tokens: usize, vocab: usize, events: Sender<Event>) -> Request {
+        Request {
+            id,
+            start: None,
+            tokens,
+            max_tokens,
+            sampling: SamplingParams::default(),
+            vocab,
+            stop_ids: Vec::new(),
+            return_state: false,
+            snapshots: Vec::new(),
+            cancel: Arc::new(AtomicBool::new(false)),
+            events,
+            forks: Vec::new(),
+        }
+    }
+
     /// The request a fork decodes as: this one's sampling, stops and channel, under the fork's
     /// id, seed and flag; no tokens of its own to apply.
     pub fn forked(&self, fork: &Fork) -> Request {

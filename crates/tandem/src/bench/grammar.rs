@@ -105,20 +105,8 @@ pub fn run(report: &mut String, args: &Args, quick: bool) -> Result<()> {
                 for (k, c) in [None, Some(schema)].into_iter().enumerate() {
                     let (tx, rx) = channel();
                     for i in 0..b {
-                        p.submit(Request {
-                            id: i as u64,
-                            start: None,
-                            tokens: prompt_of(32 + i, vocab),
-                            max_tokens: steps,
-                            sampling: SamplingParams { constraint: c.cloned(), ..Default::default() },
-                            vocab,
-                            stop_ids: model.stop_ids.clone(),
-                            return_state: false,
-                            snapshots: Vec::new(),
-                            cancel: Default::default(),
-                            events: tx.clone(),
-                            forks: Vec::new(),
-                        })?;
+                        let sampling = SamplingParams { constraint: c.cloned(), ..Default::default() };
+                        p.submit(Request { sampling, stop_ids: model.stop_ids.clone(), ..Request::new(i as u64, prompt_of(32 + i, vocab), steps, vocab, tx.clone()) })?;
                     }
                     drop(tx);
                     let mut per_request = Vec::new();

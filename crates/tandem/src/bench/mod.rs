@@ -197,31 +197,18 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     if let Some(bad) = sections.iter().find(|s| !SECTIONS.contains(s) && !OWN_SECTIONS.contains(s)) {
         bail!("--sections: unknown section {bad:?} (sections: {}; on their own: {})", SECTIONS.join(", "), OWN_SECTIONS.join(", "));
     }
-    if sections == ["serve"] {
+    // The sections that run on their own, each with its own report.
+    type Own = fn(&mut String, &Args, bool) -> Result<()>;
+    let own: [(&str, &str, Own); 4] = [
+        ("serve", "serving", serve::run),
+        ("prefix-cache", "prefix cache", prefix_cache::run),
+        ("disagg", "disaggregated serving", disagg::run),
+        ("grammar", "constrained decoding", grammar::run),
+    ];
+    if let Some((_, title, run)) = own.iter().find(|(name, ..)| sections == [*name]) {
         started();
-        let mut report = String::from("# tandem bench (serving)\n\n");
-        let result = serve::run(&mut report, &args, quick);
-        print!("{report}");
-        return result.map(|()| ExitCode::SUCCESS);
-    }
-    if sections == ["prefix-cache"] {
-        started();
-        let mut report = String::from("# tandem bench (prefix cache)\n\n");
-        let result = prefix_cache::run(&mut report, &args, quick);
-        print!("{report}");
-        return result.map(|()| ExitCode::SUCCESS);
-    }
-    if sections == ["disagg"] {
-        started();
-        let mut report = String::from("# tandem bench (disaggregated serving)\n\n");
-        let result = disagg::run(&mut report, &args, quick);
-        print!("{report}");
-        return result.map(|()| ExitCode::SUCCESS);
-    }
-    if sections == ["grammar"] {
-        started();
-        let mut report = String::from("# tandem bench (constrained decoding)\n\n");
-        let result = grammar::run(&mut report, &args, quick);
+        let mut report = format!("# tandem bench ({title})\n\n");
+        let result = run(&mut report, &args, quick);
         print!("{report}");
         return result.map(|()| ExitCode::SUCCESS);
     }

@@ -486,20 +486,7 @@ pub fn concurrency(rec: &mut Record, model: &LoadedModel, config: &PipelineConfi
                 let (tx, rx) = channel();
                 let start = Instant::now();
                 for i in 0..n {
-                    p.submit(Request {
-                        id: i as u64,
-                        start: None,
-                        tokens: prompt_of(prompt_tokens + i, vocab),
-                        max_tokens,
-                        sampling: Default::default(),
-                        vocab,
-                        stop_ids: vec![],
-                        return_state: false,
-                        snapshots: Vec::new(),
-                        cancel: Default::default(),
-                        events: tx.clone(),
-                        forks: Vec::new(),
-                    })?;
+                    p.submit(Request::new(i as u64, prompt_of(prompt_tokens + i, vocab), max_tokens, vocab, tx.clone()))?;
                 }
                 drop(tx);
                 let mut ttfts = Vec::new();

@@ -543,10 +543,10 @@ impl Completion {
         // the prompt and the reply's ids.
         enum Lead {
             Ids(Vec<u32>),
-            Chat(Conversation, Message),
+            Chat(Box<(Conversation, Message)>),
         }
         let lead = match &self.conversation {
-            Some(c) => Lead::Chat(c.clone(), self.choices[0].message()),
+            Some(c) => Lead::Chat(Box::new((c.clone(), self.choices[0].message()))),
             None => Lead::Ids([&self.prompt[..], &self.choices[0].ids[..]].concat()),
         };
         // Where the cache no longer holds the prompt's snapshot (its last turn's start, for a
@@ -565,8 +565,8 @@ impl Completion {
             let made = async {
                 let tokens = match lead {
                     Lead::Ids(ids) => ids,
-                    Lead::Chat(conversation, reply) => {
-                        let a = Arc::clone(&app);
+                    Lead::Chat(chat) => {
+                        let (a, (conversation, reply)) = (Arc::clone(&app), *chat);
                         tokio::task::spawn_blocking(move || a.next_turn_lead(&conversation, reply)).await.map_err(|e| anyhow::anyhow!("{e}"))?.map_err(|e| anyhow::anyhow!("{}", e.message))?
                     }
                 };

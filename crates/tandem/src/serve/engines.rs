@@ -197,20 +197,7 @@ impl Engines {
         let forks = choices[1..].iter().zip(1u64..).map(|((id, cancel), k)| Fork { id: *id, seed: seed.wrapping_add(k), cancel: Arc::clone(cancel) }).collect();
         let (id, cancel) = (choices[0].0, Arc::clone(&choices[0].1));
         let running = Running { choices, events: rx, routes: Arc::clone(&self.routes) };
-        self.pipeline.submit(Request {
-            id,
-            start,
-            tokens,
-            max_tokens: params.max_tokens,
-            sampling: params.sampling,
-            vocab: params.vocab,
-            stop_ids: params.stop_ids,
-            return_state: false,
-            snapshots,
-            cancel,
-            events: self.events.clone(),
-            forks,
-        })?;
+        self.pipeline.submit(Request { start, sampling: params.sampling, stop_ids: params.stop_ids, snapshots, cancel, forks, ..Request::new(id, tokens, params.max_tokens, params.vocab, self.events.clone()) })?;
         Ok(running)
     }
 
