@@ -19,6 +19,8 @@ use crate::backend::cuda::qwen35::device_pool::PoolFull;
 use crate::backend::cuda::qwen35::{GpuPools, GpuQwen35, GpuState, Precision};
 use crate::model::{Logits, Qwen35};
 use crate::backend::cpu::pool::Pool;
+use crate::backend::cpu::CpuPrecision;
+use std::borrow::Cow;
 use crate::sampling::{GpuDraw, Sampler};
 use crate::state::{DeviceState, Snapshot, State};
 use crate::bridge::device;
@@ -91,7 +93,7 @@ impl std::fmt::Display for Dispatch {
 }
 
 /// An engine to start, parsed from its placement: where it runs and how it dispatches,
-/// `cpu[:cores=0-3|threads=N][,dispatch=MODE]`
+/// `cpu[:cores=0-3|threads=N][,precision=exact|fast][,dispatch=MODE]`
 /// or `cuda[:N][,precision=exact|tensor-cores][,state=f32|bf16][,dispatch=MODE]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineSpec {
@@ -103,6 +105,8 @@ pub struct EngineSpec {
     pub dispatch: Dispatch,
     /// How a CUDA engine computes prefill products (tensor cores unless asked otherwise).
     pub precision: Precision,
+    /// How a CPU engine multiplies (`precision=exact|fast`; exact unless asked otherwise).
+    pub cpu_precision: CpuPrecision,
     /// Whether a CUDA engine replays decode steps from CUDA graphs (on unless asked otherwise).
     pub graphs: bool,
     /// Whether a CUDA engine's stream runs at the GPU's highest priority (`priority=high`;
@@ -154,7 +158,7 @@ impl EngineSpec {
                 },
             }
         }
-        let mut p = EngineSpec { device, cores: None, threads: None, dispatch: Dispatch::Dynamic, precision: Precision::TensorCores, graphs: true, high_priority: None, state_dtype: StateDtype::F32 };
+        let mut p = EngineSpec { device, cores: None, threads: None, dispatch: Dispatch::Dynamic, precision: Precision::TensorCores, cpu_precision: CpuPrecision::Exact, graphs: true, high_priority: None, state_dtype: StateDtype::F32 };
         for (k, v) in pairs {
             match (k.as_str(), device) {
                 ("cores", Device::Cpu) => p.cores = Some(parse_cores(&v).with_context(|| format!("placement {spec:?}"))?),
@@ -162,6 +166,13 @@ impl EngineSpec {
                     Ok(n) if n > 0 => p.threads = Some(n),
                     _ => bail!("placement {spec:?}: threads={v:?} is not a positive number"),
                 },
+                ("precision", Device::Cpu) => {
+                    p.cpu_precision = match v.as_str() {
+                        "exact" => CpuPrecision::Exact,
+                        "fast" => CpuPrecision::Fast,
+                        _ => bail!("placement {spec:?}: precision={v:?}: choose exact or fast"),
+                    }
+                }
                 ("precision", Device::Cuda(_)) => {
                     p.precision = match v.as_str() {
                         "exact" => Precision::Exact,
@@ -185,7 +196,7 @@ impl EngineSpec {
                 }
                 ("state", Device::Cuda(_)) => p.state_dtype = StateDtype::parse(&v).with_context(|| format!("placement {spec:?}: state={v:?}"))?,
                 ("dispatch", _) => p.dispatch = Dispatch::parse(&v).with_context(|| format!("placement {spec:?}"))?,
-                (other, Device::Cpu) => bail!("placement {spec:?}: unknown key {other:?} (keys: cores, threads, dispatch)"),
+                (other, Device::Cpu) => bail!("placement {spec:?}: unknown key {other:?} (keys: cores, threads, precision, dispatch)"),
                 (other, Device::Cuda(_)) => bail!("placement {spec:?}: unknown key {other:?} (keys: precision, state, graphs, priority, dispatch)"),
             }
         }
@@ -229,6 +240,9 @@ impl std::fmt::Display for EngineSpec {
             (Some(c), _) => write!(f, "cores={},", c.iter().map(|c| c.to_string()).collect::<Vec<_>>().join("+"))?,
             (None, Some(n)) => write!(f, "threads={n},")?,
             (None, None) => {}
+        }
+        if self.cpu_precision == CpuPrecision::Fast {
+            write!(f, "precision=fast,")?;
         }
         write!(f, "dispatch={}", self.dispatch)
     }
@@ -276,7 +290,9 @@ enum Backend {
 /// must be made on the thread that will run it (a pinned pool pins that thread).
 pub struct Engine<'m> {
     pub spec: EngineSpec,
-    pub net: &'m Qwen35,
+    /// The model; a CPU engine whose precision differs from the model's holds its own view of
+    /// it (the weights shared).
+    pub net: Cow<'m, Qwen35>,
     backend: Backend,
 }
 
@@ -293,6 +309,14 @@ impl<'m> Engine<'m> {
                 g.set_state_dtype(spec.state_dtype)?;
                 Backend::Cuda(Box::new(g))
             }
+        };
+        let net = match spec.device {
+            Device::Cpu if net.cpu_precision() != spec.cpu_precision => {
+                let mut own = net.clone();
+                own.set_cpu_precision(spec.cpu_precision);
+                Cow::Owned(own)
+            }
+            _ => Cow::Borrowed(net),
         };
         Ok(Engine { spec: spec.clone(), net, backend })
     }
@@ -641,7 +665,10 @@ mod tests {
         assert_eq!(p.cores, Some(vec![0, 1]));
         assert_eq!(p.dispatch, Dispatch::Buckets(vec![64, 256, 512]));
         assert_eq!(EngineSpec::parse("cpu:cores=0-2").unwrap().cores, Some(vec![0, 1, 2]));
-        assert_eq!(EngineSpec::parse("cpu").unwrap(), EngineSpec { device: Device::Cpu, cores: None, threads: None, dispatch: Dispatch::Dynamic, precision: Precision::TensorCores, graphs: true, high_priority: None, state_dtype: StateDtype::F32 });
+        assert_eq!(EngineSpec::parse("cpu").unwrap(), EngineSpec { device: Device::Cpu, cores: None, threads: None, dispatch: Dispatch::Dynamic, precision: Precision::TensorCores, cpu_precision: CpuPrecision::Exact, graphs: true, high_priority: None, state_dtype: StateDtype::F32 });
+        let p = EngineSpec::parse("cpu:threads=2,precision=fast").unwrap();
+        assert_eq!((p.cpu_precision, p.to_string().as_str()), (CpuPrecision::Fast, "cpu:threads=2,precision=fast,dispatch=dynamic"));
+        assert!(EngineSpec::parse("cpu:precision=tensor-cores").is_err());
         let p = EngineSpec::parse("cuda:1,precision=exact,dispatch=batched:32").unwrap();
         assert_eq!((p.device, p.precision, p.dispatch.clone()), (Device::Cuda(1), Precision::Exact, Dispatch::Batched(32)));
         assert_eq!(p.to_string(), "cuda:1,precision=exact,dispatch=batched:32");
@@ -664,11 +691,11 @@ mod tests {
             ("cuda:x", "not a GPU number"),
             ("cuda:0,cores=1", "keys: precision, state, graphs, priority, dispatch"),
             ("cuda:0,state=fp8", "state=\"fp8\": state dtype \"fp8\": choose f32 or bf16"),
-            ("cpu:state=bf16", "keys: cores, threads, dispatch"),
+            ("cpu:state=bf16", "keys: cores, threads, precision, dispatch"),
             ("cuda:0,priority=urgent", "choose high or normal"),
             ("cuda:0,graphs=maybe", "choose on or off"),
             ("cuda:0,precision=fp8", "choose exact or tensor-cores"),
-            ("cpu:precision=exact", "keys: cores, threads, dispatch"),
+            ("cpu:precision=tensor-cores", "precision=\"tensor-cores\": choose exact or fast"),
         ] {
             let e = format!("{:#}", EngineSpec::parse(bad).unwrap_err());
             assert!(e.contains(says), "{bad}: {e}");

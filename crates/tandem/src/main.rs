@@ -38,7 +38,8 @@ MODELS:
 ENGINES (generate, chat):
   --prefill PLACEMENT    the prefill engine, e.g. cpu:cores=0,dispatch=batched:32
   --decode PLACEMENT     the decode engine, e.g. cpu:cores=1
-                         PLACEMENT = cpu[:cores=LIST|threads=N][,dispatch=MODE]; dispatch modes:
+                         PLACEMENT = cpu[:cores=LIST|threads=N][,precision=exact|fast][,dispatch=MODE];
+                         dispatch modes:
                          sequential | batched:N (fixed N-token dispatches, last one padded and
                          masked) | buckets:64,256,512 | dynamic (default); or
                          cuda[:N][,precision=exact|tensor-cores][,state=f32|bf16][,graphs=on|off]
@@ -67,8 +68,9 @@ ENGINES (generate, chat):
                          without --prefill/--decode: one engine on N threads or these cores
                          (default: one engine on all cores)
   --quant int8           weight-only int8 (per-row scales), quantized at load; default: as stored
-  --isa avx512|avx2|portable
-                         cap the kernels' instruction set (default: the best this CPU has)
+  --isa avx512-dot|avx512|avx2|portable
+                         cap the kernels' instruction set (default: the best this CPU has;
+                         avx512-dot: with the BF16 and VNNI dot products)
 
 GENERATE OPTIONS:
   --prompt TEXT          a prompt (repeat for several; they run through the pipeline together)
@@ -175,10 +177,11 @@ pub(crate) fn make_pool(args: &Args) -> Result<Pool> {
 pub(crate) fn apply_isa(args: &Args) -> Result<()> {
     use tandem_core::backend::cpu::kernels::{set_max_isa, Isa};
     match args.str("isa") {
-        None | Some("avx512") => set_max_isa(Isa::Avx512),
+        None | Some("avx512-dot") => set_max_isa(Isa::Avx512Dot),
+        Some("avx512") => set_max_isa(Isa::Avx512),
         Some("avx2") => set_max_isa(Isa::Avx2),
         Some("portable") => set_max_isa(Isa::Portable),
-        Some(other) => bail!("--isa {other:?}: choose avx512, avx2 or portable"),
+        Some(other) => bail!("--isa {other:?}: choose avx512-dot, avx512, avx2 or portable"),
     }
     Ok(())
 }
@@ -230,7 +233,7 @@ fn cmd_verify(argv: &[String]) -> Result<ExitCode> {
             if precision == Precision::TensorCores {
                 // The CPU engine computing as the GPU's tensor-core prefill does.
                 println!("device: cpu, precision TensorCores (the inputs of every product rounded to bf16)");
-                model.net.set_gemm_inputs_bf16(true);
+                model.net.set_cpu_precision(tandem_core::backend::cpu::CpuPrecision::Bf16Inputs);
             }
             tandem_core::verify::verify(&pool, &mut model.net, reference)?
         }

@@ -12,6 +12,7 @@ use crate::backend::cpu::pool::Pool;
 use crate::model::checkpoint::TensorSet;
 use crate::model::config::{LayerType, Qwen35Config};
 use crate::model::quant::quantize_int8_on;
+use crate::backend::cpu::CpuPrecision;
 use crate::model::tensor::{Matrix, Tensor};
 
 #[derive(Clone)]
@@ -24,8 +25,8 @@ pub struct Qwen35 {
     pub(crate) final_norm: Vec<f32>,
     pub(crate) layers: Vec<DecoderLayer>,
     pub(crate) inv_freq: Vec<f32>,
-    /// Round the input of every product to bf16 (see `set_gemm_inputs_bf16`).
-    pub(crate) gemm_inputs_bf16: bool,
+    /// How the CPU forward multiplies (see `set_cpu_precision`).
+    pub(crate) cpu_precision: CpuPrecision,
 }
 
 #[derive(Clone)]
@@ -150,7 +151,7 @@ impl Qwen35 {
             });
         }
         let inv_freq = inv_freq(c.rope_theta, c.rotary_dim());
-        Ok(Qwen35 { config, embed_tokens, lm_head, final_norm, layers, inv_freq, gemm_inputs_bf16: false })
+        Ok(Qwen35 { config, embed_tokens, lm_head, final_norm, layers, inv_freq, cpu_precision: CpuPrecision::Exact })
     }
 
     /// Use bf16-rounded RoPE frequencies (see `kernels::rope::inv_freq_bf16`), to compare with
@@ -160,13 +161,18 @@ impl Qwen35 {
         self.inv_freq = if rounded { inv_freq_bf16(c.rope_theta, c.rotary_dim()) } else { inv_freq(c.rope_theta, c.rotary_dim()) };
     }
 
-    /// Compute as the GPU does with tensor-core precision (`cuda::qwen35::Precision::TensorCores`):
-    /// the input of every product rounded to bf16 (to nearest, ties to even) before the f32
-    /// sums, decode-sized products too (the GPU's GEMV rounds its inputs as its GEMM does).
-    /// The CPU reference for that arithmetic (`tandem verify --precision tensor-cores`), and a
-    /// measure of how far bf16 activations move a model's outputs.
-    pub fn set_gemm_inputs_bf16(&mut self, rounded: bool) {
-        self.gemm_inputs_bf16 = rounded;
+    /// How the CPU forward multiplies. `Bf16Inputs` computes as the GPU does with tensor-core
+    /// precision (`cuda::qwen35::Precision::TensorCores`): the input of every product rounded to
+    /// bf16 (to nearest, ties to even) before the f32 sums, decode-sized products too (the GPU's
+    /// GEMV rounds its inputs as its GEMM does): the CPU reference for that arithmetic (`tandem
+    /// verify --precision tensor-cores`), and a measure of how far bf16 activations move a
+    /// model's outputs. `Fast` is a CPU engine's `precision=fast`.
+    pub fn set_cpu_precision(&mut self, precision: CpuPrecision) {
+        self.cpu_precision = precision;
+    }
+
+    pub fn cpu_precision(&self) -> CpuPrecision {
+        self.cpu_precision
     }
 
     /// `--quant int8`: replace every matrix a forward pass multiplies by (the LM head too) with

@@ -9,6 +9,7 @@ use tandem_core::backend::cpu::pool::Pool;
 /// Instruction set the kernels dispatch to on this machine.
 pub fn isa() -> &'static str {
     match tandem_core::backend::cpu::kernels::isa() {
+        tandem_core::backend::cpu::kernels::Isa::Avx512Dot => "avx512-dot",
         tandem_core::backend::cpu::kernels::Isa::Avx512 => "avx512",
         tandem_core::backend::cpu::kernels::Isa::Avx2 => "avx2",
         tandem_core::backend::cpu::kernels::Isa::Portable => "portable",
@@ -107,6 +108,33 @@ pub fn bf16_dot_peak(pool: &Pool, reps: usize) -> Option<f64> {
     Some(peak(pool, reps, bf16_flops))
 }
 
+/// Peak int8 operations per second of `vpdpbusd` (4 multiply-adds per i32 lane, counted as 8
+/// operations), if the CPU has AVX512-VNNI: the ceiling of a CPU engine's fast int8 prefill.
+pub fn int8_dot_peak(pool: &Pool, reps: usize) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512vnni") {
+        // SAFETY: the feature was detected.
+        return Some(peak(pool, reps, |iters| unsafe { int8_avx512(iters) }));
+    }
+    let _ = (pool, reps);
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn int8_avx512(iters: u64) -> f64 {
+    use std::arch::x86_64::*;
+    let x = _mm512_set1_epi8(3);
+    let mut a = [_mm512_setzero_si512(); 12];
+    for _ in 0..iters {
+        for acc in a.iter_mut() {
+            *acc = _mm512_dpbusd_epi32(*acc, x, x);
+        }
+    }
+    std::hint::black_box(a);
+    iters as f64 * 12.0 * 64.0 * 2.0
+}
+
 fn peak(pool: &Pool, reps: usize, kernel: fn(u64) -> f64) -> f64 {
     const ITERS: u64 = 20_000_000;
     let mut rates = Vec::new();
@@ -131,7 +159,7 @@ fn fma_flops(iters: u64) -> f64 {
     #[cfg(target_arch = "x86_64")]
     match tandem_core::backend::cpu::kernels::isa() {
         // SAFETY: isa() only reports features the CPU has.
-        tandem_core::backend::cpu::kernels::Isa::Avx512 => return unsafe { fma_avx512(iters) },
+        tandem_core::backend::cpu::kernels::Isa::Avx512 | tandem_core::backend::cpu::kernels::Isa::Avx512Dot => return unsafe { fma_avx512(iters) },
         tandem_core::backend::cpu::kernels::Isa::Avx2 => return unsafe { fma_avx2(iters) },
         tandem_core::backend::cpu::kernels::Isa::Portable => {}
     }

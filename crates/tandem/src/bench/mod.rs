@@ -51,7 +51,7 @@ pub const USAGE: &str = "\
 tandem bench [--model M] [--prefill PLACEMENT] [--decode PLACEMENT] [--quant bf16,int8]
              [--sections kernels,modes,...] [--quick] [--out DIR] [--reps 3]
              [--threads N | --cores 0,1] [--prompts 13,74,410] [--decode-tokens 32]
-             [--isa avx512|avx2|portable]
+             [--isa avx512-dot|avx512|avx2|portable]
 
 Measures the machine (read bandwidth, f32 FMA peak, bf16 dot peak), then each section:
   kernels      prefill and decode tok/s of each weight format (--quant) on all cores
@@ -229,8 +229,8 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     let spec = args.str("model").unwrap_or("synthetic:qwen3.5-0.8b").to_string();
     let quants: Vec<String> = args.str("quant").unwrap_or("bf16,int8").split(',').map(|s| s.trim().to_string()).collect();
     for q in &quants {
-        if q != "bf16" && q != "int8" {
-            bail!("--quant {q:?}: benchmark formats are bf16 (as stored) and int8");
+        if !["bf16", "int8", "bf16-fast", "int8-fast"].contains(&q.as_str()) {
+            bail!("--quant {q:?}: benchmark formats are bf16 (as stored), int8, and bf16-fast and int8-fast (with the CPU engine's precision=fast)");
         }
     }
     let prompts: Vec<usize> = parse_list(args.str("prompts").unwrap_or(if quick { "13,74" } else { "13,74,410" }), "--prompts")?;
@@ -269,7 +269,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     writeln!(rec.report, "| read bandwidth ({threads} threads, at the start) | {:.1} GB/s |", bandwidth / 1e9)?;
     writeln!(rec.report, "| f32 FMA peak ({threads} threads, at the start) | {:.1} GFLOP/s |", fma_peak / 1e9)?;
     match bf16_peak {
-        Some(p) => writeln!(rec.report, "| bf16 dot peak ({threads} threads) | {:.1} GFLOP/s (not used: tandem keeps activations f32) |", p / 1e9)?,
+        Some(p) => writeln!(rec.report, "| bf16 dot peak ({threads} threads) | {:.1} GFLOP/s (the ceiling of a CPU engine's precision=fast) |", p / 1e9)?,
         None => writeln!(rec.report, "| bf16 dot peak | no AVX-512 BF16 on this CPU |")?,
     }
     writeln!(rec.report, "| GPUs | {} |", gpus())?;
@@ -422,12 +422,19 @@ fn kernels(
     let mut nets: Vec<(String, Qwen35)> = Vec::new();
     for q in quants {
         let mut net = model.net.clone();
-        if q == "int8" {
+        if q.starts_with("int8") {
             progress("quantizing to int8");
             net.quantize_int8(&pool);
         }
+        if q.ends_with("-fast") {
+            net.set_cpu_precision(tandem_core::backend::cpu::CpuPrecision::Fast);
+        }
         nets.push((q.clone(), net));
     }
+    // The fast precision's prefill ceilings: the dot products' peaks, where the CPU has them
+    // (measured once, at the section's start).
+    let bf16_dot = if quants.iter().any(|q| q == "bf16-fast") { limits::bf16_dot_peak(pool, 3) } else { None };
+    let int8_dot = if quants.iter().any(|q| q == "int8-fast") { limits::int8_dot_peak(pool, 3) } else { None };
     let vocab = model.sampleable_vocab();
     let prompt_of = |n: usize| -> Vec<u32> { (0..n).map(|i| ((i * 7919 + 17) % vocab) as u32).collect() };
 
@@ -490,11 +497,17 @@ fn kernels(
             let runs: Vec<&Sample> = samples.iter().filter(|s| &s.quant == q && s.kind == "prefill" && s.tokens == n).collect();
             let flops_per_token = net.prefill_flops(n) / n as f64;
             let (med, lo, hi) = stats(&mut runs.iter().map(|s| n as f64 / s.seconds).collect::<Vec<_>>());
-            let fraction = med * flops_per_token / fma_ceiling;
-            let ceiling = fma_ceiling / flops_per_token;
+            // A fast row against the dot products' peak (measured once, at the section's start).
+            let (peak, of) = match (q.as_str(), bf16_dot, int8_dot) {
+                ("bf16-fast", Some(p), _) => (p, " of bf16 dot peak"),
+                ("int8-fast", _, Some(p)) => (p, " of int8 dot peak"),
+                _ => (fma_ceiling, ""),
+            };
+            let fraction = med * flops_per_token / peak;
+            let ceiling = peak / flops_per_token;
             writeln!(
                 rec.report,
-                "| {q} | {n} | {med:.1} | {lo:.1} - {hi:.1} | {:.2} | {:.1} | {:.0}% | {ceiling:.1} |",
+                "| {q} | {n} | {med:.1} | {lo:.1} - {hi:.1} | {:.2} | {:.1} | {:.0}%{of} | {ceiling:.1} |",
                 flops_per_token / 1e9,
                 med * flops_per_token / 1e9,
                 100.0 * fraction,
@@ -522,12 +535,29 @@ fn kernels(
         )?;
     }
 
-    if nets.len() > 1 {
+    if let Some(p) = bf16_dot {
+        writeln!(rec.report, "\nbf16 dot peak ({threads} threads, at the section's start): {:.1} GFLOP/s, the ceiling of the bf16-fast rows.", p / 1e9)?;
+    }
+    if let Some(p) = int8_dot {
+        writeln!(rec.report, "\nint8 dot peak ({threads} threads, at the section's start): {:.1} GOP/s, the ceiling of the int8-fast rows.", p / 1e9)?;
+    }
+    if nets.len() > 1 && nets[1].0 == "int8" {
         progress("int8 quality against the stored weights");
         writeln!(rec.report, "\n## int8 against the stored weights ({spec}, a 133-token prompt, 16 greedy tokens)\n")?;
         writeln!(rec.report, "| prompt | positions | top-1 agreement | largest logit difference | greedy ids identical |")?;
         writeln!(rec.report, "|---|---|---|---|---|")?;
         let row = crate::quality::compare(&pool, &nets[0].1, &nets[1].1, "random ids", &prompt_of(133), 16, vocab)?;
+        writeln!(rec.report, "{row}")?;
+    }
+
+    // Each fast format against the exact arithmetic on the same weights.
+    for (fast_q, exact_q) in [("bf16-fast", "bf16"), ("int8-fast", "int8")] {
+        let (Some((_, exact)), Some((_, fast))) = (nets.iter().find(|(q, _)| q == exact_q), nets.iter().find(|(q, _)| q == fast_q)) else { continue };
+        progress(&format!("{fast_q} quality against the exact arithmetic"));
+        writeln!(rec.report, "\n## {fast_q} against {exact_q}'s exact arithmetic ({spec}, a 133-token prompt, 16 greedy tokens)\n")?;
+        writeln!(rec.report, "| prompt | positions | top-1 agreement | largest logit difference | greedy ids identical |")?;
+        writeln!(rec.report, "|---|---|---|---|---|")?;
+        let row = crate::quality::compare(pool, exact, fast, "random ids", &prompt_of(133), 16, vocab)?;
         writeln!(rec.report, "{row}")?;
     }
 
@@ -537,7 +567,8 @@ fn kernels(
     writeln!(rec.report, "\n## Memory (`tandem generate` of a {memory_prompt}-token prompt + 8 tokens, each format in its own process)\n")?;
     writeln!(rec.report, "| weights | weights held | state | peak RSS | peak / (weights + state) |")?;
     writeln!(rec.report, "|---|---|---|---|---|")?;
-    for (q, net) in &nets {
+    // A fast format holds what its exact one holds.
+    for (q, net) in nets.iter().filter(|(q, _)| !q.ends_with("-fast")) {
         let ids: Vec<String> = prompt_of(memory_prompt).iter().map(|i| i.to_string()).collect();
         let mut cmd = Command::new(std::env::current_exe()?);
         cmd.args(["generate", "--model", &spec, "--token-ids", &ids.join(","), "--max-tokens", "8", "--ids-out", "--threads", &threads.to_string()]);

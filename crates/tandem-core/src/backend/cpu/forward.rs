@@ -7,7 +7,8 @@ use anyhow::{bail, Context, Result};
 
 use crate::backend::cpu::kernels::attention::attention_head;
 use crate::backend::cpu::kernels::deltanet;
-use crate::backend::cpu::kernels::matmul::{decode_group, matmul_group};
+use crate::backend::cpu::kernels::matmul::{decode_group, decode_group_fast, matmul_group, matmul_group_fast};
+use crate::backend::cpu::CpuPrecision;
 use crate::backend::cpu::kernels::norm::{gated_rms_norm_inplace, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, softplus, swiglu_inplace};
 use crate::backend::cpu::kernels::rope::{apply_rope, cos_sin};
 use crate::backend::cpu::pool::Pool;
@@ -295,7 +296,7 @@ impl Qwen35 {
     }
 
     fn pass<'p>(&self, pool: &'p Pool, kernels: Kernels) -> Pass<'p> {
-        Pass { pool, kernels, bf16_inputs: self.gemm_inputs_bf16 }
+        Pass { pool, kernels, precision: self.cpu_precision }
     }
 }
 
@@ -311,30 +312,31 @@ enum Kernels {
     Decode,
 }
 
-/// How a pass multiplies: its pool, its kernels, and whether the inputs of its products are
-/// rounded to bf16 first (the GPU's tensor-core precision).
+/// How a pass multiplies: its pool, its kernels, and its arithmetic.
 struct Pass<'p> {
     pool: &'p Pool,
     kernels: Kernels,
-    bf16_inputs: bool,
+    precision: CpuPrecision,
 }
 
 impl<'p> Pass<'p> {
     fn with_kernels(&self, kernels: Kernels) -> Pass<'p> {
-        Pass { pool: self.pool, kernels, bf16_inputs: self.bf16_inputs }
+        Pass { pool: self.pool, kernels, precision: self.precision }
     }
 
     fn products(&self, x: &[f32], t: usize, jobs: &mut [(&Matrix, &mut [f32])]) {
         let rounded: Vec<f32>;
-        let x = if self.bf16_inputs {
+        let x = if self.precision == CpuPrecision::Bf16Inputs {
             rounded = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
             &rounded
         } else {
             x
         };
-        match self.kernels {
-            Kernels::Prompt => matmul_group(self.pool, x, t, jobs),
-            Kernels::Decode => decode_group(self.pool, x, t, jobs),
+        match (self.kernels, self.precision) {
+            (Kernels::Prompt, CpuPrecision::Fast) => matmul_group_fast(self.pool, x, t, jobs),
+            (Kernels::Decode, CpuPrecision::Fast) => decode_group_fast(self.pool, x, t, jobs),
+            (Kernels::Prompt, _) => matmul_group(self.pool, x, t, jobs),
+            (Kernels::Decode, _) => decode_group(self.pool, x, t, jobs),
         }
     }
 }
@@ -401,7 +403,8 @@ mod tests {
         assert!(rounded != x);
         let run = |bf16_inputs: bool, x: &[f32], t: usize| {
             let mut out = vec![0f32; t * w.rows];
-            Pass { pool: &pool, kernels: Kernels::Prompt, bf16_inputs }.products(&x[..t * k], t, &mut [(w, &mut out)]);
+            let precision = if bf16_inputs { CpuPrecision::Bf16Inputs } else { CpuPrecision::Exact };
+            Pass { pool: &pool, kernels: Kernels::Prompt, precision }.products(&x[..t * k], t, &mut [(w, &mut out)]);
             out
         };
         for t in [1, 8, 9] {
@@ -411,7 +414,7 @@ mod tests {
 
         let tokens = [3u32, 141, 59, 26, 535];
         let plain = m.net.forward(&pool, &tokens, &mut State::new(&m.net.config), Logits::All).unwrap();
-        m.net.set_gemm_inputs_bf16(true);
+        m.net.set_cpu_precision(CpuPrecision::Bf16Inputs);
         let emulated = m.net.forward(&pool, &tokens, &mut State::new(&m.net.config), Logits::All).unwrap();
         assert!(plain != emulated, "a 5-token pass did not change under the tensor-core emulation");
     }
@@ -436,7 +439,8 @@ mod tests {
 
     /// A prompt applied in pieces cut anywhere (a cached prefix continued, a turn prefilled in
     /// parts, pieces of one token to past a pass) reaches the state and the last logits of one
-    /// call, bit for bit, with the weights as stored and quantized to int8.
+    /// call, bit for bit, with the weights as stored and quantized to int8, and with the fast
+    /// precision on both.
     #[test]
     fn a_prompt_cut_anywhere_equals_one_call_exactly() {
         let pool = Pool::new(2);
@@ -444,7 +448,7 @@ mod tests {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
         let tokens: Vec<u32> = (0..300u32).map(|i| (i * 211 + 7) % 1024).collect();
         let mut seed = 0x5eed_u64;
-        for m in [tiny(), crate::model::load::LoadedModel::load_int8(dir.to_str().unwrap(), &pool).unwrap()] {
+        for m in [tiny(), crate::model::load::LoadedModel::load_int8(dir.to_str().unwrap(), &pool).unwrap(), tiny_fast(), tiny_int8_fast(&pool)] {
             let mut whole = State::new(&m.net.config);
             m.net.forward(&pool, &tokens, &mut whole, Logits::Last).unwrap();
             for trial in 0..5 {
@@ -469,6 +473,41 @@ mod tests {
     fn tiny() -> crate::model::load::LoadedModel {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
         crate::model::load::LoadedModel::load(dir.to_str().unwrap()).unwrap()
+    }
+
+    /// The tiny model (bf16 weights) with the fast precision.
+    fn tiny_fast() -> crate::model::load::LoadedModel {
+        let mut m = tiny();
+        m.net.set_cpu_precision(CpuPrecision::Fast);
+        m
+    }
+
+    /// The tiny model quantized to int8, with the fast precision (W8A8 prompts).
+    fn tiny_int8_fast(pool: &Pool) -> crate::model::load::LoadedModel {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
+        let mut m = crate::model::load::LoadedModel::load_int8(dir.to_str().unwrap(), pool).unwrap();
+        m.net.set_cpu_precision(CpuPrecision::Fast);
+        m
+    }
+
+    /// The fast precision computes other logits than the exact one (its products take bf16
+    /// inputs): the tensor-core emulation's (the same arithmetic summed in another order) up to
+    /// summation-order differences, which are much smaller than bf16's own.
+    #[test]
+    fn the_fast_precision_is_the_tensor_core_arithmetic() {
+        let pool = Pool::new(2);
+        let tokens: Vec<u32> = (0..40u32).map(|i| (i * 211 + 7) % 1024).collect();
+        let run = |p: CpuPrecision| {
+            let mut m = tiny();
+            m.net.set_cpu_precision(p);
+            m.net.forward(&pool, &tokens, &mut State::new(&m.net.config), Logits::All).unwrap()
+        };
+        let (exact, emulated, fast) = (run(CpuPrecision::Exact), run(CpuPrecision::Bf16Inputs), run(CpuPrecision::Fast));
+        let worst = |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        let (from_exact, from_emulated) = (worst(&exact, &fast), worst(&emulated, &fast));
+        eprintln!("fast: {from_exact} from exact, {from_emulated} from the tensor-core emulation");
+        assert!(from_exact > 0.0, "the fast precision changed nothing");
+        assert!(from_emulated <= from_exact / 4.0, "fast is {from_emulated} from the emulation, {from_exact} from exact");
     }
 
     /// A static-shape dispatch padded on the right gives exactly the state and logits of the
@@ -500,13 +539,13 @@ mod tests {
 
     /// One batched decode step over sequences at different positions equals stepping each
     /// alone, bit for bit, for batches of up to 8 rows and past them, with the weights as
-    /// stored and quantized to int8.
+    /// stored and quantized to int8, and with the fast precision on both.
     #[test]
     fn a_batched_decode_step_equals_one_sequence_at_a_time() {
         let pool = Pool::new(2);
         let _same_kernels = crate::backend::cpu::kernels::hold_isa();
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
-        for m in [tiny(), crate::model::load::LoadedModel::load_int8(dir.to_str().unwrap(), &pool).unwrap()] {
+        for m in [tiny(), crate::model::load::LoadedModel::load_int8(dir.to_str().unwrap(), &pool).unwrap(), tiny_fast(), tiny_int8_fast(&pool)] {
             for lengths in [&[3usize, 70, 130][..], &[1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144]] {
                 let tokens: Vec<u32> = (0..lengths.len() as u32).map(|i| (i * 397 + 5) % 1024).collect();
                 batched_step_equals_steps_alone(&m, &pool, lengths, &tokens);

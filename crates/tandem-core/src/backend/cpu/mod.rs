@@ -4,3 +4,19 @@
 pub mod forward;
 pub mod kernels;
 pub mod pool;
+
+/// How a CPU pass multiplies (`cpu,precision=...`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CpuPrecision {
+    /// f32 products of the activations and the widened weights: the reference arithmetic,
+    /// which `tandem verify` holds to the published model.
+    #[default]
+    Exact,
+    /// A GPU's tensor-core arithmetic emulated: the input of every product rounded to bf16, the
+    /// exact kernels then (`verify --precision tensor-cores` on the CPU).
+    Bf16Inputs,
+    /// The CPU's dot-product instructions: a bf16 weight's products take bf16-rounded inputs,
+    /// summed in f32 two at a time by `vdpbf16ps` where the CPU has AVX512-BF16 (the
+    /// tensor-core arithmetic, in another summation order); other weights as `Exact`.
+    Fast,
+}

@@ -176,7 +176,7 @@ fn chunked_body(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: &[f32], g:
 fn gemm_acc(m: usize, n: usize, k: usize, a: &[f32], lda: usize, b: &[f32], ldb: usize, c: &mut [f32], ldc: usize, alpha: f32) {
     assert!(m == 0 || n == 0 || ((m - 1) * lda + k <= a.len() && (k.max(1) - 1) * ldb + n <= b.len() && (m - 1) * ldc + n <= c.len()));
     #[cfg(target_arch = "x86_64")]
-    if super::isa() == super::Isa::Avx512 {
+    if super::isa() >= super::Isa::Avx512 {
         // SAFETY: feature checked; bounds asserted above.
         return unsafe { gemm_acc_avx512(m, n, k, a.as_ptr(), lda, b.as_ptr(), ldb, c.as_mut_ptr(), ldc, alpha) };
     }

@@ -9,9 +9,22 @@ pub enum Isa {
     Portable = 0,
     Avx2 = 1,
     Avx512 = 2,
+    /// AVX-512 with its dot-product instructions: bf16 pairs (AVX512-BF16 `vdpbf16ps`) and
+    /// int8 quadruples (AVX512-VNNI `vpdpbusd`).
+    Avx512Dot = 3,
 }
 
-static MAX_ISA: AtomicU8 = AtomicU8::new(Isa::Avx512 as u8);
+static MAX_ISA: AtomicU8 = AtomicU8::new(Isa::Avx512Dot as u8);
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx512() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw") && std::arch::is_x86_feature_detected!("avx512vl")
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx512_dot() -> bool {
+    has_avx512() && std::arch::is_x86_feature_detected!("avx512bf16") && std::arch::is_x86_feature_detected!("avx512vnni")
+}
 
 /// Cap the instruction set every kernel dispatches to (all levels compute the same results up
 /// to summation order): lets tests run the AVX2 and portable builds on an AVX-512 machine,
@@ -26,7 +39,10 @@ pub fn isa() -> Isa {
     let cap = MAX_ISA.load(Ordering::Relaxed);
     #[cfg(target_arch = "x86_64")]
     {
-        if cap >= Isa::Avx512 as u8 && std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw") && std::arch::is_x86_feature_detected!("avx512vl") {
+        if cap >= Isa::Avx512Dot as u8 && has_avx512_dot() {
+            return Isa::Avx512Dot;
+        }
+        if cap >= Isa::Avx512 as u8 && has_avx512() {
             return Isa::Avx512;
         }
         if cap >= Isa::Avx2 as u8 && std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
@@ -45,8 +61,11 @@ pub fn available_isas() -> Vec<Isa> {
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
             v.push(Isa::Avx2);
         }
-        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw") && std::arch::is_x86_feature_detected!("avx512vl") {
+        if has_avx512() {
             v.push(Isa::Avx512);
+        }
+        if has_avx512_dot() {
+            v.push(Isa::Avx512Dot);
         }
     }
     v
@@ -67,7 +86,7 @@ pub fn for_each_isa(mut f: impl FnMut(Isa)) {
         set_max_isa(isa);
         f(isa);
     }
-    set_max_isa(Isa::Avx512);
+    set_max_isa(Isa::Avx512Dot);
 }
 
 /// Define `fn name(args) -> R` that runs `body(args)` compiled for AVX-512 or AVX2+FMA when the
@@ -88,7 +107,7 @@ macro_rules! multiversion {
                 unsafe fn v256($($a: $t),*) $(-> $r)? { $body($($a),*) }
                 match $crate::backend::cpu::kernels::isa() {
                     // SAFETY: isa() only reports features the CPU has.
-                    $crate::backend::cpu::kernels::Isa::Avx512 => return unsafe { v512($($a),*) },
+                    $crate::backend::cpu::kernels::Isa::Avx512 | $crate::backend::cpu::kernels::Isa::Avx512Dot => return unsafe { v512($($a),*) },
                     $crate::backend::cpu::kernels::Isa::Avx2 => return unsafe { v256($($a),*) },
                     $crate::backend::cpu::kernels::Isa::Portable => {}
                 }

@@ -67,7 +67,7 @@ pub fn pack_x(pool: &Pool, x: &[f32], t: usize, k: usize) -> Vec<f32> {
 /// One block: `block[kk * TB + m] = x[m * k + kk]` for the block's `tokens` rows of x.
 fn pack_block(x: &[f32], tokens: usize, k: usize, block: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::backend::cpu::kernels::isa() == crate::backend::cpu::kernels::Isa::Avx512 {
+    if crate::backend::cpu::kernels::isa() >= crate::backend::cpu::kernels::Isa::Avx512 {
         // SAFETY: feature checked; the transposed part stays inside both slices.
         let done = unsafe { pack_block_avx512(x, tokens, k, block) };
         return pack_block_plain(x, tokens, k, done, block);
@@ -154,7 +154,7 @@ unsafe fn transpose16(r: [std::arch::x86_64::__m512; 16]) -> [std::arch::x86_64:
 /// transposed output tile.
 pub struct Scratch {
     panel: Vec<f32>,
-    tile: Vec<f32>,
+    pub(super) tile: Vec<f32>,
 }
 
 impl Scratch {
@@ -172,7 +172,7 @@ impl Scratch {
 pub unsafe fn unit(xp: &[f32], t: usize, w: &Matrix, blocks: Range<usize>, cols: Range<usize>, out: *mut f32, s: &mut Scratch) {
     #[cfg(target_arch = "x86_64")]
     match crate::backend::cpu::kernels::isa() {
-        crate::backend::cpu::kernels::Isa::Avx512 => return unit_avx512(xp, t, w, blocks, cols, out, s),
+        crate::backend::cpu::kernels::Isa::Avx512 | crate::backend::cpu::kernels::Isa::Avx512Dot => return unit_avx512(xp, t, w, blocks, cols, out, s),
         crate::backend::cpu::kernels::Isa::Avx2 => return unit_avx2(xp, t, w, blocks, cols, out, s),
         crate::backend::cpu::kernels::Isa::Portable => {}
     }
@@ -244,9 +244,9 @@ unsafe fn unit_body(
 /// `out[i * n + c] = tile[c * stride + i]` for `c < nc`, `i < tokens`: the unit's
 /// columns-major tile into the row-major output.
 #[inline(always)]
-unsafe fn store_transposed(tile: &[f32], stride: usize, nc: usize, tokens: usize, out: *mut f32, n: usize) {
+pub(super) unsafe fn store_transposed(tile: &[f32], stride: usize, nc: usize, tokens: usize, out: *mut f32, n: usize) {
     #[cfg(target_arch = "x86_64")]
-    if crate::backend::cpu::kernels::isa() == crate::backend::cpu::kernels::Isa::Avx512 {
+    if crate::backend::cpu::kernels::isa() >= crate::backend::cpu::kernels::Isa::Avx512 {
         return store_transposed_avx512(tile, stride, nc, tokens, out, n);
     }
     for c in 0..nc {

@@ -66,10 +66,57 @@ pub fn matmul(pool: &Pool, x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) {
 /// prompt applied in pieces of any size computes what it computes in one call.
 pub fn matmul_group(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])]) {
     let jobs = checked_jobs(x, t, products);
+    prompt_group(pool, x, t, &jobs);
+}
+
+/// The fast precision's prompt products (`precision=fast`): for bf16 weights the inputs rounded
+/// to bf16 and each pair of products summed by `vdpbf16ps` where the CPU has AVX512-BF16
+/// (bf16_dot.rs), elsewhere the exact kernels on the rounded inputs (the same arithmetic up to
+/// summation order); for int8 weights each token's inputs quantized to int8 and multiplied by
+/// `vpdpbusd` where the CPU has AVX512-VNNI (int8_dot.rs, W8A8), elsewhere the exact kernels;
+/// other weights as `matmul_group`. Each token's outputs are the same bits whatever `t`, as
+/// there.
+pub fn matmul_group_fast(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])]) {
+    let jobs = checked_jobs(x, t, products);
+    let (w8a8, jobs): (Vec<_>, Vec<_>) = jobs.into_iter().partition(|(w, _)| int8_dot::applies(w));
+    if !w8a8.is_empty() {
+        int8_dot::gemm_group(pool, x, t, &w8a8);
+    }
+    let (bf16, other): (Vec<_>, Vec<_>) = jobs.into_iter().partition(|(w, _)| matches!(w.data, WeightData::Bf16(_)));
+    let (dot, rounded): (Vec<_>, Vec<_>) = bf16.into_iter().partition(|(w, _)| bf16_dot::applies(w));
+    if !dot.is_empty() {
+        bf16_dot::gemm_group(pool, x, t, &dot);
+    }
+    if !rounded.is_empty() {
+        let x: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+        prompt_group(pool, &x, t, &rounded);
+    }
+    if !other.is_empty() {
+        prompt_group(pool, x, t, &other);
+    }
+}
+
+/// The fast precision's decode products: for bf16 weights the GEMV of the bf16-rounded inputs
+/// (each token's outputs the one-token product's bits, as `decode_group`); other weights as
+/// `decode_group`.
+pub fn decode_group_fast(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])]) {
+    let jobs = checked_jobs(x, t, products);
+    let (bf16, other): (Vec<_>, Vec<_>) = jobs.into_iter().partition(|(w, _)| matches!(w.data, WeightData::Bf16(_)));
+    if !bf16.is_empty() {
+        let x: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+        gemv_group(pool, &x, t, &bf16);
+    }
+    if !other.is_empty() {
+        gemv_group(pool, x, t, &other);
+    }
+}
+
+/// The exact prompt kernels for checked jobs: narrow up to `NARROW_MAX_TOKENS`, else the GEMM.
+fn prompt_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, OutPtr)]) {
     if t <= NARROW_MAX_TOKENS {
-        narrow::narrow_group(pool, x, t, &jobs);
+        narrow::narrow_group(pool, x, t, jobs);
     } else {
-        gemm::gemm_group(pool, x, t, &jobs);
+        gemm::gemm_group(pool, x, t, jobs);
     }
 }
 
@@ -110,7 +157,9 @@ fn locate(units: &[usize], mut u: usize) -> (usize, usize) {
     unreachable!("unit index past the group's work")
 }
 
+mod bf16_dot;
 mod gemv;
+pub mod int8_dot;
 pub mod gemm;
 pub mod narrow;
 
@@ -222,6 +271,52 @@ pub(super) mod tests {
     #[test]
     fn matmul_matches_reference_for_every_isa_dtype_and_shape() {
         crate::backend::cpu::kernels::for_each_isa(|_| matmul_cases());
+    }
+
+    /// The fast precision's prompt products on every instruction set: for bf16 weights the
+    /// reference of the bf16-rounded inputs (the dot-product kernel on AVX512-BF16, the exact
+    /// kernels on rounded inputs elsewhere), the same bits for a prompt in two calls as in one;
+    /// int8 weights W8A8's bits with VNNI; other weights exactly the exact kernels' results.
+    #[test]
+    fn matmul_fast_matches_the_reference_of_rounded_inputs_on_every_isa() {
+        crate::backend::cpu::kernels::for_each_isa(|isa| {
+            let mut seed = 11;
+            let pool = Pool::new(2);
+            for &(t, n, k) in &[(1, 9, 64), (5, 30, 300), (20, 17, 96), (40, 50, 520)] {
+                let x: Vec<f32> = (0..t * k).map(|_| lcg(&mut seed)).collect();
+                let rounded: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+                for w in &test_matrices(n, k, &mut seed) {
+                    let mut got = vec![0f32; t * n];
+                    matmul_group_fast(&pool, &x, t, &mut [(w, &mut got)]);
+                    if matches!(w.data, WeightData::Int8 { .. }) && isa == crate::backend::cpu::kernels::Isa::Avx512Dot {
+                        let mut w8a8 = vec![0f32; t * n];
+                        int8_dot::w8a8_ref(&x, t, w, &mut w8a8);
+                        assert!(got == w8a8, "{isa:?} t={t}: fast int8 is not W8A8's bits");
+                        continue;
+                    }
+                    if !matches!(w.data, WeightData::Bf16(_)) {
+                        let mut exact = vec![0f32; t * n];
+                        matmul(&pool, &x, t, w, &mut exact);
+                        assert!(got == exact, "{isa:?} {}: fast differs from exact", w.dtype());
+                        continue;
+                    }
+                    let mut want = vec![0f32; t * n];
+                    matmul_ref(&rounded, t, w, &mut want);
+                    let tol = 2e-6 * (k as f32).sqrt() * 4.0;
+                    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                        assert!((a - b).abs() <= tol, "{isa:?} t={t} n={n} k={k} [{i}]: {a} vs {b}");
+                    }
+                    let cut = t / 2;
+                    if cut > 0 {
+                        let mut pieces = vec![0f32; t * n];
+                        let (head, tail) = pieces.split_at_mut(cut * n);
+                        matmul_group_fast(&pool, &x[..cut * k], cut, &mut [(w, head)]);
+                        matmul_group_fast(&pool, &x[cut * k..], t - cut, &mut [(w, tail)]);
+                        assert!(pieces == got, "{isa:?} t={t}: a prompt in two calls differs from one");
+                    }
+                }
+            }
+        });
     }
 
     fn matmul_cases() {
