@@ -72,8 +72,9 @@ pub fn matmul_group(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, 
 /// The fast precision's prompt products (`precision=fast`): for bf16 weights the inputs rounded
 /// to bf16 and each pair of products summed by `vdpbf16ps` where the CPU has AVX512-BF16
 /// (bf16_dot.rs), elsewhere the exact kernels on the rounded inputs (the same arithmetic up to
-/// summation order); for int8 weights each token's inputs quantized to int8 and multiplied by
-/// `vpdpbusd` where the CPU has AVX512-VNNI (int8_dot.rs, W8A8), elsewhere the exact kernels;
+/// summation order); for int8 weights each token's inputs quantized to int8 in blocks of 64 and
+/// multiplied by `vpdpbusd` where the CPU has AVX512-VNNI (int8_dot.rs, W8A8), elsewhere the
+/// exact kernels;
 /// other weights as `matmul_group`. Each token's outputs are the same bits whatever `t`, as
 /// there.
 pub fn matmul_group_fast(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])]) {
@@ -282,13 +283,13 @@ pub(super) mod tests {
         crate::backend::cpu::kernels::for_each_isa(|isa| {
             let mut seed = 11;
             let pool = Pool::new(2);
-            for &(t, n, k) in &[(1, 9, 64), (5, 30, 300), (20, 17, 96), (40, 50, 520)] {
+            for &(t, n, k) in &[(1, 9, 64), (5, 30, 300), (20, 17, 96), (40, 50, 520), (33, 20, 640)] {
                 let x: Vec<f32> = (0..t * k).map(|_| lcg(&mut seed)).collect();
                 let rounded: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
                 for w in &test_matrices(n, k, &mut seed) {
                     let mut got = vec![0f32; t * n];
                     matmul_group_fast(&pool, &x, t, &mut [(w, &mut got)]);
-                    if matches!(w.data, WeightData::Int8 { .. }) && isa == crate::backend::cpu::kernels::Isa::Avx512Dot {
+                    if int8_dot::applies(w) {
                         let mut w8a8 = vec![0f32; t * n];
                         int8_dot::w8a8_ref(&x, t, w, &mut w8a8);
                         assert!(got == w8a8, "{isa:?} t={t}: fast int8 is not W8A8's bits");
