@@ -356,6 +356,16 @@ fn logits_overwritten_by_a_later_batched_step_are_refused() {
     assert_eq!(second[1].last_logits().unwrap().len(), m.net.config.vocab_size);
 }
 
+/// Three states whose last logits a GPU step left on the GPU: prefilled with p4's first 5, 6 and
+/// 7 tokens, the first two then stepped as one batch, the third alone.
+fn states_with_logits_on_the_gpu(gpu: &GpuQwen35) -> Vec<GpuState> {
+    let tokens = prompt("p4");
+    let mut states: Vec<_> = (0..3).map(|i| prefilled(gpu, &tokens[..5 + i])).collect();
+    gpu.decode_batch(&[1, 2], &mut states[..2].iter_mut().collect::<Vec<_>>()).unwrap();
+    gpu.forward(&[3], &mut states[2], Logits::Last).unwrap();
+    states
+}
+
 /// Draws on the GPU (kernels/sample.cu sample_rows, every row of a batch in one launch) pick
 /// what the host's sampler picks from the same row with the same uniform, at temperatures with
 /// and without top-k and top-p cuts, after a batched step and after one sequence's step; once
@@ -366,11 +376,8 @@ fn draws_on_the_gpu_are_the_hosts() {
     use tandem_core::sampling::{GpuDraw, Sampler, SamplingParams};
     let (gpu0, _turn) = gpu_for("draws with cuts");
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
-    let tokens = prompt("p4");
     let gpu = GpuQwen35::upload(gpu0, &m.net, Precision::TensorCores).unwrap();
-    let mut states: Vec<_> = (0..3).map(|i| prefilled(&gpu, &tokens[..5 + i])).collect();
-    gpu.decode_batch(&[1, 2], &mut states[..2].iter_mut().collect::<Vec<_>>()).unwrap();
-    gpu.forward(&[3], &mut states[2], Logits::Last).unwrap();
+    let mut states = states_with_logits_on_the_gpu(&gpu);
     let allowed = m.net.config.vocab_size - 7;
     let draws: Vec<f64> = (0..40).map(|i| (i as f64 * 0.618_034).fract()).chain([0.0, 0.999_999_9]).collect();
     let cuts = [(1.0f32, 0, 1.0f32), (0.7, 0, 1.0), (3.0, 0, 1.0), (0.7, 20, 0.8), (0.6, 20, 1.0), (1.0, 0, 0.9), (1.0, 1, 1.0), (2.0, 500, 0.95)];
@@ -412,11 +419,8 @@ fn masked_picks_on_the_gpu_are_the_hosts() {
     use tandem_core::sampling::{argmax, GpuDraw, MaskedPick, Sampler, SamplingParams};
     let (gpu0, _turn) = gpu_for("picks masked by a grammar");
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
-    let tokens = prompt("p4");
     let gpu = GpuQwen35::upload(gpu0, &m.net, Precision::TensorCores).unwrap();
-    let mut states: Vec<_> = (0..3).map(|i| prefilled(&gpu, &tokens[..5 + i])).collect();
-    gpu.decode_batch(&[1, 2], &mut states[..2].iter_mut().collect::<Vec<_>>()).unwrap();
-    gpu.forward(&[3], &mut states[2], Logits::Last).unwrap();
+    let mut states = states_with_logits_on_the_gpu(&gpu);
     let allowed = m.net.config.vocab_size - 7;
     let words = allowed.div_ceil(32);
     let mut seed = 99u32;

@@ -15,7 +15,7 @@
 
 use std::ops::Range;
 
-use super::gemm::{store_transposed, Scratch, TB, UNIT_COLS};
+use super::gemm::{run_units, store_transposed, Scratch, TB, UNIT_COLS};
 use super::*;
 
 /// Inputs per block (128 pairs): a unit's weights (24 × 256 × 2 = 12 KB) and a token block's
@@ -32,29 +32,14 @@ pub(super) fn applies(w: &Matrix) -> bool {
 pub(super) fn gemm_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, OutPtr)]) {
     let k = jobs[0].0.cols;
     let xp = pack_x(pool, x, t, k);
-    // Token blocks per unit, as the f32 GEMM: about as many bytes of packed x per unit.
-    let blocks = t.div_ceil(TB);
-    let group = ((64 << 20) / (k * TB * 2)).clamp(1, blocks);
-    let groups = blocks.div_ceil(group);
-    let units: Vec<usize> = jobs.iter().map(|(w, _)| w.rows.div_ceil(UNIT_COLS) * groups).collect();
-    let queue = WorkQueue::new(units.iter().sum());
-    pool.run(&|_| {
-        let mut scratch = Scratch::new(group * TB);
-        while let Some(u) = queue.take() {
-            let (j, u) = locate(&units, u);
-            let (w, out) = jobs[j];
-            let col_blocks = w.rows.div_ceil(UNIT_COLS);
-            let (g, c) = (u / col_blocks, u % col_blocks);
-            let cols = c * UNIT_COLS..((c + 1) * UNIT_COLS).min(w.rows);
-            let token_blocks = g * group..((g + 1) * group).min(blocks);
-            // SAFETY: `applies` checked the features; units are disjoint parts of each output.
-            #[cfg(target_arch = "x86_64")]
-            unsafe {
-                unit(&xp, t, w, token_blocks, cols, out.0, &mut scratch)
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            unreachable!("no dot-product instructions here: {:?} {:?} {:?}", token_blocks, cols, out.0)
+    run_units(pool, t, jobs, k * TB * 2, &|w, out, token_blocks, cols, scratch| {
+        // SAFETY: `applies` checked the features; units are disjoint parts of each output.
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            unit(&xp, t, w, token_blocks, cols, out.0, scratch)
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("no dot-product instructions here: {:?} {:?} {:?} {:?}", w.rows, token_blocks, cols, (out.0, &scratch.tile))
     });
 }
 

@@ -24,10 +24,24 @@ const X_BYTES_PER_UNIT: usize = 64 << 20;
 pub(super) fn gemm_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, OutPtr)]) {
     let k = jobs[0].0.cols;
     let xp = pack_x(pool, x, t, k);
-    // Token blocks per unit: about 512 KB of packed x, so that the units that follow one
-    // another (the same tokens, the next columns) find it in L2.
+    run_units(pool, t, jobs, k * TB * 4, &|w, out, token_blocks, cols, scratch| {
+        // SAFETY: units are disjoint (tokens × columns) parts of each output.
+        unsafe { unit(&xp, t, w, token_blocks, cols, out.0, scratch) }
+    });
+}
+
+/// One unit of a GEMM: `(w, out, token_blocks, columns, scratch)`.
+pub(super) type UnitFn<'a> = dyn Fn(&Matrix, OutPtr, Range<usize>, Range<usize>, &mut Scratch) + Sync + 'a;
+
+/// A prompt's products cut into units that the pool's workers take in turn from one queue:
+/// for each job, `UNIT_COLS` output columns of a group of token blocks (of `TB`), each passed
+/// to `unit(w, out, token_blocks, columns, scratch)` with a scratch of the worker's own. A group
+/// is about `X_BYTES_PER_UNIT` of packed x (`block_bytes` a token block), so that the units that
+/// follow one another (the same tokens, the next columns) find it in L2. The GEMMs of every
+/// arithmetic share it (gemm.rs, bf16_dot.rs, int8_dot.rs).
+pub(super) fn run_units(pool: &Pool, t: usize, jobs: &[(&Matrix, OutPtr)], block_bytes: usize, unit: &UnitFn) {
     let blocks = t.div_ceil(TB);
-    let group = (X_BYTES_PER_UNIT / (k * TB * 4)).clamp(1, blocks);
+    let group = (X_BYTES_PER_UNIT / block_bytes.max(1)).clamp(1, blocks);
     let groups = blocks.div_ceil(group);
     let units: Vec<usize> = jobs.iter().map(|(w, _)| w.rows.div_ceil(UNIT_COLS) * groups).collect();
     let queue = WorkQueue::new(units.iter().sum());
@@ -39,9 +53,7 @@ pub(super) fn gemm_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, Out
             let col_blocks = w.rows.div_ceil(UNIT_COLS);
             let (g, c) = (u / col_blocks, u % col_blocks);
             let cols = c * UNIT_COLS..((c + 1) * UNIT_COLS).min(w.rows);
-            let token_blocks = g * group..((g + 1) * group).min(blocks);
-            // SAFETY: units are disjoint (tokens × columns) parts of each output.
-            unsafe { unit(&xp, t, w, token_blocks, cols, out.0, &mut scratch) }
+            unit(w, out, g * group..((g + 1) * group).min(blocks), cols, &mut scratch);
         }
     });
 }

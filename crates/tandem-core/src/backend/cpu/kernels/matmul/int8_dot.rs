@@ -15,7 +15,7 @@
 
 use std::ops::Range;
 
-use super::gemm::{store_transposed, Scratch, TB, UNIT_COLS};
+use super::gemm::{run_units, store_transposed, Scratch, TB, UNIT_COLS};
 use super::*;
 
 /// Inputs per scale: a token's block of `BLOCK` inputs shares one. Per token, one scale for a
@@ -83,28 +83,14 @@ pub struct PackedX {
 pub(super) fn gemm_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, OutPtr)]) {
     let k = jobs[0].0.cols;
     let xp = pack_x(pool, x, t, k);
-    let blocks = t.div_ceil(TB);
-    let group = ((64 << 20) / (k * TB)).clamp(1, blocks);
-    let groups = blocks.div_ceil(group);
-    let units: Vec<usize> = jobs.iter().map(|(w, _)| w.rows.div_ceil(UNIT_COLS) * groups).collect();
-    let queue = WorkQueue::new(units.iter().sum());
-    pool.run(&|_| {
-        let mut scratch = Scratch::new(group * TB);
-        while let Some(u) = queue.take() {
-            let (j, u) = locate(&units, u);
-            let (w, out) = jobs[j];
-            let col_blocks = w.rows.div_ceil(UNIT_COLS);
-            let (g, c) = (u / col_blocks, u % col_blocks);
-            let cols = c * UNIT_COLS..((c + 1) * UNIT_COLS).min(w.rows);
-            let token_blocks = g * group..((g + 1) * group).min(blocks);
-            // SAFETY: `applies` checked the features; units are disjoint parts of each output.
-            #[cfg(target_arch = "x86_64")]
-            unsafe {
-                unit(&xp, t, w, token_blocks, cols, out.0, &mut scratch)
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            unreachable!("no dot-product instructions here: {:?} {:?} {:?}", token_blocks, cols, out.0)
+    run_units(pool, t, jobs, k * TB, &|w, out, token_blocks, cols, scratch| {
+        // SAFETY: `applies` checked the features; units are disjoint parts of each output.
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            unit(&xp, t, w, token_blocks, cols, out.0, scratch)
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("no dot-product instructions here: {:?} {:?} {:?} {:?}", w.rows, token_blocks, cols, (out.0, &scratch.tile))
     });
 }
 
