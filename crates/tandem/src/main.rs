@@ -26,7 +26,7 @@ tandem: Qwen3.5 inference, prefill and decode on their own engines
 USAGE:
   tandem generate --model M (--prompt TEXT... | --prompts-file FILE | --token-ids 1,2,3) [options]
   tandem chat     --model M [--system TEXT] [options]
-  tandem verify   --model DIR --reference FILE [--device cpu|cuda:N] [--precision exact|tensor-cores]
+  tandem verify   --model DIR --reference FILE [--device cpu|cuda:N] [--precision exact|tensor-cores|fast]
   tandem bench    [--model M] [--quant bf16,int8] [--quick] ...   (tandem bench --help)
   tandem serve    --model M [--port 8000] [engine options] ...    (tandem serve --help)
 
@@ -223,12 +223,25 @@ fn cmd_verify(argv: &[String]) -> Result<ExitCode> {
     let mut model = load_model(args.required("model")?, &args)?;
     let reference = Path::new(args.required("reference")?);
     use tandem_core::backend::cuda::qwen35::{GpuQwen35, Precision};
-    let precision = match args.str("precision").unwrap_or("exact") {
-        "exact" => Precision::Exact,
-        "tensor-cores" => Precision::TensorCores,
-        other => bail!("--precision {other:?}: exact (f32 products, the default) or tensor-cores (products take bf16-rounded inputs)"),
+    let (precision, fast) = match args.str("precision").unwrap_or("exact") {
+        "exact" => (Precision::Exact, false),
+        "tensor-cores" => (Precision::TensorCores, false),
+        "fast" => (Precision::Exact, true),
+        other => bail!("--precision {other:?}: exact (f32 products, the default), tensor-cores (products take bf16-rounded inputs) or fast (the CPU engine's precision=fast)"),
     };
     let checks = match args.str("device") {
+        None | Some("cpu") if fast => {
+            println!("device: cpu, precision fast (instruction set {:?})", tandem_core::backend::cpu::kernels::isa());
+            let v = tandem_core::verify::verify_fast(&pool, &mut model.net, reference)?;
+            println!("\nWhat each precision computes against the reference and against exact (reported; the pass/fail checks follow):\n");
+            println!("| precision | against | largest prefill logit error | top-1 agreement (prefill) | greedy ids (the other's fed back) | largest decode logit error | largest relative state error |");
+            println!("|---|---|---|---|---|---|---|");
+            for (name, against, checks) in &v.costs {
+                println!("{}", cost_row(name, against, checks));
+            }
+            println!("\nprecision=fast against its arithmetic by plain kernels (bf16 weights: the exact kernels on bf16-rounded inputs, the tensor-core emulation of --precision tensor-cores, the order of f32 sums apart; int8 weights: the W8A8 scalar reference, bit for bit):\n");
+            v.checks
+        }
         None | Some("cpu") => {
             if precision == Precision::TensorCores {
                 // The CPU engine computing as the GPU's tensor-core prefill does.
@@ -237,6 +250,7 @@ fn cmd_verify(argv: &[String]) -> Result<ExitCode> {
             }
             tandem_core::verify::verify(&pool, &mut model.net, reference)?
         }
+        Some(_) if fast => bail!("--precision fast is the CPU engine's; a GPU's products with bf16-rounded inputs are --precision tensor-cores"),
         Some(device) => {
             let ordinal = parse_cuda_device(device)?;
             let gpu = tandem_core::backend::cuda::Gpu::open(ordinal)?;
@@ -280,6 +294,22 @@ fn cmd_verify(argv: &[String]) -> Result<ExitCode> {
     }
     println!("PASS");
     Ok(ExitCode::SUCCESS)
+}
+
+/// One precision's checks against a reference, summed over its prompts as a table row.
+fn cost_row(name: &str, against: &str, checks: &[tandem_core::verify::Check]) -> String {
+    let of = |part: &'static str| checks.iter().filter(move |c| c.item.contains(part));
+    let largest = |part: &'static str| of(part).map(|c| c.error).fold(0f32, f32::max);
+    let count = |part: &'static str| of(part).filter_map(|c| c.top1).fold((0, 0), |(a, n), (b, m)| (a + b, n + m));
+    let pct = |(a, n): (usize, usize)| format!("{a}/{n} ({:.1}%)", 100.0 * a as f64 / n.max(1) as f64);
+    let states = checks.iter().filter(|c| c.relative).map(|c| c.error).fold(0f32, f32::max);
+    format!(
+        "| {name} | {against} | {:.2e} | {} | {} | {:.2e} | {states:.2e} |",
+        largest("prefill logits"),
+        pct(count("prefill logits")),
+        pct(count("greedy ids")),
+        largest("greedy decode logits")
+    )
 }
 
 /// A duration in milliseconds.

@@ -11,7 +11,7 @@ use tandem_core::model::load::LoadedModel;
 use tandem_core::model::{Logits, Qwen35};
 use tandem_core::backend::cpu::pool::Pool;
 use tandem_core::sampling::argmax;
-use tandem_core::state::State;
+use tandem_core::state::{LayerState, State};
 
 #[derive(Debug, Clone)]
 pub struct QualityRow {
@@ -94,4 +94,64 @@ pub fn compare(pool: &Pool, a: &Qwen35, b: &Qwen35, name: &str, ids: &[u32], gre
         greedy_total: greedy,
         first_greedy_divergence: first,
     })
+}
+
+/// How far two versions of a model's states are apart after `tokens` tokens.
+#[derive(Debug, Clone)]
+pub struct DriftRow {
+    pub tokens: usize,
+    /// Largest over the DeltaNet layers of max |a - b| / max |a| of the recurrent state.
+    pub recurrent: f32,
+    /// The same over the attention layers' keys and values.
+    pub kv: f32,
+    /// Largest difference of the last position's logits.
+    pub logits: f32,
+    /// Whether the last position's largest logit is the same token.
+    pub top1_same: bool,
+}
+
+impl std::fmt::Display for DriftRow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "| {} | {:.2e} | {:.2e} | {:.3} | {} |", self.tokens, self.recurrent, self.kv, self.logits, if self.top1_same { "yes" } else { "no" })
+    }
+}
+
+/// Feed `a` and `b` the same `tokens` in pieces of `every` (a prompt in pieces computes what
+/// one call does) and compare their states after each piece: whether the difference the
+/// recurrent state carries forward grows with the tokens or stays bounded.
+pub fn drift(pool: &Pool, a: &Qwen35, b: &Qwen35, tokens: &[u32], every: usize, vocab: usize) -> Result<Vec<DriftRow>> {
+    let (mut sa, mut sb) = (State::new(&a.config), State::new(&b.config));
+    let mut rows = Vec::new();
+    for piece in tokens.chunks(every.max(1)) {
+        a.forward(pool, piece, &mut sa, Logits::Last)?;
+        b.forward(pool, piece, &mut sb, Logits::Last)?;
+        let (mut recurrent, mut kv) = (0f32, 0f32);
+        for (la, lb) in sa.layers.iter().zip(&sb.layers) {
+            match (la, lb) {
+                (LayerState::Linear { recurrent: ra, .. }, LayerState::Linear { recurrent: rb, .. }) => recurrent = recurrent.max(relative_difference(ra, rb)),
+                (LayerState::Full { k: ka, v: va }, LayerState::Full { k: kb, v: vb }) => kv = kv.max(relative_difference(ka, kb)).max(relative_difference(va, vb)),
+                _ => anyhow::bail!("the two models' layers are of different kinds"),
+            }
+        }
+        let (la, lb) = (&sa.last_logits[..vocab], &sb.last_logits[..vocab]);
+        rows.push(DriftRow {
+            tokens: sa.position,
+            recurrent,
+            kv,
+            logits: la.iter().zip(lb).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max),
+            top1_same: argmax(la) == argmax(lb),
+        });
+    }
+    Ok(rows)
+}
+
+/// max |a - b| / max |a| (0 for two empty or all-zero tensors that agree).
+fn relative_difference(a: &[f32], b: &[f32]) -> f32 {
+    let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    if diff == 0.0 {
+        0.0
+    } else {
+        diff / scale.max(f32::MIN_POSITIVE)
+    }
 }

@@ -24,6 +24,22 @@ fn verify_passes_on_the_golden_fixture() {
     assert!(out.contains("95 of 95 checks within tolerance") && out.trim_end().ends_with("PASS"), "{out}");
 }
 
+/// `verify --precision fast`: the table of what each precision costs, then the checks of fast
+/// against its own arithmetic, which pass; a GPU is told that fast is the CPU's.
+#[test]
+fn verify_fast_reports_its_error_and_passes_against_its_arithmetic() {
+    let reference = format!("{}/reference.safetensors", tiny());
+    let o = tandem(&["verify", "--model", &tiny(), "--reference", &reference, "--precision", "fast"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    for row in ["| exact | the reference |", "| fast | the reference |", "| fast | exact |", "| fast's arithmetic, plain kernels | exact |"] {
+        assert!(out.contains(row), "no row {row:?}: {out}");
+    }
+    assert!(out.contains("95 of 95 checks within tolerance") && out.trim_end().ends_with("PASS"), "{out}");
+    let o = tandem(&["verify", "--model", &tiny(), "--reference", &reference, "--precision", "fast", "--device", "cuda:0"]);
+    assert!(!o.status.success() && stderr(&o).contains("--precision fast is the CPU engine's"), "{}", stderr(&o));
+}
+
 #[test]
 fn generate_from_token_ids_prints_ids_and_a_summary() {
     // The tiny checkpoint has no tokenizer: ids in, ids out. Greedy ids of fixture prompt p1.

@@ -48,15 +48,18 @@ const SECTIONS: [&str; 8] = ["kernels", "modes", "dispatch", "transfer", "multit
 const OWN_SECTIONS: [&str; 5] = ["cuda", "serve", "prefix-cache", "disagg", "grammar"];
 
 pub const USAGE: &str = "\
-tandem bench [--model M] [--prefill PLACEMENT] [--decode PLACEMENT] [--quant bf16,int8]
-             [--sections kernels,modes,...] [--quick] [--out DIR] [--reps 3]
-             [--threads N | --cores 0,1] [--prompts 13,74,410] [--decode-tokens 32]
-             [--isa avx512-dot|avx512|avx2|portable]
+tandem bench [--model M] [--prefill PLACEMENT] [--decode PLACEMENT]
+             [--quant bf16,int8,bf16-fast,int8-fast] [--sections kernels,modes,...] [--quick]
+             [--out DIR] [--reps 3] [--threads N | --cores 0,1] [--prompts 13,74,410]
+             [--decode-tokens 32] [--drift-tokens 2000] [--isa avx512-dot|avx512|avx2|portable]
 
 Measures the machine (read bandwidth, f32 FMA peak, bf16 dot peak), then each section:
   kernels      prefill and decode tok/s of each weight format (--quant) on all cores
-               (--threads/--cores), against the measured ceilings; int8 quality; peak memory
-               (the other sections run the first format of --quant)
+               (--threads/--cores), against the measured ceilings (bf16-fast and int8-fast:
+               a CPU engine's precision=fast, against the dot products' peaks); int8 quality;
+               each fast format against exact, with the states' drift over --drift-tokens
+               tokens (2000; --quick 500); peak memory (the other sections run the first
+               format of --quant)
   modes        the study's tables 1-2: prefill engine alone, decode engine alone, hybrid, on
                prompts of 13, 28, 74 and 6, 133, 410 tokens
   dispatch     table 2: sequential, batched:32 and dynamic dispatch of a 74-token prompt
@@ -181,7 +184,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     let args = Args::parse(
         argv,
         &[
-            "model", "threads", "cores", "quant", "prompts", "decode-tokens", "reps", "out", "isa", "sections", "prefill", "decode", "device", "mode", "transfer",
+            "model", "threads", "cores", "quant", "prompts", "decode-tokens", "drift-tokens", "reps", "out", "isa", "sections", "prefill", "decode", "device", "mode", "transfer",
             // The serve section's.
             "input-len", "output-len", "concurrency", "rates", "requests", "max-concurrent", "max-prefill-tokens", "temperature", "top-k", "top-p", "slo-ttft-ms", "slo-tpot-ms", "gpu-memory-utilization",
             "kv-cache-memory", "trace",
@@ -227,7 +230,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         bail!("--sections: run {} on their own", OWN_SECTIONS.join(" and "));
     }
     let spec = args.str("model").unwrap_or("synthetic:qwen3.5-0.8b").to_string();
-    let quants: Vec<String> = args.str("quant").unwrap_or("bf16,int8").split(',').map(|s| s.trim().to_string()).collect();
+    let quants: Vec<String> = args.str("quant").unwrap_or("bf16,int8,bf16-fast,int8-fast").split(',').map(|s| s.trim().to_string()).collect();
     for q in &quants {
         if !["bf16", "int8", "bf16-fast", "int8-fast"].contains(&q.as_str()) {
             bail!("--quant {q:?}: benchmark formats are bf16 (as stored), int8, and bf16-fast and int8-fast (with the CPU engine's precision=fast)");
@@ -236,10 +239,11 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     let prompts: Vec<usize> = parse_list(args.str("prompts").unwrap_or(if quick { "13,74" } else { "13,74,410" }), "--prompts")?;
     let decode_tokens: usize = args.get("decode-tokens", if quick { 8 } else { 32 })?;
     let reps: usize = args.get("reps", if quick { 1 } else { 2 })?;
+    let drift_tokens: usize = args.get("drift-tokens", if quick { 500 } else { 2000 })?;
     // A conversation of three 100-token replies per variant takes minutes on a small CPU.
     let conversations = if args.str("reps").is_some() { reps } else { 1 };
-    if reps == 0 || decode_tokens == 0 || prompts.is_empty() {
-        bail!("--reps, --decode-tokens and --prompts must be positive");
+    if reps == 0 || decode_tokens == 0 || drift_tokens == 0 || prompts.is_empty() {
+        bail!("--reps, --decode-tokens, --drift-tokens and --prompts must be positive");
     }
     let out_dir = std::path::PathBuf::from(args.str("out").unwrap_or("tandem-bench"));
     let pool = crate::make_pool(&args)?;
@@ -290,7 +294,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
             quantized = true;
         }
         result = match section {
-            "kernels" => kernels(&mut rec, &mut samples, &model, &pool, &spec, &quants, &prompts, decode_tokens, reps),
+            "kernels" => kernels(&mut rec, &mut samples, &model, &pool, &spec, &quants, &prompts, decode_tokens, reps, drift_tokens),
             _ => pipeline_section(&mut rec, section, &model, &config, quick, reps, conversations, &spec),
         };
         if result.is_err() {
@@ -417,6 +421,7 @@ fn kernels(
     prompts: &[usize],
     decode_tokens: usize,
     reps: usize,
+    drift_tokens: usize,
 ) -> Result<()> {
     let threads = pool.threads();
     let mut nets: Vec<(String, Qwen35)> = Vec::new();
@@ -550,20 +555,35 @@ fn kernels(
         writeln!(rec.report, "{row}")?;
     }
 
-    // Each fast format against the exact arithmetic on the same weights.
+    // Each fast format against the exact arithmetic on the same weights: on a short and the
+    // longest prompt, and the states' drift over `drift_tokens` tokens.
+    let longest = prompts.iter().copied().max().unwrap_or(410);
     for (fast_q, exact_q) in [("bf16-fast", "bf16"), ("int8-fast", "int8")] {
         let (Some((_, exact)), Some((_, fast))) = (nets.iter().find(|(q, _)| q == exact_q), nets.iter().find(|(q, _)| q == fast_q)) else { continue };
         progress(&format!("{fast_q} quality against the exact arithmetic"));
-        writeln!(rec.report, "\n## {fast_q} against {exact_q}'s exact arithmetic ({spec}, a 133-token prompt, 16 greedy tokens)\n")?;
+        writeln!(rec.report, "\n## {fast_q} against {exact_q}'s exact arithmetic ({spec}, 16 greedy tokens after each prompt)\n")?;
         writeln!(rec.report, "| prompt | positions | top-1 agreement | largest logit difference | greedy ids identical |")?;
         writeln!(rec.report, "|---|---|---|---|---|")?;
-        let row = crate::quality::compare(pool, exact, fast, "random ids", &prompt_of(133), 16, vocab)?;
-        writeln!(rec.report, "{row}")?;
+        let mut lengths = vec![133.min(longest), longest];
+        lengths.dedup();
+        for n in lengths {
+            let row = crate::quality::compare(pool, exact, fast, "random ids", &prompt_of(n), 16, vocab)?;
+            writeln!(rec.report, "{row}")?;
+            rec.run("fast_quality", serde_json::json!({"weights": fast_q, "tokens": n, "top1_agree": row.top1_agree, "max_logit_diff": row.max_logit_diff, "greedy_identical": row.greedy_identical, "greedy_total": row.greedy_total}));
+        }
+        let every = (drift_tokens / 8).max(1);
+        writeln!(rec.report, "\nThe states apart as the tokens accumulate ({drift_tokens} random ids fed to both in pieces of {every}):\n")?;
+        writeln!(rec.report, "| tokens | recurrent state: largest error / largest value | keys and values: the same | last logits: largest difference | same top-1 |")?;
+        writeln!(rec.report, "|---|---|---|---|---|")?;
+        for row in crate::quality::drift(pool, exact, fast, &prompt_of(drift_tokens), every, vocab)? {
+            writeln!(rec.report, "{row}")?;
+            rec.run("fast_drift", serde_json::json!({"weights": fast_q, "tokens": row.tokens, "recurrent_rel": row.recurrent, "kv_rel": row.kv, "max_logit_diff": row.logits, "top1_same": row.top1_same}));
+        }
     }
 
     progress("peak memory (a generate run per format in a child process)");
     // The longest prompt of the run (410 in a full run).
-    let memory_prompt = prompts.iter().copied().max().unwrap_or(410);
+    let memory_prompt = longest;
     writeln!(rec.report, "\n## Memory (`tandem generate` of a {memory_prompt}-token prompt + 8 tokens, each format in its own process)\n")?;
     writeln!(rec.report, "| weights | weights held | state | peak RSS | peak / (weights + state) |")?;
     writeln!(rec.report, "|---|---|---|---|---|")?;

@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 
 use crate::backend::cpu::kernels::attention::attention_head;
 use crate::backend::cpu::kernels::deltanet;
-use crate::backend::cpu::kernels::matmul::{decode_group, decode_group_fast, matmul_group, matmul_group_fast};
+use crate::backend::cpu::kernels::matmul::{decode_group, decode_group_fast, matmul_group, matmul_group_fast, matmul_group_fast_reference};
 use crate::backend::cpu::CpuPrecision;
 use crate::backend::cpu::kernels::norm::{gated_rms_norm_inplace, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, softplus, swiglu_inplace};
 use crate::backend::cpu::kernels::rope::{apply_rope, cos_sin};
@@ -334,7 +334,9 @@ impl<'p> Pass<'p> {
         };
         match (self.kernels, self.precision) {
             (Kernels::Prompt, CpuPrecision::Fast) => matmul_group_fast(self.pool, x, t, jobs),
-            (Kernels::Decode, CpuPrecision::Fast) => decode_group_fast(self.pool, x, t, jobs),
+            (Kernels::Prompt, CpuPrecision::FastReference) => matmul_group_fast_reference(self.pool, x, t, jobs),
+            // The fast decode products are the exact kernels on rounded inputs already.
+            (Kernels::Decode, CpuPrecision::Fast | CpuPrecision::FastReference) => decode_group_fast(self.pool, x, t, jobs),
             (Kernels::Prompt, _) => matmul_group(self.pool, x, t, jobs),
             (Kernels::Decode, _) => decode_group(self.pool, x, t, jobs),
         }

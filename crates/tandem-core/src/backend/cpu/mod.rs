@@ -17,6 +17,13 @@ pub enum CpuPrecision {
     Bf16Inputs,
     /// The CPU's dot-product instructions: a bf16 weight's products take bf16-rounded inputs,
     /// summed in f32 two at a time by `vdpbf16ps` where the CPU has AVX512-BF16 (the
-    /// tensor-core arithmetic, in another summation order); other weights as `Exact`.
+    /// tensor-core arithmetic, in another summation order); a prompt's products with int8
+    /// weights take its inputs quantized to int8 in blocks of 64, summed exactly in i32 four
+    /// at a time by `vpdpbusd` where the CPU has AVX512-VNNI (W8A8); other products as `Exact`.
     Fast,
+    /// `Fast`'s arithmetic by plain kernels, what `verify --precision fast` holds it to: a bf16
+    /// weight's products by the exact kernels on bf16-rounded inputs (`Fast` up to the order of
+    /// f32 sums; with bf16 weights this is `Bf16Inputs`), a prompt's W8A8 products by the
+    /// kernel's scalar reference (`Fast`'s bits).
+    FastReference,
 }

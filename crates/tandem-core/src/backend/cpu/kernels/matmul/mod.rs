@@ -97,6 +97,32 @@ pub fn matmul_group_fast(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Mat
     }
 }
 
+/// `matmul_group_fast`'s arithmetic by plain kernels: for bf16 weights the exact kernels on
+/// the inputs rounded to bf16 (`precision=fast` up to the order of f32 sums); for the int8
+/// weights that the W8A8 kernel takes its scalar reference `int8_dot::w8a8_ref` (the kernel's
+/// bits); other weights as `matmul_group`.
+pub fn matmul_group_fast_reference(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])]) {
+    let jobs = checked_jobs(x, t, products);
+    let (w8a8, jobs): (Vec<_>, Vec<_>) = jobs.into_iter().partition(|(w, _)| int8_dot::applies(w));
+    for (w, out) in w8a8 {
+        let (k, n) = (w.cols, w.rows);
+        pool.for_ranges(t, 1, &|r| {
+            let out: OutPtr = out;
+            // SAFETY: the ranges of tokens are disjoint, so are their rows of `out`.
+            let out = unsafe { std::slice::from_raw_parts_mut(out.0.add(r.start * n), r.len() * n) };
+            int8_dot::w8a8_ref(&x[r.start * k..r.end * k], r.len(), w, out);
+        });
+    }
+    let (bf16, other): (Vec<_>, Vec<_>) = jobs.into_iter().partition(|(w, _)| matches!(w.data, WeightData::Bf16(_)));
+    if !bf16.is_empty() {
+        let x: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+        prompt_group(pool, &x, t, &bf16);
+    }
+    if !other.is_empty() {
+        prompt_group(pool, x, t, &other);
+    }
+}
+
 /// The fast precision's decode products: for bf16 weights the GEMV of the bf16-rounded inputs
 /// (each token's outputs the one-token product's bits, as `decode_group`); other weights as
 /// `decode_group`.
