@@ -197,8 +197,8 @@ impl Reference {
             }
             tensors.insert(format!("{p}.greedy_logits"), f32s(vec![greedy, config.vocab_size], steps));
             tensors.insert(format!("{p}.greedy_ids"), i64s(picks));
-            for (_, tensor, shape_len, values) in state_tensors(config, &p, ids.len(), &after_prompt, &state)? {
-                tensors.insert(tensor, f32s(vec![shape_len], values));
+            for (_, tensor, values) in state_tensors(config, &p, ids.len(), &after_prompt, &state)? {
+                tensors.insert(tensor, f32s(vec![values.len()], values));
             }
             tensors.insert(format!("{p}.input_ids"), i64s(ids.iter().map(|&i| i as i64).collect()));
         }
@@ -374,19 +374,21 @@ fn run_checks(config: &Qwen35Config, forward: &Step, r: &Reference, tol: Toleran
         // 3. States, layer by layer: K/V after the prompt; conv and recurrent where the
         //    reference recorded them.
         let linear_state = if r.linear_after_greedy { &state } else { &after_prompt };
-        for (item, tensor, _, got) in state_tensors(config, p, l, &after_prompt, linear_state)? {
+        for (item, tensor, got) in state_tensors(config, p, l, &after_prompt, linear_state)? {
             checks.push(rel_check(item, &got, &r.get(&tensor)?.f32s, tol));
         }
     }
     Ok(checks)
 }
 
-/// The states of prompt `p` as the reference files lay them out, each with its check's name,
-/// its tensor's name and length: K/V from `after_prompt`, conv and recurrent from
-/// `linear_state`.
-fn state_tensors(c: &Qwen35Config, p: &str, l: usize, after_prompt: &State, linear_state: &State) -> Result<Vec<(String, String, usize, Vec<f32>)>> {
+/// A state tensor as reference files lay it out: its check's name, its tensor's name, values.
+type StateTensor = (String, String, Vec<f32>);
+
+/// The states of prompt `p` as the reference files lay them out: K/V from `after_prompt`,
+/// conv and recurrent from `linear_state`.
+fn state_tensors(c: &Qwen35Config, p: &str, l: usize, after_prompt: &State, linear_state: &State) -> Result<Vec<StateTensor>> {
     let mut out = Vec::new();
-    let mut push = |item: String, tensor: String, t: Vec<f32>| out.push((item, tensor, t.len(), t));
+    let mut push = |item: String, tensor: String, t: Vec<f32>| out.push((item, tensor, t));
     for (i, (kv_layer, lin_layer)) in after_prompt.layers.iter().zip(&linear_state.layers).enumerate() {
         match (kv_layer, lin_layer) {
             (_, LayerState::Linear { conv, recurrent }) => {

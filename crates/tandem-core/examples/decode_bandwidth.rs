@@ -1,0 +1,130 @@
+//! Where a one-sequence decode step falls short of the read bandwidth: a plain read and the
+//! bench's four-stream read of 512 MB, the synthetic model's matrices each through the decode
+//! GEMV alone (GB/s against a plain read of as many bytes on the same pool; the small ones are
+//! then in cache, unlike in a step), then whole decode steps against the bytes they read.
+//! `cargo run --release --example decode_bandwidth -p tandem-core [THREADS] [bf16|int8] [MODEL]`.
+use std::cell::RefCell;
+use std::time::Instant;
+use tandem_core::backend::cpu::kernels::matmul::decode_group;
+use tandem_core::backend::cpu::pool::Pool;
+use tandem_core::model::load::LoadedModel;
+use tandem_core::model::tensor::Matrix;
+use tandem_core::state::State;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// GB/s of summing `bytes` bytes of a buffer on the pool (what the GEMV reads, plainly read).
+fn plain_read(pool: &Pool, buf: &[f32]) -> f64 {
+    let rates: Vec<f64> = (0..7)
+        .map(|_| {
+            let sink = std::sync::atomic::AtomicU32::new(0);
+            let t = Instant::now();
+            pool.for_ranges(buf.len(), 1024, &|r| {
+                let mut acc = [0f32; 16];
+                for c in buf[r].chunks_exact(16) {
+                    for j in 0..16 {
+                        acc[j] += c[j];
+                    }
+                }
+                sink.fetch_add(acc.iter().sum::<f32>().to_bits() & 1, std::sync::atomic::Ordering::Relaxed);
+            });
+            (buf.len() * 4) as f64 / t.elapsed().as_secs_f64() / 1e9
+        })
+        .collect();
+    median(rates)
+}
+
+/// The bench's ceiling: four interleaved streams with software prefetch 4 KB ahead.
+#[target_feature(enable = "avx512f")]
+unsafe fn sum4(x: &[f32], prefetch: bool) -> f32 {
+    use std::arch::x86_64::*;
+    const AHEAD: usize = 1024;
+    let part = x.len() / 4 / 16 * 16;
+    let p = x.as_ptr();
+    let mut a = [_mm512_setzero_ps(); 8];
+    let mut i = 0;
+    while i + 32 <= part {
+        for s in 0..4 {
+            let q = p.add(s * part + i);
+            if prefetch {
+                _mm_prefetch::<_MM_HINT_T0>(q.add(AHEAD) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(q.add(AHEAD + 16) as *const i8);
+            }
+            a[2 * s] = _mm512_add_ps(a[2 * s], _mm512_loadu_ps(q));
+            a[2 * s + 1] = _mm512_add_ps(a[2 * s + 1], _mm512_loadu_ps(q.add(16)));
+        }
+        i += 32;
+    }
+    let mut t = _mm512_setzero_ps();
+    for v in a {
+        t = _mm512_add_ps(t, v);
+    }
+    _mm512_reduce_add_ps(t)
+}
+
+fn read4(pool: &Pool, buf: &[f32], prefetch: bool) -> f64 {
+    let rates: Vec<f64> = (0..7)
+        .map(|_| {
+            let sink = std::sync::atomic::AtomicU32::new(0);
+            let t = Instant::now();
+            pool.for_ranges(buf.len(), 1024, &|r| {
+                let s = unsafe { sum4(&buf[r], prefetch) };
+                sink.fetch_add(s.to_bits() & 1, std::sync::atomic::Ordering::Relaxed);
+            });
+            (buf.len() * 4) as f64 / t.elapsed().as_secs_f64() / 1e9
+        })
+        .collect();
+    median(rates)
+}
+
+fn main() {
+    let threads: usize = std::env::args().nth(1).map_or(2, |a| a.parse().unwrap());
+    let int8 = std::env::args().nth(2).as_deref() == Some("int8");
+    let spec = std::env::args().nth(3).unwrap_or("synthetic:qwen3.5-0.8b".into());
+    let pool = Pool::new(threads);
+    let model = if int8 { LoadedModel::load_int8(&spec, &pool).unwrap() } else { LoadedModel::load(&spec).unwrap() };
+    let net = &model.net;
+    // One of each shape of matrix, as the forward pass multiplies by them.
+    let seen = RefCell::new(Vec::<Matrix>::new());
+    net.clone().map_matrices(|m| {
+        let mut s = seen.borrow_mut();
+        if !s.iter().any(|o| (o.rows, o.cols) == (m.rows, m.cols)) {
+            s.push(m.clone());
+        }
+        m.clone()
+    });
+    let big: Vec<f32> = (0..(512usize << 20) / 4).map(|i| (i % 7) as f32).collect();
+    for _ in 0..2 {
+        println!("plain read of 512 MB: {:.1} GB/s; four streams with prefetch {:.1}, without {:.1}", plain_read(&pool, &big), read4(&pool, &big, true), read4(&pool, &big, false));
+    }
+    println!("| matrix | MB | GEMV GB/s | plain read of as many bytes, GB/s | µs |");
+    for m in seen.borrow().iter() {
+        let x: Vec<f32> = (0..m.cols).map(|i| ((i % 7) as f32 - 3.0) * 0.1).collect();
+        let mut out = vec![0f32; m.rows];
+        let times: Vec<f64> = (0..15)
+            .map(|_| {
+                let t = Instant::now();
+                decode_group(&pool, &x, 1, &mut [(m, &mut out)]);
+                t.elapsed().as_secs_f64()
+            })
+            .collect();
+        let t = median(times);
+        let plain = plain_read(&pool, &big[..m.bytes() / 4]);
+        println!("| {}x{} | {:.1} | {:.1} | {:.1} | {:.0} |", m.rows, m.cols, m.bytes() as f64 / 1e6, m.bytes() as f64 / t / 1e9, plain, t * 1e6);
+    }
+    let mut st = State::new(&net.config);
+    net.forward(&pool, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], &mut st, tandem_core::model::Logits::Last).unwrap();
+    let times: Vec<f64> = (0..24)
+        .map(|i| {
+            let t = Instant::now();
+            net.decode_batch(&pool, &[100 + i], &mut [&mut st]).unwrap();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    let t = median(times);
+    let bytes = (net.weight_bytes_per_token() + st.bytes()) as f64;
+    println!("decode step: {:.2} ms, {:.0} MB read, {:.1} GB/s; plain read now {:.1} GB/s", t * 1e3, bytes / 1e6, bytes / t / 1e9, plain_read(&pool, &big));
+}
