@@ -115,6 +115,28 @@ fn main() {
         let plain = plain_read(&pool, &big[..m.bytes() / 4]);
         println!("| {}x{} | {:.1} | {:.1} | {:.1} | {:.0} |", m.rows, m.cols, m.bytes() as f64 / 1e6, m.bytes() as f64 / t / 1e9, plain, t * 1e6);
     }
+    // Every matrix of the model through the GEMV one after another, as a step reads them
+    // (from memory, not from cache): what the products alone cost of a step.
+    let all = RefCell::new(Vec::<Matrix>::new());
+    net.clone().map_matrices(|m| {
+        all.borrow_mut().push(m.clone());
+        m.clone()
+    });
+    let all = all.into_inner();
+    let bytes: usize = all.iter().map(|m| m.bytes()).sum();
+    let times: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            for m in &all {
+                let x: Vec<f32> = vec![0.01; m.cols];
+                let mut out = vec![0f32; m.rows];
+                decode_group(&pool, &x, 1, &mut [(m, &mut out)]);
+            }
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    let t = median(times);
+    println!("every matrix once, one GEMV each: {:.2} ms, {:.0} MB, {:.1} GB/s", t * 1e3, bytes as f64 / 1e6, bytes as f64 / t / 1e9);
     let mut st = State::new(&net.config);
     net.forward(&pool, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], &mut st, tandem_core::model::Logits::Last).unwrap();
     let times: Vec<f64> = (0..24)

@@ -15,7 +15,7 @@ use std::io::IsTerminal as _;
 use std::path::Path;
 use std::process::{Command, ExitCode};
 use std::sync::OnceLock;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
@@ -540,6 +540,36 @@ fn kernels(
         )?;
     }
 
+    // Where one prefill of the longest prompt spends its time, phase by phase, per format.
+    let longest = prompts.iter().copied().max().unwrap_or(410);
+    progress("a prefill's phases");
+    writeln!(rec.report, "\n## Where a {longest}-token prefill's time goes ({spec}, {threads} threads, one run each)\n")?;
+    writeln!(rec.report, "| phase | {} |", nets.iter().map(|(q, _)| q.as_str()).collect::<Vec<_>>().join(" | "))?;
+    writeln!(rec.report, "|---|{}", "---|".repeat(nets.len()))?;
+    let mut phases = Vec::new();
+    for (q, net) in &nets {
+        use tandem_core::backend::cpu::profile;
+        let mut st = State::new(&net.config);
+        profile::enable(true);
+        profile::take();
+        let t = Instant::now();
+        net.forward(pool, &prompt_of(longest), &mut st, Logits::Last)?;
+        let total = t.elapsed();
+        let taken = profile::take();
+        profile::enable(false);
+        let rest = total.saturating_sub(taken.iter().map(|(_, d)| *d).sum());
+        for (p, d) in &taken {
+            rec.run("prefill_phases", serde_json::json!({"weights": q, "tokens": longest, "threads": threads, "phase": p.name(), "seconds": d.as_secs_f64()}));
+        }
+        phases.push((total, taken, rest));
+    }
+    let cell = |d: Duration, total: Duration| format!("{:.1} ms ({:.0}%)", d.as_secs_f64() * 1e3, 100.0 * d.as_secs_f64() / total.as_secs_f64());
+    for (i, p) in tandem_core::backend::cpu::profile::PHASES.iter().enumerate() {
+        writeln!(rec.report, "| {} | {} |", p.name(), phases.iter().map(|(total, taken, _)| cell(taken[i].1, *total)).collect::<Vec<_>>().join(" | "))?;
+    }
+    writeln!(rec.report, "| the rest (buffers, between phases) | {} |", phases.iter().map(|(total, _, rest)| cell(*rest, *total)).collect::<Vec<_>>().join(" | "))?;
+    writeln!(rec.report, "| whole prefill | {} |", phases.iter().map(|(total, _, _)| format!("{:.1} ms", total.as_secs_f64() * 1e3)).collect::<Vec<_>>().join(" | "))?;
+
     if let Some(p) = bf16_dot {
         writeln!(rec.report, "\nbf16 dot peak ({threads} threads, at the section's start): {:.1} GFLOP/s, the ceiling of the bf16-fast rows.", p / 1e9)?;
     }
@@ -557,7 +587,6 @@ fn kernels(
 
     // Each fast format against the exact arithmetic on the same weights: on a short and the
     // longest prompt, and the states' drift over `drift_tokens` tokens.
-    let longest = prompts.iter().copied().max().unwrap_or(410);
     for (fast_q, exact_q) in [("bf16-fast", "bf16"), ("int8-fast", "int8")] {
         let (Some((_, exact)), Some((_, fast))) = (nets.iter().find(|(q, _)| q == exact_q), nets.iter().find(|(q, _)| q == fast_q)) else { continue };
         progress(&format!("{fast_q} quality against the exact arithmetic"));

@@ -12,6 +12,7 @@ use crate::backend::cpu::CpuPrecision;
 use crate::backend::cpu::kernels::norm::{gated_rms_norm_inplace, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, softplus, swiglu_inplace};
 use crate::backend::cpu::kernels::rope::{apply_rope, cos_sin};
 use crate::backend::cpu::pool::Pool;
+use crate::backend::cpu::profile::{time, Phase};
 use crate::model::{GatedAttention, GatedDeltaNet, Mixer, Mlp};
 use crate::model::tensor::Matrix;
 use crate::model::{Logits, Qwen35};
@@ -92,21 +93,25 @@ impl Qwen35 {
         let c = &self.config;
         let (t, h) = (tokens.len(), c.hidden_size);
         let mut x = vec![0f32; t * h];
+        let embed = time(Phase::NormsResidual);
         for (i, &id) in tokens.iter().enumerate() {
             self.embed_tokens.row_to_f32(id as usize, &mut x[i * h..(i + 1) * h]);
         }
         let mut xn = vec![0f32; t * h];
         let mut mixed = vec![0f32; t * h];
+        drop(embed);
         for (li, layer) in self.layers.iter().enumerate() {
-            rms_norm(&x, &layer.input_norm, c.rms_norm_eps, &mut xn);
+            time(Phase::NormsResidual).run(|| rms_norm(&x, &layer.input_norm, c.rms_norm_eps, &mut xn));
             match &layer.mixer {
                 Mixer::DeltaNet(m) => self.gated_deltanet(pass, m, &xn, t, segs, li, &mut mixed),
                 Mixer::Attention(m) => self.gated_attention(pass, m, &xn, t, segs, li, &mut mixed),
             }
-            add_inplace(&mut x, &mixed);
-            rms_norm(&x, &layer.post_attention_norm, c.rms_norm_eps, &mut xn);
+            time(Phase::NormsResidual).run(|| {
+                add_inplace(&mut x, &mixed);
+                rms_norm(&x, &layer.post_attention_norm, c.rms_norm_eps, &mut xn);
+            });
             self.mlp(pass, &layer.mlp, &xn, t, &mut mixed);
-            add_inplace(&mut x, &mixed);
+            time(Phase::NormsResidual).run(|| add_inplace(&mut x, &mixed));
         }
 
         let rows: Vec<usize> = match which {
@@ -122,7 +127,9 @@ impl Qwen35 {
         let mut logits = vec![0f32; n * v];
         // Each row's logits in the one-token order, as a decode step computes them: a token's
         // logits then have the same bits whichever call and kernels produced its hidden state.
-        pass.with_kernels(Kernels::Decode).products(&final_x, n, &mut [(&self.lm_head, &mut logits)]);
+        let lm_head = time(Phase::LmHead);
+        pass.with_kernels(Kernels::Decode).unprofiled_products(&final_x, n, &mut [(&self.lm_head, &mut logits)]);
+        drop(lm_head);
         let last_rows: Vec<&[f32]> = match which {
             Logits::All => vec![&logits[(n - 1) * v..]],
             Logits::Last => logits.chunks_exact(v).collect(),
@@ -155,6 +162,7 @@ impl Qwen35 {
 
         // Causal depthwise conv + SiLU over the window (K raw columns before this call) ++ the
         // segment's real rows; pad rows of `mixed_qkv` stay zero.
+        let conv_norms = time(Phase::DeltaNetConvNorms);
         let mut mixed_qkv = vec![0f32; t * cd];
         let mut recurrent_of = Vec::with_capacity(segs.len());
         for seg in segs.iter_mut() {
@@ -163,23 +171,36 @@ impl Qwen35 {
             let mut window = Vec::with_capacity((kk + seg.valid) * cd);
             window.extend_from_slice(conv);
             window.extend_from_slice(&qkv[real.start * cd..real.end * cd]);
-            causal_conv_silu(&window, &m.conv_taps, kk, cd, &mut mixed_qkv[real.start * cd..real.end * cd]);
+            // A prompt's rows split over the pool (each row's sums as alone, so the same bits).
+            let out = SharedMut(mixed_qkv[real.start * cd..].as_mut_ptr());
+            rows_on(pass.pool, seg.valid, &|r| {
+                let out = out;
+                // SAFETY: the row ranges are disjoint, within the segment's real rows.
+                let out = unsafe { std::slice::from_raw_parts_mut(out.0.add(r.start * cd), r.len() * cd) };
+                causal_conv_silu(&window[r.start * cd..(r.end + kk) * cd], &m.conv_taps, kk, cd, out);
+            });
             conv.copy_from_slice(&window[seg.valid * cd..]);
             recurrent_of.push(SharedMut(recurrent.as_mut_ptr()));
         }
 
-        // q, k: l2-normalised per key head, q scaled by 1/√Dk.
+        // q, k: l2-normalised per key head, q scaled by 1/√Dk; rows split over the pool.
         let q_scale = 1.0 / (dk as f32).sqrt();
         for seg in segs.iter() {
-            for row in mixed_qkv[seg.rows.start * cd..(seg.rows.start + seg.valid) * cd].chunks_exact_mut(cd) {
-                for head in row[..kd].chunks_exact_mut(dk) {
-                    l2_normalize(head);
-                    head.iter_mut().for_each(|v| *v *= q_scale);
+            let rows = SharedMut(mixed_qkv[seg.rows.start * cd..].as_mut_ptr());
+            rows_on(pass.pool, seg.valid, &|r| {
+                let rows = rows;
+                // SAFETY: as above.
+                let rows = unsafe { std::slice::from_raw_parts_mut(rows.0.add(r.start * cd), r.len() * cd) };
+                for row in rows.chunks_exact_mut(cd) {
+                    for head in row[..kd].chunks_exact_mut(dk) {
+                        l2_normalize(head);
+                        head.iter_mut().for_each(|v| *v *= q_scale);
+                    }
+                    for head in row[kd..2 * kd].chunks_exact_mut(dk) {
+                        l2_normalize(head);
+                    }
                 }
-                for head in row[kd..2 * kd].chunks_exact_mut(dk) {
-                    l2_normalize(head);
-                }
-            }
+            });
         }
 
         // The delta rule, (segment, value head) pairs split over the pool. Value head h reads
@@ -189,6 +210,8 @@ impl Qwen35 {
         // 64 tokens into one update, so a prompt continued from a cached state part way into
         // a chunk would round differently from a cold prefill). On these cores the recurrence
         // costs a few per cent of a prefill token's products. Pad rows are skipped.
+        drop(conv_norms);
+        let recurrence = time(Phase::DeltaNetRecurrence);
         let group = hv / hk;
         let mut core = vec![0f32; t * vd];
         let core_ptr = SharedMut(core.as_mut_ptr());
@@ -202,17 +225,36 @@ impl Qwen35 {
                 // SAFETY: (segment, head) slices of the states and of `core` are disjoint
                 // between tasks.
                 let s = unsafe { std::slice::from_raw_parts_mut(recurrent_of[si].0.add(head * dk * dv), dk * dv) };
-                for r in row0..row0 + valid {
-                    let row = &mixed_qkv[r * cd..(r + 1) * cd];
-                    let (q, k, v) = (&row[kh * dk..(kh + 1) * dk], &row[kd + kh * dk..kd + (kh + 1) * dk], &row[2 * kd + head * dv..2 * kd + (head + 1) * dv]);
-                    let beta = sigmoid(b[r * hv + head]);
-                    let g = m.neg_a[head] * softplus(a[r * hv + head] + m.dt_bias[head]);
-                    let out = unsafe { std::slice::from_raw_parts_mut(core_ptr.0.add(r * vd + head * dv), dv) };
-                    deltanet::recurrent_step(s, q, k, v, beta, g, out);
+                let steps: Vec<deltanet::StepInput> = (row0..row0 + valid)
+                    .map(|r| {
+                        let row = &mixed_qkv[r * cd..(r + 1) * cd];
+                        deltanet::StepInput {
+                            q: &row[kh * dk..(kh + 1) * dk],
+                            k: &row[kd + kh * dk..kd + (kh + 1) * dk],
+                            v: &row[2 * kd + head * dv..2 * kd + (head + 1) * dv],
+                            beta: sigmoid(b[r * hv + head]),
+                            g: m.neg_a[head] * softplus(a[r * hv + head] + m.dt_bias[head]),
+                        }
+                    })
+                    .collect();
+                let mut outs = vec![0f32; valid * dv];
+                deltanet::recurrent_steps(s, &steps, &mut outs);
+                for (r, o) in (row0..row0 + valid).zip(outs.chunks_exact(dv)) {
+                    // SAFETY: as above.
+                    unsafe { std::slice::from_raw_parts_mut(core_ptr.0.add(r * vd + head * dv), dv) }.copy_from_slice(o);
                 }
             }
         });
-        gated_rms_norm_inplace(&mut core, &z, &m.norm, c.rms_norm_eps);
+        drop(recurrence);
+        time(Phase::DeltaNetConvNorms).run(|| {
+            let rows = SharedMut(core.as_mut_ptr());
+            rows_on(pass.pool, t, &|r| {
+                let rows = rows;
+                // SAFETY: the row ranges are disjoint.
+                let rows = unsafe { std::slice::from_raw_parts_mut(rows.0.add(r.start * vd), r.len() * vd) };
+                gated_rms_norm_inplace(rows, &z[r.start * vd..r.end * vd], &m.norm, c.rms_norm_eps);
+            })
+        });
         pass.products(&core, t, &mut [(&m.out_proj, out)]);
     }
 
@@ -229,6 +271,7 @@ impl Qwen35 {
         let mut v = vec![0f32; t * hkv * d];
         pass.products(xn, t, &mut [(&m.q_proj, &mut qg), (&m.k_proj, &mut k), (&m.v_proj, &mut v)]);
 
+        let prep = time(Phase::AttentionPrep);
         let half = c.rotary_dim() / 2;
         let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
         let mut q = vec![0f32; t * hq * d];
@@ -257,6 +300,8 @@ impl Qwen35 {
             caches.push((&k_cache[..], &v_cache[..], pos0, seg.rows.start, seg.valid));
         }
 
+        drop(prep);
+        let attention = time(Phase::Attention);
         // (segment, query head) pairs split over the pool; each writes its own columns of its
         // segment's rows of `attn`.
         let mut attn = vec![0f32; t * hq * d];
@@ -276,6 +321,7 @@ impl Qwen35 {
         for (o, &g) in attn.iter_mut().zip(&gate) {
             *o *= sigmoid(g);
         }
+        drop(attention);
         pass.products(&attn, t, &mut [(&m.o_proj, out)]);
     }
 
@@ -285,6 +331,7 @@ impl Qwen35 {
         let mut gate = vec![0f32; t * f];
         let mut up = vec![0f32; t * f];
         pass.products(xn, t, &mut [(&m.gate_proj, &mut gate), (&m.up_proj, &mut up)]);
+        let swiglu = time(Phase::SwiGlu);
         let g = SharedMut(gate.as_mut_ptr());
         pass.pool.for_ranges(gate.len(), 16, &|r| {
             let g = g;
@@ -292,6 +339,7 @@ impl Qwen35 {
             let gate = unsafe { std::slice::from_raw_parts_mut(g.0.add(r.start), r.len()) };
             swiglu_inplace(gate, &up[r]);
         });
+        drop(swiglu);
         pass.products(&gate, t, &mut [(&m.down_proj, out)]);
     }
 
@@ -324,7 +372,13 @@ impl<'p> Pass<'p> {
         Pass { pool: self.pool, kernels, precision: self.precision }
     }
 
+    /// The layers' products (timed as such when profiling).
     fn products(&self, x: &[f32], t: usize, jobs: &mut [(&Matrix, &mut [f32])]) {
+        let _timer = time(Phase::Products);
+        self.unprofiled_products(x, t, jobs)
+    }
+
+    fn unprofiled_products(&self, x: &[f32], t: usize, jobs: &mut [(&Matrix, &mut [f32])]) {
         let rounded: Vec<f32>;
         let x = if self.precision == CpuPrecision::Bf16Inputs {
             rounded = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
@@ -377,6 +431,18 @@ fn causal_conv_silu_body(window: &[f32], taps: &[f32], kk: usize, cd: usize, out
             }
         }
         o.iter_mut().for_each(|v| *v = silu(*v));
+    }
+}
+
+/// `f(rows)` for rows `0..n`: split over the pool for a prompt's many rows, on this thread for
+/// a few (a decode step's segment, where a fork and join would cost more than the work).
+fn rows_on(pool: &Pool, n: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+    /// Rows from which the pool takes part.
+    const POOL_FROM_ROWS: usize = 16;
+    if n >= POOL_FROM_ROWS && pool.threads() > 1 {
+        pool.for_ranges(n, 1, f);
+    } else if n > 0 {
+        f(0..n);
     }
 }
 

@@ -4,6 +4,7 @@
 pub mod forward;
 pub mod kernels;
 pub mod pool;
+pub mod profile;
 
 /// How a CPU pass multiplies (`cpu,precision=...`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -15,6 +15,24 @@ super::multiversion! {
     pub fn recurrent_step(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: f32, g: f32, out: &mut [f32]) => recurrent_step_body
 }
 
+/// One token's inputs to one head's delta rule.
+#[derive(Clone, Copy)]
+pub struct StepInput<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub beta: f32,
+    pub g: f32,
+}
+
+super::multiversion! {
+    /// `recurrent_step` for each of `steps` in turn, token t's output at `out[t * dv..]`, with
+    /// the same bits: every state element and every sum takes the same operations in the same
+    /// order. Token t's write and read pass over the state and token t + 1's decay and `Sᵀk`
+    /// pass are one pass (row by row), which halves the state's traffic through the cache.
+    pub fn recurrent_steps(s: &mut [f32], steps: &[StepInput], out: &mut [f32]) => recurrent_steps_body
+}
+
 super::multiversion! {
     /// Process `L = beta.len()` tokens of one head. `q`, `k`: `[L, Dk]`; `v`, `out`: `[L, Dv]`.
     pub fn chunked(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: &[f32], g: &[f32], out: &mut [f32], scratch: &mut ChunkScratch) => chunked_body
@@ -48,6 +66,66 @@ fn recurrent_step_body(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: f32
         for ((sv, &u), o) in row.iter_mut().zip(kv_mem.iter()).zip(out.iter_mut()) {
             *sv += ki * u;
             *o += *sv * qi;
+        }
+    }
+}
+
+#[inline(always)]
+fn recurrent_steps_body(s: &mut [f32], steps: &[StepInput], out: &mut [f32]) {
+    let Some(first) = steps.first() else { return };
+    let (dk, dv) = (first.k.len(), first.v.len());
+    debug_assert_eq!(s.len(), dk * dv);
+    debug_assert_eq!(out.len(), steps.len() * dv);
+    // Token 0's pass 1: S ← α S, kv_mem = Sᵀ k.
+    let mut kv_mem = [0f32; 512];
+    let mut next_mem = [0f32; 512];
+    let alpha = first.g.exp();
+    for i in 0..dk {
+        let row = &mut s[i * dv..(i + 1) * dv];
+        let ki = first.k[i];
+        for (sv, m) in row.iter_mut().zip(kv_mem[..dv].iter_mut()) {
+            *sv *= alpha;
+            *m += *sv * ki;
+        }
+    }
+    for (t, step) in steps.iter().enumerate() {
+        // u = β (v − Sᵀk)
+        let u = &mut kv_mem[..dv];
+        for (m, &vv) in u.iter_mut().zip(step.v) {
+            *m = step.beta * (vv - *m);
+        }
+        let o = &mut out[t * dv..(t + 1) * dv];
+        o.iter_mut().for_each(|x| *x = 0.0);
+        let u = &kv_mem[..dv];
+        match steps.get(t + 1) {
+            // Pass 2 of token t (S ← S + k ⊗ u, out = Sᵀ q), then pass 1 of token t + 1 on
+            // the same row.
+            Some(next) => {
+                let alpha = next.g.exp();
+                let m2 = &mut next_mem[..dv];
+                m2.iter_mut().for_each(|x| *x = 0.0);
+                for i in 0..dk {
+                    let row = &mut s[i * dv..(i + 1) * dv];
+                    let (ki, qi, kn) = (step.k[i], step.q[i], next.k[i]);
+                    for (((sv, &uj), oj), mj) in row.iter_mut().zip(u).zip(o.iter_mut()).zip(m2.iter_mut()) {
+                        *sv += ki * uj;
+                        *oj += *sv * qi;
+                        *sv *= alpha;
+                        *mj += *sv * kn;
+                    }
+                }
+                std::mem::swap(&mut kv_mem, &mut next_mem);
+            }
+            None => {
+                for i in 0..dk {
+                    let row = &mut s[i * dv..(i + 1) * dv];
+                    let (ki, qi) = (step.k[i], step.q[i]);
+                    for ((sv, &uj), oj) in row.iter_mut().zip(u).zip(o.iter_mut()) {
+                        *sv += ki * uj;
+                        *oj += *sv * qi;
+                    }
+                }
+            }
         }
     }
 }
@@ -298,6 +376,32 @@ mod tests {
 
     /// Chunked and recurrent forms agree, across chunk boundaries and from a non-zero state, on
     /// every instruction set.
+    /// Many tokens through `recurrent_steps` give the bits of `recurrent_step` token by token:
+    /// the state and every output.
+    #[test]
+    fn recurrent_steps_give_the_bits_of_steps_one_by_one() {
+        crate::backend::cpu::kernels::for_each_isa(|isa| {
+            let (dk, dv) = (16, 24);
+            let mut r = crate::rng::Rng::new(7);
+            let mut rnd = |n: usize| -> Vec<f32> { (0..n).map(|_| (r.next_f64() * 2.0 - 1.0) as f32).collect() };
+            for n in [1usize, 2, 5] {
+                let s0 = rnd(dk * dv);
+                let (q, k, v) = (rnd(n * dk), rnd(n * dk), rnd(n * dv));
+                let (beta, g): (Vec<f32>, Vec<f32>) = (0..n).map(|i| (0.3 + 0.1 * i as f32, -0.05 * (i + 1) as f32)).unzip();
+                let steps: Vec<StepInput> = (0..n).map(|i| StepInput { q: &q[i * dk..][..dk], k: &k[i * dk..][..dk], v: &v[i * dv..][..dv], beta: beta[i], g: g[i] }).collect();
+                let (mut s1, mut out1) = (s0.clone(), vec![0f32; n * dv]);
+                recurrent_steps(&mut s1, &steps, &mut out1);
+                let (mut s2, mut out2) = (s0.clone(), vec![0f32; n * dv]);
+                for (i, st) in steps.iter().enumerate() {
+                    recurrent_step(&mut s2, st.q, st.k, st.v, st.beta, st.g, &mut out2[i * dv..(i + 1) * dv]);
+                }
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&s1), bits(&s2), "{isa:?} {n} tokens: states differ");
+                assert_eq!(bits(&out1), bits(&out2), "{isa:?} {n} tokens: outputs differ");
+            }
+        });
+    }
+
     #[test]
     fn chunked_equals_recurrent() {
         crate::backend::cpu::kernels::for_each_isa(|_| chunked_vs_recurrent_cases());
