@@ -11,7 +11,7 @@ use crate::backend::cpu::kernels::matmul::{decode_group, decode_group_fast, matm
 use crate::backend::cpu::CpuPrecision;
 use crate::backend::cpu::kernels::norm::{gated_rms_norm_inplace, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, softplus, swiglu_inplace};
 use crate::backend::cpu::kernels::rope::{apply_rope, cos_sin};
-use crate::backend::cpu::pool::Pool;
+use crate::backend::cpu::pool::{Pool, WorkQueue};
 use crate::backend::cpu::profile::{time, Phase};
 use crate::model::{GatedAttention, GatedDeltaNet, Mixer, Mlp};
 use crate::model::tensor::Matrix;
@@ -302,20 +302,33 @@ impl Qwen35 {
 
         drop(prep);
         let attention = time(Phase::Attention);
-        // (segment, query head) pairs split over the pool; each writes its own columns of its
-        // segment's rows of `attn`.
+        // (segment, query head, block of a prompt's queries) tasks taken from a queue by the
+        // pool's workers, the latest queries (which see the most keys) first; each writes its
+        // own head's columns of its own rows of `attn`. A query's output does not depend on
+        // which other queries share its call, so the split leaves the bits as they are; with
+        // one task per head, a prompt kept 8 of 16 workers waiting.
         let mut attn = vec![0f32; t * hq * d];
         let shared = SharedMut(attn.as_mut_ptr());
         let q = &q;
-        pass.pool.for_ranges(caches.len() * hq, 1, &|tasks| {
+        let mut tasks: Vec<(usize, usize, usize, usize)> = Vec::new();
+        for (si, &(_, _, _, _, valid)) in caches.iter().enumerate() {
+            for start in (0..valid).step_by(ATTENTION_TASK_QUERIES) {
+                let len = ATTENTION_TASK_QUERIES.min(valid - start);
+                tasks.extend((0..hq).map(|h| (si, h, start, len)));
+            }
+        }
+        tasks.sort_by_key(|&(_, _, start, _)| std::cmp::Reverse(start));
+        let queue = WorkQueue::new(tasks.len());
+        pass.pool.run(&|_| {
             let shared = shared;
             let mut scores = Vec::new();
-            for task in tasks {
-                let (si, h) = (task / hq, task % hq);
-                let (kc, vc, pos0, row0, valid) = caches[si];
+            while let Some(i) = queue.take() {
+                let (si, h, start, len) = tasks[i];
+                let (kc, vc, pos0, row0, _) = caches[si];
+                let row = row0 + start;
                 // SAFETY: every task writes only its own head's d columns of its own rows.
-                let out = unsafe { std::slice::from_raw_parts_mut(shared.0.add(row0 * hq * d), valid * hq * d) };
-                attention_head(&q[row0 * hq * d..(row0 + valid) * hq * d], valid, pos0, kc, vc, hq, hkv, d, h, &mut scores, out);
+                let out = unsafe { std::slice::from_raw_parts_mut(shared.0.add(row * hq * d), len * hq * d) };
+                attention_head(&q[row * hq * d..(row + len) * hq * d], len, pos0 + start, kc, vc, hq, hkv, d, h, &mut scores, out);
             }
         });
         for (o, &g) in attn.iter_mut().zip(&gate) {
@@ -433,6 +446,10 @@ fn causal_conv_silu_body(window: &[f32], taps: &[f32], kk: usize, cd: usize, out
         o.iter_mut().for_each(|v| *v = silu(*v));
     }
 }
+
+/// Queries per attention task of a prompt: a multiple of the kernel's query block, so that a
+/// task's keys are read once per 32 queries as in one call.
+const ATTENTION_TASK_QUERIES: usize = 64;
 
 /// `f(rows)` for rows `0..n`: split over the pool for a prompt's many rows, on this thread for
 /// a few (a decode step's segment, where a fork and join would cost more than the work).
