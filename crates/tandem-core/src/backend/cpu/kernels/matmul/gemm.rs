@@ -76,6 +76,14 @@ pub fn pack_x(pool: &Pool, x: &[f32], t: usize, k: usize) -> Vec<f32> {
     xp
 }
 
+/// 32-bit words packed as `pack_block` packs f32 (the int8 kernel's quadruples): the
+/// transposes and copies move bits and never compute with them, so any pattern comes through.
+pub(super) fn pack_words(x: &[u32], tokens: usize, k: usize, block: &mut [u32]) {
+    // SAFETY: u32 and f32 have one size and alignment; every bit pattern is a valid f32.
+    let (x, block) = unsafe { (std::slice::from_raw_parts(x.as_ptr() as *const f32, x.len()), std::slice::from_raw_parts_mut(block.as_mut_ptr() as *mut f32, block.len())) };
+    pack_block(x, tokens, k, block)
+}
+
 /// One block: `block[kk * TB + m] = x[m * k + kk]` for the block's `tokens` rows of x.
 fn pack_block(x: &[f32], tokens: usize, k: usize, block: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
@@ -162,17 +170,18 @@ unsafe fn transpose16(r: [std::arch::x86_64::__m512; 16]) -> [std::arch::x86_64:
     out
 }
 
-/// A worker's buffers: the widened weights of one unit and one `KC` block, and the unit's
-/// transposed output tile.
+/// A worker's buffers: the widened weights of one unit and one `KC` block (and the W8A8
+/// kernel's weight quadruples, int8_dot.rs), and the unit's transposed output tile.
 pub struct Scratch {
     panel: Vec<f32>,
+    pub(super) quads: Vec<u32>,
     pub(super) tile: Vec<f32>,
 }
 
 impl Scratch {
     /// For units of up to `tokens` tokens.
     pub fn new(tokens: usize) -> Scratch {
-        Scratch { panel: vec![0f32; UNIT_COLS * KC], tile: vec![0f32; UNIT_COLS * tokens.div_ceil(TB) * TB] }
+        Scratch { panel: vec![0f32; UNIT_COLS * KC], quads: Vec::new(), tile: vec![0f32; UNIT_COLS * tokens.div_ceil(TB) * TB] }
     }
 }
 

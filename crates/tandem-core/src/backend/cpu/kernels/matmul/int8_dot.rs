@@ -6,12 +6,13 @@
 //! the call's other tokens.
 //!
 //! `vpdpbusd` multiplies unsigned bytes by signed ones: a weight goes in as `w + 128` (0..=255,
-//! its sign bit flipped where it is broadcast) and x as it is; each block's `128 · Σ q_x`, kept
-//! with x, takes the 128s back out. x is packed once per call into blocks of `TB` tokens laid
-//! out `[k / 4][TB]`, each 32-bit value four consecutive inputs of one token, with each token's
-//! scales and sums laid out `[k / BLOCK][TB]`; a weight row's quadruples are consecutive in
-//! memory already. A unit of work is `UNIT_COLS` output columns of a group of token blocks, as
-//! in the f32 GEMM (gemm.rs), whose tile it sums into.
+//! its sign bit flipped as a unit's weight rows are copied, `KC` inputs at a time, into a
+//! panel) and x as it is; each block's sums start at `-128 · Σ q_x`,
+//! kept with x, which takes the 128s back out. x is packed once per call into blocks of `TB`
+//! tokens laid out `[k / 4][TB]`, each 32-bit value four consecutive inputs of one token, with
+//! each token's scales and starts laid out `[k / BLOCK][TB]`. A unit of work is `UNIT_COLS`
+//! output columns of a group of token blocks, as in the f32 GEMM (gemm.rs), whose tile it sums
+//! into.
 
 use std::ops::Range;
 
@@ -72,11 +73,13 @@ pub fn w8a8_ref(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) {
     }
 }
 
-/// x packed for the kernel: the quadruples, and each block's scale and `128 · Σ q`.
+/// x packed for the kernel: the quadruples, and each block's scale and where its sums start.
 pub struct PackedX {
     quads: Vec<u32>,
     scales: Vec<f32>,
-    sums: Vec<i32>,
+    /// A block's `-128 · Σ q`: the weights go in as `w + 128`, and a sum started here comes
+    /// out as `Σ q · w` exactly.
+    starts: Vec<i32>,
 }
 
 /// `out_j = W8A8(x · W_jᵀ)` for every job (each `applies`).
@@ -95,35 +98,88 @@ pub(super) fn gemm_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, Out
 }
 
 /// x `[t, k]` (k a multiple of `BLOCK`) quantized per block (`quantize_block`) as `ceil(t / TB)`
-/// token blocks of `[k / 4][TB]` quadruples, with their scales and sums as `[k / BLOCK][TB]`;
+/// token blocks of `[k / 4][TB]` quadruples, with their scales and starts as `[k / BLOCK][TB]`;
 /// the missing tokens of the last block zero.
 pub fn pack_x(pool: &Pool, x: &[f32], t: usize, k: usize) -> PackedX {
     let (blocks, quads, per) = (t.div_ceil(TB), k / 4, k / BLOCK);
-    let mut xp = PackedX { quads: vec![0u32; blocks * quads * TB], scales: vec![0f32; blocks * per * TB], sums: vec![0i32; blocks * per * TB] };
-    let (dq, ds, dsum) = (OutPtr(xp.quads.as_mut_ptr() as *mut f32), OutPtr(xp.scales.as_mut_ptr()), OutPtr(xp.sums.as_mut_ptr() as *mut f32));
+    let mut xp = PackedX { quads: vec![0u32; blocks * quads * TB], scales: vec![0f32; blocks * per * TB], starts: vec![0i32; blocks * per * TB] };
+    let (dq, ds, dst) = (OutPtr(xp.quads.as_mut_ptr() as *mut f32), OutPtr(xp.scales.as_mut_ptr()), OutPtr(xp.starts.as_mut_ptr() as *mut f32));
     pool.for_ranges(blocks, 1, &|bs| {
-        let (dq, ds, dsum) = (dq, ds, dsum);
-        let mut q = [0i8; BLOCK];
+        let (dq, ds, dst) = (dq, ds, dst);
+        // One token block's rows of quadruples, row-major, then transposed into place.
+        let mut rows = vec![0u32; TB * quads];
+        let (mut scales, mut sums) = (vec![0f32; per], vec![0i32; per]);
         for b in bs {
-            for m in 0..TB.min(t - b * TB) {
-                let ti = b * TB + m;
+            let tokens = TB.min(t - b * TB);
+            for m in 0..tokens {
+                // SAFETY: a u32 row is 4 × quads bytes, k of them.
+                let q = unsafe { std::slice::from_raw_parts_mut(rows.as_mut_ptr().add(m * quads) as *mut i8, k) };
+                quantize_row(&x[(b * TB + m) * k..(b * TB + m + 1) * k], q, &mut scales, &mut sums);
                 for kb in 0..per {
-                    let s = quantize_block(&x[ti * k + kb * BLOCK..ti * k + (kb + 1) * BLOCK], &mut q);
                     let at = (b * per + kb) * TB + m;
                     // SAFETY: each token block is written by one worker, inside the buffers.
                     unsafe {
-                        *ds.0.add(at) = s;
-                        *(dsum.0 as *mut i32).add(at) = 128 * q.iter().map(|&v| v as i32).sum::<i32>();
-                        for (j, quad) in q.chunks_exact(4).enumerate() {
-                            let word = u32::from_le_bytes([quad[0] as u8, quad[1] as u8, quad[2] as u8, quad[3] as u8]);
-                            *(dq.0 as *mut u32).add((b * quads + kb * BLOCK / 4 + j) * TB + m) = word;
-                        }
+                        *ds.0.add(at) = scales[kb];
+                        *(dst.0 as *mut i32).add(at) = -128 * sums[kb];
                     }
                 }
             }
+            // SAFETY: as above.
+            let block = unsafe { std::slice::from_raw_parts_mut((dq.0 as *mut u32).add(b * quads * TB), quads * TB) };
+            gemm::pack_words(&rows[..tokens * quads], tokens, quads, block);
         }
     });
     xp
+}
+
+/// A row of x quantized block by block: `q`, each block's scale (`quantize_block`'s bits) and
+/// `Σ q` into `scales` and `sums`.
+fn quantize_row(x: &[f32], q: &mut [i8], scales: &mut [f32], sums: &mut [i32]) {
+    for (b, (s, sum)) in scales.iter_mut().zip(sums.iter_mut()).enumerate() {
+        let (x, q) = (&x[b * BLOCK..(b + 1) * BLOCK], &mut q[b * BLOCK..(b + 1) * BLOCK]);
+        #[cfg(target_arch = "x86_64")]
+        if crate::backend::cpu::kernels::isa() >= crate::backend::cpu::kernels::Isa::Avx512 {
+            // SAFETY: feature checked; both blocks hold BLOCK values.
+            if let Some(found) = unsafe { quantize_block_avx512(x, q) } {
+                (*s, *sum) = found;
+                continue;
+            }
+        }
+        *s = quantize_block(x, q);
+        *sum = q.iter().map(|&v| v as i32).sum();
+    }
+}
+
+/// `quantize_block` of one block of finite values, not all zero, 16 at a time: the same
+/// division and rounding (to nearest, ties to even) in each lane, so the same bits; `None` for
+/// the blocks it leaves to the plain code (a zero, infinite or NaN largest |x|). Returns the
+/// scale and `Σ q`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn quantize_block_avx512(x: &[f32], q: &mut [i8]) -> Option<(f32, i32)> {
+    use std::arch::x86_64::*;
+    const V: usize = BLOCK / 16;
+    let v: [__m512; V] = std::array::from_fn(|i| _mm512_loadu_ps(x.as_ptr().add(16 * i)));
+    let mut max = _mm512_setzero_ps();
+    let mut nan = 0u16;
+    for &vi in &v {
+        nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(vi, vi);
+        max = _mm512_max_ps(max, _mm512_abs_ps(vi));
+    }
+    let max = _mm512_reduce_max_ps(max);
+    if nan != 0 || max == 0.0 || !max.is_finite() {
+        return None;
+    }
+    let scale = max / 127.0;
+    let (sv, lo, hi) = (_mm512_set1_ps(scale), _mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+    let mut sum = _mm512_setzero_si512();
+    for (i, &vi) in v.iter().enumerate() {
+        let r = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_div_ps(vi, sv));
+        let qi = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+        sum = _mm512_add_epi32(sum, qi);
+        _mm_storeu_si128(q.as_mut_ptr().add(16 * i) as *mut __m128i, _mm512_cvtepi32_epi8(qi));
+    }
+    Some((scale, _mm512_reduce_add_epi32(sum)))
 }
 
 /// Token blocks `blocks` × columns `cols` (at most `UNIT_COLS`) of `out[t, w.rows]`.
@@ -135,23 +191,20 @@ unsafe fn unit(xp: &PackedX, t: usize, w: &Matrix, blocks: Range<usize>, cols: R
     let (nc, per) = (cols.len(), k / BLOCK);
     let stride = blocks.len() * TB;
     s.tile[..UNIT_COLS * stride].iter_mut().for_each(|v| *v = 0.0);
-    let zeros = [0u32; KC / 4];
+    s.quads.resize(KC / 4 * UNIT_COLS, 0);
     let mut k0 = 0;
     while k0 < k {
         let kc = (k - k0).min(KC);
-        let mut rows = [zeros.as_ptr(); UNIT_COLS];
-        for (c, r) in rows.iter_mut().enumerate().take(nc) {
-            *r = q.as_slice().as_ptr().add((cols.start + c) * k + k0) as *const u32;
-        }
+        flip_weights(q.as_slice(), k, cols.clone(), k0, kc, &mut s.quads);
         for (i, b) in blocks.clone().enumerate() {
             let xb = xp.quads.as_ptr().add((b * k + k0) / 4 * TB);
             let at = (b * per + k0 / BLOCK) * TB;
-            let (sx, sums) = (xp.scales.as_ptr().add(at), xp.sums.as_ptr().add(at));
+            let (sx, starts) = (xp.scales.as_ptr().add(at), xp.starts.as_ptr().add(at));
             let tile = s.tile.as_mut_ptr().add(i * TB);
             if t - b * TB <= 16 {
-                micro_16(xb, sx, sums, kc / BLOCK, &rows, tile, stride);
+                micro_16(xb, sx, starts, kc / BLOCK, s.quads.as_ptr(), tile, stride);
             } else {
-                micro_32(xb, sx, sums, kc / BLOCK, &rows, tile, stride);
+                micro_32(xb, sx, starts, kc / BLOCK, s.quads.as_ptr(), tile, stride);
             }
         }
         k0 += kc;
@@ -165,75 +218,88 @@ unsafe fn unit(xp: &PackedX, t: usize, w: &Matrix, blocks: Range<usize>, cols: R
     store_transposed(&s.tile, stride, nc, (blocks.end * TB).min(t) - t0, out.add(t0 * n + cols.start), n);
 }
 
-/// The sum of one block (`BLOCK / 4` quadruples from `xb`) of one column into 16 tokens' i32
-/// lanes, then `tile = fma(f32(sum - sums), scales, tile)` for those tokens.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn finish_block(acc: std::arch::x86_64::__m512i, sums: *const i32, sx: *const f32, tile: *mut f32) {
-    use std::arch::x86_64::*;
-    let exact = _mm512_sub_epi32(acc, _mm512_loadu_si512(sums as *const _));
-    _mm512_storeu_ps(tile, _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_loadu_ps(sx), _mm512_loadu_ps(tile)));
+/// Inputs `k0..k0 + kc` of the rows `cols` of `q` (rows `k` apart) as `vpdpbusd`'s unsigned
+/// operand, `w + 128`, each row `KC` bytes from the last in `panel` (so that a step of the
+/// micro-kernel reads its columns at fixed offsets from one pointer); the columns past the
+/// matrix weights of 0.
+fn flip_weights(q: &[i8], k: usize, cols: Range<usize>, k0: usize, kc: usize, panel: &mut [u32]) {
+    // SAFETY: u32 to bytes, the same memory.
+    let panel = unsafe { std::slice::from_raw_parts_mut(panel.as_mut_ptr() as *mut u8, panel.len() * 4) };
+    for (c, dst) in panel.chunks_exact_mut(KC).enumerate().take(UNIT_COLS) {
+        let row = cols.start + c;
+        if row < cols.end {
+            let src = &q[row * k + k0..row * k + k0 + kc];
+            dst[..kc].iter_mut().zip(src).for_each(|(d, &w)| *d = w as u8 ^ 0x80);
+        } else {
+            dst[..kc].iter_mut().for_each(|d| *d = 0x80);
+        }
+    }
 }
 
-/// 6 columns × 32 tokens of i32 block sums (12 zmm) at a time; per four inputs, two vector
-/// loads of x and 6 broadcasts of a weight quadruple, each used by two `vpdpbusd`; each block's
+/// One block's sums of one column for 16 tokens (started at `-128 · Σ q_x`, so exact), scaled
+/// into the tile: `tile = fma(f32(sum), scale_x, tile)`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn finish_block(acc: std::arch::x86_64::__m512i, sx: std::arch::x86_64::__m512, tile: *mut f32) {
+    use std::arch::x86_64::*;
+    _mm512_storeu_ps(tile, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), sx, _mm512_loadu_ps(tile)));
+}
+
+/// 12 columns × 32 tokens of i32 block sums (24 zmm) at a time; per four inputs, two vector
+/// loads of x and 12 broadcasts of a weight quadruple, each used by two `vpdpbusd`; each block's
 /// sums then scaled into the tile. `blocks_in` blocks of `BLOCK` inputs from `xb`, their scales
-/// and sums at `sx` and `sums` (`[block][TB]`).
+/// and starts at `sx` and `starts` (`[block][TB]`), the weights from `flip_weights`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn micro_32(xb: *const u32, sx: *const f32, sums: *const i32, blocks_in: usize, rows: &[*const u32; UNIT_COLS], tile: *mut f32, stride: usize) {
+unsafe fn micro_32(xb: *const u32, sx: *const f32, starts: *const i32, blocks_in: usize, panel: *const u32, tile: *mut f32, stride: usize) {
     use std::arch::x86_64::*;
-    const C: usize = 6;
+    const C: usize = 12;
     const QUADS: usize = BLOCK / 4;
-    let flip = _mm512_set1_epi32(0x8080_8080u32 as i32);
     for c0 in (0..UNIT_COLS).step_by(C) {
         for kb in 0..blocks_in {
-            let mut acc0 = [_mm512_setzero_si512(); C];
-            let mut acc1 = [_mm512_setzero_si512(); C];
+            let (s0, s1) = (_mm512_loadu_si512(starts.add(kb * TB) as *const _), _mm512_loadu_si512(starts.add(kb * TB + 16) as *const _));
+            let mut acc0 = [s0; C];
+            let mut acc1 = [s1; C];
             for j in kb * QUADS..(kb + 1) * QUADS {
                 _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add((j + 16) * TB) as *const i8);
                 _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add((j + 16) * TB + 16) as *const i8);
                 let x0 = _mm512_loadu_si512(xb.add(j * TB) as *const _);
                 let x1 = _mm512_loadu_si512(xb.add(j * TB + 16) as *const _);
                 for c in 0..C {
-                    let wv = _mm512_xor_si512(_mm512_set1_epi32(rows[c0 + c].add(j).read_unaligned() as i32), flip);
+                    let wv = _mm512_set1_epi32(panel.add((c0 + c) * (KC / 4) + j).read() as i32);
                     acc0[c] = _mm512_dpbusd_epi32(acc0[c], wv, x0);
                     acc1[c] = _mm512_dpbusd_epi32(acc1[c], wv, x1);
                 }
             }
-            let (s, sm) = (sx.add(kb * TB), sums.add(kb * TB));
+            let (sx0, sx1) = (_mm512_loadu_ps(sx.add(kb * TB)), _mm512_loadu_ps(sx.add(kb * TB + 16)));
             for c in 0..C {
                 let o = tile.add((c0 + c) * stride);
-                finish_block(acc0[c], sm, s, o);
-                finish_block(acc1[c], sm.add(16), s.add(16), o.add(16));
+                finish_block(acc0[c], sx0, o);
+                finish_block(acc1[c], sx1, o.add(16));
             }
         }
     }
 }
 
-/// A block of at most 16 real tokens: 12 columns × 16 tokens at a time, each lane's sums those
-/// `micro_32` makes.
+/// A block of at most 16 real tokens: all `UNIT_COLS` columns × 16 tokens at a time, each
+/// lane's sums those `micro_32` makes.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn micro_16(xb: *const u32, sx: *const f32, sums: *const i32, blocks_in: usize, rows: &[*const u32; UNIT_COLS], tile: *mut f32, stride: usize) {
+unsafe fn micro_16(xb: *const u32, sx: *const f32, starts: *const i32, blocks_in: usize, panel: *const u32, tile: *mut f32, stride: usize) {
     use std::arch::x86_64::*;
-    const C: usize = 12;
     const QUADS: usize = BLOCK / 4;
-    let flip = _mm512_set1_epi32(0x8080_8080u32 as i32);
-    for c0 in (0..UNIT_COLS).step_by(C) {
-        for kb in 0..blocks_in {
-            let mut acc = [_mm512_setzero_si512(); C];
-            for j in kb * QUADS..(kb + 1) * QUADS {
-                _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add((j + 16) * TB) as *const i8);
-                let xv = _mm512_loadu_si512(xb.add(j * TB) as *const _);
-                for (c, a) in acc.iter_mut().enumerate() {
-                    let wv = _mm512_xor_si512(_mm512_set1_epi32(rows[c0 + c].add(j).read_unaligned() as i32), flip);
-                    *a = _mm512_dpbusd_epi32(*a, wv, xv);
-                }
+    for kb in 0..blocks_in {
+        let mut acc = [_mm512_loadu_si512(starts.add(kb * TB) as *const _); UNIT_COLS];
+        for j in kb * QUADS..(kb + 1) * QUADS {
+            _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add((j + 16) * TB) as *const i8);
+            let xv = _mm512_loadu_si512(xb.add(j * TB) as *const _);
+            for (c, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_dpbusd_epi32(*a, _mm512_set1_epi32(panel.add(c * (KC / 4) + j).read() as i32), xv);
             }
-            for (c, a) in acc.iter().enumerate() {
-                finish_block(*a, sums.add(kb * TB), sx.add(kb * TB), tile.add((c0 + c) * stride));
-            }
+        }
+        let s = _mm512_loadu_ps(sx.add(kb * TB));
+        for (c, a) in acc.iter().enumerate() {
+            finish_block(*a, s, tile.add(c * stride));
         }
     }
 }
@@ -258,6 +324,33 @@ mod tests {
         assert_eq!(quantize_block(&[0.0; 4], &mut q[..4]), 0.0);
         assert!(q[..4].iter().all(|&v| v == 0));
         assert!(quantize_block(&[1.0, f32::NAN, 0.0, 2.0], &mut q[..4]).is_nan());
+    }
+
+    /// A row quantized 16 lanes at a time gives `quantize_block`'s bits on every instruction
+    /// set, for blocks of random values, of values half-way between two steps, of zeros,
+    /// tiny values, and with an infinity or a NaN.
+    #[test]
+    fn quantize_row_gives_quantize_blocks_bits() {
+        let mut seed = 11;
+        let mut x: Vec<f32> = (0..8 * BLOCK).map(|_| lcg(&mut seed) * 5.0).collect();
+        // Block 1: multiples of half a step (max 127 → scale 1), so ties at every other value.
+        (0..BLOCK).for_each(|i| x[BLOCK + i] = if i == 0 { 127.0 } else { (i as f32 - 32.0) * 0.5 });
+        x[2 * BLOCK..3 * BLOCK].iter_mut().for_each(|v| *v = 0.0);
+        x[3 * BLOCK..4 * BLOCK].iter_mut().enumerate().for_each(|(i, v)| *v = i as f32 * 1e-40);
+        x[4 * BLOCK + 7] = f32::INFINITY;
+        x[5 * BLOCK + 9] = f32::NAN;
+        x[6 * BLOCK + 3] = -f32::INFINITY;
+        crate::backend::cpu::kernels::for_each_isa(|isa| {
+            let (mut q, mut scales, mut sums) = (vec![0i8; x.len()], vec![0f32; 8], vec![0i32; 8]);
+            quantize_row(&x, &mut q, &mut scales, &mut sums);
+            for b in 0..8 {
+                let mut want = vec![0i8; BLOCK];
+                let s = quantize_block(&x[b * BLOCK..(b + 1) * BLOCK], &mut want);
+                assert_eq!(scales[b].to_bits(), s.to_bits(), "{isa:?} block {b}: scale");
+                assert_eq!(q[b * BLOCK..(b + 1) * BLOCK], want[..], "{isa:?} block {b}");
+                assert_eq!(sums[b], want.iter().map(|&v| v as i32).sum::<i32>(), "{isa:?} block {b}: sum");
+            }
+        });
     }
 
     /// On a CPU with VNNI: the reference's bits (exact integer sums, the same final scaling),
