@@ -33,9 +33,10 @@ pub(super) fn gemm_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, Out
 /// One unit of a GEMM: `(w, out, token_blocks, columns, scratch)`.
 pub(super) type UnitFn<'a> = dyn Fn(&Matrix, OutPtr, Range<usize>, Range<usize>, &mut Scratch) + Sync + 'a;
 
-/// A prompt's products cut into units that the pool's workers take in turn from one queue:
-/// for each job, `UNIT_COLS` output columns of a group of token blocks (of `TB`), each passed
-/// to `unit(w, out, token_blocks, columns, scratch)` with a scratch of the worker's own. A group
+/// A prompt's products cut into units that the pool's workers take from one queue (one or
+/// two at a time): for each job, `UNIT_COLS` output columns of a group of token blocks (of
+/// `TB`), each passed to `unit(w, out, token_blocks, columns, scratch)` with a scratch of the
+/// worker's own. A group
 /// is about `X_BYTES_PER_UNIT` of packed x (`block_bytes` a token block), so that the units that
 /// follow one another (the same tokens, the next columns) find it in L2. The GEMMs of every
 /// arithmetic share it (gemm.rs, bf16_dot.rs, int8_dot.rs).
@@ -43,17 +44,25 @@ pub(super) fn run_units(pool: &Pool, t: usize, jobs: &[(&Matrix, OutPtr)], block
     let blocks = t.div_ceil(TB);
     let group = (X_BYTES_PER_UNIT / block_bytes.max(1)).clamp(1, blocks);
     let groups = blocks.div_ceil(group);
-    let units: Vec<usize> = jobs.iter().map(|(w, _)| w.rows.div_ceil(UNIT_COLS) * groups).collect();
-    let queue = WorkQueue::new(units.iter().sum());
+    // Column blocks per item of the queue: two where each worker gets many items, so that
+    // two workers' items never share a cache line of an output row (48 f32 columns are three
+    // whole lines; 24 are one and a half, and workers taking turns wrote the same line at
+    // every other boundary), else one, so that many workers still find work.
+    let single: usize = jobs.iter().map(|(w, _)| w.rows.div_ceil(UNIT_COLS) * groups).sum();
+    let span = if single >= 16 * pool.threads() { 2 } else { 1 };
+    let items: Vec<usize> = jobs.iter().map(|(w, _)| w.rows.div_ceil(UNIT_COLS * span) * groups).collect();
+    let queue = WorkQueue::new(items.iter().sum());
     pool.run(&|_| {
         let mut scratch = Scratch::new(group * TB);
         while let Some(u) = queue.take() {
-            let (j, u) = locate(&units, u);
+            let (j, u) = locate(&items, u);
             let (w, out) = jobs[j];
-            let col_blocks = w.rows.div_ceil(UNIT_COLS);
-            let (g, c) = (u / col_blocks, u % col_blocks);
-            let cols = c * UNIT_COLS..((c + 1) * UNIT_COLS).min(w.rows);
-            unit(w, out, g * group..((g + 1) * group).min(blocks), cols, &mut scratch);
+            let col_items = w.rows.div_ceil(UNIT_COLS * span);
+            let (g, c) = (u / col_items, u % col_items);
+            for c in c * span..((c + 1) * span).min(w.rows.div_ceil(UNIT_COLS)) {
+                let cols = c * UNIT_COLS..((c + 1) * UNIT_COLS).min(w.rows);
+                unit(w, out, g * group..((g + 1) * group).min(blocks), cols, &mut scratch);
+            }
         }
     });
 }

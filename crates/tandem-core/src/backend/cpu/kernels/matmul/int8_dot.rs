@@ -366,7 +366,7 @@ mod tests {
         let mut seed = 9;
         for threads in [1, 3] {
             let pool = Pool::new(threads);
-            for &(t, n, k) in &[(1, 5, 64), (7, 33, 128), (16, 24, 512), (17, 70, 1024), (32, 30, 320), (45, 13, 1088), (70, 49, 576)] {
+            for &(t, n, k) in &[(1, 5, 64), (7, 33, 128), (16, 24, 512), (17, 70, 1024), (32, 30, 320), (45, 13, 1088), (70, 49, 576), (40, 390, 128)] {
                 let x: Vec<f32> = (0..t * k).map(|_| lcg(&mut seed) * 3.0).collect();
                 let w = test_matrices(n, k, &mut seed).swap_remove(3);
                 assert!(applies(&w));
