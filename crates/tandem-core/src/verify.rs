@@ -288,11 +288,11 @@ fn verify_as_fast(pool: &Pool, net: &mut Qwen35, reference: &Path, candidate: Cp
         net.set_cpu_precision(candidate);
         let fast = cpu_forward(pool, net);
         costs.push(("fast", "the reference", run_checks(&config, &fast, &r, EXACT)?));
-        costs.push(("fast's arithmetic, plain kernels", "exact", rounding));
+        costs.push(("fast's arithmetic, plain kernels", "exact", rounding.clone()));
         costs.push(("fast", "exact", run_checks(&config, &fast, &exact, EXACT)?));
         let mut checks = run_checks(&config, &fast, &arithmetic, SUMMATION_ORDER)?;
         // What rounding the inputs moved each item (the same items in the same order).
-        for (c, rounded) in checks.iter_mut().zip(&costs[3].2) {
+        for (c, rounded) in checks.iter_mut().zip(&rounding) {
             debug_assert_eq!(c.item, rounded.item);
             if c.tolerance > 0.0 && ROUNDING_SHARE * rounded.error > c.tolerance {
                 c.tolerance = ROUNDING_SHARE * rounded.error;

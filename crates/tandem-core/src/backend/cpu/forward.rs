@@ -172,11 +172,7 @@ impl Qwen35 {
             window.extend_from_slice(conv);
             window.extend_from_slice(&qkv[real.start * cd..real.end * cd]);
             // A prompt's rows split over the pool (each row's sums as alone, so the same bits).
-            let out = SharedMut(mixed_qkv[real.start * cd..].as_mut_ptr());
-            rows_on(pass.pool, seg.valid, &|r| {
-                let out = out;
-                // SAFETY: the row ranges are disjoint, within the segment's real rows.
-                let out = unsafe { std::slice::from_raw_parts_mut(out.0.add(r.start * cd), r.len() * cd) };
+            rows_mut_on(pass.pool, &mut mixed_qkv[real.start * cd..], cd, seg.valid, &|r, out| {
                 causal_conv_silu(&window[r.start * cd..(r.end + kk) * cd], &m.conv_taps, kk, cd, out);
             });
             conv.copy_from_slice(&window[seg.valid * cd..]);
@@ -186,11 +182,7 @@ impl Qwen35 {
         // q, k: l2-normalised per key head, q scaled by 1/√Dk; rows split over the pool.
         let q_scale = 1.0 / (dk as f32).sqrt();
         for seg in segs.iter() {
-            let rows = SharedMut(mixed_qkv[seg.rows.start * cd..].as_mut_ptr());
-            rows_on(pass.pool, seg.valid, &|r| {
-                let rows = rows;
-                // SAFETY: as above.
-                let rows = unsafe { std::slice::from_raw_parts_mut(rows.0.add(r.start * cd), r.len() * cd) };
+            rows_mut_on(pass.pool, &mut mixed_qkv[seg.rows.start * cd..], cd, seg.valid, &|_, rows| {
                 for row in rows.chunks_exact_mut(cd) {
                     for head in row[..kd].chunks_exact_mut(dk) {
                         l2_normalize(head);
@@ -218,6 +210,8 @@ impl Qwen35 {
         let seg_rows: Vec<(usize, usize)> = segs.iter().map(|s| (s.rows.start, s.valid)).collect();
         pass.pool.for_ranges(segs.len() * hv, 1, &|tasks| {
             let core_ptr = core_ptr;
+            // A worker's buffers, reused by its tasks (a decode step has one per sequence and head).
+            let (mut steps, mut outs) = (Vec::new(), Vec::new());
             for task in tasks {
                 let (si, head) = (task / hv, task % hv);
                 let (row0, valid) = seg_rows[si];
@@ -225,19 +219,18 @@ impl Qwen35 {
                 // SAFETY: (segment, head) slices of the states and of `core` are disjoint
                 // between tasks.
                 let s = unsafe { std::slice::from_raw_parts_mut(recurrent_of[si].0.add(head * dk * dv), dk * dv) };
-                let steps: Vec<deltanet::StepInput> = (row0..row0 + valid)
-                    .map(|r| {
-                        let row = &mixed_qkv[r * cd..(r + 1) * cd];
-                        deltanet::StepInput {
-                            q: &row[kh * dk..(kh + 1) * dk],
-                            k: &row[kd + kh * dk..kd + (kh + 1) * dk],
-                            v: &row[2 * kd + head * dv..2 * kd + (head + 1) * dv],
-                            beta: sigmoid(b[r * hv + head]),
-                            g: m.neg_a[head] * softplus(a[r * hv + head] + m.dt_bias[head]),
-                        }
-                    })
-                    .collect();
-                let mut outs = vec![0f32; valid * dv];
+                steps.clear();
+                steps.extend((row0..row0 + valid).map(|r| {
+                    let row = &mixed_qkv[r * cd..(r + 1) * cd];
+                    deltanet::StepInput {
+                        q: &row[kh * dk..(kh + 1) * dk],
+                        k: &row[kd + kh * dk..kd + (kh + 1) * dk],
+                        v: &row[2 * kd + head * dv..2 * kd + (head + 1) * dv],
+                        beta: sigmoid(b[r * hv + head]),
+                        g: m.neg_a[head] * softplus(a[r * hv + head] + m.dt_bias[head]),
+                    }
+                }));
+                outs.resize(valid * dv, 0f32);
                 deltanet::recurrent_steps(s, &steps, &mut outs);
                 for (r, o) in (row0..row0 + valid).zip(outs.chunks_exact(dv)) {
                     // SAFETY: as above.
@@ -247,13 +240,7 @@ impl Qwen35 {
         });
         drop(recurrence);
         time(Phase::DeltaNetConvNorms).run(|| {
-            let rows = SharedMut(core.as_mut_ptr());
-            rows_on(pass.pool, t, &|r| {
-                let rows = rows;
-                // SAFETY: the row ranges are disjoint.
-                let rows = unsafe { std::slice::from_raw_parts_mut(rows.0.add(r.start * vd), r.len() * vd) };
-                gated_rms_norm_inplace(rows, &z[r.start * vd..r.end * vd], &m.norm, c.rms_norm_eps);
-            })
+            rows_mut_on(pass.pool, &mut core, vd, t, &|r, rows| gated_rms_norm_inplace(rows, &z[r.start * vd..r.end * vd], &m.norm, c.rms_norm_eps))
         });
         pass.products(&core, t, &mut [(&m.out_proj, out)]);
     }
@@ -461,6 +448,19 @@ fn rows_on(pool: &Pool, n: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
     } else if n > 0 {
         f(0..n);
     }
+}
+
+/// `f(rows, &mut buf[rows])` for rows `0..n` of `row_len` values, split as `rows_on` splits
+/// them, each worker handed the rows it alone writes.
+fn rows_mut_on(pool: &Pool, buf: &mut [f32], row_len: usize, n: usize, f: &(dyn Fn(std::ops::Range<usize>, &mut [f32]) + Sync)) {
+    assert!(buf.len() >= n * row_len, "rows_mut_on: {n} rows of {row_len} past a buffer of {}", buf.len());
+    let p = SharedMut(buf.as_mut_ptr());
+    rows_on(pool, n, &|r| {
+        let p = p;
+        // SAFETY: the ranges `rows_on` hands out are disjoint and within `0..n`, so their rows
+        // are disjoint parts of `buf`.
+        f(r.clone(), unsafe { std::slice::from_raw_parts_mut(p.0.add(r.start * row_len), r.len() * row_len) })
+    });
 }
 
 fn add_inplace(x: &mut [f32], y: &[f32]) {

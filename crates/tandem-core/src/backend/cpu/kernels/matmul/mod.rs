@@ -78,23 +78,7 @@ pub fn matmul_group(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, 
 /// other weights as `matmul_group`. Each token's outputs are the same bits whatever `t`, as
 /// there.
 pub fn matmul_group_fast(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])]) {
-    let jobs = checked_jobs(x, t, products);
-    let (w8a8, jobs): (Vec<_>, Vec<_>) = jobs.into_iter().partition(|(w, _)| int8_dot::applies(w));
-    if !w8a8.is_empty() {
-        int8_dot::gemm_group(pool, x, t, &w8a8);
-    }
-    let (bf16, other): (Vec<_>, Vec<_>) = jobs.into_iter().partition(|(w, _)| matches!(w.data, WeightData::Bf16(_)));
-    let (dot, rounded): (Vec<_>, Vec<_>) = bf16.into_iter().partition(|(w, _)| bf16_dot::applies(w));
-    if !dot.is_empty() {
-        bf16_dot::gemm_group(pool, x, t, &dot);
-    }
-    if !rounded.is_empty() {
-        let x: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
-        prompt_group(pool, &x, t, &rounded);
-    }
-    if !other.is_empty() {
-        prompt_group(pool, x, t, &other);
-    }
+    fast_group(pool, x, t, products, FastKernels::DotProducts);
 }
 
 /// `matmul_group_fast`'s arithmetic by plain kernels: for bf16 weights the exact kernels on
@@ -102,21 +86,45 @@ pub fn matmul_group_fast(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Mat
 /// weights that the W8A8 kernel takes its scalar reference `int8_dot::w8a8_ref` (the kernel's
 /// bits); other weights as `matmul_group`.
 pub fn matmul_group_fast_reference(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])]) {
+    fast_group(pool, x, t, products, FastKernels::Plain);
+}
+
+/// Which kernels `fast_group` runs the fast precision's arithmetic on.
+#[derive(Clone, Copy, PartialEq)]
+enum FastKernels {
+    /// `vdpbf16ps` and `vpdpbusd` where the CPU has them (`matmul_group_fast`).
+    DotProducts,
+    /// The plain references (`matmul_group_fast_reference`).
+    Plain,
+}
+
+/// The fast precision's products, split by weights: int8 that W8A8 takes, bf16, and the rest.
+fn fast_group(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])], kernels: FastKernels) {
     let jobs = checked_jobs(x, t, products);
     let (w8a8, jobs): (Vec<_>, Vec<_>) = jobs.into_iter().partition(|(w, _)| int8_dot::applies(w));
-    for (w, out) in w8a8 {
-        let (k, n) = (w.cols, w.rows);
-        pool.for_ranges(t, 1, &|r| {
-            let out: OutPtr = out;
-            // SAFETY: the ranges of tokens are disjoint, so are their rows of `out`.
-            let out = unsafe { std::slice::from_raw_parts_mut(out.0.add(r.start * n), r.len() * n) };
-            int8_dot::w8a8_ref(&x[r.start * k..r.end * k], r.len(), w, out);
-        });
+    match kernels {
+        _ if w8a8.is_empty() => {}
+        FastKernels::DotProducts => int8_dot::gemm_group(pool, x, t, &w8a8),
+        FastKernels::Plain => {
+            for (w, out) in w8a8 {
+                let (k, n) = (w.cols, w.rows);
+                pool.for_ranges(t, 1, &|r| {
+                    let out: OutPtr = out;
+                    // SAFETY: the ranges of tokens are disjoint, so are their rows of `out`.
+                    let out = unsafe { std::slice::from_raw_parts_mut(out.0.add(r.start * n), r.len() * n) };
+                    int8_dot::w8a8_ref(&x[r.start * k..r.end * k], r.len(), w, out);
+                });
+            }
+        }
     }
     let (bf16, other): (Vec<_>, Vec<_>) = jobs.into_iter().partition(|(w, _)| matches!(w.data, WeightData::Bf16(_)));
-    if !bf16.is_empty() {
+    let (dot, rounded): (Vec<_>, Vec<_>) = bf16.into_iter().partition(|(w, _)| kernels == FastKernels::DotProducts && bf16_dot::applies(w));
+    if !dot.is_empty() {
+        bf16_dot::gemm_group(pool, x, t, &dot);
+    }
+    if !rounded.is_empty() {
         let x: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
-        prompt_group(pool, &x, t, &bf16);
+        prompt_group(pool, &x, t, &rounded);
     }
     if !other.is_empty() {
         prompt_group(pool, x, t, &other);
