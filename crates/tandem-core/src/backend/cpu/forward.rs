@@ -167,15 +167,13 @@ impl Qwen35 {
         let mut recurrent_of = Vec::with_capacity(segs.len());
         for seg in segs.iter_mut() {
             let LayerState::Linear { conv, recurrent } = &mut seg.state.layers[li] else { unreachable!("layer kinds were checked") };
-            let real = seg.rows.start..seg.rows.start + seg.valid;
-            let mut window = Vec::with_capacity((kk + seg.valid) * cd);
-            window.extend_from_slice(conv);
-            window.extend_from_slice(&qkv[real.start * cd..real.end * cd]);
+            let new = &qkv[seg.rows.start * cd..(seg.rows.start + seg.valid) * cd];
             // A prompt's rows split over the pool (each row's sums as alone, so the same bits).
-            rows_mut_on(pass.pool, &mut mixed_qkv[real.start * cd..], cd, seg.valid, &|r, out| {
-                causal_conv_silu(&window[r.start * cd..(r.end + kk) * cd], &m.conv_taps, kk, cd, out);
+            rows_mut_on(pass.pool, &mut mixed_qkv[seg.rows.start * cd..], cd, seg.valid, &|r, out| {
+                causal_conv_silu(&conv_window(conv, new, kk, cd, r.start..r.end + kk), &m.conv_taps, kk, cd, out);
             });
-            conv.copy_from_slice(&window[seg.valid * cd..]);
+            let last = conv_window(conv, new, kk, cd, seg.valid..seg.valid + kk).into_owned();
+            conv.copy_from_slice(&last);
             recurrent_of.push(SharedMut(recurrent.as_mut_ptr()));
         }
 
@@ -432,6 +430,19 @@ fn causal_conv_silu_body(window: &[f32], taps: &[f32], kk: usize, cd: usize, out
         }
         o.iter_mut().for_each(|v| *v = silu(*v));
     }
+}
+
+/// Rows `rows` of a conv's window, the `kk` stored rows `conv` followed by this call's rows
+/// `new` (`[rows, cd]` each): borrowed from `new` where they all lie there (a prompt's rows
+/// past the first few), else copied.
+fn conv_window<'a>(conv: &[f32], new: &'a [f32], kk: usize, cd: usize, rows: std::ops::Range<usize>) -> std::borrow::Cow<'a, [f32]> {
+    if rows.start >= kk {
+        return std::borrow::Cow::Borrowed(&new[(rows.start - kk) * cd..(rows.end - kk) * cd]);
+    }
+    let mut w = Vec::with_capacity(rows.len() * cd);
+    w.extend_from_slice(&conv[rows.start * cd..rows.end.min(kk) * cd]);
+    w.extend_from_slice(&new[..rows.end.saturating_sub(kk) * cd]);
+    std::borrow::Cow::Owned(w)
 }
 
 /// Queries per attention task of a prompt: a multiple of the kernel's query block, so that a
