@@ -159,14 +159,20 @@ fn bench_writes_the_study_tables_their_raw_runs_and_plots() {
     let dir = std::env::temp_dir().join(format!("tandem-cli-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let o = tandem(&[
-        "bench", "--quick", "--model", &tiny(), "--sections", "energy,modes,dispatch,crossover,concurrency", "--prefill", "cpu:threads=1,dispatch=batched:4",
+        "bench", "--quick", "--model", &tiny(), "--sections", "energy,modes,dispatch,crossover,concurrency,placement", "--prefill", "cpu:threads=1,dispatch=batched:4",
         "--decode", "cpu:threads=1", "--quant", "int8", "--out", dir.to_str().unwrap(),
     ]);
     let out = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(o.status.success(), "{out}\n{}", stderr(&o));
     // Sections in the report's order whatever order they were asked in.
     let at = |h: &str| out.find(h).unwrap_or_else(|| panic!("no {h:?} in {out}"));
+    assert!(at("## Two CPU engines at once") < at("## Decode by cores") && at("## Decode by cores") < at("## Modes"));
     assert!(at("## Modes") < at("## Batched against sequential dispatch") && at("## Concurrency") < at("## Crossover") && at("## Crossover") < at("## Energy"));
+    // Placement: each engine alone and beside the other, and decode by cores with its verdict.
+    for row in ["| decode | tok/s, one sequence |", "| decode | GB/s (", "| prefill | tok/s, 74-token prompt |", "| 1 | "] {
+        assert!(out.contains(row), "no {row:?} in {out}");
+    }
+    assert!(out.contains("The fewest cores whose decode reads at 90%") || out.contains("No number of cores measured decodes at 90%"), "{out}");
     assert_eq!(std::fs::read_to_string(dir.join("report.md")).unwrap(), out);
     // The two-engine sections run the --quant format.
     assert!(out.contains("| two-engine sections | prefill engine cpu:threads=1,dispatch=batched:4, decode engine cpu:threads=1,dispatch=dynamic, int8 weights |"), "{out}");
@@ -182,6 +188,10 @@ fn bench_writes_the_study_tables_their_raw_runs_and_plots() {
     // --quick: one repetition; modes: 3 modes x 2 prompts; dispatch: 3; crossover: 2 engines x
     // 3 lengths; concurrency: 4 decode-step runs and 4 pipeline runs.
     assert_eq!((count("modes"), count("dispatch"), count("crossover"), count("concurrency")), (6, 3, 6, 8), "{doc}");
+    // Placement: one repetition of the two engines, then one decode per count of cores.
+    let placement: Vec<&serde_json::Value> = runs.iter().filter(|r| r["section"] == "placement").collect();
+    assert!(placement.len() >= 2 && placement[0]["decode_beside_tok_s"].as_f64().unwrap() > 0.0 && placement[0]["prefill_beside_tok_s"].as_f64().unwrap() > 0.0, "{doc}");
+    assert!(placement[1..].iter().all(|r| r["decode_tok_s"].as_f64().unwrap() > 0.0), "{doc}");
     for r in runs.iter().filter(|r| r["section"] == "modes") {
         assert!(r["ttft_ms"].as_f64().unwrap() > 0.0 && r["generated"] == 8, "{r}");
     }

@@ -33,6 +33,7 @@ mod load;
 mod nixl_peer;
 mod nvml;
 pub mod pipeline;
+mod placement;
 mod prefix_cache;
 mod serve;
 mod serving_step;
@@ -43,7 +44,7 @@ mod study;
 mod svg;
 
 /// The report's sections, in order (the study's tables 1-7 after the engine kernels).
-const SECTIONS: [&str; 8] = ["kernels", "modes", "dispatch", "transfer", "multiturn", "concurrency", "crossover", "energy"];
+const SECTIONS: [&str; 9] = ["kernels", "placement", "modes", "dispatch", "transfer", "multiturn", "concurrency", "crossover", "energy"];
 /// Sections run only when named, each on its own.
 const OWN_SECTIONS: [&str; 5] = ["cuda", "serve", "prefix-cache", "disagg", "grammar"];
 
@@ -60,6 +61,10 @@ Measures the machine (read bandwidth, f32 FMA peak, bf16 dot peak), then each se
                each fast format against exact, with the states' drift over --drift-tokens
                tokens (2000; --quick 500); peak memory (the other sections run the first
                format of --quant)
+  placement    the two engines (--prefill, --decode) each alone and both at once: decode
+               tok/s and GB/s against its cores' read ceiling, prefill tok/s on the longest
+               prompt; one sequence's decode on 1, 2, 4, ... cores against the machine's
+               bandwidth, and the fewest cores that reach 90% of it
   modes        the study's tables 1-2: prefill engine alone, decode engine alone, hybrid, on
                prompts of 13, 28, 74 and 6, 133, 410 tokens
   dispatch     table 2: sequential, batched:32 and dynamic dispatch of a 74-token prompt
@@ -246,6 +251,8 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         bail!("--reps, --decode-tokens, --drift-tokens and --prompts must be positive");
     }
     let out_dir = std::path::PathBuf::from(args.str("out").unwrap_or("tandem-bench"));
+    // Before any pinning: the cores this process may use.
+    let allowed = tandem_core::backend::cpu::pool::allowed_cores();
     let pool = crate::make_pool(&args)?;
     let threads = pool.threads();
     let config = pipeline_config(&args)?;
@@ -295,6 +302,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         }
         result = match section {
             "kernels" => kernels(&mut rec, &mut samples, &model, &pool, &spec, &quants, &prompts, decode_tokens, reps, drift_tokens),
+            "placement" => placement::section(&mut rec, &model, &config, &allowed, *prompts.iter().max().expect("prompts checked non-empty"), decode_tokens, reps, &spec),
             _ => pipeline_section(&mut rec, section, &model, &config, quick, reps, conversations, &spec),
         };
         if result.is_err() {

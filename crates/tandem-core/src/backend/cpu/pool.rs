@@ -269,6 +269,25 @@ fn worker_loop(s: &Shared, id: usize) {
     }
 }
 
+/// The cores the calling thread may run on (its affinity mask: a container's or `taskset`'s
+/// limits), in order; every online core where the mask cannot be read.
+pub fn allowed_cores() -> Vec<usize> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: cpu_set_t is plain data; sched_getaffinity(0, ...) reads the calling thread's.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) == 0 {
+                let cores: Vec<usize> = (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect();
+                if !cores.is_empty() {
+                    return cores;
+                }
+            }
+        }
+    }
+    (0..online_cores()).collect()
+}
+
 /// Pin the calling thread to one core.
 #[cfg(target_os = "linux")]
 pub fn pin_current_thread(core: usize) -> Result<()> {
