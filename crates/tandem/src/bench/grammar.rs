@@ -91,7 +91,7 @@ pub fn run(report: &mut String, args: &Args, quick: bool) -> Result<()> {
     }
 
     // End to end: the decode engine's rate with the grammar against without, interleaved.
-    let config = super::pipeline_config(args)?;
+    let config = super::pipeline_config(args, &tandem_core::backend::cpu::pool::allowed_cores())?;
     writeln!(report, "\n### Decode through the pipeline\n")?;
     writeln!(report, "Prefill {} -> decode {}: the sequences submitted at once, 32-token prompts, up to {steps} tokens each, greedy; with the JSON schema above against no grammar, interleaved, {} runs. Per-request decode tok/s (median of the requests, then of the runs), and the decode step's time that it comes to.\n", config.prefill, config.decode, reps.max(1))?;
     writeln!(report, "| sequences | no grammar tok/s | JSON schema tok/s | min - max | step ms (none / schema) | overhead |")?;

@@ -255,7 +255,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     let allowed = tandem_core::backend::cpu::pool::allowed_cores();
     let pool = crate::make_pool(&args)?;
     let threads = pool.threads();
-    let config = pipeline_config(&args)?;
+    let config = pipeline_config(&args, &allowed)?;
     started();
 
     let mut rec = Record::default();
@@ -268,7 +268,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     writeln!(rec.report, "# tandem bench\n")?;
     writeln!(rec.report, "## Machine\n")?;
     writeln!(rec.report, "| | |\n|---|---|")?;
-    writeln!(rec.report, "| CPU | {} ({} logical cores) |", cpu_model(), std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))?;
+    writeln!(rec.report, "| CPU | {} ({} logical cores) |", cpu_model(), allowed.len())?;
     writeln!(rec.report, "| memory | {} |", total_memory().map(|b| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)).unwrap_or_else(|| "unknown".into()))?;
     writeln!(
         rec.report,
@@ -317,7 +317,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     let header = serde_json::json!({
         "tandem": env!("CARGO_PKG_VERSION"), "unix_time": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         "model": spec, "quick": quick, "sections": chosen, "reps": reps,
-        "cpu": cpu_model(), "logical_cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1), "memory_bytes": total_memory(),
+        "cpu": cpu_model(), "logical_cores": allowed.len(), "memory_bytes": total_memory(),
         "kernels": limits::isa(), "kernel_threads": threads, "prefill_engine": config.prefill.to_string(), "decode_engine": config.decode.to_string(), "weights": quants,
         "read_bandwidth_bytes_per_s": bandwidth, "fma_peak_flops": fma_peak, "bf16_dot_peak_flops": bf16_peak,
         "complete": result.is_ok(),
@@ -651,16 +651,19 @@ fn kernels(
 
 /// The engines of the two-engine sections: `--prefill`/`--decode` (default: prefill on core 0,
 /// decode on core 1, or both on one thread on a one-core machine), hybrid, moving the state.
-fn pipeline_config(args: &Args) -> Result<tandem_core::pipeline::PipelineConfig> {
+fn pipeline_config(args: &Args, allowed: &[usize]) -> Result<tandem_core::pipeline::PipelineConfig> {
     use tandem_core::engine::EngineSpec;
     use tandem_core::bridge::Transfer;
     use tandem_core::pipeline::{KvBudget, Mode, PipelineConfig};
-    let two = std::thread::available_parallelism().map(|n| n.get() >= 2).unwrap_or(false);
-    let (p, d) = if two { ("cpu:cores=0", "cpu:cores=1") } else { ("cpu:threads=1", "cpu:threads=1") };
+    // By default the first two cores this process may use, one engine on each.
+    let (p, d) = match allowed {
+        [a, b, ..] => (format!("cpu:cores={a}"), format!("cpu:cores={b}")),
+        _ => ("cpu:threads=1".to_string(), "cpu:threads=1".to_string()),
+    };
     Ok(PipelineConfig {
         mode: Mode::Hybrid,
-        prefill: EngineSpec::parse(args.str("prefill").unwrap_or(p)).context("--prefill")?,
-        decode: EngineSpec::parse(args.str("decode").unwrap_or(d)).context("--decode")?,
+        prefill: EngineSpec::parse(args.str("prefill").unwrap_or(&p)).context("--prefill")?,
+        decode: EngineSpec::parse(args.str("decode").unwrap_or(&d)).context("--decode")?,
         transfer: Transfer::Move,
         max_batch: 8,
         max_prefill_tokens: PipelineConfig::MAX_PREFILL_TOKENS,
