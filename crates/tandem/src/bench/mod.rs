@@ -532,10 +532,7 @@ fn kernels(
     writeln!(rec.report, "|---|---|---|---|---|---|---|")?;
     for (q, net) in &nets {
         let runs: Vec<&Sample> = samples.iter().filter(|s| &s.quant == q && s.kind == "decode").collect();
-        // Weights streamed + the state read (at the middle of the decoded span).
-        let mut st = State::new(&net.config);
-        net.forward(&pool, &prompt_of(13 + decode_tokens / 2), &mut st, Logits::Last)?;
-        let bytes = (net.weight_bytes_per_token() + st.bytes()) as f64;
+        let bytes = decode_bytes_per_token(net, pool, decode_tokens)?;
         let (med, lo, hi) = stats(&mut runs.iter().map(|s| s.tokens as f64 / s.seconds).collect::<Vec<_>>());
         let fraction = med * bytes / bandwidth_ceiling;
         let ceiling = bandwidth_ceiling / bytes;
@@ -649,8 +646,17 @@ fn kernels(
     Ok(())
 }
 
-/// The engines of the two-engine sections: `--prefill`/`--decode` (default: prefill on core 0,
-/// decode on core 1, or both on one thread on a one-core machine), hybrid, moving the state.
+/// What a one-sequence decode step after a 13-token prompt reads per token over
+/// `decode_tokens` tokens: the weights it streams and the state at the middle of the span.
+fn decode_bytes_per_token(net: &Qwen35, pool: &tandem_core::backend::cpu::pool::Pool, decode_tokens: usize) -> Result<f64> {
+    let mut st = State::new(&net.config);
+    net.forward(pool, &pipeline::prompt_of(13 + decode_tokens / 2, net.config.vocab_size), &mut st, Logits::Last)?;
+    Ok((net.weight_bytes_per_token() + st.bytes()) as f64)
+}
+
+/// The engines of the two-engine sections: `--prefill`/`--decode` (default: prefill on the
+/// first core this process may use, decode on the second, or both on one thread where it may
+/// use one), hybrid, moving the state.
 fn pipeline_config(args: &Args, allowed: &[usize]) -> Result<tandem_core::pipeline::PipelineConfig> {
     use tandem_core::engine::EngineSpec;
     use tandem_core::bridge::Transfer;

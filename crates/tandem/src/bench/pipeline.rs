@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use tandem_core::chat::Message;
+use tandem_core::backend::cpu::pool::Pool;
 use tandem_core::engine::{Engine, EngineSpec};
 use tandem_core::state::DeviceState;
 use tandem_core::model::load::LoadedModel;
@@ -38,6 +39,12 @@ pub fn prompt_of(n: usize, vocab: usize) -> Vec<u32> {
 /// cores pins the thread that makes it, which must not be the bench's.
 pub fn on_engine<T: Send>(placement: &EngineSpec, net: &Qwen35, work: impl FnOnce(Engine) -> Result<T> + Send) -> Result<T> {
     std::thread::scope(|s| s.spawn(|| work(Engine::new(placement, net)?)).join().expect("engine thread"))
+}
+
+/// `measure` on a pool of a CPU engine's workers, made on a thread of its own (a pinned pool
+/// pins the thread that makes it).
+pub fn on_own_thread(spec: &EngineSpec, measure: impl FnOnce(&Pool) -> f64 + Send) -> Result<f64> {
+    std::thread::scope(|s| s.spawn(|| -> Result<f64> { Ok(measure(&spec.pool()?)) }).join().map_err(|_| anyhow::anyhow!("a measurement on {spec} panicked"))?)
 }
 
 /// Table 3: each transfer kind in its three parts, at the given prompt lengths.

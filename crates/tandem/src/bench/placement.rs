@@ -14,11 +14,10 @@ use anyhow::{anyhow, Result};
 use tandem_core::backend::cpu::pool::Pool;
 use tandem_core::engine::{Device, Engine, EngineSpec};
 use tandem_core::model::load::LoadedModel;
-use tandem_core::model::{Logits, Qwen35};
+use tandem_core::model::Qwen35;
 use tandem_core::pipeline::PipelineConfig;
-use tandem_core::state::State;
 
-use super::pipeline::prompt_of;
+use super::pipeline::{on_engine, on_own_thread, prompt_of};
 use super::{limits, stats, Bar, Record};
 
 /// A decode engine at this share of the machine's read bandwidth counts as reaching it.
@@ -46,7 +45,7 @@ pub fn section(rec: &mut Record, model: &LoadedModel, config: &PipelineConfig, a
     }
     let net = &model.net;
     let vocab = model.sampleable_vocab();
-    let decode_bytes = decode_bytes_per_token(net, decode_tokens)?;
+    let decode_bytes = super::decode_bytes_per_token(net, &Pool::new(1), decode_tokens)?;
 
     let mut bar = Bar::new("placement", reps * 3);
     let mut runs = Vec::new();
@@ -87,11 +86,19 @@ pub fn section(rec: &mut Record, model: &LoadedModel, config: &PipelineConfig, a
     decode_by_cores(rec, net, d, allowed, vocab, decode_tokens, decode_bytes, reps, spec)
 }
 
-/// Weights streamed + the state read per decode step (the state at the middle of the span).
-fn decode_bytes_per_token(net: &Qwen35, decode_tokens: usize) -> Result<f64> {
-    let mut st = State::new(&net.config);
-    net.forward(&Pool::new(1), &prompt_of(13 + decode_tokens / 2, net.config.vocab_size), &mut st, Logits::Last)?;
-    Ok((net.weight_bytes_per_token() + st.bytes()) as f64)
+/// One sequence's decode on `engine` after a 13-token prompt: tok/s over the steps it takes
+/// while `more(steps taken)` says so.
+fn decode_rate(engine: &Engine, vocab: usize, more: &mut dyn FnMut(usize) -> bool) -> Result<f64> {
+    let id = |i: usize| ((i * 7919 + 17) % vocab) as u32;
+    let mut st = engine.new_state()?;
+    engine.prefill(&prompt_of(13, vocab), &mut st)?;
+    engine.decode(&[id(0)], &mut [&mut st])?;
+    let (t, mut n) = (Instant::now(), 0);
+    while more(n) {
+        engine.decode(&[id(n + 1)], &mut [&mut st])?;
+        n += 1;
+    }
+    Ok(n as f64 / t.elapsed().as_secs_f64())
 }
 
 /// One repetition: decode alone, prefill alone, then both at once, each engine on its own
@@ -100,23 +107,13 @@ fn together(net: &Qwen35, p: &EngineSpec, d: &EngineSpec, vocab: usize, prompt_t
     let phase = Barrier::new(2);
     let prefilling = AtomicBool::new(false);
     let prompt = prompt_of(prompt_tokens, vocab);
-    let id = |i: usize| ((i * 7919 + 17) % vocab) as u32;
     // Each side passes every barrier even after an error, so that the other never waits for
     // ever; errors are returned at the end.
     std::thread::scope(|s| -> Result<Together> {
         let decoder = s.spawn(|| -> Result<(f64, f64, f64)> {
             let engine = Engine::new(d, net);
-            let run = |steps: &mut dyn FnMut(usize) -> bool| -> Result<f64> {
-                let engine = engine.as_ref().map_err(|e| anyhow!("the decode engine {d}: {e:#}"))?;
-                let mut st = engine.new_state()?;
-                engine.prefill(&prompt_of(13, vocab), &mut st)?;
-                engine.decode(&[id(0)], &mut [&mut st])?;
-                let (t, mut n) = (Instant::now(), 0);
-                while steps(n) {
-                    engine.decode(&[id(n + 1)], &mut [&mut st])?;
-                    n += 1;
-                }
-                Ok(n as f64 / t.elapsed().as_secs_f64())
+            let run = |more: &mut dyn FnMut(usize) -> bool| -> Result<f64> {
+                decode_rate(engine.as_ref().map_err(|e| anyhow!("the decode engine {d}: {e:#}"))?, vocab, more)
             };
             phase.wait(); // the prefill engine's warm-up
             let ceiling = engine.as_ref().ok().and_then(|e| e.pool()).map_or(f64::NAN, |pool| limits::read_bandwidth(pool, CEILING_BYTES, 2));
@@ -165,31 +162,14 @@ fn together(net: &Qwen35, p: &EngineSpec, d: &EngineSpec, vocab: usize, prompt_t
 fn decode_by_cores(rec: &mut Record, net: &Qwen35, d: &EngineSpec, allowed: &[usize], vocab: usize, decode_tokens: usize, decode_bytes: f64, reps: usize, spec: &str) -> Result<()> {
     let mut counts: Vec<usize> = std::iter::successors(Some(1usize), |n| Some(n * 2)).take_while(|&n| n < allowed.len()).collect();
     counts.push(allowed.len());
-    let machine = std::thread::scope(|s| {
-        s.spawn(|| Pool::pinned(allowed).map(|pool| limits::read_bandwidth(&pool, CEILING_BYTES * 4, 5)))
-            .join()
-            .map_err(|_| anyhow!("the bandwidth measurement's thread panicked"))?
-    })?;
+    let everywhere = EngineSpec { cores: Some(allowed.to_vec()), threads: None, ..d.clone() };
+    let machine = on_own_thread(&everywhere, |pool| limits::read_bandwidth(pool, CEILING_BYTES * 4, 5))?;
     let mut bar = Bar::new("decode by cores", reps * counts.len());
     let mut rates: Vec<Vec<f64>> = counts.iter().map(|_| Vec::new()).collect();
     for _ in 0..reps {
         for (i, &n) in counts.iter().enumerate() {
             let placement = EngineSpec { cores: Some(allowed[..n].to_vec()), threads: None, ..d.clone() };
-            let rate = std::thread::scope(|s| {
-                s.spawn(|| -> Result<f64> {
-                    let engine = Engine::new(&placement, net)?;
-                    let mut st = engine.new_state()?;
-                    engine.prefill(&prompt_of(13, vocab), &mut st)?;
-                    engine.decode(&[17], &mut [&mut st])?;
-                    let t = Instant::now();
-                    for k in 0..decode_tokens {
-                        engine.decode(&[((k * 7919 + 17) % vocab) as u32], &mut [&mut st])?;
-                    }
-                    Ok(decode_tokens as f64 / t.elapsed().as_secs_f64())
-                })
-                .join()
-                .map_err(|_| anyhow!("a decode engine's thread panicked"))?
-            })?;
+            let rate = on_engine(&placement, net, |engine| decode_rate(&engine, vocab, &mut |k| k < decode_tokens))?;
             rec.run("placement", serde_json::json!({"decode_cores": n, "decode_tok_s": rate, "decode_bytes_per_token": decode_bytes, "machine_read_bytes_per_s": machine}));
             rates[i].push(rate);
             bar.tick();

@@ -19,13 +19,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use tandem_core::backend::cpu::pool::Pool;
 use tandem_core::backend::cuda::Gpu;
-use tandem_core::engine::{Device, EngineSpec};
+use tandem_core::engine::Device;
 use tandem_core::pipeline::Mode;
 
 use super::load::{self, percentile, Arrivals, Outcome, Workload};
 use super::nvml::NvmlDevice;
+use super::pipeline::on_own_thread;
 use super::{limits, progress};
 use crate::args::{pipeline_config, Args, ENGINE_OPTIONS};
 
@@ -232,13 +232,6 @@ impl Limits {
         };
         Ok(Limits { decoder, bandwidth, prefiller, prefill_peak, prefill_rate, shared, nvml })
     }
-}
-
-/// `measure` on a pool of a CPU engine's workers, made on a thread of its own (a pinned pool
-/// pins the thread that makes it).
-fn on_own_thread(spec: &EngineSpec, measure: fn(&Pool) -> f64) -> Result<f64> {
-    let (name, spec) = (spec.to_string(), spec.clone());
-    std::thread::spawn(move || -> Result<f64> { Ok(measure(&spec.pool()?)) }).join().map_err(|_| anyhow::anyhow!("a measurement of {name} panicked"))?
 }
 
 /// One load point's results.

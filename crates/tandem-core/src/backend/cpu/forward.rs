@@ -172,7 +172,7 @@ impl Qwen35 {
             rows_mut_on(pass.pool, &mut mixed_qkv[seg.rows.start * cd..], cd, seg.valid, &|r, out| {
                 causal_conv_silu(&conv_window(conv, new, kk, cd, r.start..r.end + kk), &m.conv_taps, kk, cd, out);
             });
-            let last = conv_window(conv, new, kk, cd, seg.valid..seg.valid + kk).into_owned();
+            let last = conv_window(conv, new, kk, cd, seg.valid..seg.valid + kk);
             conv.copy_from_slice(&last);
             recurrent_of.push(SharedMut(recurrent.as_mut_ptr()));
         }

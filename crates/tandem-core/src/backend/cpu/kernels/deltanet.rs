@@ -374,8 +374,6 @@ mod tests {
         }
     }
 
-    /// Chunked and recurrent forms agree, across chunk boundaries and from a non-zero state, on
-    /// every instruction set.
     /// Many tokens through `recurrent_steps` give the bits of `recurrent_step` token by token:
     /// the state and every output.
     #[test]
@@ -402,6 +400,8 @@ mod tests {
         });
     }
 
+    /// Chunked and recurrent forms agree, across chunk boundaries and from a non-zero state, on
+    /// every instruction set.
     #[test]
     fn chunked_equals_recurrent() {
         crate::backend::cpu::kernels::for_each_isa(|_| chunked_vs_recurrent_cases());

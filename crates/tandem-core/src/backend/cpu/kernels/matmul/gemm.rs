@@ -36,10 +36,9 @@ pub(super) type UnitFn<'a> = dyn Fn(&Matrix, OutPtr, Range<usize>, Range<usize>,
 /// A prompt's products cut into units that the pool's workers take from one queue (one or
 /// two at a time): for each job, `UNIT_COLS` output columns of a group of token blocks (of
 /// `TB`), each passed to `unit(w, out, token_blocks, columns, scratch)` with a scratch of the
-/// worker's own. A group
-/// is about `X_BYTES_PER_UNIT` of packed x (`block_bytes` a token block), so that the units that
-/// follow one another (the same tokens, the next columns) find it in L2. The GEMMs of every
-/// arithmetic share it (gemm.rs, bf16_dot.rs, int8_dot.rs).
+/// worker's own. A group is about `X_BYTES_PER_UNIT` of packed x (`block_bytes` a token
+/// block), so that the units that follow one another (the same tokens, the next columns) find
+/// it in L2. The GEMMs of every arithmetic share it (gemm.rs, bf16_dot.rs, int8_dot.rs).
 pub(super) fn run_units(pool: &Pool, t: usize, jobs: &[(&Matrix, OutPtr)], block_bytes: usize, unit: &UnitFn) {
     let blocks = t.div_ceil(TB);
     let group = (X_BYTES_PER_UNIT / block_bytes.max(1)).clamp(1, blocks);
