@@ -1,12 +1,13 @@
 //! Where a one-sequence decode step falls short of the read bandwidth: a plain read and the
 //! bench's four-stream read of 512 MB, the synthetic model's matrices each through the decode
 //! GEMV alone (GB/s against a plain read of as many bytes on the same pool; the small ones are
-//! then in cache, unlike in a step), then whole decode steps against the bytes they read.
+//! then in cache, unlike in a step), then whole decode steps against the bytes they read, and their time by phase.
 //! `cargo run --release --example decode_bandwidth -p tandem-core [THREADS] [bf16|int8] [MODEL]`.
 use std::cell::RefCell;
 use std::time::Instant;
 use tandem_core::backend::cpu::kernels::matmul::decode_group;
 use tandem_core::backend::cpu::pool::Pool;
+use tandem_core::backend::cpu::profile;
 use tandem_core::model::load::LoadedModel;
 use tandem_core::model::tensor::Matrix;
 use tandem_core::state::State;
@@ -149,4 +150,19 @@ fn main() {
     let t = median(times);
     let bytes = (net.weight_bytes_per_token() + st.bytes()) as f64;
     println!("decode step: {:.2} ms, {:.0} MB read, {:.1} GB/s; plain read now {:.1} GB/s", t * 1e3, bytes / 1e6, bytes / t / 1e9, plain_read(&pool, &big));
+    // The same steps by phase (timing each phase adds a little to the step).
+    profile::enable(true);
+    profile::take();
+    let steps = 24;
+    for i in 0..steps {
+        net.decode_batch(&pool, &[200 + i], &mut [&mut st]).unwrap();
+    }
+    profile::enable(false);
+    let phases = profile::take();
+    let total: f64 = phases.iter().map(|(_, d)| d.as_secs_f64()).sum();
+    println!("| phase of a step | ms | share |");
+    for (phase, d) in phases {
+        let ms = d.as_secs_f64() * 1e3 / steps as f64;
+        println!("| {} | {:.3} | {:.1}% |", phase.name(), ms, 100.0 * d.as_secs_f64() / total);
+    }
 }

@@ -22,35 +22,47 @@ impl RowSet {
     }
 }
 
-/// How a GEMV over `w` is cut among `threads` workers: (stream stride, offsets per unit). A
-/// unit reads at least 16 KB of each stream (a few microseconds, so the queue costs little),
-/// and up to a `UNITS_PER_WORKER`-th of a worker's share: each new unit moves a worker's four
-/// streams elsewhere, where the prefetchers start again. With 16 KB units the LM head's GEMV
-/// (508 MB) read at 77% of a plain read's rate; in eighths of a worker's share at 97%, and a
-/// whole decode step of the 0.8B took 18% less time (`examples/decode_bandwidth.rs`, 2 threads).
-fn gemv_units(w: &Matrix, threads: usize) -> (usize, usize) {
-    /// Units per worker and matrix: enough that the queue evens out the workers' ends.
-    const UNITS_PER_WORKER: usize = 8;
-    let stride = w.rows.div_ceil(4);
-    let row_bytes = (w.cols * w.dtype().size()).max(1);
-    let share = stride.div_ceil(threads.max(1));
-    (stride, (16384 / row_bytes).max(share / UNITS_PER_WORKER).max(1))
+/// How a GEMV group is cut among `threads` workers: units of (job, offsets), the largest
+/// first. A job's units shrink as its rows run out (each a `2·threads`-th of what is left,
+/// guided self-scheduling), so that the workers start on long runs, where the four streams'
+/// prefetchers stay on (each new unit moves them elsewhere, where they start again), and end
+/// together on short ones; none reads less than 16 KB of each stream (a few microseconds, so
+/// the queue costs little). With 16 KB units the LM head's GEMV (508 MB) read at 77% of a
+/// plain read's rate; in eighths of a worker's share at 97%, and a whole decode step of the
+/// 0.8B took 18% less time (`examples/decode_bandwidth.rs`, 2 threads). Shrinking units and
+/// `prefetch_unit_start` then took the 0.8B's matrices, one GEMV each, from 16.3 to 15.3 ms
+/// in bf16 and from 9.0 to 8.8 ms in int8 on 16 Xeon cores (medians of 5 interleaved runs).
+fn gemv_units(jobs: &[(&Matrix, OutPtr)], threads: usize) -> Vec<(usize, RowSet)> {
+    let mut units = Vec::new();
+    for (j, (w, _)) in jobs.iter().enumerate() {
+        let stride = w.rows.div_ceil(4);
+        let least = (16384 / (w.cols * w.dtype().size()).max(1)).max(1);
+        let mut start = 0;
+        while start < stride {
+            let len = (stride - start).div_ceil(2 * threads.max(1)).max(least).min(stride - start);
+            units.push((j, RowSet { offsets: start..start + len, stride, rows: w.rows }));
+            start += len;
+        }
+    }
+    // Stable: a job's units stay in row order among those of one size.
+    units.sort_by_key(|(_, set)| std::cmp::Reverse(set.offsets.len()));
+    units
 }
 
 /// The GEMV of `t` tokens, `x` and the outputs row-major.
 pub(super) fn gemv_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, OutPtr)]) {
-    let cuts: Vec<(usize, usize)> = jobs.iter().map(|(w, _)| gemv_units(w, pool.threads())).collect();
-    let units: Vec<usize> = cuts.iter().map(|&(stride, per)| stride.div_ceil(per)).collect();
+    let units = gemv_units(jobs, pool.threads());
     // int8 weights are multiplied by each token's x rounded to int16, split into bytes for VNNI.
     let k = jobs[0].0.cols;
     let xq: Vec<QuantizedX> = if jobs.iter().any(|(w, _)| int8_vnni_applies(w)) { x.chunks_exact(k).map(QuantizedX::new).collect() } else { Vec::new() };
-    let queue = WorkQueue::new(units.iter().sum());
+    let queue = WorkQueue::new(units.len());
     pool.run(&|_| {
         while let Some(u) = queue.take() {
-            let (j, u) = locate(&units, u);
-            let (w, out) = jobs[j];
-            let (stride, per) = cuts[j];
-            let set = RowSet { offsets: u * per..((u + 1) * per).min(stride), stride, rows: w.rows };
+            let (j, set) = &units[u];
+            let (w, out) = jobs[*j];
+            let set = set.clone();
+            #[cfg(target_arch = "x86_64")]
+            prefetch_unit_start(w, &set);
             #[cfg(target_arch = "x86_64")]
             if int8_vnni_applies(w) {
                 // SAFETY: int8_vnni_applies checked the CPU features; units are disjoint sets
@@ -68,6 +80,35 @@ pub(super) fn gemv_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, Out
             }
         }
     });
+}
+
+/// How far ahead of where they read the GEMV kernels prefetch each stream (about 20 lines:
+/// enough in flight to cover the memory latency, measured best among 2, 4 and 8 KB).
+const PREFETCH_BYTES: usize = 4096;
+
+/// Prefetch the first `PREFETCH_BYTES` of each of a unit's four streams. The kernels prefetch
+/// that far ahead of where they read, so a unit's first lines would otherwise come one miss
+/// at a time on each stream.
+#[cfg(target_arch = "x86_64")]
+fn prefetch_unit_start(w: &Matrix, set: &RowSet) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let (base, elem): (*const u8, usize) = match &w.data {
+        WeightData::Bf16(b) | WeightData::F16(b) => (b.as_slice().as_ptr() as *const u8, 2),
+        WeightData::F32(b) => (b.as_slice().as_ptr() as *const u8, 4),
+        WeightData::Int8 { q, .. } => (q.as_slice().as_ptr() as *const u8, 1),
+    };
+    let row_bytes = w.cols * elem;
+    for j in 0..4 {
+        let first = j * set.stride + set.offsets.start;
+        if first >= set.rows {
+            break;
+        }
+        let end = ((j * set.stride + set.offsets.end).min(set.rows) * row_bytes).min((first * row_bytes).saturating_add(PREFETCH_BYTES));
+        for at in (first * row_bytes..end).step_by(64) {
+            // SAFETY: a prefetch does not fault, and `at` lies inside the matrix anyway.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(at) as *const i8) };
+        }
+    }
 }
 
 /// Rows `rows` of the product for `t` tokens (`x` and `out` row-major, `[t, k]` and `[t, n]`).
@@ -212,8 +253,7 @@ mod avx2 {
         _mm_cvtss_f32(v1)
     }
 
-    /// How far ahead of each row to prefetch on the first pass over it (as the AVX-512 GEMV).
-    const PREFETCH_BYTES: usize = 4096;
+    use super::PREFETCH_BYTES;
 
     /// Rows `rows` of the product for `t` tokens (x and out row-major). One token: four rows at a
     /// time, one from each of the set's four distant streams (bound by reading the weights);
@@ -404,9 +444,7 @@ mod avx512 {
         }
     }
 
-    /// How far ahead of each stream to prefetch (about 20 lines: enough in flight to cover
-    /// the memory latency, measured best among 2, 4 and 8 KB).
-    const PREFETCH_BYTES: usize = 4096;
+    use super::PREFETCH_BYTES;
 
     /// Call `f(Ok([r0, r1, r2, r3]))` for each offset whose four stream rows all exist, and
     /// `f(Err(r))` for the rows of the last offsets whose later streams run past the matrix.

@@ -354,6 +354,31 @@ pub(super) mod tests {
         });
     }
 
+    /// A decode step's group of matrices (cut into units of every size, the jobs' units mixed
+    /// in one queue) gives each matrix the bits of its GEMV alone, on every instruction set.
+    #[test]
+    fn a_decode_group_equals_its_matrices_alone() {
+        crate::backend::cpu::kernels::for_each_isa(|isa| {
+            let mut seed = 5;
+            let pool = Pool::new(3);
+            for t in [1, 3] {
+                let k = 128;
+                let x: Vec<f32> = (0..t * k).map(|_| lcg(&mut seed)).collect();
+                for (a, b, c) in [(0, 1, 3), (1, 3, 2), (3, 0, 1)] {
+                    let ws = [&test_matrices(700, k, &mut seed)[a], &test_matrices(45, k, &mut seed)[b], &test_matrices(3, k, &mut seed)[c]];
+                    let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; t * w.rows]).collect();
+                    let mut jobs: Vec<(&Matrix, &mut [f32])> = ws.iter().copied().zip(outs.iter_mut().map(|o| o.as_mut_slice())).collect();
+                    decode_group(&pool, &x, t, &mut jobs);
+                    for (w, got) in ws.iter().zip(&outs) {
+                        let mut alone = vec![0f32; t * w.rows];
+                        decode_group(&Pool::new(1), &x, t, &mut [(w, &mut alone)]);
+                        assert!(&alone == got, "{isa:?} t={t}: a {}x{k} {} matrix in a group differs from its GEMV alone", w.rows, w.dtype());
+                    }
+                }
+            }
+        });
+    }
+
     fn matmul_cases() {
         let mut seed = 7;
         for threads in [1, 3] {
