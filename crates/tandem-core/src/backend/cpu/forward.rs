@@ -298,8 +298,9 @@ impl Qwen35 {
                     for (r, d) in (0..rows).zip(dst.chunks_exact_mut(width)) {
                         let mut at = 0;
                         for range in &cols {
-                            // SAFETY: `src(r)` points at a row of `cd` values.
-                            d[at..at + range.len()].copy_from_slice(unsafe { &std::slice::from_raw_parts(src(r), cd)[range.clone()] });
+                            // SAFETY: `src(r)` points at a row of `cd` values; only this task's
+                            // columns of it are read (other tasks write theirs of a conv state).
+                            d[at..at + range.len()].copy_from_slice(unsafe { std::slice::from_raw_parts(src(r).add(range.start), range.len()) });
                             at += range.len();
                         }
                     }
