@@ -1,7 +1,8 @@
 //! Where a one-sequence decode step falls short of the read bandwidth: a plain read and the
 //! bench's four-stream read of 512 MB, the synthetic model's matrices each through the decode
 //! GEMV alone (GB/s against a plain read of as many bytes on the same pool; the small ones are
-//! then in cache, unlike in a step), then whole decode steps against the bytes they read, and their time by phase.
+//! then in cache, unlike in a step), then whole decode steps against the bytes they read, and
+//! their time by phase.
 //! `cargo run --release --example decode_bandwidth -p tandem-core [THREADS] [bf16|int8] [MODEL]`.
 use std::cell::RefCell;
 use std::time::Instant;

@@ -261,7 +261,7 @@ impl Qwen35 {
     /// touches: the conv + SiLU of its q, k and value heads' v columns (their conv state read
     /// and shifted in place of the task), the q/k norms, the delta rule of each value head
     /// that reads this key head, and their gated RMSNorm. Phase by phase, one core ran the conv
-    /// and norms of a step's few rows while the others waited: 1.5-1.9 ms of a 16-17 ms step
+    /// and norms of a step's few rows while the others waited: 1.5-1.9 ms of a 16-21 ms step
     /// of the 0.8B on 16 Xeon cores (`examples/decode_bandwidth.rs`). Each value is computed by
     /// the same operations in the same order as `deltanet_by_phase` computes it, so the bits
     /// are the same. Timed as the recurrence.

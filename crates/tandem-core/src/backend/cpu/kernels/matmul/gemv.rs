@@ -92,12 +92,12 @@ const PREFETCH_BYTES: usize = 4096;
 #[cfg(target_arch = "x86_64")]
 fn prefetch_unit_start(w: &Matrix, set: &RowSet) {
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    let (base, elem): (*const u8, usize) = match &w.data {
-        WeightData::Bf16(b) | WeightData::F16(b) => (b.as_slice().as_ptr() as *const u8, 2),
-        WeightData::F32(b) => (b.as_slice().as_ptr() as *const u8, 4),
-        WeightData::Int8 { q, .. } => (q.as_slice().as_ptr() as *const u8, 1),
+    let base: *const u8 = match &w.data {
+        WeightData::Bf16(b) | WeightData::F16(b) => b.as_slice().as_ptr() as *const u8,
+        WeightData::F32(b) => b.as_slice().as_ptr() as *const u8,
+        WeightData::Int8 { q, .. } => q.as_slice().as_ptr() as *const u8,
     };
-    let row_bytes = w.cols * elem;
+    let row_bytes = w.cols * w.dtype().size();
     for j in 0..4 {
         let first = j * set.stride + set.offsets.start;
         if first >= set.rows {
