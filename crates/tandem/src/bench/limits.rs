@@ -28,23 +28,38 @@ pub fn has_avx512_bf16() -> bool {
 /// Median read bandwidth in bytes/s: every worker sums its share of a `bytes` buffer, `reps`
 /// times after one warm-up pass. The buffer should be far larger than the last-level cache.
 pub fn read_bandwidth(pool: &Pool, bytes: usize, reps: usize) -> f64 {
-    let n = bytes / 4;
-    let buf: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
-    let mut rates = Vec::new();
-    for rep in 0..=reps {
-        let sink = std::sync::atomic::AtomicU32::new(0);
-        let t = Instant::now();
-        pool.for_ranges(n, 1024, &|r| {
-            let s = sum(&buf[r]);
-            sink.fetch_add(s.to_bits() & 1, std::sync::atomic::Ordering::Relaxed);
-        });
-        let dt = t.elapsed().as_secs_f64();
-        std::hint::black_box(sink.load(std::sync::atomic::Ordering::Relaxed));
-        if rep > 0 {
-            rates.push(bytes as f64 / dt);
-        }
+    ReadBuffer::new(bytes).bandwidth(pool, bytes, reps)
+}
+
+/// A buffer to measure read bandwidth over its first `bytes`, allocated once for many
+/// measurements.
+pub struct ReadBuffer(Vec<f32>);
+
+impl ReadBuffer {
+    pub fn new(bytes: usize) -> ReadBuffer {
+        ReadBuffer((0..bytes / 4).map(|i| (i % 7) as f32).collect())
     }
-    median(&mut rates)
+
+    /// Median bytes/s of summing the first `bytes` on the pool, `reps` times after a warm-up.
+    pub fn bandwidth(&self, pool: &Pool, bytes: usize, reps: usize) -> f64 {
+        let buf = &self.0[..(bytes / 4).min(self.0.len())];
+        let bytes = buf.len() * 4;
+        let mut rates = Vec::new();
+        for rep in 0..=reps {
+            let sink = std::sync::atomic::AtomicU32::new(0);
+            let t = Instant::now();
+            pool.for_ranges(buf.len(), 1024, &|r| {
+                let s = sum(&buf[r]);
+                sink.fetch_add(s.to_bits() & 1, std::sync::atomic::Ordering::Relaxed);
+            });
+            let dt = t.elapsed().as_secs_f64();
+            std::hint::black_box(sink.load(std::sync::atomic::Ordering::Relaxed));
+            if rep > 0 {
+                rates.push(bytes as f64 / dt);
+            }
+        }
+        median(&mut rates)
+    }
 }
 
 fn sum(x: &[f32]) -> f32 {

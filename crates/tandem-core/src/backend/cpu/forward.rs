@@ -38,11 +38,10 @@ impl Qwen35 {
         for piece in tokens.chunks(MAX_TOKENS_PER_PASS) {
             let rows = piece.len();
             let out = self.forward_pass(&self.pass(pool, Kernels::Prompt), piece, &mut [Segment { state: &mut *state, rows: 0..rows, valid: rows }], which);
-            if which == Logits::All {
-                logits.extend_from_slice(&out);
-            } else {
-                logits = out;
-            }
+            logits.extend_from_slice(&out);
+        }
+        if which == Logits::Last {
+            logits = state.last_logits.clone();
         }
         Ok(logits)
     }
@@ -87,8 +86,8 @@ impl Qwen35 {
 
     /// The layers over `tokens` (all rows of all segments, `[T, hidden]`), then the final norm
     /// and LM head for the rows whose logits are wanted: each segment's last real row
-    /// (`Logits::Last`; returned for the last segment) or every row of a single segment
-    /// (`Logits::All`). Inputs were checked by the caller.
+    /// (`Logits::Last`; each into its state's `last_logits`, nothing returned) or every row of
+    /// a single segment (`Logits::All`, returned). Inputs were checked by the caller.
     fn forward_pass(&self, pass: &Pass, tokens: &[u32], segs: &mut [Segment], which: Logits) -> Vec<f32> {
         let c = &self.config;
         let (t, h) = (tokens.len(), c.hidden_size);
@@ -124,24 +123,35 @@ impl Qwen35 {
         }
         rms_norm_inplace(&mut final_x, &self.final_norm, c.rms_norm_eps);
         let (n, v) = (rows.len(), c.vocab_size);
-        let mut logits = vec![0f32; n * v];
+        for seg in segs.iter_mut() {
+            seg.state.position += seg.valid;
+        }
         // Each row's logits in the one-token order, as a decode step computes them: a token's
         // logits then have the same bits whichever call and kernels produced its hidden state.
-        let lm_head = time(Phase::LmHead);
-        pass.with_kernels(Kernels::Decode).unprofiled_products(&final_x, n, &mut [(&self.lm_head, &mut logits)]);
-        drop(lm_head);
+        let lm_head = |out: &mut [f32]| {
+            let _lm_head = time(Phase::LmHead);
+            pass.with_kernels(Kernels::Decode).unprofiled_products(&final_x, n, &mut [(&self.lm_head, out)]);
+        };
+        if let ([seg], Logits::Last) = (&mut *segs, which) {
+            // One sequence's step: straight into its state (no buffer to allocate, zero and
+            // copy on every token; the vocabulary's logits are a megabyte).
+            seg.state.last_logits.resize(v, 0.0);
+            lm_head(&mut seg.state.last_logits);
+            return Vec::new();
+        }
+        let mut logits = vec![0f32; n * v];
+        lm_head(&mut logits);
         let last_rows: Vec<&[f32]> = match which {
             Logits::All => vec![&logits[(n - 1) * v..]],
             Logits::Last => logits.chunks_exact(v).collect(),
         };
         for (seg, row) in segs.iter_mut().zip(last_rows) {
-            seg.state.position += seg.valid;
             seg.state.last_logits.clear();
             seg.state.last_logits.extend_from_slice(row);
         }
         match which {
             Logits::All => logits,
-            Logits::Last => logits[(n - 1) * v..].to_vec(),
+            Logits::Last => Vec::new(),
         }
     }
 

@@ -20,17 +20,38 @@ const SPIN: Duration = Duration::from_micros(200);
 
 type Job = *const (dyn Fn(usize) + Sync);
 
+/// A value alone on its cache lines (two: Intel cores fetch lines in pairs), so that writes to
+/// its neighbours do not take it away from the cores that read it.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+/// A call's fork is one write that every worker reads (`generation`), and its join one write
+/// per worker that only the caller reads (`done`). Each on lines of its own: with the fork's
+/// counter beside a join counter that all workers decremented, every decrement took the line
+/// from the workers still spinning on it, one after another. An empty call on 16 Xeon cores
+/// took 2.9-3.2 µs that way and takes 0.9-1.0 µs so (`examples/fork_join.rs`; a decode step
+/// of the 0.8B makes 145 calls); on 2 threads it costs 0.46-0.61 µs instead of
+/// 0.15-0.25 there, a fraction of a thousandth of a step.
 struct Shared {
     job: UnsafeCell<Option<Job>>,
-    generation: AtomicU64,
-    remaining: AtomicUsize,
+    generation: Padded<AtomicU64>,
+    /// The last generation each worker finished (index 0, the caller's, unused).
+    done: Vec<Padded<AtomicU64>>,
     shutdown: AtomicBool,
     panicked: AtomicBool,
     sleeping: Vec<AtomicBool>,
 }
 
-// SAFETY: `job` is written only by `run` while no worker reads it (all are idle, `remaining`
-// is 0), and read by workers only between the generation bump and their `remaining` decrement.
+// SAFETY: `job` is written only by `run` while no worker reads it (all are idle: each has
+// finished the previous generation), and read by workers only between the generation bump and
+// their `done` store.
 unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
 
@@ -77,8 +98,8 @@ impl Pool {
     fn spawn(threads: usize, cores: Vec<usize>) -> Pool {
         let shared = Arc::new(Shared {
             job: UnsafeCell::new(None),
-            generation: AtomicU64::new(0),
-            remaining: AtomicUsize::new(0),
+            generation: Padded(AtomicU64::new(0)),
+            done: (0..threads).map(|_| Padded(AtomicU64::new(0))).collect(),
             shutdown: AtomicBool::new(false),
             panicked: AtomicBool::new(false),
             sleeping: (0..threads).map(|_| AtomicBool::new(false)).collect(),
@@ -120,23 +141,26 @@ impl Pool {
             return;
         }
         let s = &*self.shared;
-        // SAFETY: all workers are idle (the previous run waited for remaining == 0), so
+        // SAFETY: all workers are idle (the previous run waited for each one's `done`), so
         // nobody reads `job` now; the lifetime is erased but `run` does not return before
         // every worker is done with `f`.
         unsafe {
             let job: Job = std::mem::transmute::<&(dyn Fn(usize) + Sync), &'static (dyn Fn(usize) + Sync)>(f);
             *s.job.get() = Some(job);
         }
-        s.remaining.store(self.workers.len(), Ordering::Relaxed);
-        s.generation.fetch_add(1, Ordering::Release);
+        // Only this thread writes the generation (workers read it), so a load and a store.
+        let generation = s.generation.load(Ordering::Relaxed) + 1;
+        s.generation.store(generation, Ordering::Release);
         for (i, (_, t)) in self.workers.iter().enumerate() {
             if s.sleeping[i + 1].load(Ordering::Acquire) {
                 t.unpark();
             }
         }
         let caller = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(0)));
-        while s.remaining.load(Ordering::Acquire) != 0 {
-            std::hint::spin_loop();
+        for done in &s.done[1..] {
+            while done.load(Ordering::Acquire) != generation {
+                std::hint::spin_loop();
+            }
         }
         if let Err(p) = caller {
             std::panic::resume_unwind(p);
@@ -259,13 +283,13 @@ fn worker_loop(s: &Shared, id: usize) {
         if s.shutdown.load(Ordering::Acquire) {
             return;
         }
-        // SAFETY: see `Shared`; the job stays valid until `remaining` reaches 0.
+        // SAFETY: see `Shared`; the job stays valid until this worker stores its `done`.
         let job = unsafe { (*s.job.get()).expect("job set before the generation bump") };
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { (*job)(id) }));
         if r.is_err() {
             s.panicked.store(true, Ordering::Relaxed);
         }
-        s.remaining.fetch_sub(1, Ordering::Release);
+        s.done[id].store(seen, Ordering::Release);
     }
 }
 
@@ -329,6 +353,37 @@ mod tests {
             }
         });
         assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+    }
+
+    /// The join waits for the slowest worker, call after call, and a worker's panic reaches the
+    /// caller without breaking the pool.
+    #[test]
+    fn a_call_returns_after_every_worker_and_a_panic_reaches_the_caller() {
+        let pool = Pool::new(4);
+        for call in 0..50u64 {
+            let finished: Vec<AtomicUsize> = (0..4).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(&|w| {
+                // A different worker is the slow one on each call.
+                if w as u64 == call % 4 {
+                    std::thread::sleep(Duration::from_micros(300));
+                }
+                finished[w].store(1, Ordering::Relaxed);
+            });
+            assert!(finished.iter().all(|f| f.load(Ordering::Relaxed) == 1), "call {call} returned before a worker finished");
+        }
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.run(&|w| {
+                if w == 3 {
+                    panic!("worker 3 fails");
+                }
+            })
+        }));
+        assert!(caught.is_err(), "a worker's panic was lost");
+        let n = AtomicUsize::new(0);
+        pool.run(&|_| {
+            n.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(n.load(Ordering::Relaxed), 4, "the pool does not work after a panic");
     }
 
     #[test]

@@ -86,12 +86,23 @@ pub(super) fn gemv_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, Out
 /// enough in flight to cover the memory latency, measured best among 2, 4 and 8 KB).
 const PREFETCH_BYTES: usize = 4096;
 
+/// Prefetch the line at `p` into the core's L2 (and the levels beyond), not into L1. On a
+/// 2-vCPU EPYC (Zen 5) the int8 GEMV read the LM head (256 MB) at 77-79% of a plain read of
+/// as many bytes when it prefetched into L1 and at 92-97% into L2 (a trial build choosing the
+/// hint at run time: medians of 15 interleaved calls, seven times); the bf16 GEMV read at
+/// 90-97% either way; on 16 Xeon cores neither hint was ahead beyond the machine's spread
+/// (docs/results/2026-11-29-cpu-decode-prefetch-and-ceiling.md).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn prefetch_weights(p: *const i8) {
+    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p);
+}
+
 /// Prefetch the first `PREFETCH_BYTES` of each of a unit's four streams. The kernels prefetch
 /// that far ahead of where they read, so a unit's first lines would otherwise come one miss
 /// at a time on each stream.
 #[cfg(target_arch = "x86_64")]
 fn prefetch_unit_start(w: &Matrix, set: &RowSet) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
     let base: *const u8 = match &w.data {
         WeightData::Bf16(b) | WeightData::F16(b) => b.as_slice().as_ptr() as *const u8,
         WeightData::F32(b) => b.as_slice().as_ptr() as *const u8,
@@ -106,7 +117,7 @@ fn prefetch_unit_start(w: &Matrix, set: &RowSet) {
         let end = ((j * set.stride + set.offsets.end).min(set.rows) * row_bytes).min((first * row_bytes).saturating_add(PREFETCH_BYTES));
         for at in (first * row_bytes..end).step_by(64) {
             // SAFETY: a prefetch does not fault, and `at` lies inside the matrix anyway.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(at) as *const i8) };
+            unsafe { prefetch_weights(base.wrapping_add(at) as *const i8) };
         }
     }
 }
@@ -253,7 +264,7 @@ mod avx2 {
         _mm_cvtss_f32(v1)
     }
 
-    use super::PREFETCH_BYTES;
+    use super::{prefetch_weights, PREFETCH_BYTES};
 
     /// Rows `rows` of the product for `t` tokens (x and out row-major). One token: four rows at a
     /// time, one from each of the set's four distant streams (bound by reading the weights);
@@ -333,7 +344,7 @@ mod avx2 {
         while i < k16 {
             if first && i % line == 0 {
                 for pj in &p[..R] {
-                    _mm_prefetch::<_MM_HINT_T0>(pj.wrapping_add(i + ahead) as *const i8);
+                    prefetch_weights(pj.wrapping_add(i + ahead) as *const i8);
                 }
             }
             let w0: [__m256; R] = std::array::from_fn(|j| load(p[j].add(i)));
@@ -424,7 +435,7 @@ mod avx512 {
         while i < k {
             if first {
                 for pj in &p[..R] {
-                    _mm_prefetch::<_MM_HINT_T0>(pj.wrapping_add(i + PREFETCH_BYTES) as *const i8);
+                    prefetch_weights(pj.wrapping_add(i + PREFETCH_BYTES) as *const i8);
                 }
             }
             let wv: [__m512i; R] = std::array::from_fn(|j| _mm512_loadu_si512(p[j].add(i) as *const _));
@@ -444,7 +455,7 @@ mod avx512 {
         }
     }
 
-    use super::PREFETCH_BYTES;
+    use super::{prefetch_weights, PREFETCH_BYTES};
 
     /// Call `f(Ok([r0, r1, r2, r3]))` for each offset whose four stream rows all exist, and
     /// `f(Err(r))` for the rows of the last offsets whose later streams run past the matrix.
@@ -536,7 +547,7 @@ mod avx512 {
         while i < k {
             if first && i % line == 0 {
                 for pj in &p[..R] {
-                    _mm_prefetch::<_MM_HINT_T0>(pj.wrapping_add(i + ahead) as *const i8);
+                    prefetch_weights(pj.wrapping_add(i + ahead) as *const i8);
                 }
             }
             let wv: [__m512; R] = std::array::from_fn(|j| load(p[j].add(i)));
@@ -574,7 +585,7 @@ mod avx512 {
                         while i < k {
                             if i % line == 0 {
                                 for j in 0..4 {
-                                    _mm_prefetch::<_MM_HINT_T0>(p[j].wrapping_add(i + ahead) as *const i8);
+                                    prefetch_weights(p[j].wrapping_add(i + ahead) as *const i8);
                                 }
                             }
                             let xv = _mm512_loadu_ps(xp.add(i));
