@@ -25,10 +25,25 @@ pub fn has_avx512_bf16() -> bool {
     false
 }
 
-/// Median read bandwidth in bytes/s: every worker sums its share of a `bytes` buffer, `reps`
-/// times after one warm-up pass. The buffer should be far larger than the last-level cache.
+/// Read bandwidth in bytes/s: every worker sums its share of a `bytes` buffer, `reps` times
+/// after one warm-up pass, each `ReadWay`; the faster way's median. The buffer should be far
+/// larger than the last-level cache.
 pub fn read_bandwidth(pool: &Pool, bytes: usize, reps: usize) -> f64 {
-    ReadBuffer::new(bytes).bandwidth(pool, bytes, reps)
+    ReadBuffer::new(bytes).bandwidth(pool, bytes, reps).best()
+}
+
+/// The median rates (bytes/s) of the two ways of reading a buffer.
+#[derive(Clone, Copy, Debug)]
+pub struct ReadRates {
+    pub four_streams: f64,
+    pub sequential: f64,
+}
+
+impl ReadRates {
+    /// The ceiling: the faster way.
+    pub fn best(&self) -> f64 {
+        self.four_streams.max(self.sequential)
+    }
 }
 
 /// A buffer to measure read bandwidth over its first `bytes`, allocated once for many
@@ -40,36 +55,60 @@ impl ReadBuffer {
         ReadBuffer((0..bytes / 4).map(|i| (i % 7) as f32).collect())
     }
 
-    /// Median bytes/s of summing the first `bytes` on the pool, `reps` times after a warm-up.
-    pub fn bandwidth(&self, pool: &Pool, bytes: usize, reps: usize) -> f64 {
+    /// Bytes/s of reading the first `bytes` on the pool: each way of reading (`ReadWay`) `reps`
+    /// times after a warm-up, the ways interleaved; each way's median.
+    pub fn bandwidth(&self, pool: &Pool, bytes: usize, reps: usize) -> ReadRates {
         let buf = &self.0[..(bytes / 4).min(self.0.len())];
         let bytes = buf.len() * 4;
-        let mut rates = Vec::new();
+        let mut rates = [Vec::new(), Vec::new()];
         for rep in 0..=reps {
-            let sink = std::sync::atomic::AtomicU32::new(0);
-            let t = Instant::now();
-            pool.for_ranges(buf.len(), 1024, &|r| {
-                let s = sum(&buf[r]);
-                sink.fetch_add(s.to_bits() & 1, std::sync::atomic::Ordering::Relaxed);
-            });
-            let dt = t.elapsed().as_secs_f64();
-            std::hint::black_box(sink.load(std::sync::atomic::Ordering::Relaxed));
-            if rep > 0 {
-                rates.push(bytes as f64 / dt);
+            for (way, rates) in [ReadWay::FourStreams, ReadWay::Sequential].into_iter().zip(rates.iter_mut()) {
+                let sink = std::sync::atomic::AtomicU32::new(0);
+                let t = Instant::now();
+                pool.for_ranges(buf.len(), 1024, &|r| {
+                    let s = sum(&buf[r], way);
+                    sink.fetch_add(s.to_bits() & 1, std::sync::atomic::Ordering::Relaxed);
+                });
+                let dt = t.elapsed().as_secs_f64();
+                std::hint::black_box(sink.load(std::sync::atomic::Ordering::Relaxed));
+                if rep > 0 {
+                    rates.push(bytes as f64 / dt);
+                }
             }
         }
-        median(&mut rates)
+        let [mut four, mut sequential] = rates;
+        ReadRates { four_streams: median(&mut four), sequential: median(&mut sequential) }
     }
 }
 
-fn sum(x: &[f32]) -> f32 {
+/// How a ceiling measurement reads each worker's share. The faster of the two is the ceiling,
+/// since which one is faster depends on the machine and the prefetch: on the 16-core Xeon of
+/// an H200 host a trial program read one plain stream 11-24% faster than four streams
+/// prefetched into L1 (at 2, 8 and 16 threads), which alone had been the ceiling; with the
+/// prefetch into L2 the two ways were level there (docs/results/2026-11-29-cpu-decode-
+/// prefetch-and-ceiling.md).
+#[derive(Clone, Copy)]
+enum ReadWay {
+    /// Four distant streams (the decode GEMV's pattern), each prefetched 4 KB ahead into L2.
+    FourStreams,
+    /// One sequential stream, the hardware prefetchers alone.
+    Sequential,
+}
+
+fn sum(x: &[f32], way: ReadWay) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: feature checked.
-            return unsafe { sum_avx512(x) };
+            return unsafe {
+                match way {
+                    ReadWay::FourStreams => sum_four_streams_avx512(x),
+                    ReadWay::Sequential => sum_sequential_avx512(x),
+                }
+            };
         }
     }
+    let _ = way;
     let mut acc = [0f32; 16];
     for c in x.chunks_exact(16) {
         for j in 0..16 {
@@ -79,12 +118,9 @@ fn sum(x: &[f32]) -> f32 {
     acc.iter().sum()
 }
 
-/// Sums 4 interleaved streams (the 4-row pattern of the GEMV) with software prefetch 4 KB
-/// ahead: on this class of machine that reads ~25% faster than one plain sequential stream, so
-/// anything slower would understate the ceiling the kernels can actually reach.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn sum_avx512(x: &[f32]) -> f32 {
+unsafe fn sum_four_streams_avx512(x: &[f32]) -> f32 {
     use std::arch::x86_64::*;
     const AHEAD: usize = 1024; // floats = 4 KB
     let part = x.len() / 4 / 16 * 16;
@@ -94,8 +130,8 @@ unsafe fn sum_avx512(x: &[f32]) -> f32 {
     while i + 32 <= part {
         for s in 0..4 {
             let q = p.add(s * part + i);
-            _mm_prefetch::<_MM_HINT_T0>(q.add(AHEAD) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(q.add(AHEAD + 16) as *const i8);
+            _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(AHEAD) as *const i8);
+            _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(AHEAD + 16) as *const i8);
             a[2 * s] = _mm512_add_ps(a[2 * s], _mm512_loadu_ps(q));
             a[2 * s + 1] = _mm512_add_ps(a[2 * s + 1], _mm512_loadu_ps(q.add(16)));
         }
@@ -106,6 +142,23 @@ unsafe fn sum_avx512(x: &[f32]) -> f32 {
         t = _mm512_add_ps(t, v);
     }
     _mm512_reduce_add_ps(t) + x[4 * part..].iter().sum::<f32>()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn sum_sequential_avx512(x: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let whole = x.len() / 64 * 64;
+    let p = x.as_ptr();
+    let mut a = [_mm512_setzero_ps(); 4];
+    let mut i = 0;
+    while i < whole {
+        for (j, acc) in a.iter_mut().enumerate() {
+            *acc = _mm512_add_ps(*acc, _mm512_loadu_ps(p.add(i + 16 * j)));
+        }
+        i += 64;
+    }
+    _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]))) + x[whole..].iter().sum::<f32>()
 }
 
 /// Peak f32 FLOP/s of fused multiply-adds on every worker (the arithmetic the prefill GEMM
