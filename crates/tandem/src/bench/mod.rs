@@ -459,14 +459,17 @@ fn kernels(
         net.decode_batch(&pool, &[1], &mut [&mut st])?;
     }
     let mut bar = Bar::new("kernels", reps * nets.len() * (prompts.len() + 1));
-    // The ceilings again, just before each run (about a quarter of a second).
-    let ceilings = || (limits::read_bandwidth(&pool, 256 << 20, 2), limits::fma_peak(&pool, 2));
     // A format's decode ceiling: a plain read of as many bytes as its decode step reads, in one
     // pass after another as the steps read them. Against a fixed buffer the ceiling depends on
     // how much of it the last-level cache holds: on a Xeon with 300 MB of L3 a 256 MB read
     // measured 93-120 GB/s from run to run and a 1.5 GB decode step read faster than it.
     let decode_bytes: Vec<f64> = nets.iter().map(|(_, net)| decode_bytes_per_token(net, pool, decode_tokens)).collect::<Result<_>>()?;
-    let read_buffer = limits::ReadBuffer::new(decode_bytes.iter().fold(0f64, |m, &b| m.max(b)) as usize);
+    // One buffer for every read ceiling of the section: the prefills' 256 MB and each format's
+    // decode bytes.
+    const PREFILL_READ_BYTES: usize = 256 << 20;
+    let read_buffer = limits::ReadBuffer::new(decode_bytes.iter().fold(PREFILL_READ_BYTES as f64, |m, &b| m.max(b)) as usize);
+    // The ceilings again, just before each prefill run (about a quarter of a second).
+    let ceilings = || (read_buffer.bandwidth(&pool, PREFILL_READ_BYTES, 2).best(), limits::fma_peak(&pool, 2));
     let (mut four_streams, mut sequential) = (Vec::new(), Vec::new());
     for _ in 0..reps {
         for (f, (q, net)) in nets.iter().enumerate() {
@@ -482,7 +485,7 @@ fn kernels(
             // Decode: greedy tokens after a 13-token prompt (whose prefill is not timed).
             let mut st = State::new(&net.config);
             net.forward(&pool, &prompt_of(13), &mut st, Logits::Last)?;
-            let (_, fma_peak) = ceilings();
+            let fma_peak = limits::fma_peak(&pool, 2);
             let ceiling = || read_buffer.bandwidth(&pool, decode_bytes[f] as usize, 2);
             let before = ceiling();
             let t = Instant::now();
