@@ -70,11 +70,15 @@ pub const SUMMATION_ORDER: Tolerance = Tolerance { logit_abs: LOGIT_TOL, logit_r
 /// differences (the golden fixture's random weights do: its float32 and float64 logits differ
 /// 7,000 times more than one float32 rounding), a difference in the last bit of a sum grows
 /// too, but stays far below what rounding the inputs to bf16 grows to, which is 2^15 times
-/// larger to begin with: measured on the fixture's 300-token prompt, fast is 0.20 from its
-/// arithmetic where that is 4.56 from the reference (1/23). A kernel that rounds or
-/// quantizes wrongly (a truncation for a rounding, a scale of the wrong block, a lost pair of
-/// products) errs by as much as the rounding itself, and fails.
-pub const ROUNDING_SHARE: f32 = 0.25;
+/// larger to begin with: measured on the fixture's 300-token prompt, fast is 0.12-0.20 from
+/// its arithmetic where that is 4.57 from the reference (1/23-1/39). Where a sum's last bit
+/// tips one activation to the neighbouring bf16, the item moves by a share of the rounding's
+/// own effect that depends on which activation tipped: two builds whose other kernels differ
+/// only in their exp (libm's, then a polynomial) put the fixture's 64-token prompt at 14% and
+/// then 30% of it, the other prompts at 3-15%. A kernel that rounds or quantizes wrongly (a
+/// truncation for a rounding, a scale of the wrong block, a lost pair of products) errs by as
+/// much as the rounding itself, and fails.
+pub const ROUNDING_SHARE: f32 = 0.5;
 
 /// The absolute tolerance of logits whose reference is `want`: `LOGIT_REL_TOL` of its largest
 /// magnitude, at least `LOGIT_TOL` (the golden fixture's logits, up to 4.75, get 2.4e-3).

@@ -100,17 +100,17 @@ impl Qwen35 {
         let mut mixed = vec![0f32; t * h];
         drop(embed);
         for (li, layer) in self.layers.iter().enumerate() {
-            time(Phase::NormsResidual).run(|| rms_norm(&x, &layer.input_norm, c.rms_norm_eps, &mut xn));
+            time(Phase::NormsResidual).run(|| norm_rows(pass.pool, &x, &layer.input_norm, c.rms_norm_eps, &mut xn));
             match &layer.mixer {
                 Mixer::DeltaNet(m) => self.gated_deltanet(pass, m, &xn, t, segs, li, &mut mixed),
                 Mixer::Attention(m) => self.gated_attention(pass, m, &xn, t, segs, li, &mut mixed),
             }
             time(Phase::NormsResidual).run(|| {
-                add_inplace(&mut x, &mixed);
-                rms_norm(&x, &layer.post_attention_norm, c.rms_norm_eps, &mut xn);
+                add_rows(pass.pool, &mut x, &mixed, h);
+                norm_rows(pass.pool, &x, &layer.post_attention_norm, c.rms_norm_eps, &mut xn);
             });
             self.mlp(pass, &layer.mlp, &xn, t, &mut mixed);
-            time(Phase::NormsResidual).run(|| add_inplace(&mut x, &mixed));
+            time(Phase::NormsResidual).run(|| add_rows(pass.pool, &mut x, &mixed, h));
         }
 
         let rows: Vec<usize> = match which {
@@ -378,26 +378,40 @@ impl Qwen35 {
 
         let prep = time(Phase::AttentionPrep);
         let half = c.rotary_dim() / 2;
-        let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
         let mut q = vec![0f32; t * hq * d];
         let mut gate = vec![0f32; t * hq * d];
         let mut caches = Vec::with_capacity(segs.len());
+        let (q_p, gate_p, k_p) = (SharedMut(q.as_mut_ptr()), SharedMut(gate.as_mut_ptr()), SharedMut(k.as_mut_ptr()));
         for seg in segs.iter_mut() {
             let pos0 = seg.state.position;
-            for r in seg.rows.start..seg.rows.start + seg.valid {
-                cos_sin(pos0 + r - seg.rows.start, &self.inv_freq, &mut cos, &mut sin);
-                for head in 0..hq {
-                    let src = &qg[(r * hq + head) * 2 * d..(r * hq + head + 1) * 2 * d];
-                    let qh = &mut q[(r * hq + head) * d..(r * hq + head + 1) * d];
-                    rms_norm(&src[..d], &m.q_norm, c.rms_norm_eps, qh);
-                    apply_rope(qh, &cos, &sin);
-                    gate[(r * hq + head) * d..(r * hq + head + 1) * d].copy_from_slice(&src[d..]);
+            let row0 = seg.rows.start;
+            // A prompt's rows split over the pool.
+            rows_on(pass.pool, seg.valid, &|rows| {
+                let (q_p, gate_p, k_p) = (q_p, gate_p, k_p);
+                let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
+                for r in row0 + rows.start..row0 + rows.end {
+                    // SAFETY: row r of q, gate and k is written by the one task that has r.
+                    let (q, gate, k) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(q_p.0.add(r * hq * d), hq * d),
+                            std::slice::from_raw_parts_mut(gate_p.0.add(r * hq * d), hq * d),
+                            std::slice::from_raw_parts_mut(k_p.0.add(r * hkv * d), hkv * d),
+                        )
+                    };
+                    cos_sin(pos0 + r - row0, &self.inv_freq, &mut cos, &mut sin);
+                    for head in 0..hq {
+                        let src = &qg[(r * hq + head) * 2 * d..(r * hq + head + 1) * 2 * d];
+                        let qh = &mut q[head * d..(head + 1) * d];
+                        rms_norm(&src[..d], &m.q_norm, c.rms_norm_eps, qh);
+                        apply_rope(qh, &cos, &sin);
+                        gate[head * d..(head + 1) * d].copy_from_slice(&src[d..]);
+                    }
+                    for head in k.chunks_exact_mut(d) {
+                        rms_norm_inplace(head, &m.k_norm, c.rms_norm_eps);
+                        apply_rope(head, &cos, &sin);
+                    }
                 }
-                for head in k[r * hkv * d..(r + 1) * hkv * d].chunks_exact_mut(d) {
-                    rms_norm_inplace(head, &m.k_norm, c.rms_norm_eps);
-                    apply_rope(head, &cos, &sin);
-                }
-            }
+            });
             let LayerState::Full { k: k_cache, v: v_cache } = &mut seg.state.layers[li] else { unreachable!("layer kinds were checked") };
             let real = seg.rows.start * hkv * d..(seg.rows.start + seg.valid) * hkv * d;
             k_cache.extend_from_slice(&k[real.clone()]);
@@ -434,11 +448,13 @@ impl Qwen35 {
                 // SAFETY: every task writes only its own head's d columns of its own rows.
                 let out = unsafe { std::slice::from_raw_parts_mut(shared.0.add(row * hq * d), len * hq * d) };
                 attention_head(&q[row * hq * d..(row + len) * hq * d], len, pos0 + start, kc, vc, hq, hkv, d, h, &mut scores, out);
+                // The output gate of this task's columns, while they are in cache.
+                for ti in 0..len {
+                    let at = (ti * hq + h) * d;
+                    sigmoid_gate(&mut out[at..at + d], &gate[row * hq * d + at..][..d]);
+                }
             }
         });
-        for (o, &g) in attn.iter_mut().zip(&gate) {
-            *o *= sigmoid(g);
-        }
         drop(attention);
         pass.products(&attn, t, &mut [(&m.o_proj, out)]);
     }
@@ -553,6 +569,18 @@ fn causal_conv_silu_body(conv: &[f32], new: &[f32], taps: &[f32], kk: usize, cd:
     }
 }
 
+crate::backend::cpu::kernels::multiversion! {
+    /// `x[i] *= sigmoid(gate[i])`: attention's output gate.
+    fn sigmoid_gate(x: &mut [f32], gate: &[f32]) => sigmoid_gate_body
+}
+
+#[inline(always)]
+fn sigmoid_gate_body(x: &mut [f32], gate: &[f32]) {
+    for (o, &g) in x.iter_mut().zip(gate) {
+        *o *= sigmoid(g);
+    }
+}
+
 /// The conv state after this call's rows `new`: the window's last K rows, in place.
 fn shift_conv_state(conv: &mut [f32], new: &[f32], kk: usize, cd: usize) {
     let valid = new.len() / cd;
@@ -592,6 +620,18 @@ fn rows_mut_on(pool: &Pool, buf: &mut [f32], row_len: usize, n: usize, f: &(dyn 
         // are disjoint parts of `buf`.
         f(r.clone(), unsafe { std::slice::from_raw_parts_mut(p.0.add(r.start * row_len), r.len() * row_len) })
     });
+}
+
+/// `rms_norm` of every row of `x` into `out`, a prompt's rows split over the pool.
+fn norm_rows(pool: &Pool, x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]) {
+    let h = scale.len();
+    rows_mut_on(pool, out, h, x.len() / h, &|r, out| rms_norm(&x[r.start * h..r.end * h], scale, eps, out));
+}
+
+/// `x += y` for rows of `h` values, a prompt's rows split over the pool.
+fn add_rows(pool: &Pool, x: &mut [f32], y: &[f32], h: usize) {
+    let n = x.len() / h;
+    rows_mut_on(pool, x, h, n, &|r, x| add_inplace(x, &y[r.start * h..r.end * h]));
 }
 
 fn add_inplace(x: &mut [f32], y: &[f32]) {

@@ -51,7 +51,7 @@ fn recurrent_step_body(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: f32
         let ki = k[i];
         for (sv, m) in row.iter_mut().zip(kv_mem.iter_mut()) {
             *sv *= alpha;
-            *m += *sv * ki;
+            *m = sv.mul_add(ki, *m);
         }
     }
     // u = β (v − Sᵀk)
@@ -64,11 +64,18 @@ fn recurrent_step_body(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: f32
         let row = &mut s[i * dv..(i + 1) * dv];
         let (ki, qi) = (k[i], q[i]);
         for ((sv, &u), o) in row.iter_mut().zip(kv_mem.iter()).zip(out.iter_mut()) {
-            *sv += ki * u;
-            *o += *sv * qi;
+            *sv = ki.mul_add(u, *sv);
+            *o = sv.mul_add(qi, *o);
         }
     }
 }
+
+/// Value channels per pass of `recurrent_steps`: every element of the state, of `u`, of
+/// `Sᵀk` and of the output belongs to one value channel and is computed from that channel
+/// alone, so the channels can be taken a block at a time, each block through all the call's
+/// tokens. A block of 64 channels of the state (128 key rows × 64 × 4 B = 32 KB) stays in L1
+/// from token to token, and the block's `u`, output and next `Sᵀk` stay in registers.
+const COLS: usize = 64;
 
 #[inline(always)]
 fn recurrent_steps_body(s: &mut [f32], steps: &[StepInput], out: &mut [f32]) {
@@ -76,56 +83,130 @@ fn recurrent_steps_body(s: &mut [f32], steps: &[StepInput], out: &mut [f32]) {
     let (dk, dv) = (first.k.len(), first.v.len());
     debug_assert_eq!(s.len(), dk * dv);
     debug_assert_eq!(out.len(), steps.len() * dv);
+    for c0 in (0..dv).step_by(COLS) {
+        let cols = c0..(c0 + COLS).min(dv);
+        #[cfg(target_arch = "x86_64")]
+        if cols.len() == COLS && crate::backend::cpu::kernels::isa() >= crate::backend::cpu::kernels::Isa::Avx512 {
+            // SAFETY: feature checked; the block's columns lie inside every row of `s`, of
+            // each step's `v` and of each token's part of `out` (lengths asserted above).
+            unsafe { steps_on_columns_avx512(s.as_mut_ptr(), dv, steps, out.as_mut_ptr(), c0) };
+            continue;
+        }
+        steps_on_columns(s, dv, steps, out, cols);
+    }
+}
+
+/// `recurrent_steps` for the value channels `cols` (at most `COLS`): token t's write and
+/// read pass over the state and token t + 1's decay and `Sᵀk` pass are one pass, row by row.
+#[inline(always)]
+fn steps_on_columns(s: &mut [f32], dv: usize, steps: &[StepInput], out: &mut [f32], cols: std::ops::Range<usize>) {
+    let (dk, w) = (steps[0].k.len(), cols.len());
+    let row = |i: usize| i * dv + cols.start..i * dv + cols.end;
     // Token 0's pass 1: S ← α S, kv_mem = Sᵀ k.
-    let mut kv_mem = [0f32; 512];
-    let mut next_mem = [0f32; 512];
-    let alpha = first.g.exp();
+    let (mut kv_mem, mut next_mem, mut o) = ([0f32; COLS], [0f32; COLS], [0f32; COLS]);
+    let alpha = steps[0].g.exp();
     for i in 0..dk {
-        let row = &mut s[i * dv..(i + 1) * dv];
-        let ki = first.k[i];
-        for (sv, m) in row.iter_mut().zip(kv_mem[..dv].iter_mut()) {
+        let ki = steps[0].k[i];
+        for (sv, m) in s[row(i)].iter_mut().zip(&mut kv_mem[..w]) {
             *sv *= alpha;
-            *m += *sv * ki;
+            *m = sv.mul_add(ki, *m);
         }
     }
     for (t, step) in steps.iter().enumerate() {
         // u = β (v − Sᵀk)
-        let u = &mut kv_mem[..dv];
-        for (m, &vv) in u.iter_mut().zip(step.v) {
+        for (m, &vv) in kv_mem[..w].iter_mut().zip(&step.v[cols.clone()]) {
             *m = step.beta * (vv - *m);
         }
-        let o = &mut out[t * dv..(t + 1) * dv];
-        o.iter_mut().for_each(|x| *x = 0.0);
-        let u = &kv_mem[..dv];
+        let u = &kv_mem[..w];
+        o[..w].iter_mut().for_each(|x| *x = 0.0);
         match steps.get(t + 1) {
             // Pass 2 of token t (S ← S + k ⊗ u, out = Sᵀ q), then pass 1 of token t + 1 on
             // the same row.
             Some(next) => {
                 let alpha = next.g.exp();
-                let m2 = &mut next_mem[..dv];
-                m2.iter_mut().for_each(|x| *x = 0.0);
+                next_mem[..w].iter_mut().for_each(|x| *x = 0.0);
                 for i in 0..dk {
-                    let row = &mut s[i * dv..(i + 1) * dv];
                     let (ki, qi, kn) = (step.k[i], step.q[i], next.k[i]);
-                    for (((sv, &uj), oj), mj) in row.iter_mut().zip(u).zip(o.iter_mut()).zip(m2.iter_mut()) {
-                        *sv += ki * uj;
-                        *oj += *sv * qi;
+                    for (((sv, &uj), oj), mj) in s[row(i)].iter_mut().zip(u).zip(&mut o[..w]).zip(&mut next_mem[..w]) {
+                        *sv = ki.mul_add(uj, *sv);
+                        *oj = sv.mul_add(qi, *oj);
                         *sv *= alpha;
-                        *mj += *sv * kn;
+                        *mj = sv.mul_add(kn, *mj);
                     }
                 }
                 std::mem::swap(&mut kv_mem, &mut next_mem);
             }
             None => {
                 for i in 0..dk {
-                    let row = &mut s[i * dv..(i + 1) * dv];
                     let (ki, qi) = (step.k[i], step.q[i]);
-                    for ((sv, &uj), oj) in row.iter_mut().zip(u).zip(o.iter_mut()) {
-                        *sv += ki * uj;
-                        *oj += *sv * qi;
+                    for ((sv, &uj), oj) in s[row(i)].iter_mut().zip(u).zip(&mut o[..w]) {
+                        *sv = ki.mul_add(uj, *sv);
+                        *oj = sv.mul_add(qi, *oj);
                     }
                 }
             }
+        }
+        out[t * dv + cols.start..t * dv + cols.end].copy_from_slice(&o[..w]);
+    }
+}
+
+/// `steps_on_columns` for the `COLS` channels from `c0`, the block's `Sᵀk`, `u`, output and
+/// next `Sᵀk` held in registers: the same operations on each value in the same order, so
+/// the same bits.
+///
+/// # Safety
+/// AVX-512F; `s` holds `dk` rows of `dv`, `out` `steps.len()` rows of `dv`, and
+/// `c0 + COLS <= dv`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn steps_on_columns_avx512(s: *mut f32, dv: usize, steps: &[StepInput], out: *mut f32, c0: usize) {
+    use std::arch::x86_64::*;
+    const V: usize = COLS / 16;
+    let dk = steps[0].k.len();
+    let row = |i: usize| s.add(i * dv + c0);
+    let zero = _mm512_setzero_ps();
+    let mut kv_mem = [zero; V];
+    let alpha = _mm512_set1_ps(steps[0].g.exp());
+    for i in 0..dk {
+        let (p, ki) = (row(i), _mm512_set1_ps(steps[0].k[i]));
+        for (j, m) in kv_mem.iter_mut().enumerate() {
+            let sv = _mm512_mul_ps(_mm512_loadu_ps(p.add(16 * j)), alpha);
+            _mm512_storeu_ps(p.add(16 * j), sv);
+            *m = _mm512_fmadd_ps(sv, ki, *m);
+        }
+    }
+    for (t, step) in steps.iter().enumerate() {
+        let beta = _mm512_set1_ps(step.beta);
+        let u: [__m512; V] = std::array::from_fn(|j| _mm512_mul_ps(beta, _mm512_sub_ps(_mm512_loadu_ps(step.v.as_ptr().add(c0 + 16 * j)), kv_mem[j])));
+        let mut o = [zero; V];
+        match steps.get(t + 1) {
+            Some(next) => {
+                let alpha = _mm512_set1_ps(next.g.exp());
+                kv_mem = [zero; V];
+                for i in 0..dk {
+                    let (p, ki, qi, kn) = (row(i), _mm512_set1_ps(step.k[i]), _mm512_set1_ps(step.q[i]), _mm512_set1_ps(next.k[i]));
+                    for j in 0..V {
+                        let sv = _mm512_fmadd_ps(ki, u[j], _mm512_loadu_ps(p.add(16 * j)));
+                        o[j] = _mm512_fmadd_ps(sv, qi, o[j]);
+                        let sv = _mm512_mul_ps(sv, alpha);
+                        _mm512_storeu_ps(p.add(16 * j), sv);
+                        kv_mem[j] = _mm512_fmadd_ps(sv, kn, kv_mem[j]);
+                    }
+                }
+            }
+            None => {
+                for i in 0..dk {
+                    let (p, ki, qi) = (row(i), _mm512_set1_ps(step.k[i]), _mm512_set1_ps(step.q[i]));
+                    for j in 0..V {
+                        let sv = _mm512_fmadd_ps(ki, u[j], _mm512_loadu_ps(p.add(16 * j)));
+                        _mm512_storeu_ps(p.add(16 * j), sv);
+                        o[j] = _mm512_fmadd_ps(sv, qi, o[j]);
+                    }
+                }
+            }
+        }
+        for (j, &v) in o.iter().enumerate() {
+            _mm512_storeu_ps(out.add(t * dv + c0 + 16 * j), v);
         }
     }
 }
@@ -375,14 +456,14 @@ mod tests {
     }
 
     /// Many tokens through `recurrent_steps` give the bits of `recurrent_step` token by token:
-    /// the state and every output.
+    /// the state and every output (value channels in whole blocks, which AVX-512 runs in
+    /// registers, and in a part block).
     #[test]
     fn recurrent_steps_give_the_bits_of_steps_one_by_one() {
         crate::backend::cpu::kernels::for_each_isa(|isa| {
-            let (dk, dv) = (16, 24);
             let mut r = crate::rng::Rng::new(7);
             let mut rnd = |n: usize| -> Vec<f32> { (0..n).map(|_| (r.next_f64() * 2.0 - 1.0) as f32).collect() };
-            for n in [1usize, 2, 5] {
+            for (n, dk, dv) in [(1usize, 16, 24), (2, 16, 24), (5, 16, 24), (1, 8, 2 * COLS + 24), (6, 8, 2 * COLS + 24), (3, 128, 128)] {
                 let s0 = rnd(dk * dv);
                 let (q, k, v) = (rnd(n * dk), rnd(n * dk), rnd(n * dv));
                 let (beta, g): (Vec<f32>, Vec<f32>) = (0..n).map(|i| (0.3 + 0.1 * i as f32, -0.05 * (i + 1) as f32)).unzip();
@@ -394,8 +475,8 @@ mod tests {
                     recurrent_step(&mut s2, st.q, st.k, st.v, st.beta, st.g, &mut out2[i * dv..(i + 1) * dv]);
                 }
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&s1), bits(&s2), "{isa:?} {n} tokens: states differ");
-                assert_eq!(bits(&out1), bits(&out2), "{isa:?} {n} tokens: outputs differ");
+                assert_eq!(bits(&s1), bits(&s2), "{isa:?} {n} tokens, {dk}x{dv}: states differ");
+                assert_eq!(bits(&out1), bits(&out2), "{isa:?} {n} tokens, {dk}x{dv}: outputs differ");
             }
         });
     }
