@@ -35,9 +35,11 @@ impl Qwen35 {
     pub fn forward(&self, pool: &Pool, tokens: &[u32], state: &mut State, which: Logits) -> Result<Vec<f32>> {
         self.check(tokens, state, tokens.len())?;
         let mut logits = Vec::new();
+        // One pass for all pieces: its buffers serve every piece.
+        let pass = self.pass(pool, Kernels::Prompt);
         for piece in tokens.chunks(MAX_TOKENS_PER_PASS) {
             let rows = piece.len();
-            let out = self.forward_pass(&self.pass(pool, Kernels::Prompt), piece, &mut [Segment { state: &mut *state, rows: 0..rows, valid: rows }], which);
+            let out = self.forward_pass(&pass, piece, &mut [Segment { state: &mut *state, rows: 0..rows, valid: rows }], which);
             logits.extend_from_slice(&out);
         }
         if which == Logits::Last {
@@ -162,13 +164,15 @@ impl Qwen35 {
     fn gated_deltanet(&self, pass: &Pass, m: &GatedDeltaNet, xn: &[f32], t: usize, segs: &mut [Segment], li: usize, out: &mut [f32]) {
         let c = &self.config;
         let (hv, vd, cd) = (c.linear_num_value_heads, c.linear_value_dim(), c.linear_conv_dim());
-        let mut qkv = vec![0f32; t * cd];
-        let mut z = vec![0f32; t * vd];
-        let mut b = vec![0f32; t * hv];
-        let mut a = vec![0f32; t * hv];
+        let (mut qkv, mut z, mut b, mut a) = (pass.buffer(t * cd), pass.buffer(t * vd), pass.buffer(t * hv), pass.buffer(t * hv));
         pass.products(xn, t, &mut [(&m.in_proj_qkv, &mut qkv), (&m.in_proj_z, &mut z), (&m.in_proj_b, &mut b), (&m.in_proj_a, &mut a)]);
 
-        let mut core = vec![0f32; t * vd];
+        let mut core = pass.buffer(t * vd);
+        // Pad rows: zero, as the norm and the out projection see them (the delta rule writes
+        // the real rows).
+        for seg in segs.iter() {
+            core[(seg.rows.start + seg.valid) * vd..seg.rows.end * vd].iter_mut().for_each(|v| *v = 0.0);
+        }
         if segs.iter().all(|s| s.valid < POOL_FROM_ROWS) {
             self.deltanet_by_key_head(pass, m, &qkv, &z, &b, &a, segs, li, &mut core);
         } else {
@@ -187,9 +191,9 @@ impl Qwen35 {
         let (hk, hv, dk, dv) = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
         let (kd, vd, cd, kk) = (c.linear_key_dim(), c.linear_value_dim(), c.linear_conv_dim(), c.linear_conv_kernel_dim);
         let t = core.len() / vd;
-        // Pad rows of `mixed_qkv` stay zero.
+        // Pad rows of `mixed_qkv` are neither written nor read.
         let conv_norms = time(Phase::DeltaNetConvNorms);
-        let mut mixed_qkv = vec![0f32; t * cd];
+        let mut mixed_qkv = pass.buffer(t * cd);
         let mut recurrent_of = Vec::with_capacity(segs.len());
         for seg in segs.iter_mut() {
             let LayerState::Linear { conv, recurrent } = &mut seg.state.layers[li] else { unreachable!("layer kinds were checked") };
@@ -371,15 +375,14 @@ impl Qwen35 {
     fn gated_attention(&self, pass: &Pass, m: &GatedAttention, xn: &[f32], t: usize, segs: &mut [Segment], li: usize, out: &mut [f32]) {
         let c = &self.config;
         let (hq, hkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let mut qg = vec![0f32; t * hq * 2 * d];
-        let mut k = vec![0f32; t * hkv * d];
-        let mut v = vec![0f32; t * hkv * d];
+        let (mut qg, mut k, mut v) = (pass.buffer(t * hq * 2 * d), pass.buffer(t * hkv * d), pass.buffer(t * hkv * d));
         pass.products(xn, t, &mut [(&m.q_proj, &mut qg), (&m.k_proj, &mut k), (&m.v_proj, &mut v)]);
 
         let prep = time(Phase::AttentionPrep);
         let half = c.rotary_dim() / 2;
-        let mut q = vec![0f32; t * hq * d];
-        let mut gate = vec![0f32; t * hq * d];
+        // Rows of real tokens only: pads are neither cached nor attended.
+        let (mut q, mut gate) = (pass.buffer(t * hq * d), pass.buffer(t * hq * d));
+        let pads: Vec<std::ops::Range<usize>> = segs.iter().map(|s| s.rows.start + s.valid..s.rows.end).collect();
         let mut caches = Vec::with_capacity(segs.len());
         let (q_p, gate_p, k_p) = (SharedMut(q.as_mut_ptr()), SharedMut(gate.as_mut_ptr()), SharedMut(k.as_mut_ptr()));
         for seg in segs.iter_mut() {
@@ -426,7 +429,11 @@ impl Qwen35 {
         // own head's columns of its own rows of `attn`. A query's output does not depend on
         // which other queries share its call, so the split leaves the bits as they are; with
         // one task per head, a prompt kept 8 of 16 workers waiting.
-        let mut attn = vec![0f32; t * hq * d];
+        let mut attn = pass.buffer(t * hq * d);
+        // Pad rows: zero, as the output projection sees them.
+        for pad in &pads {
+            attn[pad.start * hq * d..pad.end * hq * d].iter_mut().for_each(|x| *x = 0.0);
+        }
         let shared = SharedMut(attn.as_mut_ptr());
         let q = &q;
         let mut tasks: Vec<(usize, usize, usize, usize)> = Vec::new();
@@ -462,8 +469,7 @@ impl Qwen35 {
     /// SwiGLU: `down(silu(gate(x)) * up(x))`.
     fn mlp(&self, pass: &Pass, m: &Mlp, xn: &[f32], t: usize, out: &mut [f32]) {
         let f = self.config.intermediate_size;
-        let mut gate = vec![0f32; t * f];
-        let mut up = vec![0f32; t * f];
+        let (mut gate, mut up) = (pass.buffer(t * f), pass.buffer(t * f));
         pass.products(xn, t, &mut [(&m.gate_proj, &mut gate), (&m.up_proj, &mut up)]);
         let swiglu = time(Phase::SwiGlu);
         let g = SharedMut(gate.as_mut_ptr());
@@ -478,7 +484,7 @@ impl Qwen35 {
     }
 
     fn pass<'p>(&self, pool: &'p Pool, kernels: Kernels) -> Pass<'p> {
-        Pass { pool, kernels, precision: self.cpu_precision }
+        Pass::new(pool, kernels, self.cpu_precision)
     }
 }
 
@@ -494,16 +500,39 @@ enum Kernels {
     Decode,
 }
 
-/// How a pass multiplies: its pool, its kernels, and its arithmetic.
+/// How a pass multiplies: its pool, its kernels, and its arithmetic; and the activation
+/// buffers its layers take in turn.
 struct Pass<'p> {
     pool: &'p Pool,
     kernels: Kernels,
     precision: CpuPrecision,
+    /// Buffers given back by the layers before (`buffer`).
+    free: std::sync::Mutex<Vec<Vec<f32>>>,
 }
 
 impl<'p> Pass<'p> {
+    fn new(pool: &'p Pool, kernels: Kernels, precision: CpuPrecision) -> Pass<'p> {
+        Pass { pool, kernels, precision, free: std::sync::Mutex::new(Vec::new()) }
+    }
+
     fn with_kernels(&self, kernels: Kernels) -> Pass<'p> {
-        Pass { pool: self.pool, kernels, precision: self.precision }
+        Pass::new(self.pool, kernels, self.precision)
+    }
+
+    /// `len` values for a layer's activations, holding whatever an earlier layer left there:
+    /// the caller writes every value it reads. Given back to the pass when dropped, so that
+    /// the next layer reuses it: each layer allocated and zeroed its own (a dozen buffers of
+    /// up to 3 MB a layer for 128 tokens of the 0.8B), on one thread while the others waited.
+    fn buffer(&self, len: usize) -> PassBuffer<'_> {
+        let mut free = self.free.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        // The smallest that holds `len`, else the largest (grown).
+        let fits = free.iter().enumerate().filter(|(_, b)| b.capacity() >= len).min_by_key(|(_, b)| b.capacity()).map(|(i, _)| i);
+        let pick = fits.or_else(|| free.iter().enumerate().max_by_key(|(_, b)| b.capacity()).map(|(i, _)| i));
+        let mut buf = pick.map(|i| free.swap_remove(i)).unwrap_or_default();
+        if buf.len() < len {
+            buf.resize(len, 0.0);
+        }
+        PassBuffer { buf, len, home: &self.free }
     }
 
     /// The layers' products (timed as such when profiling).
@@ -528,6 +557,33 @@ impl<'p> Pass<'p> {
             (Kernels::Prompt, _) => matmul_group(self.pool, x, t, jobs),
             (Kernels::Decode, _) => decode_group(self.pool, x, t, jobs),
         }
+    }
+}
+
+/// A buffer of a pass (`Pass::buffer`): `len` values, back to the pass when dropped.
+struct PassBuffer<'a> {
+    buf: Vec<f32>,
+    len: usize,
+    home: &'a std::sync::Mutex<Vec<Vec<f32>>>,
+}
+
+impl std::ops::Deref for PassBuffer<'_> {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.buf[..self.len]
+    }
+}
+
+impl std::ops::DerefMut for PassBuffer<'_> {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.buf[..self.len]
+    }
+}
+
+impl Drop for PassBuffer<'_> {
+    fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.buf);
+        self.home.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(buf);
     }
 }
 
@@ -660,7 +716,7 @@ mod tests {
         let run = |bf16_inputs: bool, x: &[f32], t: usize| {
             let mut out = vec![0f32; t * w.rows];
             let precision = if bf16_inputs { CpuPrecision::Bf16Inputs } else { CpuPrecision::Exact };
-            Pass { pool: &pool, kernels: Kernels::Prompt, precision }.products(&x[..t * k], t, &mut [(w, &mut out)]);
+            Pass::new(&pool, Kernels::Prompt, precision).products(&x[..t * k], t, &mut [(w, &mut out)]);
             out
         };
         for t in [1, 8, 9] {
