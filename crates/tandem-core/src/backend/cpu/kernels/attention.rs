@@ -53,11 +53,25 @@ fn attention_head_body(q: &[f32], t: usize, pos0: usize, k: &[f32], v: &[f32], h
                 }
                 let qh = &q[(ti * hq + h) * d..(ti * hq + h + 1) * d];
                 let s = &mut scores[i * KEY_BLOCK..i * KEY_BLOCK + keys[i]];
-                let mut block_max = f32::NEG_INFINITY;
-                for (p, sc) in (kb..).zip(s.iter_mut()) {
-                    *sc = dot(qh, &k[row(p)]) * scale;
-                    block_max = block_max.max(*sc);
+                let mut done = 0;
+                #[cfg(target_arch = "x86_64")]
+                if d.is_multiple_of(16) && crate::backend::cpu::kernels::isa() >= crate::backend::cpu::kernels::Isa::Avx512 {
+                    // Four keys at a time: four independent chains of FMAs where one `dot`
+                    // waits on its own (16 dependent FMAs for a row of 256).
+                    while done + 4 <= s.len() {
+                        let p = kb + done;
+                        // SAFETY: feature checked; every row holds d values, a multiple of 16.
+                        let four = unsafe { dot4_avx512(qh, [&k[row(p)], &k[row(p + 1)], &k[row(p + 2)], &k[row(p + 3)]]) };
+                        for (sc, v) in s[done..done + 4].iter_mut().zip(four) {
+                            *sc = v * scale;
+                        }
+                        done += 4;
+                    }
                 }
+                for (p, sc) in (kb + done..).zip(s[done..].iter_mut()) {
+                    *sc = dot(qh, &k[row(p)]) * scale;
+                }
+                let block_max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
                 let new_max = max[i].max(block_max);
                 // exp(-inf) = 0 for the first block: nothing accumulated yet.
                 rescale[i] = (max[i] - new_max).exp();
@@ -86,6 +100,32 @@ fn attention_head_body(q: &[f32], t: usize, pos0: usize, k: &[f32], v: &[f32], h
             out[ti * hq * d + h * d..][..d].iter_mut().for_each(|x| *x *= inv);
         }
     }
+}
+
+/// `dot(a, b_i)` for four rows `b_i`, each with `dot`'s operations in `dot`'s order (sixteen
+/// lanes of FMAs along the row, then the lanes added pairwise, 8 apart, 4, 2, 1), so the same
+/// bits, the four chains interleaved.
+///
+/// # Safety
+/// AVX-512F; `a.len()` a multiple of 16, no longer than each `b_i`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot4_avx512(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_ps(); 4];
+    for c in (0..a.len()).step_by(16) {
+        let av = _mm512_loadu_ps(a.as_ptr().add(c));
+        for (acc, b) in acc.iter_mut().zip(&b) {
+            *acc = _mm512_fmadd_ps(av, _mm512_loadu_ps(b.as_ptr().add(c)), *acc);
+        }
+    }
+    acc.map(|v| {
+        let v8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))));
+        let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps::<1>(v8));
+        let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+        // `dot` adds the sum of a tail past the last 16 (none here) last.
+        _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps::<1>(v2, v2))) + 0.0
+    })
 }
 
 /// For each query `i` of a query block: `o_i ← o_i · rescale_i + Σ_p w_ip · v_p` over its
