@@ -384,10 +384,10 @@ impl Qwen35 {
         let (mut q, mut gate) = (pass.buffer(t * hq * d), pass.buffer(t * hq * d));
         let pads: Vec<std::ops::Range<usize>> = segs.iter().map(|s| s.rows.start + s.valid..s.rows.end).collect();
         let mut caches = Vec::with_capacity(segs.len());
-        let (q_p, gate_p, k_p) = (SharedMut(q.as_mut_ptr()), SharedMut(gate.as_mut_ptr()), SharedMut(k.as_mut_ptr()));
         for seg in segs.iter_mut() {
             let pos0 = seg.state.position;
             let row0 = seg.rows.start;
+            let (q_p, gate_p, k_p) = (SharedMut(q.as_mut_ptr()), SharedMut(gate.as_mut_ptr()), SharedMut(k.as_mut_ptr()));
             // A prompt's rows split over the pool.
             rows_on(pass.pool, seg.valid, &|rows| {
                 let (q_p, gate_p, k_p) = (q_p, gate_p, k_p);
