@@ -274,9 +274,9 @@ mod tests {
         assert!(worst < 2e-6, "largest difference {worst}");
     }
 
-    /// Every instruction set's build gives the portable build's bits (the AVX-512 one weighs
-    /// four queries' values at a time), over several key blocks, with a partial group of
-    /// queries at the end of a query block.
+    /// Every instruction set's build gives the portable build's bits (the AVX-512 one scores
+    /// four keys and weighs four queries' values at a time), over several key blocks, with a
+    /// partial group of queries at the end of a query block.
     #[test]
     fn every_isa_gives_the_portable_bits() {
         let (hq, hkv, d, pos0, t) = (4, 2, 128, 150, 45);
