@@ -68,9 +68,10 @@ ENGINES (generate, chat):
                          without --prefill/--decode: one engine on N threads or these cores
                          (default: one engine on all cores)
   --quant int8           weight-only int8 (per-row scales), quantized at load; default: as stored
-  --isa avx512-dot|avx512|avx2|portable
+  --isa amx|avx512-dot|avx512|avx2|portable
                          cap the kernels' instruction set (default: the best this CPU has;
-                         avx512-dot: with the BF16 and VNNI dot products)
+                         avx512-dot: with the BF16 and VNNI dot products; amx: and Intel's
+                         AMX tiles for precision=fast prompts)
 
 GENERATE OPTIONS:
   --prompt TEXT          a prompt (repeat for several; they run through the pipeline together)
@@ -177,11 +178,12 @@ pub(crate) fn make_pool(args: &Args) -> Result<Pool> {
 pub(crate) fn apply_isa(args: &Args) -> Result<()> {
     use tandem_core::backend::cpu::kernels::{set_max_isa, Isa};
     match args.str("isa") {
-        None | Some("avx512-dot") => set_max_isa(Isa::Avx512Dot),
+        None | Some("amx") => set_max_isa(Isa::Amx),
+        Some("avx512-dot") => set_max_isa(Isa::Avx512Dot),
         Some("avx512") => set_max_isa(Isa::Avx512),
         Some("avx2") => set_max_isa(Isa::Avx2),
         Some("portable") => set_max_isa(Isa::Portable),
-        Some(other) => bail!("--isa {other:?}: choose avx512-dot, avx512, avx2 or portable"),
+        Some(other) => bail!("--isa {other:?}: choose amx, avx512-dot, avx512, avx2 or portable"),
     }
     Ok(())
 }

@@ -9,6 +9,7 @@ use tandem_core::backend::cpu::pool::Pool;
 /// Instruction set the kernels dispatch to on this machine.
 pub fn isa() -> &'static str {
     match tandem_core::backend::cpu::kernels::isa() {
+        tandem_core::backend::cpu::kernels::Isa::Amx => "amx",
         tandem_core::backend::cpu::kernels::Isa::Avx512Dot => "avx512-dot",
         tandem_core::backend::cpu::kernels::Isa::Avx512 => "avx512",
         tandem_core::backend::cpu::kernels::Isa::Avx2 => "avx2",
@@ -188,6 +189,28 @@ pub fn int8_dot_peak(pool: &Pool, reps: usize) -> Option<f64> {
     None
 }
 
+/// Peak int8 operations per second of AMX tiles (`tdpbssd`), where the CPU has them and the
+/// kernels may use them: the fast int8 prefill's ceiling there.
+pub fn amx_int8_peak(pool: &Pool, reps: usize) -> Option<f64> {
+    amx_peak(pool, reps, true)
+}
+
+/// Peak FLOP/s of AMX bf16 tiles (`tdpbf16ps`), as `amx_int8_peak`.
+pub fn amx_bf16_peak(pool: &Pool, reps: usize) -> Option<f64> {
+    amx_peak(pool, reps, false)
+}
+
+fn amx_peak(pool: &Pool, reps: usize, int8: bool) -> Option<f64> {
+    use tandem_core::backend::cpu::kernels::{amx, Isa};
+    if tandem_core::backend::cpu::kernels::isa() != Isa::Amx {
+        return None;
+    }
+    // Four tile products take about 64 cycles: a tenth of the vector loops' rounds lasts
+    // about as long as those do.
+    let kernel = if int8 { |iters: u64| amx::peak_ops(iters / 10, true).unwrap_or(0.0) } else { |iters: u64| amx::peak_ops(iters / 10, false).unwrap_or(0.0) };
+    Some(peak(pool, reps, kernel))
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512vnni")]
 unsafe fn int8_avx512(iters: u64) -> f64 {
@@ -227,7 +250,7 @@ fn fma_flops(iters: u64) -> f64 {
     #[cfg(target_arch = "x86_64")]
     match tandem_core::backend::cpu::kernels::isa() {
         // SAFETY: isa() only reports features the CPU has.
-        tandem_core::backend::cpu::kernels::Isa::Avx512 | tandem_core::backend::cpu::kernels::Isa::Avx512Dot => return unsafe { fma_avx512(iters) },
+        tandem_core::backend::cpu::kernels::Isa::Avx512 | tandem_core::backend::cpu::kernels::Isa::Avx512Dot | tandem_core::backend::cpu::kernels::Isa::Amx => return unsafe { fma_avx512(iters) },
         tandem_core::backend::cpu::kernels::Isa::Avx2 => return unsafe { fma_avx2(iters) },
         tandem_core::backend::cpu::kernels::Isa::Portable => {}
     }

@@ -53,7 +53,7 @@ pub const USAGE: &str = "\
 tandem bench [--model M] [--prefill PLACEMENT] [--decode PLACEMENT]
              [--quant bf16,int8,bf16-fast,int8-fast] [--sections kernels,modes,...] [--quick]
              [--out DIR] [--reps 3] [--threads N | --cores 0,1] [--prompts 13,74,410]
-             [--decode-tokens 32] [--drift-tokens 2000] [--isa avx512-dot|avx512|avx2|portable]
+             [--decode-tokens 32] [--drift-tokens 2000] [--isa amx|avx512-dot|avx512|avx2|portable]
 
 Measures the machine (read bandwidth, f32 FMA peak, bf16 dot peak), then each section:
   kernels      prefill and decode tok/s of each weight format (--quant) on all cores
@@ -449,6 +449,9 @@ fn kernels(
     // (measured once, at the section's start).
     let bf16_dot = if quants.iter().any(|q| q == "bf16-fast") { limits::bf16_dot_peak(pool, 3) } else { None };
     let int8_dot = if quants.iter().any(|q| q == "int8-fast") { limits::int8_dot_peak(pool, 3) } else { None };
+    // Where the kernels use AMX tiles, their peaks too: the ceiling of what runs there.
+    let amx_bf16 = if quants.iter().any(|q| q == "bf16-fast") { limits::amx_bf16_peak(pool, 3) } else { None };
+    let amx_int8 = if quants.iter().any(|q| q == "int8-fast") { limits::amx_int8_peak(pool, 3) } else { None };
     let vocab = model.sampleable_vocab();
     let prompt_of = |n: usize| -> Vec<u32> { (0..n).map(|i| ((i * 7919 + 17) % vocab) as u32).collect() };
 
@@ -540,9 +543,13 @@ fn kernels(
             };
             let fraction = med * flops_per_token / peak;
             let ceiling = peak / flops_per_token;
+            let tiles = match (q.as_str(), amx_bf16, amx_int8) {
+                ("bf16-fast", Some(p), _) | ("int8-fast", _, Some(p)) => format!(" ({:.0}% of AMX peak)", 100.0 * med * flops_per_token / p),
+                _ => String::new(),
+            };
             writeln!(
                 rec.report,
-                "| {q} | {n} | {med:.1} | {lo:.1} - {hi:.1} | {:.2} | {:.1} | {:.0}%{of} | {ceiling:.1} |",
+                "| {q} | {n} | {med:.1} | {lo:.1} - {hi:.1} | {:.2} | {:.1} | {:.0}%{of}{tiles} | {ceiling:.1} |",
                 flops_per_token / 1e9,
                 med * flops_per_token / 1e9,
                 100.0 * fraction,
@@ -610,6 +617,11 @@ fn kernels(
     }
     if let Some(p) = int8_dot {
         writeln!(rec.report, "\nint8 dot peak ({threads} threads, at the section's start): {:.1} GOP/s, the ceiling of the int8-fast rows.", p / 1e9)?;
+    }
+    for (name, unit, peak) in [("AMX bf16", "GFLOP/s", amx_bf16), ("AMX int8", "GOP/s", amx_int8)] {
+        if let Some(p) = peak {
+            writeln!(rec.report, "\n{name} tile peak ({threads} threads, at the section's start): {:.1} {unit}; the fast rows run their products on the tiles here, so their fraction of it is shown beside the dot peak's.", p / 1e9)?;
+        }
     }
     if nets.len() > 1 && nets[1].0 == "int8" {
         progress("int8 quality against the stored weights");

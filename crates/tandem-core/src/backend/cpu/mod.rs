@@ -16,11 +16,12 @@ pub enum CpuPrecision {
     /// A GPU's tensor-core arithmetic emulated: the input of every product rounded to bf16, the
     /// exact kernels then (`verify --precision tensor-cores` on the CPU).
     Bf16Inputs,
-    /// The CPU's dot-product instructions: a bf16 weight's products take bf16-rounded inputs,
-    /// summed in f32 two at a time by `vdpbf16ps` where the CPU has AVX512-BF16 (the
-    /// tensor-core arithmetic, in another summation order); a prompt's products with int8
-    /// weights take its inputs quantized to int8 in blocks of 64, summed exactly in i32 four
-    /// at a time by `vpdpbusd` where the CPU has AVX512-VNNI (W8A8); other products as `Exact`.
+    /// The CPU's matrix instructions: a bf16 weight's products take bf16-rounded inputs, summed
+    /// in f32 by AMX tiles where the CPU has them, else two at a time by `vdpbf16ps` where it
+    /// has AVX512-BF16 (the tensor-core arithmetic, in other summation orders); a prompt's
+    /// products with int8 weights take its inputs quantized to int8 in blocks of 64, each
+    /// block's products summed exactly in i32 by AMX tiles or by `vpdpbusd` (AVX512-VNNI), the
+    /// same bits either way (W8A8); other products as `Exact`.
     Fast,
     /// `Fast`'s arithmetic by plain kernels, what `verify --precision fast` holds it to: a bf16
     /// weight's products by the exact kernels on bf16-rounded inputs (`Fast` up to the order of

@@ -12,9 +12,12 @@ pub enum Isa {
     /// AVX-512 with its dot-product instructions: bf16 pairs (AVX512-BF16 `vdpbf16ps`) and
     /// int8 quadruples (AVX512-VNNI `vpdpbusd`).
     Avx512Dot = 3,
+    /// `Avx512Dot` and Intel's tile matrix unit (AMX-BF16 and AMX-INT8), which the operating
+    /// system has let this process use (`amx::available`).
+    Amx = 4,
 }
 
-static MAX_ISA: AtomicU8 = AtomicU8::new(Isa::Avx512Dot as u8);
+static MAX_ISA: AtomicU8 = AtomicU8::new(Isa::Amx as u8);
 
 #[cfg(target_arch = "x86_64")]
 fn has_avx512() -> bool {
@@ -39,6 +42,9 @@ pub fn isa() -> Isa {
     let cap = MAX_ISA.load(Ordering::Relaxed);
     #[cfg(target_arch = "x86_64")]
     {
+        if cap >= Isa::Amx as u8 && has_avx512_dot() && amx::available() {
+            return Isa::Amx;
+        }
         if cap >= Isa::Avx512Dot as u8 && has_avx512_dot() {
             return Isa::Avx512Dot;
         }
@@ -66,6 +72,9 @@ pub fn available_isas() -> Vec<Isa> {
         }
         if has_avx512_dot() {
             v.push(Isa::Avx512Dot);
+            if amx::available() {
+                v.push(Isa::Amx);
+            }
         }
     }
     v
@@ -86,7 +95,7 @@ pub fn for_each_isa(mut f: impl FnMut(Isa)) {
         set_max_isa(isa);
         f(isa);
     }
-    set_max_isa(Isa::Avx512Dot);
+    set_max_isa(Isa::Amx);
 }
 
 /// Define `fn name(args) -> R` that runs `body(args)` compiled for AVX-512 or AVX2+FMA when the
@@ -107,7 +116,7 @@ macro_rules! multiversion {
                 unsafe fn v256($($a: $t),*) $(-> $r)? { $body($($a),*) }
                 match $crate::backend::cpu::kernels::isa() {
                     // SAFETY: isa() only reports features the CPU has.
-                    $crate::backend::cpu::kernels::Isa::Avx512 | $crate::backend::cpu::kernels::Isa::Avx512Dot => return unsafe { v512($($a),*) },
+                    $crate::backend::cpu::kernels::Isa::Avx512 | $crate::backend::cpu::kernels::Isa::Avx512Dot | $crate::backend::cpu::kernels::Isa::Amx => return unsafe { v512($($a),*) },
                     $crate::backend::cpu::kernels::Isa::Avx2 => return unsafe { v256($($a),*) },
                     $crate::backend::cpu::kernels::Isa::Portable => {}
                 }
@@ -118,6 +127,7 @@ macro_rules! multiversion {
 }
 pub(crate) use multiversion;
 
+pub mod amx;
 pub mod attention;
 pub mod deltanet;
 pub mod matmul;

@@ -25,14 +25,14 @@ const KC: usize = 256;
 /// Whether this kernel runs `w`: bf16 weights of rows of whole pairs, on a CPU with the
 /// dot-product instructions (within the instruction-set cap).
 pub(super) fn applies(w: &Matrix) -> bool {
-    matches!(w.data, WeightData::Bf16(_)) && w.cols.is_multiple_of(2) && crate::backend::cpu::kernels::isa() == crate::backend::cpu::kernels::Isa::Avx512Dot
+    matches!(w.data, WeightData::Bf16(_)) && w.cols.is_multiple_of(2) && crate::backend::cpu::kernels::isa() >= crate::backend::cpu::kernels::Isa::Avx512Dot
 }
 
 /// `out_j = bf16(x) · W_jᵀ` for every job (each `applies`).
 pub(super) fn gemm_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, OutPtr)]) {
     let k = jobs[0].0.cols;
     let xp = pack_x(pool, x, t, k);
-    run_units(pool, t, jobs, k * TB * 2, &|w, out, token_blocks, cols, scratch| {
+    run_units(pool, t, jobs, k * TB * 2, UNIT_COLS, &|w, out, token_blocks, cols, scratch| {
         // SAFETY: `applies` checked the features; units are disjoint parts of each output.
         #[cfg(target_arch = "x86_64")]
         unsafe {
@@ -167,7 +167,7 @@ mod tests {
     #[test]
     fn bf16_dot_gemm_matches_the_reference_of_rounded_inputs() {
         let _held = crate::backend::cpu::kernels::hold_isa();
-        if crate::backend::cpu::kernels::isa() != crate::backend::cpu::kernels::Isa::Avx512Dot {
+        if crate::backend::cpu::kernels::isa() < crate::backend::cpu::kernels::Isa::Avx512Dot {
             eprintln!("no AVX512-BF16 here: the dot-product GEMM is not run (its fallback is tested in matmul_fast_*)");
             return;
         }

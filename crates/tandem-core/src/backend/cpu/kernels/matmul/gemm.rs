@@ -24,7 +24,7 @@ const X_BYTES_PER_UNIT: usize = 64 << 20;
 pub(super) fn gemm_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, OutPtr)]) {
     let k = jobs[0].0.cols;
     let xp = pack_x(pool, x, t, k);
-    run_units(pool, t, jobs, k * TB * 4, &|w, out, token_blocks, cols, scratch| {
+    run_units(pool, t, jobs, k * TB * 4, UNIT_COLS, &|w, out, token_blocks, cols, scratch| {
         // SAFETY: units are disjoint (tokens × columns) parts of each output.
         unsafe { unit(&xp, t, w, token_blocks, cols, out.0, scratch) }
     });
@@ -34,12 +34,13 @@ pub(super) fn gemm_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, Out
 pub(super) type UnitFn<'a> = dyn Fn(&Matrix, OutPtr, Range<usize>, Range<usize>, &mut Scratch) + Sync + 'a;
 
 /// A prompt's products cut into units that the pool's workers take from one queue (one or
-/// two at a time): for each job, `UNIT_COLS` output columns of a group of token blocks (of
+/// two at a time): for each job, `unit_cols` output columns of a group of token blocks (of
 /// `TB`), each passed to `unit(w, out, token_blocks, columns, scratch)` with a scratch of the
 /// worker's own. A group is about `X_BYTES_PER_UNIT` of packed x (`block_bytes` a token
 /// block), so that the units that follow one another (the same tokens, the next columns) find
-/// it in L2. The GEMMs of every arithmetic share it (gemm.rs, bf16_dot.rs, int8_dot.rs).
-pub(super) fn run_units(pool: &Pool, t: usize, jobs: &[(&Matrix, OutPtr)], block_bytes: usize, unit: &UnitFn) {
+/// it in L2. The GEMMs of every arithmetic share it (gemm.rs, bf16_dot.rs, int8_dot.rs with
+/// `UNIT_COLS`, amx_gemm.rs with its tiles' 32).
+pub(super) fn run_units(pool: &Pool, t: usize, jobs: &[(&Matrix, OutPtr)], block_bytes: usize, unit_cols: usize, unit: &UnitFn) {
     let blocks = t.div_ceil(TB);
     let group = (X_BYTES_PER_UNIT / block_bytes.max(1)).clamp(1, blocks);
     let groups = blocks.div_ceil(group);
@@ -47,19 +48,19 @@ pub(super) fn run_units(pool: &Pool, t: usize, jobs: &[(&Matrix, OutPtr)], block
     // two workers' items never share a cache line of an output row (48 f32 columns are three
     // whole lines; 24 are one and a half, and workers taking turns wrote the same line at
     // every other boundary), else one, so that many workers still find work.
-    let single: usize = jobs.iter().map(|(w, _)| w.rows.div_ceil(UNIT_COLS) * groups).sum();
+    let single: usize = jobs.iter().map(|(w, _)| w.rows.div_ceil(unit_cols) * groups).sum();
     let span = if single >= 16 * pool.threads() { 2 } else { 1 };
-    let items: Vec<usize> = jobs.iter().map(|(w, _)| w.rows.div_ceil(UNIT_COLS * span) * groups).collect();
+    let items: Vec<usize> = jobs.iter().map(|(w, _)| w.rows.div_ceil(unit_cols * span) * groups).collect();
     let queue = WorkQueue::new(items.iter().sum());
     pool.run(&|_| {
         let mut scratch = Scratch::new(group * TB);
         while let Some(u) = queue.take() {
             let (j, u) = locate(&items, u);
             let (w, out) = jobs[j];
-            let col_items = w.rows.div_ceil(UNIT_COLS * span);
+            let col_items = w.rows.div_ceil(unit_cols * span);
             let (g, c) = (u / col_items, u % col_items);
-            for c in c * span..((c + 1) * span).min(w.rows.div_ceil(UNIT_COLS)) {
-                let cols = c * UNIT_COLS..((c + 1) * UNIT_COLS).min(w.rows);
+            for c in c * span..((c + 1) * span).min(w.rows.div_ceil(unit_cols)) {
+                let cols = c * unit_cols..((c + 1) * unit_cols).min(w.rows);
                 unit(w, out, g * group..((g + 1) * group).min(blocks), cols, &mut scratch);
             }
         }
@@ -201,7 +202,7 @@ impl Scratch {
 pub unsafe fn unit(xp: &[f32], t: usize, w: &Matrix, blocks: Range<usize>, cols: Range<usize>, out: *mut f32, s: &mut Scratch) {
     #[cfg(target_arch = "x86_64")]
     match crate::backend::cpu::kernels::isa() {
-        crate::backend::cpu::kernels::Isa::Avx512 | crate::backend::cpu::kernels::Isa::Avx512Dot => return unit_avx512(xp, t, w, blocks, cols, out, s),
+        crate::backend::cpu::kernels::Isa::Avx512 | crate::backend::cpu::kernels::Isa::Avx512Dot | crate::backend::cpu::kernels::Isa::Amx => return unit_avx512(xp, t, w, blocks, cols, out, s),
         crate::backend::cpu::kernels::Isa::Avx2 => return unit_avx2(xp, t, w, blocks, cols, out, s),
         crate::backend::cpu::kernels::Isa::Portable => {}
     }

@@ -130,8 +130,8 @@ pub unsafe fn gemv_rows_multi(x: &[f32], t: usize, w: &Matrix, rows: &RowSet, ou
     let (n, k) = (w.rows, w.cols);
     #[cfg(target_arch = "x86_64")]
     match crate::backend::cpu::kernels::isa() {
-        crate::backend::cpu::kernels::Isa::Avx512 | crate::backend::cpu::kernels::Isa::Avx512Dot if k % 16 == 0 => return avx512::gemv_rows_multi(x, t, w, rows, out),
-        crate::backend::cpu::kernels::Isa::Avx512 | crate::backend::cpu::kernels::Isa::Avx512Dot | crate::backend::cpu::kernels::Isa::Avx2 => return avx2::gemv_rows_multi(x, t, w, rows, out),
+        crate::backend::cpu::kernels::Isa::Avx512 | crate::backend::cpu::kernels::Isa::Avx512Dot | crate::backend::cpu::kernels::Isa::Amx if k % 16 == 0 => return avx512::gemv_rows_multi(x, t, w, rows, out),
+        crate::backend::cpu::kernels::Isa::Avx512 | crate::backend::cpu::kernels::Isa::Avx512Dot | crate::backend::cpu::kernels::Isa::Amx | crate::backend::cpu::kernels::Isa::Avx2 => return avx2::gemv_rows_multi(x, t, w, rows, out),
         crate::backend::cpu::kernels::Isa::Portable => {}
     }
     // Elsewhere: token by token (each reads the weights again; correct, not the fast path).
@@ -148,7 +148,7 @@ fn int8_vnni_applies(w: &Matrix) -> bool {
         matches!(w.data, WeightData::Int8 { .. })
             && w.cols.is_multiple_of(64)
             && w.cols < 65536
-            && crate::backend::cpu::kernels::isa() == crate::backend::cpu::kernels::Isa::Avx512Dot
+            && crate::backend::cpu::kernels::isa() >= crate::backend::cpu::kernels::Isa::Avx512Dot
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -188,8 +188,8 @@ impl QuantizedX {
 pub unsafe fn gemv_rows(x: &[f32], w: &Matrix, rows: &RowSet, out: *mut f32) {
     #[cfg(target_arch = "x86_64")]
     match crate::backend::cpu::kernels::isa() {
-        crate::backend::cpu::kernels::Isa::Avx512 | crate::backend::cpu::kernels::Isa::Avx512Dot if w.cols.is_multiple_of(16) => return avx512::gemv_rows(x, w, rows, out),
-        crate::backend::cpu::kernels::Isa::Avx512 | crate::backend::cpu::kernels::Isa::Avx512Dot | crate::backend::cpu::kernels::Isa::Avx2 => return avx2::gemv_rows_multi(x, 1, w, rows, out),
+        crate::backend::cpu::kernels::Isa::Avx512 | crate::backend::cpu::kernels::Isa::Avx512Dot | crate::backend::cpu::kernels::Isa::Amx if w.cols.is_multiple_of(16) => return avx512::gemv_rows(x, w, rows, out),
+        crate::backend::cpu::kernels::Isa::Avx512 | crate::backend::cpu::kernels::Isa::Avx512Dot | crate::backend::cpu::kernels::Isa::Amx | crate::backend::cpu::kernels::Isa::Avx2 => return avx2::gemv_rows_multi(x, 1, w, rows, out),
         crate::backend::cpu::kernels::Isa::Portable => {}
     }
     gemv_rows_portable(x, w, rows, out)

@@ -30,7 +30,7 @@ const KC: usize = 512;
 /// Whether this kernel runs `w`: int8 weights of rows of whole `BLOCK`s, on a CPU with the
 /// dot-product instructions (within the instruction-set cap).
 pub(super) fn applies(w: &Matrix) -> bool {
-    matches!(w.data, WeightData::Int8 { .. }) && w.cols.is_multiple_of(BLOCK) && crate::backend::cpu::kernels::isa() == crate::backend::cpu::kernels::Isa::Avx512Dot
+    matches!(w.data, WeightData::Int8 { .. }) && w.cols.is_multiple_of(BLOCK) && crate::backend::cpu::kernels::isa() >= crate::backend::cpu::kernels::Isa::Avx512Dot
 }
 
 /// One block of inputs as int8: `(q, scale)` with `x ≈ q · scale`, the largest |x| at ±127
@@ -86,7 +86,7 @@ pub struct PackedX {
 pub(super) fn gemm_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, OutPtr)]) {
     let k = jobs[0].0.cols;
     let xp = pack_x(pool, x, t, k);
-    run_units(pool, t, jobs, k * TB, &|w, out, token_blocks, cols, scratch| {
+    run_units(pool, t, jobs, k * TB, UNIT_COLS, &|w, out, token_blocks, cols, scratch| {
         // SAFETY: `applies` checked the features; units are disjoint parts of each output.
         #[cfg(target_arch = "x86_64")]
         unsafe {
@@ -134,7 +134,7 @@ pub fn pack_x(pool: &Pool, x: &[f32], t: usize, k: usize) -> PackedX {
 
 /// A row of x quantized block by block: `q`, each block's scale (`quantize_block`'s bits) and
 /// `Σ q` into `scales` and `sums`.
-fn quantize_row(x: &[f32], q: &mut [i8], scales: &mut [f32], sums: &mut [i32]) {
+pub(super) fn quantize_row(x: &[f32], q: &mut [i8], scales: &mut [f32], sums: &mut [i32]) {
     for (b, (s, sum)) in scales.iter_mut().zip(sums.iter_mut()).enumerate() {
         let (x, q) = (&x[b * BLOCK..(b + 1) * BLOCK], &mut q[b * BLOCK..(b + 1) * BLOCK]);
         #[cfg(target_arch = "x86_64")]
@@ -359,7 +359,7 @@ mod tests {
     #[test]
     fn int8_dot_gemm_gives_the_references_bits() {
         let _held = crate::backend::cpu::kernels::hold_isa();
-        if crate::backend::cpu::kernels::isa() != crate::backend::cpu::kernels::Isa::Avx512Dot {
+        if crate::backend::cpu::kernels::isa() < crate::backend::cpu::kernels::Isa::Avx512Dot {
             eprintln!("no AVX512-VNNI here: the W8A8 GEMM is not run");
             return;
         }

@@ -70,11 +70,11 @@ pub fn matmul_group(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, 
 }
 
 /// The fast precision's prompt products (`precision=fast`): for bf16 weights the inputs rounded
-/// to bf16 and each pair of products summed by `vdpbf16ps` where the CPU has AVX512-BF16
-/// (bf16_dot.rs), elsewhere the exact kernels on the rounded inputs (the same arithmetic up to
-/// summation order); for int8 weights each token's inputs quantized to int8 in blocks of 64 and
-/// multiplied by `vpdpbusd` where the CPU has AVX512-VNNI (int8_dot.rs, W8A8), elsewhere the
-/// exact kernels;
+/// to bf16 and the products summed in f32 by AMX tiles where the CPU has them (amx_gemm.rs),
+/// else two at a time by `vdpbf16ps` where it has AVX512-BF16 (bf16_dot.rs), elsewhere by the
+/// exact kernels on the rounded inputs (the same arithmetic up to summation order); for int8
+/// weights each token's inputs quantized to int8 in blocks of 64 and multiplied by AMX tiles or
+/// `vpdpbusd` (AVX512-VNNI, int8_dot.rs), the same bits (W8A8), elsewhere the exact kernels;
 /// other weights as `matmul_group`. Each token's outputs are the same bits whatever `t`, as
 /// there.
 pub fn matmul_group_fast(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])]) {
@@ -101,6 +101,16 @@ enum FastKernels {
 /// The fast precision's products, split by weights: int8 that W8A8 takes, bf16, and the rest.
 fn fast_group(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])], kernels: FastKernels) {
     let jobs = checked_jobs(x, t, products);
+    // AMX tiles where the CPU has them (the W8A8 products' bits; bf16 in another order of f32
+    // sums), else the dot-product instructions.
+    let (tiles, jobs): (Vec<_>, Vec<_>) = jobs.into_iter().partition(|(w, _)| kernels == FastKernels::DotProducts && amx_gemm::applies(w));
+    let (tiles_int8, tiles_bf16): (Vec<_>, Vec<_>) = tiles.into_iter().partition(|(w, _)| matches!(w.data, WeightData::Int8 { .. }));
+    if !tiles_int8.is_empty() {
+        amx_gemm::int8_group(pool, x, t, &tiles_int8);
+    }
+    if !tiles_bf16.is_empty() {
+        amx_gemm::bf16_group(pool, x, t, &tiles_bf16);
+    }
     let (w8a8, jobs): (Vec<_>, Vec<_>) = jobs.into_iter().partition(|(w, _)| int8_dot::applies(w));
     match kernels {
         _ if w8a8.is_empty() => {}
@@ -192,6 +202,7 @@ fn locate(units: &[usize], mut u: usize) -> (usize, usize) {
     unreachable!("unit index past the group's work")
 }
 
+mod amx_gemm;
 mod bf16_dot;
 mod gemv;
 pub mod int8_dot;

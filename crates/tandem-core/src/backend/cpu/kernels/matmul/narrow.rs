@@ -109,7 +109,7 @@ fn transpose_panel(rows: &[f32], stride: usize, kc: usize, by_input: &mut [f32])
         use crate::backend::cpu::kernels::{isa, Isa};
         // SAFETY: features checked; whole blocks inside both buffers.
         let done = match isa() {
-            Isa::Avx512 | Isa::Avx512Dot => unsafe { transpose_panel_avx512(rows, stride, kc, by_input) },
+            Isa::Avx512 | Isa::Avx512Dot | Isa::Amx => unsafe { transpose_panel_avx512(rows, stride, kc, by_input) },
             Isa::Avx2 => unsafe { transpose_panel_avx2(rows, stride, kc, by_input) },
             Isa::Portable => 0,
         };
