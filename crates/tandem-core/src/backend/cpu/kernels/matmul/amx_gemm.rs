@@ -6,21 +6,22 @@
 //!   so no offset to take back out), its exact i32 sums then scaled into the f32 sums in block
 //!   order, as `int8_dot::w8a8_ref` defines: the reference's bits.
 //! - bf16 weights: the inputs rounded to bf16, each `tdpbf16ps` adding 32 products per output
-//!   into f32 tiles that stay in the tile registers across a `KC_BF16` block of inputs (a GPU
-//!   tensor core's arithmetic, in another summation order than `vdpbf16ps`'s).
+//!   into f32 sums that stay in the tiles through all of a row's inputs (a GPU tensor core's
+//!   arithmetic, in another summation order than `vdpbf16ps`'s). The weights are the first
+//!   operand, read by the tiles straight from the matrix (a weight row is a tile row), and x,
+//!   packed once per call as pairs of inputs for 16 tokens a row, the second.
 //!
 //! What limits the int8 kernel is getting each block's sums out of the tiles: vector loads of
 //! what `tilestored` wrote are slow on the Xeons measured, however late they come, so int8
 //! reaches about 0.4 TOP/s a core against the unit's 4 (`examples/gemm_fast.rs` at one thread),
-//! still above `vpdpbusd`'s rate there. bf16 keeps its sums in the tiles and pays this once per
-//! unit and token block.
+//! still above `vpdpbusd`'s rate there. bf16 pays this once per unit and token block.
 //!
-//! A unit is `COLS` output columns (two tiles of 16) of a group of token blocks: its weights
-//! are laid out as the tiles want them (`pack_weights`: for each 64 bytes of inputs, 16 rows of
-//! 16 columns' 32-bit words), a block of inputs at a time, and read from L1 by every token
-//! block of the group; a token block is two tiles of 16 tokens, read straight from x's rows.
-//! Each token's outputs depend on its own row of x only (a tile's rows are independent), so a
-//! prompt in pieces gets the bits of one call.
+//! A unit is `COLS` output columns (two tiles of 16) of a group of token blocks. For int8 its
+//! weights are laid out as the tiles want them (`pack_weights`: for each 64 bytes of inputs, 16
+//! rows of 16 columns' 32-bit words), a block of inputs at a time, and read from L1 by every
+//! token block of the group; a token block is two tiles of 16 tokens. Each token's outputs
+//! depend on its own row of x only (a tile's rows, or columns, are independent), so a prompt in
+//! pieces gets the bits of one call.
 
 use std::ops::Range;
 
@@ -34,8 +35,6 @@ const COLS: usize = 32;
 /// Inputs of int8 weights per pass over a unit's weights: their tiles (32 × 512 = 16 KB) and a
 /// token block's (the same) stay in L1.
 const KC_I8: usize = 512;
-/// Inputs of bf16 weights per pass: 32 × 256 × 2 = 16 KB of weight tiles, as for int8.
-const KC_BF16: usize = 256;
 /// bf16 inputs per tile row (64 bytes).
 const BF16_STEP: usize = 32;
 
@@ -69,7 +68,7 @@ pub(super) fn int8_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, Out
 /// `out_j = bf16(x) · W_jᵀ` for every job (bf16 weights that `applies`).
 pub(super) fn bf16_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, OutPtr)]) {
     let k = jobs[0].0.cols;
-    let xb = round_x(pool, x, t, k);
+    let xb = pair_columns(pool, x, t, k);
     run_units(pool, t, jobs, k * TB * 2, COLS, &|w, out, token_blocks, cols, scratch| {
         // SAFETY: as in `int8_group`.
         #[cfg(target_arch = "x86_64")]
@@ -81,21 +80,21 @@ pub(super) fn bf16_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, Out
     });
 }
 
-/// Bytes of one tile row: 64 int8 or 32 bf16 inputs of one token.
+/// Bytes of one tile row: 64 int8 or 32 bf16 inputs.
 const ROW: usize = 64;
 
-/// x as the tiles read it: for each block of `TB` tokens and each tile row's worth of inputs,
-/// the block's `TB` rows of `ROW` bytes one after another, so that a tile of 16 tokens is 1 KB
-/// in one run of memory (`[t / TB][k / per_row][TB][ROW]`), not 16 lines `k` bytes apart that
-/// a power-of-two `k` maps to a few L1 sets. Tokens past t are zero.
-fn tile_rows<T: Copy + Default>(t: usize, k: usize) -> Vec<T> {
-    vec![T::default(); t.next_multiple_of(TB) * k]
+/// Quantized x as the int8 tiles read it: for each block of `TB` tokens and each `BLOCK` of
+/// inputs, the block's `TB` rows of `ROW` bytes one after another, so that a tile of 16 tokens
+/// is 1 KB in one run of memory (`[t / TB][k / BLOCK][TB][ROW]`), not 16 lines `k` bytes apart
+/// that a power-of-two `k` maps to a few L1 sets. Tokens past t are zero.
+fn tile_rows(t: usize, k: usize) -> Vec<i8> {
+    vec![0; t.next_multiple_of(TB) * k]
 }
 
-/// Where input `i` of token `m` goes in `tile_rows`'s layout (`per_row` inputs a tile row).
+/// Where input `i` of token `m` goes in `tile_rows`'s layout.
 #[inline(always)]
-fn tile_row_at(m: usize, i: usize, k: usize, per_row: usize) -> usize {
-    ((m / TB * (k / per_row) + i / per_row) * TB + m % TB) * per_row + i % per_row
+fn tile_row_at(m: usize, i: usize, k: usize) -> usize {
+    ((m / TB * (k / BLOCK) + i / BLOCK) * TB + m % TB) * BLOCK + i % BLOCK
 }
 
 /// x quantized for the tiles: `q` in `tile_rows`'s layout, and the block scales
@@ -118,7 +117,7 @@ fn quantize_x(pool: &Pool, x: &[f32], t: usize, k: usize) -> QuantizedX {
                 // SAFETY: each token's bytes and scales are written by one worker, inside the
                 // buffers.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(chunk.as_ptr(), (q.0 as *mut i8).add(tile_row_at(m, b * BLOCK, k, BLOCK)), BLOCK);
+                    std::ptr::copy_nonoverlapping(chunk.as_ptr(), (q.0 as *mut i8).add(tile_row_at(m, b * BLOCK, k)), BLOCK);
                     *scales.0.add((m / TB * per + b) * TB + m % TB) = s[b];
                 }
             }
@@ -127,21 +126,30 @@ fn quantize_x(pool: &Pool, x: &[f32], t: usize, k: usize) -> QuantizedX {
     xq
 }
 
-/// x rounded to bf16 (to nearest, ties to even) in `tile_rows`'s layout.
-fn round_x(pool: &Pool, x: &[f32], t: usize, k: usize) -> Vec<u16> {
-    let mut xb = tile_rows(t, k);
-    let dst = OutPtr(xb.as_mut_ptr() as *mut f32);
-    pool.for_ranges(t, 1, &|tokens| {
+/// x rounded to bf16 (to nearest, ties to even) as the bf16 products' second operand: for
+/// each block of `TB` tokens, `[k / 2][TB]` 32-bit pairs of consecutive inputs (the first in
+/// the low half), so that a tile row is one pair of inputs for 16 tokens and a tile 16 pairs
+/// (the layout of bf16_dot.rs's packed x). Tokens past t are zero.
+fn pair_columns(pool: &Pool, x: &[f32], t: usize, k: usize) -> Vec<u32> {
+    let (blocks, pairs) = (t.div_ceil(TB), k / 2);
+    let mut xp = vec![0u32; blocks * pairs * TB];
+    let dst = OutPtr(xp.as_mut_ptr() as *mut f32);
+    pool.for_ranges(blocks, 1, &|bs| {
         let dst: OutPtr = dst;
-        for m in tokens {
-            for (j, chunk) in x[m * k..(m + 1) * k].chunks_exact(BF16_STEP).enumerate() {
-                // SAFETY: each token's values are written by one worker, inside xb.
-                let d = unsafe { std::slice::from_raw_parts_mut((dst.0 as *mut u16).add(tile_row_at(m, j * BF16_STEP, k, BF16_STEP)), BF16_STEP) };
-                round_to_bf16(chunk, d);
+        let mut rows = vec![0u32; TB * pairs];
+        for b in bs {
+            let tokens = TB.min(t - b * TB);
+            for m in 0..tokens {
+                // SAFETY: a row of `pairs` u32 is `k` u16.
+                let row = unsafe { std::slice::from_raw_parts_mut(rows.as_mut_ptr().add(m * pairs) as *mut u16, k) };
+                round_to_bf16(&x[(b * TB + m) * k..(b * TB + m + 1) * k], row);
             }
+            // SAFETY: each block is written by one worker, inside xp.
+            let block = unsafe { std::slice::from_raw_parts_mut((dst.0 as *mut u32).add(b * pairs * TB), pairs * TB) };
+            super::gemm::pack_words(&rows[..tokens * pairs], tokens, pairs, block);
         }
     });
-    xb
+    xp
 }
 
 crate::backend::cpu::kernels::multiversion! {
@@ -223,7 +231,7 @@ unsafe fn int8_unit(xq: &QuantizedX, t: usize, w: &Matrix, blocks: Range<usize>,
         for (i, b) in blocks.clone().enumerate() {
             let two = t - b * TB > 16;
             // The token block's tile rows of this pass's first block, and their scales.
-            let a = xq.q.as_ptr().add(tile_row_at(b * TB, k0, k, BLOCK));
+            let a = xq.q.as_ptr().add(tile_row_at(b * TB, k0, k));
             let sx = xq.scales.as_ptr().add((b * per + k0 / BLOCK) * TB);
             let acc = s.tile.as_mut_ptr().add(i * TB * COLS);
             let steps = kc / BLOCK;
@@ -279,67 +287,63 @@ unsafe fn scale_block_sums(sums: *const i32, sx: *const f32, acc: *mut f32, rows
 }
 
 /// Token blocks `blocks` × columns `cols` (at most `COLS`) of `out[t, w.rows]`, bf16 weights.
+/// Here the weights are the first operand, read by the tiles straight from the matrix (a
+/// weight row is a tile row: 32 inputs of one output column), and x the second: no repacking
+/// of weights by vector stores, and each token block's sums stay in the tiles through all of
+/// k. The tiles hold the sums transposed (columns × tokens).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn bf16_unit(xb: &[u16], t: usize, w: &Matrix, blocks: Range<usize>, cols: Range<usize>, out: *mut f32, s: &mut Scratch) {
+unsafe fn bf16_unit(xp: &[u32], t: usize, w: &Matrix, blocks: Range<usize>, cols: Range<usize>, out: *mut f32, s: &mut Scratch) {
     use amx::{tile_dot_bf16, tile_load, tile_store, tile_zero};
     let WeightData::Bf16(wd) = &w.data else { unreachable!("applies: bf16 weights") };
-    let (n, k) = (w.rows, w.cols);
-    let tokens = blocks.len() * TB;
-    s.tile.resize(tokens * COLS, 0.0);
-    s.quads.resize(KC_BF16 / 2 * COLS, 0);
+    let (n, k, nc) = (w.rows, w.cols, cols.len());
+    let row_bytes = 2 * k;
+    // The unit's weight rows: in place, or for the last columns of a matrix copied beside
+    // rows of zeros (a tile always reads 32 rows).
+    let weights: *const u8 = if nc == COLS {
+        wd.as_slice().as_ptr().add(cols.start * k) as *const u8
+    } else {
+        s.quads.resize(COLS * k / 2, 0);
+        let rows = std::slice::from_raw_parts_mut(s.quads.as_mut_ptr() as *mut u16, COLS * k);
+        rows[..nc * k].copy_from_slice(&wd.as_slice()[cols.start * k..cols.end * k]);
+        rows[nc * k..].fill(0);
+        rows.as_ptr() as *const u8
+    };
+    s.tile.resize(COLS * TB, 0.0);
+    let sums = s.tile.as_mut_ptr();
+    let (steps, pairs) = (k / BF16_STEP, k / 2);
     let _tiles = amx::Tiles::configure();
-    let mut k0 = 0;
-    while k0 < k {
-        let kc = (k - k0).min(KC_BF16);
-        pack_weights(wd.as_slice().as_ptr() as *const u32, k / 2, cols.clone(), k0 / 2, kc / BF16_STEP, s.quads.as_mut_ptr());
-        for (i, b) in blocks.clone().enumerate() {
-            let two = t - b * TB > 16;
-            let a = xb.as_ptr().add(tile_row_at(b * TB, k0, k, BF16_STEP)) as *const u8;
-            // The token block's f32 sums: in the tiles through a block of inputs, in memory
-            // between blocks (stored and loaded exactly).
-            let acc = s.tile.as_mut_ptr().add(i * TB * COLS);
-            if k0 == 0 {
-                tile_zero!(0);
-                tile_zero!(1);
-                tile_zero!(2);
-                tile_zero!(3);
-            } else {
-                tile_load!(0, acc, COLS * 4);
-                tile_load!(1, acc.add(16), COLS * 4);
-                if two {
-                    tile_load!(2, acc.add(16 * COLS), COLS * 4);
-                    tile_load!(3, acc.add(16 * COLS + 16), COLS * 4);
-                }
-            }
-            let steps = kc / BF16_STEP;
-            for j in 0..steps {
-                if k0 + kc < k {
-                    prefetch_next_pass(wd.as_slice().as_ptr() as *const u8, 2 * k, &cols, 2 * (k0 + kc), 2 * (k - k0 - kc).min(KC_BF16), i * steps + j, blocks.len() * steps);
-                }
-                let panel = s.quads.as_ptr().add(j * 2 * 256);
-                let a = a.add(j * TB * ROW);
-                tile_load!(4, a, ROW);
-                tile_load!(6, panel, 64);
-                tile_load!(7, panel.add(256), 64);
-                tile_dot_bf16!(0, 4, 6);
-                tile_dot_bf16!(1, 4, 7);
-                if two {
-                    tile_load!(5, a.add(16 * ROW), ROW);
-                    tile_dot_bf16!(2, 5, 6);
-                    tile_dot_bf16!(3, 5, 7);
-                }
-            }
-            tile_store!(0, acc, COLS * 4);
-            tile_store!(1, acc.add(16), COLS * 4);
+    for b in blocks {
+        let tokens = TB.min(t - b * TB);
+        let two = tokens > 16;
+        let xb = xp.as_ptr().add(b * pairs * TB);
+        tile_zero!(0);
+        tile_zero!(1);
+        tile_zero!(2);
+        tile_zero!(3);
+        for j in 0..steps {
+            let a = weights.add(j * ROW);
+            let xj = xb.add(j * 16 * TB);
+            tile_load!(4, a, row_bytes);
+            tile_load!(5, a.add(16 * row_bytes), row_bytes);
+            tile_load!(6, xj, TB * 4);
+            tile_dot_bf16!(0, 4, 6);
+            tile_dot_bf16!(2, 5, 6);
             if two {
-                tile_store!(2, acc.add(16 * COLS), COLS * 4);
-                tile_store!(3, acc.add(16 * COLS + 16), COLS * 4);
+                tile_load!(7, xj.add(16), TB * 4);
+                tile_dot_bf16!(1, 4, 7);
+                tile_dot_bf16!(3, 5, 7);
             }
         }
-        k0 += kc;
+        // `sums[c][m]`, columns × tokens, TB apart.
+        tile_store!(0, sums, TB * 4);
+        tile_store!(2, sums.add(16 * TB), TB * 4);
+        if two {
+            tile_store!(1, sums.add(16), TB * 4);
+            tile_store!(3, sums.add(16 * TB + 16), TB * 4);
+        }
+        super::gemm::store_transposed(&s.tile, TB, nc, tokens, out.add(b * TB * n + cols.start), n);
     }
-    store_rows(s.tile.as_ptr(), blocks, t, cols.len(), None, out.add(cols.start), n);
 }
 
 /// The unit's sums (`[token][COLS]` from the first token of `blocks`) to the real tokens' rows
