@@ -9,7 +9,8 @@
 //!   into f32 sums that stay in the tiles through all of a row's inputs (a GPU tensor core's
 //!   arithmetic, in another summation order than `vdpbf16ps`'s). The weights are the first
 //!   operand, read by the tiles straight from the matrix (a weight row is a tile row), and x,
-//!   packed once per call as pairs of inputs for 16 tokens a row, the second.
+//!   packed once per call as bf16_dot.rs packs it (pairs of inputs for 16 tokens a tile row),
+//!   the second.
 //!
 //! What limits the int8 kernel is getting each block's sums out of the tiles: vector loads of
 //! what `tilestored` wrote are slow on the Xeons measured, however late they come, so int8
@@ -68,7 +69,7 @@ pub(super) fn int8_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, Out
 /// `out_j = bf16(x) · W_jᵀ` for every job (bf16 weights that `applies`).
 pub(super) fn bf16_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, OutPtr)]) {
     let k = jobs[0].0.cols;
-    let xb = pair_columns(pool, x, t, k);
+    let xb = super::bf16_dot::pack_x(pool, x, t, k);
     run_units(pool, t, jobs, k * TB * 2, COLS, &|w, out, token_blocks, cols, scratch| {
         // SAFETY: as in `int8_group`.
         #[cfg(target_arch = "x86_64")]
@@ -124,51 +125,6 @@ fn quantize_x(pool: &Pool, x: &[f32], t: usize, k: usize) -> QuantizedX {
         }
     });
     xq
-}
-
-/// x rounded to bf16 (to nearest, ties to even) as the bf16 products' second operand: for
-/// each block of `TB` tokens, `[k / 2][TB]` 32-bit pairs of consecutive inputs (the first in
-/// the low half), so that a tile row is one pair of inputs for 16 tokens and a tile 16 pairs
-/// (the layout of bf16_dot.rs's packed x). Tokens past t are zero.
-fn pair_columns(pool: &Pool, x: &[f32], t: usize, k: usize) -> Vec<u32> {
-    let (blocks, pairs) = (t.div_ceil(TB), k / 2);
-    let mut xp = vec![0u32; blocks * pairs * TB];
-    let dst = OutPtr(xp.as_mut_ptr() as *mut f32);
-    pool.for_ranges(blocks, 1, &|bs| {
-        let dst: OutPtr = dst;
-        let mut rows = vec![0u32; TB * pairs];
-        for b in bs {
-            let tokens = TB.min(t - b * TB);
-            for m in 0..tokens {
-                // SAFETY: a row of `pairs` u32 is `k` u16.
-                let row = unsafe { std::slice::from_raw_parts_mut(rows.as_mut_ptr().add(m * pairs) as *mut u16, k) };
-                round_to_bf16(&x[(b * TB + m) * k..(b * TB + m + 1) * k], row);
-            }
-            // SAFETY: each block is written by one worker, inside xp.
-            let block = unsafe { std::slice::from_raw_parts_mut((dst.0 as *mut u32).add(b * pairs * TB), pairs * TB) };
-            super::gemm::pack_words(&rows[..tokens * pairs], tokens, pairs, block);
-        }
-    });
-    xp
-}
-
-crate::backend::cpu::kernels::multiversion! {
-    /// `x` rounded to bf16 bits into `out`: `half::bf16::from_f32`'s bits (to nearest, ties to
-    /// even; a NaN stays a NaN, made quiet), without its branches, so that it runs 16 lanes at
-    /// a time.
-    pub fn round_to_bf16(x: &[f32], out: &mut [u16]) => round_to_bf16_body
-}
-
-#[inline(always)]
-fn round_to_bf16_body(x: &[f32], out: &mut [u16]) {
-    for (d, &v) in out.iter_mut().zip(x) {
-        let b = v.to_bits();
-        // Adding 0x7fff and the lowest kept bit carries into the kept bits exactly when the
-        // dropped half is above a half step, or at it with an odd kept part.
-        let rounded = b.wrapping_add(0x7fff + (b >> 16 & 1)) >> 16;
-        let nan = b & 0x7fff_ffff > 0x7f80_0000;
-        *d = if nan { (b >> 16 | 0x40) as u16 } else { rounded as u16 };
-    }
 }
 
 /// The weights of columns `cols` (rows of `row_words` 32-bit words at `w`), `steps` tile rows'
@@ -373,27 +329,6 @@ unsafe fn store_rows(acc: *const f32, blocks: Range<usize>, t: usize, nc: usize,
 mod tests {
     use super::super::tests::{lcg, test_matrices};
     use super::*;
-
-    /// The branch-free rounding gives `half`'s bits on every instruction set: ties both ways,
-    /// the largest finite values (to infinity), infinities, NaNs of both signs, subnormals, and
-    /// a million random bit patterns.
-    #[test]
-    fn round_to_bf16_gives_halfs_bits() {
-        let mut bits: Vec<u32> = vec![0, 0x8000_0000, 0x3f80_8000, 0x3f81_8000, 0x3f80_8001, 0x7f7f_ffff, 0xff7f_ffff, 0x7f80_0000, 0xff80_0000, 0x7fc0_0000, 0xffc0_0001, 0x7f80_0001, 0x0000_8000, 0x0001_8000, 0x807f_ffff];
-        let mut seed = 1u64;
-        bits.extend((0..1 << 20).map(|_| {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (seed >> 32) as u32
-        }));
-        let x: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
-        crate::backend::cpu::kernels::for_each_isa(|isa| {
-            let mut got = vec![0u16; x.len()];
-            round_to_bf16(&x, &mut got);
-            for (i, (&g, &v)) in got.iter().zip(&x).enumerate() {
-                assert_eq!(g, half::bf16::from_f32(v).to_bits(), "{isa:?}: {:#010x} (value {i})", bits[i]);
-            }
-        });
-    }
 
     /// On a CPU with AMX: int8 weights give `w8a8_ref`'s bits; bf16 weights the f64 reference
     /// of the bf16-rounded inputs within f32 summation error; for whole and partial tiles of

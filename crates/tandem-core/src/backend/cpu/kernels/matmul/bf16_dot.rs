@@ -43,32 +43,49 @@ pub(super) fn gemm_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, Out
     });
 }
 
-/// x `[t, k]` (k even) rounded to bf16 as `ceil(t / TB)` blocks of `[k / 2][TB]` pairs, the
-/// missing tokens of the last block zero.
+/// x `[t, k]` (k even) rounded to bf16 (to nearest, ties to even) as `ceil(t / TB)` blocks of
+/// `[k / 2][TB]` 32-bit pairs of consecutive inputs (the first in the low half), the missing
+/// tokens of the last block zero: one vector load takes a pair of 16 tokens, and an AMX tile
+/// row (amx_gemm.rs) is one.
 pub fn pack_x(pool: &Pool, x: &[f32], t: usize, k: usize) -> Vec<u32> {
     let (blocks, pairs) = (t.div_ceil(TB), k / 2);
     let mut xp = vec![0u32; blocks * pairs * TB];
     let dst = OutPtr(xp.as_mut_ptr() as *mut f32);
     pool.for_ranges(blocks, 1, &|bs| {
-        let dst = dst;
+        let dst: OutPtr = dst;
+        let mut rows = vec![0u32; TB * pairs];
         for b in bs {
+            let tokens = TB.min(t - b * TB);
+            for m in 0..tokens {
+                // SAFETY: a row of `pairs` u32 is `k` u16.
+                let row = unsafe { std::slice::from_raw_parts_mut(rows.as_mut_ptr().add(m * pairs) as *mut u16, k) };
+                round_to_bf16(&x[(b * TB + m) * k..(b * TB + m + 1) * k], row);
+            }
             // SAFETY: each block is written by one worker, inside xp.
             let block = unsafe { std::slice::from_raw_parts_mut((dst.0 as *mut u32).add(b * pairs * TB), pairs * TB) };
-            for m in 0..TB.min(t - b * TB) {
-                let row = &x[(b * TB + m) * k..(b * TB + m + 1) * k];
-                for (j, pair) in row.chunks_exact(2).enumerate() {
-                    block[j * TB + m] = bf16_pair(pair[0], pair[1]);
-                }
-            }
+            super::gemm::pack_words(&rows[..tokens * pairs], tokens, pairs, block);
         }
     });
     xp
 }
 
-/// Two values rounded to bf16 (to nearest, ties to even), `a` in the low half.
+crate::backend::cpu::kernels::multiversion! {
+    /// `x` rounded to bf16 bits into `out`: `half::bf16::from_f32`'s bits (to nearest, ties to
+    /// even; a NaN stays a NaN, made quiet), without its branches, so that it runs 16 lanes at
+    /// a time.
+    pub fn round_to_bf16(x: &[f32], out: &mut [u16]) => round_to_bf16_body
+}
+
 #[inline(always)]
-fn bf16_pair(a: f32, b: f32) -> u32 {
-    half::bf16::from_f32(a).to_bits() as u32 | (half::bf16::from_f32(b).to_bits() as u32) << 16
+fn round_to_bf16_body(x: &[f32], out: &mut [u16]) {
+    for (d, &v) in out.iter_mut().zip(x) {
+        let b = v.to_bits();
+        // Adding 0x7fff and the lowest kept bit carries into the kept bits exactly when the
+        // dropped half is above a half step, or at it with an odd kept part.
+        let rounded = b.wrapping_add(0x7fff + (b >> 16 & 1)) >> 16;
+        let nan = b & 0x7fff_ffff > 0x7f80_0000;
+        *d = if nan { (b >> 16 | 0x40) as u16 } else { rounded as u16 };
+    }
 }
 
 /// Token blocks `blocks` × columns `cols` (at most `UNIT_COLS`) of `out[t, w.rows]`.
@@ -159,6 +176,27 @@ unsafe fn micro_16(xb: *const u32, pairs: usize, rows: &[*const u32; UNIT_COLS],
 mod tests {
     use super::super::tests::{lcg, test_matrices};
     use super::*;
+
+    /// The branch-free rounding gives `half`'s bits on every instruction set: ties both ways,
+    /// the largest finite values (to infinity), infinities, NaNs of both signs, subnormals, and
+    /// a million random bit patterns.
+    #[test]
+    fn round_to_bf16_gives_halfs_bits() {
+        let mut bits: Vec<u32> = vec![0, 0x8000_0000, 0x3f80_8000, 0x3f81_8000, 0x3f80_8001, 0x7f7f_ffff, 0xff7f_ffff, 0x7f80_0000, 0xff80_0000, 0x7fc0_0000, 0xffc0_0001, 0x7f80_0001, 0x0000_8000, 0x0001_8000, 0x807f_ffff];
+        let mut seed = 1u64;
+        bits.extend((0..1 << 20).map(|_| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 32) as u32
+        }));
+        let x: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+        crate::backend::cpu::kernels::for_each_isa(|isa| {
+            let mut got = vec![0u16; x.len()];
+            round_to_bf16(&x, &mut got);
+            for (i, (&g, &v)) in got.iter().zip(&x).enumerate() {
+                assert_eq!(g, half::bf16::from_f32(v).to_bits(), "{isa:?}: {:#010x} (value {i})", bits[i]);
+            }
+        });
+    }
 
     /// On a CPU with the dot products: against the f64 reference of the rounded inputs (the
     /// products are exact, so only the f32 sums differ), for full and partial tiles and token
