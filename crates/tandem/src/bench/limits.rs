@@ -207,8 +207,7 @@ fn amx_peak(pool: &Pool, reps: usize, int8: bool) -> Option<f64> {
     }
     // Four tile products take about 64 cycles: a tenth of the vector loops' rounds lasts
     // about as long as those do.
-    let kernel = if int8 { |iters: u64| amx::peak_ops(iters / 10, true).unwrap_or(0.0) } else { |iters: u64| amx::peak_ops(iters / 10, false).unwrap_or(0.0) };
-    Some(peak(pool, reps, kernel))
+    Some(peak(pool, reps, move |iters| amx::peak_ops(iters / 10, int8).unwrap_or(0.0)))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -226,7 +225,7 @@ unsafe fn int8_avx512(iters: u64) -> f64 {
     iters as f64 * 12.0 * 64.0 * 2.0
 }
 
-fn peak(pool: &Pool, reps: usize, kernel: fn(u64) -> f64) -> f64 {
+fn peak(pool: &Pool, reps: usize, kernel: impl Fn(u64) -> f64 + Sync) -> f64 {
     const ITERS: u64 = 20_000_000;
     let mut rates = Vec::new();
     for rep in 0..=reps {

@@ -224,7 +224,7 @@ unsafe fn int8_unit(xq: &QuantizedX, t: usize, w: &Matrix, blocks: Range<usize>,
     }
     // Each column's own scale, once, after all blocks.
     let sw = scales.as_slice().as_ptr().add(cols.start);
-    store_rows(s.tile.as_ptr(), blocks, t, cols.len(), Some(sw), out.add(cols.start), n);
+    store_rows(s.tile.as_ptr(), blocks, t, cols.len(), sw, out.add(cols.start), n);
 }
 
 /// `acc[m][c] = fma(f32(sums[m][c]), sx[m], acc[m][c])` for the first `rows` tokens of a
@@ -302,24 +302,20 @@ unsafe fn bf16_unit(xp: &[u32], t: usize, w: &Matrix, blocks: Range<usize>, cols
     }
 }
 
-/// The unit's sums (`[token][COLS]` from the first token of `blocks`) to the real tokens' rows
-/// of `out` (rows `n` apart, from the unit's first column), `nc` columns, each times its
-/// column's scale where there is one.
+/// The int8 unit's sums (`[token][COLS]` from the first token of `blocks`) to the real tokens'
+/// rows of `out` (rows `n` apart, from the unit's first column), `nc` columns, each times its
+/// column's scale.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn store_rows(acc: *const f32, blocks: Range<usize>, t: usize, nc: usize, scales: Option<*const f32>, out: *mut f32, n: usize) {
+unsafe fn store_rows(acc: *const f32, blocks: Range<usize>, t: usize, nc: usize, scales: *const f32, out: *mut f32, n: usize) {
     use std::arch::x86_64::*;
     let t0 = blocks.start * TB;
     let tokens = (blocks.end * TB).min(t) - t0;
     for h in 0..nc.div_ceil(16) {
         let mask: __mmask16 = if nc - 16 * h >= 16 { 0xffff } else { (1u16 << (nc - 16 * h)) - 1 };
-        let scale = match scales {
-            Some(s) => _mm512_maskz_loadu_ps(mask, s.add(16 * h)),
-            None => _mm512_set1_ps(1.0),
-        };
+        let scale = _mm512_maskz_loadu_ps(mask, scales.add(16 * h));
         for m in 0..tokens {
-            let v = _mm512_loadu_ps(acc.add(m * COLS + 16 * h));
-            let v = if scales.is_some() { _mm512_mul_ps(v, scale) } else { v };
+            let v = _mm512_mul_ps(_mm512_loadu_ps(acc.add(m * COLS + 16 * h)), scale);
             _mm512_mask_storeu_ps(out.add((t0 + m) * n + 16 * h), mask, v);
         }
     }
