@@ -98,7 +98,11 @@ fn main() {
         }
         m.clone()
     });
-    let big: Vec<f32> = (0..(512usize << 20) / 4).map(|i| (i % 7) as f32).collect();
+    // In 2 MB pages where the kernel gives them, as the weights are.
+    let mut big = tandem_core::model::tensor::zeroed_in_huge_pages::<f32>((512usize << 20) / 4);
+    for (i, v) in big.iter_mut().enumerate() {
+        *v = (i % 7) as f32;
+    }
     for _ in 0..2 {
         println!("plain read of 512 MB: {:.1} GB/s; four streams with prefetch {:.1}, without {:.1}", plain_read(&pool, &big), read4(&pool, &big, true), read4(&pool, &big, false));
     }

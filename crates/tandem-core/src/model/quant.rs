@@ -5,7 +5,7 @@
 
 use crate::backend::cpu::kernels::matmul::weight;
 use crate::backend::cpu::pool::Pool;
-use crate::model::tensor::{Buf, Matrix, WeightData};
+use crate::model::tensor::{zeroed_in_huge_pages, Buf, Matrix, WeightData};
 
 pub fn quantize_int8(w: &Matrix) -> Matrix {
     quantize_int8_on(&Pool::new(1), w)
@@ -14,7 +14,7 @@ pub fn quantize_int8(w: &Matrix) -> Matrix {
 /// Quantize on the pool's threads (the 9B model has 8.5 G weights).
 pub fn quantize_int8_on(pool: &Pool, w: &Matrix) -> Matrix {
     let (n, k) = (w.rows, w.cols);
-    let mut q = vec![0i8; n * k];
+    let mut q = zeroed_in_huge_pages::<i8>(n * k);
     let mut scales = vec![0f32; n];
     let mut sums = vec![0i32; n];
     #[derive(Clone, Copy)]

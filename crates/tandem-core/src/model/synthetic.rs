@@ -10,7 +10,7 @@ use anyhow::{bail, Result};
 use crate::model::checkpoint::TensorSet;
 use crate::model::config::{LayerType, Qwen35Config};
 use crate::rng::{hash_str, Rng};
-use crate::model::tensor::{f32_to_bf16, DType, HeapStorage, Storage, Tensor};
+use crate::model::tensor::{f32_to_bf16, zeroed_in_huge_pages, DType, HeapStorage, Storage, Tensor};
 
 /// The names accepted after `synthetic:`.
 /// `tiny` is no published shape: the real vocabulary and layer pattern at small widths, for
@@ -108,14 +108,14 @@ fn generate(numel: usize, init: &Init, seed: u64) -> Arc<dyn Storage> {
     };
     match init.dtype {
         DType::F32 => {
-            let mut v = vec![0f32; numel];
+            let mut v = zeroed_in_huge_pages::<f32>(numel);
             for (b, chunk) in v.chunks_mut(BLOCK).enumerate() {
                 fill(b, chunk);
             }
             Arc::new(HeapStorage(v))
         }
         _ => {
-            let mut v = vec![0u16; numel];
+            let mut v = zeroed_in_huge_pages::<u16>(numel);
             let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
             let per_thread = numel.div_ceil(threads).div_ceil(BLOCK) * BLOCK;
             std::thread::scope(|s| {

@@ -48,12 +48,16 @@ impl ReadRates {
 }
 
 /// A buffer to measure read bandwidth over its first `bytes`, allocated once for many
-/// measurements.
+/// measurements, in 2 MB pages where the kernel gives them, as the engine's weights are.
 pub struct ReadBuffer(Vec<f32>);
 
 impl ReadBuffer {
     pub fn new(bytes: usize) -> ReadBuffer {
-        ReadBuffer((0..bytes / 4).map(|i| (i % 7) as f32).collect())
+        let mut buf = tandem_core::model::tensor::zeroed_in_huge_pages::<f32>(bytes / 4);
+        for (i, v) in buf.iter_mut().enumerate() {
+            *v = (i % 7) as f32;
+        }
+        ReadBuffer(buf)
     }
 
     /// Bytes/s of reading the first `bytes` on the pool: each way of reading (`ReadWay`) `reps`

@@ -577,7 +577,7 @@ fn kernels(
     let ways = (limits::median(&mut four_streams), limits::median(&mut sequential));
     writeln!(
         rec.report,
-        "\nA format's read ceiling: a plain read of as many bytes as its decode step reads (weights and state), pass after pass as the steps read them, measured before and after each of its decode runs (median of the runs' means), the faster of two ways of reading: four distant streams prefetched into L2 ({:.1} GB/s, median) and one sequential stream ({:.1} GB/s).",
+        "\nA format's read ceiling: a plain read of as many bytes as its decode step reads (weights and state), pass after pass as the steps read them, from a buffer in 2 MB pages where the kernel gives them (as the weights tandem lays out are), measured before and after each of its decode runs (median of the runs' means), the faster of two ways of reading: four distant streams prefetched into L2 ({:.1} GB/s, median) and one sequential stream ({:.1} GB/s).",
         ways.0 / 1e9,
         ways.1 / 1e9
     )?;
