@@ -26,7 +26,8 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     let config = pipeline_config(&args)?;
     let generation_params = sampling(&args)?;
     let spec = args.required("model")?;
-    let model = crate::load_model(spec, &args)?;
+    let mut model = crate::load_model(spec, &args)?;
+    crate::place_weights_for(&mut model, &[&config.prefill, &config.decode]);
     let tok = model.tokenizer.as_ref().with_context(|| format!("{spec} has no tokenizer.json; chat needs one"))?;
     let scaffold = Scaffold::from_template(&model.chat_template, args.str("system"), args.flag("enable-thinking"))?;
     let generation = RequestParams {

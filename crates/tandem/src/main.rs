@@ -198,6 +198,15 @@ pub(crate) fn load_model(spec: &str, args: &Args) -> Result<LoadedModel> {
     }
 }
 
+/// CPU engines read every weight in every decode step: where one of `engines` runs on the CPU,
+/// a checkpoint's weights leave the file's pages for 2 MB pages of the process's own
+/// (`Qwen35::copy_file_weights_into_huge_pages`; GPU engines only upload them).
+pub(crate) fn place_weights_for(model: &mut LoadedModel, engines: &[&tandem_core::engine::EngineSpec]) {
+    if engines.iter().any(|e| e.device == tandem_core::engine::Device::Cpu) {
+        model.net.copy_file_weights_into_huge_pages();
+    }
+}
+
 /// `cuda` or `cuda:N` to the GPU ordinal N.
 pub(crate) fn parse_cuda_device(s: &str) -> Result<usize> {
     match s.strip_prefix("cuda") {

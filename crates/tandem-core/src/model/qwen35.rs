@@ -181,6 +181,20 @@ impl Qwen35 {
         self.map_matrices(|m| quantize_int8_on(pool, m));
     }
 
+    /// For CPU engines, which read every weight in every decode step: copy the matrices that are
+    /// still a checkpoint file's pages into memory of the process's own in 2 MB pages (see
+    /// `zeroed_in_huge_pages`; the file's pages are given back as each is copied). The values,
+    /// and so every result, stay the same. A GPU engine keeps the file's pages: it reads them
+    /// once, to upload them.
+    pub fn copy_file_weights_into_huge_pages(&mut self) {
+        let tied = std::ptr::eq(self.lm_head_data_ptr(), self.embed_data_ptr());
+        self.map_matrices(Matrix::in_huge_pages);
+        if tied {
+            // One copy serves both, as the file's one tensor did.
+            self.embed_tokens = self.lm_head.clone();
+        }
+    }
+
     /// Replace every matrix a forward pass multiplies by with `f(matrix)`.
     pub fn map_matrices(&mut self, f: impl Fn(&Matrix) -> Matrix) {
         let q = |m: &mut Matrix| *m = f(m);

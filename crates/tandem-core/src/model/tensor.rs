@@ -44,11 +44,18 @@ pub trait Storage: Send + Sync {
     /// Tell the OS that bytes `offset..offset + len` will not be read again (their pages leave
     /// the process's resident set). Used after a tensor was quantized to a new buffer.
     fn release(&self, _offset: usize, _len: usize) {}
+    /// Whether the bytes are a file's pages (a memory map) rather than memory of the process's own.
+    fn is_file(&self) -> bool {
+        false
+    }
 }
 
 impl Storage for memmap2::Mmap {
     fn bytes(&self) -> &[u8] {
         self
+    }
+    fn is_file(&self) -> bool {
+        true
     }
     fn release(&self, offset: usize, len: usize) {
         // Page-align inward: neighbouring tensors may share the edge pages.
@@ -151,6 +158,27 @@ impl<T: Copy + Send + Sync + 'static> Buf<T> {
         Buf { _owner: storage, ptr, len }
     }
 
+    /// The same values in memory of the process's own, in 2 MB pages, when they are a file's
+    /// pages now (whose pages the copy then gives back); else the same buffer.
+    pub fn in_huge_pages(&self) -> Buf<T>
+    where
+        T: Default,
+    {
+        if !self._owner.is_file() {
+            return self.clone();
+        }
+        let mut copy: Vec<T> = zeroed_in_huge_pages(self.len);
+        copy.copy_from_slice(self.as_slice());
+        let offset = self.ptr as usize - self._owner.bytes().as_ptr() as usize;
+        self._owner.release(offset, std::mem::size_of_val(self.as_slice()));
+        Buf::from_vec(copy)
+    }
+
+    /// Whether the values are a file's pages (a memory map).
+    pub fn is_file(&self) -> bool {
+        self._owner.is_file()
+    }
+
     pub fn as_slice(&self) -> &[T] {
         // SAFETY: ptr/len were checked against the owner's bytes, which the Arc keeps alive.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
@@ -246,6 +274,17 @@ pub enum WeightData {
 }
 
 impl Matrix {
+    /// This matrix with its weights in 2 MB pages (`Buf::in_huge_pages`).
+    pub fn in_huge_pages(&self) -> Matrix {
+        let data = match &self.data {
+            WeightData::Bf16(b) => WeightData::Bf16(b.in_huge_pages()),
+            WeightData::F16(b) => WeightData::F16(b.in_huge_pages()),
+            WeightData::F32(b) => WeightData::F32(b.in_huge_pages()),
+            WeightData::Int8 { q, scales, sums } => WeightData::Int8 { q: q.in_huge_pages(), scales: scales.clone(), sums: sums.clone() },
+        };
+        Matrix { rows: self.rows, cols: self.cols, data }
+    }
+
     pub fn from_tensor(t: &Tensor) -> Result<Matrix> {
         let (rows, cols) = match t.shape[..] {
             [r, c] => (r, c),

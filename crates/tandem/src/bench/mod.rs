@@ -288,6 +288,12 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
 
     progress(&format!("loading {spec}"));
     let mut model = tandem_core::model::load::LoadedModel::load(&spec)?;
+    // The kernels and placement sections run CPU engines, the others the configured ones.
+    if sections.iter().any(|s| matches!(*s, "kernels" | "placement")) {
+        model.net.copy_file_weights_into_huge_pages();
+    } else {
+        crate::place_weights_for(&mut model, &[&config.prefill, &config.decode]);
+    }
     let mut samples = Vec::new();
     let chosen: Vec<&str> = SECTIONS.iter().copied().filter(|s| sections.contains(s)).collect();
     let mut result = Ok(());

@@ -281,7 +281,8 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     let addr: SocketAddr = format!("{host}:{port}").parse().or_else(|_| format!("[{host}]:{port}").parse()).with_context(|| format!("--host {host:?} is not an IP address"))?;
 
     let spec = args.required("model")?;
-    let model = crate::load_model(spec, &args)?;
+    let mut model = crate::load_model(spec, &args)?;
+    crate::place_weights_for(&mut model, &[&config.prefill, &config.decode]);
     let vocab = model.sampleable_vocab();
     let Some(tokenizer) = model.tokenizer else {
         bail!("{spec} has no tokenizer.json: the server takes and returns text, so it needs the checkpoint's tokenizer");

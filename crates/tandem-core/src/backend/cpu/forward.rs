@@ -782,6 +782,41 @@ mod tests {
         }
     }
 
+    /// A checkpoint's weights copied out of the file's pages (as CPU engines do) give the same
+    /// bits, hold the same bytes (a tied embedding stays one copy), and none stays in the file.
+    #[test]
+    fn weights_copied_out_of_the_file_give_the_same_bits() {
+        let pool = Pool::new(2);
+        let mut m = tiny();
+        let weights = m.net.weight_bytes();
+        let tokens: Vec<u32> = (0..40).map(|i| (i * 7919 % 1000) as u32).collect();
+        let run = |m: &crate::model::load::LoadedModel| {
+            let mut st = State::new(&m.net.config);
+            let logits = m.net.forward(&pool, &tokens, &mut st, Logits::All).unwrap();
+            (logits.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), st)
+        };
+        let before = run(&m);
+        let in_file = |m: &mut crate::model::load::LoadedModel| {
+            let n = std::cell::Cell::new(0);
+            m.net.map_matrices(|w| {
+                let file = match &w.data {
+                    crate::model::tensor::WeightData::Bf16(b) | crate::model::tensor::WeightData::F16(b) => b.is_file(),
+                    crate::model::tensor::WeightData::F32(b) => b.is_file(),
+                    crate::model::tensor::WeightData::Int8 { q, .. } => q.is_file(),
+                };
+                n.set(n.get() + file as usize);
+                w.clone()
+            });
+            n.get()
+        };
+        assert!(in_file(&mut m) > 0, "the fixture's weights should be a file's pages to begin with");
+        m.net.copy_file_weights_into_huge_pages();
+        assert_eq!(in_file(&mut m), 0);
+        assert_eq!(m.net.weight_bytes(), weights);
+        let after = run(&m);
+        assert!(before.0 == after.0 && before.1 == after.1, "copied weights changed the logits or the state");
+    }
+
     fn tiny() -> crate::model::load::LoadedModel {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
         crate::model::load::LoadedModel::load(dir.to_str().unwrap()).unwrap()
