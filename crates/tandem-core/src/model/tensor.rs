@@ -116,8 +116,8 @@ fn advise_huge_pages(p: *const u8, len: usize) {
 /// A typed, read-only slice into a `Storage` that the slice keeps alive.
 #[derive(Clone)]
 pub struct Buf<T: Copy + 'static> {
-    // Never read: it keeps the bytes behind `ptr` alive.
-    _owner: Arc<dyn Storage>,
+    // Keeps the bytes behind `ptr` alive, and says whether they are a file's pages.
+    owner: Arc<dyn Storage>,
     ptr: *const T,
     len: usize,
 }
@@ -143,7 +143,7 @@ impl<T: Copy + Send + Sync + 'static> Buf<T> {
         }
         let ptr = bytes[offset..].as_ptr();
         if (ptr as usize) % std::mem::align_of::<T>() == 0 {
-            return Ok(Buf { ptr: ptr as *const T, len, _owner: owner });
+            return Ok(Buf { ptr: ptr as *const T, len, owner });
         }
         let mut copy: Vec<T> = zeroed_in_huge_pages(len);
         // SAFETY: copying `len * size` bytes into a buffer of `len` elements; T is plain data.
@@ -155,7 +155,7 @@ impl<T: Copy + Send + Sync + 'static> Buf<T> {
         let len = values.len();
         let storage = Arc::new(HeapStorage(values));
         let ptr = storage.0.as_ptr();
-        Buf { _owner: storage, ptr, len }
+        Buf { owner: storage, ptr, len }
     }
 
     /// The same values in memory of the process's own, in 2 MB pages, when they are a file's
@@ -164,19 +164,27 @@ impl<T: Copy + Send + Sync + 'static> Buf<T> {
     where
         T: Default,
     {
-        if !self._owner.is_file() {
+        if !self.owner.is_file() {
             return self.clone();
         }
         let mut copy: Vec<T> = zeroed_in_huge_pages(self.len);
-        copy.copy_from_slice(self.as_slice());
-        let offset = self.ptr as usize - self._owner.bytes().as_ptr() as usize;
-        self._owner.release(offset, std::mem::size_of_val(self.as_slice()));
+        // On every core: a checkpoint's largest matrices are gigabytes, and the first write to
+        // each new page also has the kernel clear it.
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let chunk = self.len.div_ceil(threads).max(1 << 20);
+        std::thread::scope(|s| {
+            for (dst, src) in copy.chunks_mut(chunk).zip(self.as_slice().chunks(chunk)) {
+                s.spawn(move || dst.copy_from_slice(src));
+            }
+        });
+        let offset = self.ptr as usize - self.owner.bytes().as_ptr() as usize;
+        self.owner.release(offset, std::mem::size_of_val(self.as_slice()));
         Buf::from_vec(copy)
     }
 
     /// Whether the values are a file's pages (a memory map).
     pub fn is_file(&self) -> bool {
-        self._owner.is_file()
+        self.owner.is_file()
     }
 
     pub fn as_slice(&self) -> &[T] {
@@ -358,6 +366,27 @@ pub fn f32_to_bf16(x: f32) -> u16 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A file's values copied out (in pieces on several cores when large) are the same values,
+    /// no longer a file's pages; a buffer of the process's own is left as it is.
+    #[test]
+    fn a_files_values_copied_into_huge_pages_are_the_same() {
+        let path = std::env::temp_dir().join(format!("tandem-huge-pages-{}.bin", std::process::id()));
+        let values: Vec<u16> = (0..3_000_001u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 16) as u16).collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(&path, [&[0u8; 6][..], &bytes].concat()).unwrap();
+        let map: Arc<dyn Storage> = Arc::new(unsafe { memmap2::Mmap::map(&std::fs::File::open(&path).unwrap()) }.unwrap());
+        let _ = std::fs::remove_file(&path);
+        let in_file = Buf::<u16>::new(map, 6, values.len()).unwrap();
+        assert!(in_file.is_file());
+        let copied = in_file.in_huge_pages();
+        assert!(!copied.is_file());
+        assert!(copied.as_slice() == &values[..]);
+        // The file's pages were given back, not lost: they read again from the file.
+        assert!(in_file.as_slice() == &values[..]);
+        let again = copied.in_huge_pages();
+        assert_eq!(again.as_slice().as_ptr(), copied.as_slice().as_ptr());
+    }
 
     /// The buffer is zeros, and on Linux with transparent huge pages the kernel took the advice:
     /// the mapping that holds its whole 2 MB pages is eligible for them (`THPeligible: 1` in
