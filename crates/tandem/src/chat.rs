@@ -26,8 +26,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     let config = pipeline_config(&args)?;
     let generation_params = sampling(&args)?;
     let spec = args.required("model")?;
-    let mut model = crate::load_model(spec, &args)?;
-    crate::place_weights_for(&mut model, &[&config.prefill, &config.decode]);
+    let model = crate::load_model(spec, &args)?;
     let tok = model.tokenizer.as_ref().with_context(|| format!("{spec} has no tokenizer.json; chat needs one"))?;
     let scaffold = Scaffold::from_template(&model.chat_template, args.str("system"), args.flag("enable-thinking"))?;
     let generation = RequestParams {

@@ -27,8 +27,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     let spec = args.required("model")?;
 
     let load_start = Instant::now();
-    let mut model = crate::load_model(spec, &args)?;
-    crate::place_weights_for(&mut model, &[&config.prefill, &config.decode]);
+    let model = crate::load_model(spec, &args)?;
     let load_time = load_start.elapsed();
 
     let prompts = prompts(&args, &model)?;
