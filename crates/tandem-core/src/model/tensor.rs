@@ -113,6 +113,23 @@ fn advise_huge_pages(p: *const u8, len: usize) {
     let _ = (p, len);
 }
 
+/// `bytes` (at any alignment) as `T` values in a buffer of 2 MB pages (`zeroed_in_huge_pages`),
+/// copied on every core: a checkpoint's largest matrices are gigabytes, and the first write to
+/// each new page also has the kernel clear it.
+fn copy_into_huge_pages<T: Copy + Default>(bytes: &[u8]) -> Vec<T> {
+    let mut copy: Vec<T> = zeroed_in_huge_pages(bytes.len() / std::mem::size_of::<T>());
+    // SAFETY: the buffer's own bytes; T is plain data (u16, f32, i8, i32), any bits a value.
+    let dst = unsafe { std::slice::from_raw_parts_mut(copy.as_mut_ptr() as *mut u8, std::mem::size_of_val(&copy[..])) };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let chunk = dst.len().div_ceil(threads).max(2 << 20);
+    std::thread::scope(|s| {
+        for (dst, src) in dst.chunks_mut(chunk).zip(bytes.chunks(chunk)) {
+            s.spawn(move || dst.copy_from_slice(src));
+        }
+    });
+    copy
+}
+
 /// A typed, read-only slice into a `Storage` that the slice keeps alive.
 #[derive(Clone)]
 pub struct Buf<T: Copy + 'static> {
@@ -145,10 +162,7 @@ impl<T: Copy + Send + Sync + 'static> Buf<T> {
         if (ptr as usize) % std::mem::align_of::<T>() == 0 {
             return Ok(Buf { ptr: ptr as *const T, len, owner });
         }
-        let mut copy: Vec<T> = zeroed_in_huge_pages(len);
-        // SAFETY: copying `len * size` bytes into a buffer of `len` elements; T is plain data.
-        unsafe { std::ptr::copy_nonoverlapping(ptr, copy.as_mut_ptr() as *mut u8, len * size) };
-        Ok(Buf::from_vec(copy))
+        Ok(Buf::from_vec(copy_into_huge_pages(&bytes[offset..end])))
     }
 
     pub fn from_vec(values: Vec<T>) -> Self {
@@ -167,18 +181,9 @@ impl<T: Copy + Send + Sync + 'static> Buf<T> {
         if !self.owner.is_file() {
             return self.clone();
         }
-        let mut copy: Vec<T> = zeroed_in_huge_pages(self.len);
-        // On every core: a checkpoint's largest matrices are gigabytes, and the first write to
-        // each new page also has the kernel clear it.
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let chunk = self.len.div_ceil(threads).max(1 << 20);
-        std::thread::scope(|s| {
-            for (dst, src) in copy.chunks_mut(chunk).zip(self.as_slice().chunks(chunk)) {
-                s.spawn(move || dst.copy_from_slice(src));
-            }
-        });
-        let offset = self.ptr as usize - self.owner.bytes().as_ptr() as usize;
-        self.owner.release(offset, std::mem::size_of_val(self.as_slice()));
+        let (offset, size) = (self.ptr as usize - self.owner.bytes().as_ptr() as usize, std::mem::size_of_val(self.as_slice()));
+        let copy = copy_into_huge_pages(&self.owner.bytes()[offset..offset + size]);
+        self.owner.release(offset, size);
         Buf::from_vec(copy)
     }
 
@@ -368,13 +373,15 @@ mod tests {
     use super::*;
 
     /// A file's values copied out (in pieces on several cores when large) are the same values,
-    /// no longer a file's pages; a buffer of the process's own is left as it is.
+    /// no longer a file's pages; a buffer of the process's own is left as it is; values stored
+    /// unaligned for their type go through the same copy when viewed.
     #[test]
     fn a_files_values_copied_into_huge_pages_are_the_same() {
         let path = std::env::temp_dir().join(format!("tandem-huge-pages-{}.bin", std::process::id()));
         let values: Vec<u16> = (0..3_000_001u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 16) as u16).collect();
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        std::fs::write(&path, [&[0u8; 6][..], &bytes].concat()).unwrap();
+        let file = [&[0u8; 6][..], &bytes].concat();
+        std::fs::write(&path, &file).unwrap();
         let map: Arc<dyn Storage> = Arc::new(unsafe { memmap2::Mmap::map(&std::fs::File::open(&path).unwrap()) }.unwrap());
         let _ = std::fs::remove_file(&path);
         let in_file = Buf::<u16>::new(map, 6, values.len()).unwrap();
@@ -386,6 +393,11 @@ mod tests {
         assert!(in_file.as_slice() == &values[..]);
         let again = copied.in_huge_pages();
         assert_eq!(again.as_slice().as_ptr(), copied.as_slice().as_ptr());
+        // Values a file stores unaligned for their type are copied the same way when viewed.
+        let unaligned = Buf::<u16>::new(in_file.owner.clone(), 5, values.len() - 1).unwrap();
+        assert!(!unaligned.is_file());
+        let shifted: Vec<u16> = file[5..].chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).take(values.len() - 1).collect();
+        assert!(unaligned.as_slice() == &shifted[..]);
     }
 
     /// The buffer is zeros, and on Linux with transparent huge pages the kernel took the advice:
