@@ -455,21 +455,23 @@ impl<'m> Engine<'m> {
         let plan = self.spec.dispatch.plan(tokens.len());
         let mut at = 0;
         let mut padded_rows = 0;
-        for &(real, rows) in &plan {
+        for (i, &(real, rows)) in plan.iter().enumerate() {
             let part = &tokens[at..at + real];
+            // Logits from the last dispatch alone (nothing samples in between).
+            let which = if i + 1 == plan.len() { Logits::Last } else { Logits::Skip };
             match (&self.backend, &mut *state) {
                 (Backend::Cuda(g), DeviceState::Gpu(s)) => {
                     g.apply(part, s)?;
                 }
                 (Backend::Cpu(pool), DeviceState::Host(s)) => match self.spec.dispatch {
                     Dispatch::Sequential | Dispatch::Dynamic => {
-                        self.net.forward(pool, part, s, Logits::Last)?;
+                        self.net.forward(pool, part, s, which)?;
                     }
                     Dispatch::Batched(_) | Dispatch::Buckets(_) => {
                         let mut shaped = part.to_vec();
                         // Pad id 0: any id works, pads are masked out.
                         shaped.resize(rows, 0);
-                        self.net.forward_padded(pool, &shaped, real, s)?;
+                        self.net.forward_padded(pool, &shaped, real, s, which)?;
                         padded_rows += rows - real;
                     }
                 },

@@ -455,16 +455,23 @@ fn fingerprints_follow_the_checkpoint_not_the_quantization() {
     assert_ne!(format!("{cfg_changed:?}"), format!("{:?}", m.net.config));
 }
 
+/// A prefill in several dispatches counts its padding, and ends with the state and last
+/// logits of one call (only its last dispatch computes logits).
 #[test]
 fn batched_dispatch_counts_its_padding() {
     let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
-    let engine = tandem_core::engine::Engine::new(&EngineSpec::parse("cpu:threads=1,dispatch=batched:32").unwrap(), &m.net).unwrap();
-    let mut st = engine.new_state().unwrap();
     let tokens: Vec<u32> = (0..74).collect();
-    let stats = engine.prefill(&tokens, &mut st).unwrap();
-    assert_eq!((stats.tokens, stats.dispatches, stats.padded_rows), (74, 3, 22));
-    assert_eq!(st.position(), 74);
-    assert_eq!(engine.spec.dispatch, Dispatch::Batched(32));
+    let mut one = State::new(&m.net.config);
+    m.net.forward(&Pool::new(1), &tokens, &mut one, Logits::Last).unwrap();
+    for (spec, dispatch, dispatches, padded) in [("cpu:threads=1,dispatch=batched:32", Dispatch::Batched(32), 3, 22), ("cpu:threads=1,dispatch=sequential", Dispatch::Sequential, 74, 0)] {
+        let engine = tandem_core::engine::Engine::new(&EngineSpec::parse(spec).unwrap(), &m.net).unwrap();
+        assert_eq!(engine.spec.dispatch, dispatch);
+        let mut st = engine.new_state().unwrap();
+        let stats = engine.prefill(&tokens, &mut st).unwrap();
+        assert_eq!((stats.tokens, stats.dispatches, stats.padded_rows), (74, dispatches, padded), "{spec}");
+        assert_eq!(st.position(), 74);
+        assert!(st.into_host().unwrap() == one, "{spec}: another state or last logits than one call");
+    }
 }
 
 /// A request cancelled while it waits for the prefill engine is answered without being

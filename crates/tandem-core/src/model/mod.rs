@@ -20,4 +20,9 @@ pub enum Logits {
     Last,
     /// Every token (verification against the reference).
     All,
+    /// None: the layers only, for a piece of a prompt that more pieces follow before anything
+    /// samples (the LM head is the largest single read of a pass: a 410-token prompt in
+    /// 128-token pieces computed it four times). A CPU pass empties the state's `last_logits`,
+    /// so that nothing samples stale ones; a GPU pass computes the last token's as for `Last`.
+    Skip,
 }

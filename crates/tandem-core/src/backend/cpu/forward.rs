@@ -37,8 +37,11 @@ impl Qwen35 {
         let mut logits = Vec::new();
         // One pass for all pieces: its buffers serve every piece.
         let pass = self.pass(pool, Kernels::Prompt);
-        for piece in tokens.chunks(MAX_TOKENS_PER_PASS) {
+        let pieces = tokens.len().div_ceil(MAX_TOKENS_PER_PASS);
+        for (i, piece) in tokens.chunks(MAX_TOKENS_PER_PASS).enumerate() {
             let rows = piece.len();
+            // The last token's logits: from the last piece alone.
+            let which = if which == Logits::Last && i + 1 < pieces { Logits::Skip } else { which };
             let out = self.forward_pass(&pass, piece, &mut [Segment { state: &mut *state, rows: 0..rows, valid: rows }], which);
             logits.extend_from_slice(&out);
         }
@@ -53,13 +56,17 @@ impl Qwen35 {
     /// state, do not enter the conv window or the KV cache, and are attended by nobody, so the
     /// state and `last_logits` come out equal to those of the unpadded dispatch
     /// `tokens[..valid]` (the products of real rows do not depend on the other rows).
-    pub fn forward_padded(&self, pool: &Pool, tokens: &[u32], valid: usize, state: &mut State) -> Result<()> {
+    /// `which`: `Last` (the last real token's logits into `last_logits`) or `Skip`.
+    pub fn forward_padded(&self, pool: &Pool, tokens: &[u32], valid: usize, state: &mut State, which: Logits) -> Result<()> {
         if valid == 0 || valid > tokens.len() {
             bail!("a dispatch of {} rows needs 1..={} real tokens, not {valid}", tokens.len(), tokens.len());
         }
+        if which == Logits::All {
+            bail!("a padded dispatch gives the last real token's logits or none, not every row's");
+        }
         self.check(tokens, state, valid)?;
         let rows = tokens.len();
-        self.forward_pass(&self.pass(pool, Kernels::Prompt), tokens, &mut [Segment { state, rows: 0..rows, valid }], Logits::Last);
+        self.forward_pass(&self.pass(pool, Kernels::Prompt), tokens, &mut [Segment { state, rows: 0..rows, valid }], which);
         Ok(())
     }
 
@@ -89,7 +96,8 @@ impl Qwen35 {
     /// The layers over `tokens` (all rows of all segments, `[T, hidden]`), then the final norm
     /// and LM head for the rows whose logits are wanted: each segment's last real row
     /// (`Logits::Last`; each into its state's `last_logits`, nothing returned) or every row of
-    /// a single segment (`Logits::All`, returned). Inputs were checked by the caller.
+    /// a single segment (`Logits::All`, returned), or none (`Logits::Skip`: each state's
+    /// `last_logits` emptied). Inputs were checked by the caller.
     fn forward_pass(&self, pass: &Pass, tokens: &[u32], segs: &mut [Segment], which: Logits) -> Vec<f32> {
         let c = &self.config;
         let (t, h) = (tokens.len(), c.hidden_size);
@@ -118,6 +126,13 @@ impl Qwen35 {
         let rows: Vec<usize> = match which {
             Logits::All => segs[0].rows.clone().take(segs[0].valid).collect(),
             Logits::Last => segs.iter().map(|s| s.rows.start + s.valid - 1).collect(),
+            Logits::Skip => {
+                for seg in segs.iter_mut() {
+                    seg.state.position += seg.valid;
+                    seg.state.last_logits.clear();
+                }
+                return Vec::new();
+            }
         };
         let mut final_x = vec![0f32; rows.len() * h];
         for (dst, &r) in final_x.chunks_exact_mut(h).zip(&rows) {
@@ -143,17 +158,17 @@ impl Qwen35 {
         }
         let mut logits = vec![0f32; n * v];
         lm_head(&mut logits);
-        let last_rows: Vec<&[f32]> = match which {
-            Logits::All => vec![&logits[(n - 1) * v..]],
-            Logits::Last => logits.chunks_exact(v).collect(),
-        };
+        // All: one segment, its last row; Last: each segment's one row.
+        let all = which == Logits::All;
+        let last_rows: Vec<&[f32]> = if all { vec![&logits[(n - 1) * v..]] } else { logits.chunks_exact(v).collect() };
         for (seg, row) in segs.iter_mut().zip(last_rows) {
             seg.state.last_logits.clear();
             seg.state.last_logits.extend_from_slice(row);
         }
-        match which {
-            Logits::All => logits,
-            Logits::Last => Vec::new(),
+        if all {
+            logits
+        } else {
+            Vec::new()
         }
     }
 
@@ -752,7 +767,8 @@ mod tests {
     /// A prompt applied in pieces cut anywhere (a cached prefix continued, a turn prefilled in
     /// parts, pieces of one token to past a pass) reaches the state and the last logits of one
     /// call, bit for bit, with the weights as stored and quantized to int8, and with the fast
-    /// precision on both.
+    /// precision on both; pieces that skip their logits leave none behind and change nothing
+    /// else.
     #[test]
     fn a_prompt_cut_anywhere_equals_one_call_exactly() {
         let pool = Pool::new(2);
@@ -773,7 +789,9 @@ mod tests {
                     let r = (seed >> 33) as usize;
                     let len = if r.is_multiple_of(4) { 1 + r % 150 } else { 1 + r % 9 };
                     let end = (at + len).min(tokens.len());
-                    m.net.forward(&pool, &tokens[at..end], &mut st, Logits::Last).unwrap();
+                    let which = if end < tokens.len() && r.is_multiple_of(3) { Logits::Skip } else { Logits::Last };
+                    m.net.forward(&pool, &tokens[at..end], &mut st, which).unwrap();
+                    assert_eq!(st.last_logits.is_empty(), which == Logits::Skip, "trial {trial}: logits after {which:?}");
                     cuts.push(end);
                     at = end;
                 }
@@ -875,11 +893,15 @@ mod tests {
             for (valid, rows) in [(1usize, 32usize), (10, 32), (64, 96), (65, 128), (100, 160)] {
                 let mut tokens: Vec<u32> = (0..valid as u32).map(|i| (i * 101 + 7) % 1024).collect();
                 let (mut unpadded, mut padded) = (base.clone(), base.clone());
-                m.net.forward_padded(&pool, &tokens, valid, &mut unpadded).unwrap();
+                m.net.forward_padded(&pool, &tokens, valid, &mut unpadded, Logits::Last).unwrap();
                 tokens.resize(rows, 0);
-                m.net.forward_padded(&pool, &tokens, valid, &mut padded).unwrap();
+                m.net.forward_padded(&pool, &tokens, valid, &mut padded, Logits::Last).unwrap();
                 assert!(padded == unpadded, "start {start}, {valid} real of {rows} rows: states or logits differ");
                 assert_eq!(padded.position, start + valid);
+                // Without logits: the same state, none left behind.
+                let mut skipped = base.clone();
+                m.net.forward_padded(&pool, &tokens, valid, &mut skipped, Logits::Skip).unwrap();
+                assert!(skipped.last_logits.is_empty() && skipped.layers == padded.layers && skipped.position == padded.position);
             }
         }
     }
