@@ -291,6 +291,11 @@ impl Qwen35 {
         2.0 * fma
     }
 
+    /// Bytes of the LM head's weights (the largest single read of a decode step).
+    pub fn lm_head_bytes(&self) -> usize {
+        self.lm_head.bytes()
+    }
+
     /// Bytes of weights one decode step streams: every layer matrix plus the LM head
     /// (the embedding lookup reads one row).
     pub fn weight_bytes_per_token(&self) -> usize {

@@ -58,7 +58,8 @@ tandem bench [--model M] [--prefill PLACEMENT] [--decode PLACEMENT]
 Measures the machine (read bandwidth, f32 FMA peak, bf16 dot peak), then each section:
   kernels      prefill and decode tok/s of each weight format (--quant) on all cores
                (--threads/--cores), against the measured ceilings (bf16-fast and int8-fast:
-               a CPU engine's precision=fast, against the dot products' peaks); int8 quality;
+               a CPU engine's precision=fast, against the dot products' peaks); where a
+               prefill's and a decode step's time goes, phase by phase; int8 quality;
                each fast format against exact, with the states' drift over --drift-tokens
                tokens (2000; --quick 500); peak memory (the other sections run the first
                format of --quant)
@@ -591,32 +592,55 @@ fn kernels(
     // Where one prefill of the longest prompt spends its time, phase by phase, per format.
     let longest = prompts.iter().copied().max().unwrap_or(410);
     progress("a prefill's phases");
-    writeln!(rec.report, "\n## Where a {longest}-token prefill's time goes ({spec}, {threads} threads, one run each)\n")?;
-    writeln!(rec.report, "| phase | {} |", nets.iter().map(|(q, _)| q.as_str()).collect::<Vec<_>>().join(" | "))?;
-    writeln!(rec.report, "|---|{}", "---|".repeat(nets.len()))?;
-    let mut phases = Vec::new();
+    let mut prefills = Vec::new();
     for (q, net) in &nets {
-        use tandem_core::backend::cpu::profile;
         let mut st = State::new(&net.config);
-        profile::enable(true);
-        profile::take();
-        let t = Instant::now();
-        net.forward(pool, &prompt_of(longest), &mut st, Logits::Last)?;
-        let total = t.elapsed();
-        let taken = profile::take();
-        profile::enable(false);
-        let rest = total.saturating_sub(taken.iter().map(|(_, d)| *d).sum());
-        for (p, d) in &taken {
+        let phases = timed_phases(|| net.forward(pool, &prompt_of(longest), &mut st, Logits::Last).map(drop))?;
+        for (p, d) in &phases.taken {
             rec.run("prefill_phases", serde_json::json!({"weights": q, "tokens": longest, "threads": threads, "phase": p.name(), "seconds": d.as_secs_f64()}));
         }
-        phases.push((total, taken, rest));
+        prefills.push(phases);
     }
-    let cell = |d: Duration, total: Duration| format!("{:.1} ms ({:.0}%)", d.as_secs_f64() * 1e3, 100.0 * d.as_secs_f64() / total.as_secs_f64());
-    for (i, p) in tandem_core::backend::cpu::profile::PHASES.iter().enumerate() {
-        writeln!(rec.report, "| {} | {} |", p.name(), phases.iter().map(|(total, taken, _)| cell(taken[i].1, *total)).collect::<Vec<_>>().join(" | "))?;
+    writeln!(rec.report, "\n## Where a {longest}-token prefill's time goes ({spec}, {threads} threads, one run each)\n")?;
+    phase_table(rec, &nets, &prefills, "whole prefill", 1)?;
+
+    // Where a decode step's time goes: the products' and the LM head's own read rates, against
+    // the formats' read ceilings above, say how much of a step is reading weights.
+    progress("a decode step's phases");
+    let mut steps = Vec::new();
+    for (q, net) in &nets {
+        let mut st = State::new(&net.config);
+        net.forward(pool, &prompt_of(13), &mut st, Logits::Last)?;
+        let phases = timed_phases(|| {
+            for _ in 0..decode_tokens {
+                let id = argmax(&st.last_logits[..vocab.min(st.last_logits.len())]);
+                net.decode_batch(pool, &[id], &mut [&mut st])?;
+            }
+            Ok(())
+        })?;
+        for (p, d) in &phases.taken {
+            rec.run("decode_phases", serde_json::json!({"weights": q, "steps": decode_tokens, "threads": threads, "phase": p.name(), "seconds": d.as_secs_f64()}));
+        }
+        steps.push(phases);
     }
-    writeln!(rec.report, "| the rest (buffers, between phases) | {} |", phases.iter().map(|(total, _, rest)| cell(*rest, *total)).collect::<Vec<_>>().join(" | "))?;
-    writeln!(rec.report, "| whole prefill | {} |", phases.iter().map(|(total, _, _)| format!("{:.1} ms", total.as_secs_f64() * 1e3)).collect::<Vec<_>>().join(" | "))?;
+    writeln!(rec.report, "\n## Where a decode step's time goes ({spec}, {threads} threads, the mean of {decode_tokens} steps after a 13-token prompt)\n")?;
+    phase_table(rec, &nets, &steps, "whole step", decode_tokens)?;
+    let rate = |bytes: usize, phase: tandem_core::backend::cpu::profile::Phase, p: &PhaseTimes| {
+        let d = p.taken.iter().find(|(q, _)| *q == phase).map_or(0.0, |(_, d)| d.as_secs_f64());
+        format!("{:.1} GB/s", bytes as f64 * decode_tokens as f64 / d / 1e9)
+    };
+    {
+        use tandem_core::backend::cpu::profile::Phase;
+        let row = |name: &str, bytes: &dyn Fn(&Qwen35) -> usize, phase: Phase| {
+            format!("| {name} | {} |", nets.iter().zip(&steps).map(|((_, net), p)| rate(bytes(net), phase, p)).collect::<Vec<_>>().join(" | "))
+        };
+        writeln!(rec.report, "{}", row("layer products read at", &|n| n.weight_bytes_per_token() - n.lm_head_bytes(), Phase::Products))?;
+        writeln!(rec.report, "{}", row("LM head read at", &|n| n.lm_head_bytes(), Phase::LmHead))?;
+    }
+    writeln!(
+        rec.report,
+        "\nA decode step's DeltaNet conv and norms run inside the recurrence's tasks (one per key head) and are timed with it. The read rates: the bytes of the layers' matrices and of the LM head over their phases' times, to set beside the read ceilings above."
+    )?;
 
     if let Some(p) = bf16_dot {
         writeln!(rec.report, "\nbf16 dot peak ({threads} threads, at the section's start): {:.1} GFLOP/s, the ceiling of the bf16-fast rows.", p / 1e9)?;
@@ -691,6 +715,43 @@ fn kernels(
         writeln!(rec.report, "| {q} | {w:.2} GB | {:.0} MB | {peak_gb:.2} GB | {:.2} |", s * 1e3, peak_gb / (w + s))?;
         rec.run("memory", serde_json::json!({"weights": q, "prompt_tokens": memory_prompt, "generated": 8, "weight_gb": w, "state_gb": s, "peak_rss_gb": peak_gb}));
     }
+    Ok(())
+}
+
+/// The phases of some forward work (`profile`): each phase's time, the whole, and what no
+/// phase timed.
+struct PhaseTimes {
+    taken: Vec<(tandem_core::backend::cpu::profile::Phase, Duration)>,
+    total: Duration,
+    rest: Duration,
+}
+
+/// Run `work` with the phase timers on.
+fn timed_phases(work: impl FnOnce() -> Result<()>) -> Result<PhaseTimes> {
+    use tandem_core::backend::cpu::profile;
+    profile::enable(true);
+    profile::take();
+    let t = Instant::now();
+    let done = work();
+    let total = t.elapsed();
+    let taken = profile::take();
+    profile::enable(false);
+    done?;
+    let rest = total.saturating_sub(taken.iter().map(|(_, d)| *d).sum());
+    Ok(PhaseTimes { taken, total, rest })
+}
+
+/// A table of each format's phases (a column per format), the times divided by `per`.
+fn phase_table(rec: &mut Record, nets: &[(String, Qwen35)], runs: &[PhaseTimes], whole: &str, per: usize) -> Result<()> {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3 / per as f64;
+    let cell = |d: Duration, total: Duration| format!("{:.2} ms ({:.0}%)", ms(d), 100.0 * d.as_secs_f64() / total.as_secs_f64());
+    writeln!(rec.report, "| phase | {} |", nets.iter().map(|(q, _)| q.as_str()).collect::<Vec<_>>().join(" | "))?;
+    writeln!(rec.report, "|---|{}", "---|".repeat(nets.len()))?;
+    for (i, p) in tandem_core::backend::cpu::profile::PHASES.iter().enumerate() {
+        writeln!(rec.report, "| {} | {} |", p.name(), runs.iter().map(|r| cell(r.taken[i].1, r.total)).collect::<Vec<_>>().join(" | "))?;
+    }
+    writeln!(rec.report, "| the rest (buffers, between phases) | {} |", runs.iter().map(|r| cell(r.rest, r.total)).collect::<Vec<_>>().join(" | "))?;
+    writeln!(rec.report, "| {whole} | {} |", runs.iter().map(|r| format!("{:.2} ms", ms(r.total))).collect::<Vec<_>>().join(" | "))?;
     Ok(())
 }
 
