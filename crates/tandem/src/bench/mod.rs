@@ -499,10 +499,7 @@ fn kernels(
             let ceiling = || read_buffer.bandwidth(&pool, decode_bytes[f] as usize, 2);
             let before = ceiling();
             let t = Instant::now();
-            for _ in 0..decode_tokens {
-                let id = argmax(&st.last_logits[..vocab.min(st.last_logits.len())]);
-                net.decode_batch(&pool, &[id], &mut [&mut st])?;
-            }
+            greedy_steps(net, pool, &mut st, decode_tokens, vocab)?;
             let seconds = t.elapsed().as_secs_f64();
             // Before and after: the machine's bandwidth drifts under other tenants' load.
             let after = ceiling();
@@ -611,13 +608,7 @@ fn kernels(
     for (q, net) in &nets {
         let mut st = State::new(&net.config);
         net.forward(pool, &prompt_of(13), &mut st, Logits::Last)?;
-        let phases = timed_phases(|| {
-            for _ in 0..decode_tokens {
-                let id = argmax(&st.last_logits[..vocab.min(st.last_logits.len())]);
-                net.decode_batch(pool, &[id], &mut [&mut st])?;
-            }
-            Ok(())
-        })?;
+        let phases = timed_phases(|| greedy_steps(net, pool, &mut st, decode_tokens, vocab))?;
         for (p, d) in &phases.taken {
             rec.run("decode_phases", serde_json::json!({"weights": q, "steps": decode_tokens, "threads": threads, "phase": p.name(), "seconds": d.as_secs_f64()}));
         }
@@ -625,14 +616,12 @@ fn kernels(
     }
     writeln!(rec.report, "\n## Where a decode step's time goes ({spec}, {threads} threads, the mean of {decode_tokens} steps after a 13-token prompt)\n")?;
     phase_table(rec, &nets, &steps, "whole step", decode_tokens)?;
-    let rate = |bytes: usize, phase: tandem_core::backend::cpu::profile::Phase, p: &PhaseTimes| {
-        let d = p.taken.iter().find(|(q, _)| *q == phase).map_or(0.0, |(_, d)| d.as_secs_f64());
-        format!("{:.1} GB/s", bytes as f64 * decode_tokens as f64 / d / 1e9)
-    };
     {
         use tandem_core::backend::cpu::profile::Phase;
+        // A phase's bytes over its time in every step (`taken` is in the phases' order).
         let row = |name: &str, bytes: &dyn Fn(&Qwen35) -> usize, phase: Phase| {
-            format!("| {name} | {} |", nets.iter().zip(&steps).map(|((_, net), p)| rate(bytes(net), phase, p)).collect::<Vec<_>>().join(" | "))
+            let rates = nets.iter().zip(&steps).map(|((_, net), p)| format!("{:.1} GB/s", (bytes(net) * decode_tokens) as f64 / p.taken[phase as usize].1.as_secs_f64() / 1e9));
+            format!("| {name} | {} |", rates.collect::<Vec<_>>().join(" | "))
         };
         writeln!(rec.report, "{}", row("layer products read at", &|n| n.weight_bytes_per_token() - n.lm_head_bytes(), Phase::Products))?;
         writeln!(rec.report, "{}", row("LM head read at", &|n| n.lm_head_bytes(), Phase::LmHead))?;
@@ -714,6 +703,16 @@ fn kernels(
         let (w, s) = (net.weight_bytes() as f64 / 1e9, st.bytes() as f64 / 1e9);
         writeln!(rec.report, "| {q} | {w:.2} GB | {:.0} MB | {peak_gb:.2} GB | {:.2} |", s * 1e3, peak_gb / (w + s))?;
         rec.run("memory", serde_json::json!({"weights": q, "prompt_tokens": memory_prompt, "generated": 8, "weight_gb": w, "state_gb": s, "peak_rss_gb": peak_gb}));
+    }
+    Ok(())
+}
+
+/// `steps` greedy decode steps of one sequence from `st` (the argmax over the sampleable
+/// `vocab`).
+fn greedy_steps(net: &Qwen35, pool: &tandem_core::backend::cpu::pool::Pool, st: &mut State, steps: usize, vocab: usize) -> Result<()> {
+    for _ in 0..steps {
+        let id = argmax(&st.last_logits[..vocab.min(st.last_logits.len())]);
+        net.decode_batch(pool, &[id], &mut [st])?;
     }
     Ok(())
 }

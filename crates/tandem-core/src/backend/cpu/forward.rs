@@ -123,14 +123,14 @@ impl Qwen35 {
             time(Phase::NormsResidual).run(|| add_rows(pass.pool, &mut x, &mixed, h));
         }
 
+        for seg in segs.iter_mut() {
+            seg.state.position += seg.valid;
+        }
         let rows: Vec<usize> = match which {
             Logits::All => segs[0].rows.clone().take(segs[0].valid).collect(),
             Logits::Last => segs.iter().map(|s| s.rows.start + s.valid - 1).collect(),
             Logits::Skip => {
-                for seg in segs.iter_mut() {
-                    seg.state.position += seg.valid;
-                    seg.state.last_logits.clear();
-                }
+                segs.iter_mut().for_each(|seg| seg.state.last_logits.clear());
                 return Vec::new();
             }
         };
@@ -140,9 +140,6 @@ impl Qwen35 {
         }
         rms_norm_inplace(&mut final_x, &self.final_norm, c.rms_norm_eps);
         let (n, v) = (rows.len(), c.vocab_size);
-        for seg in segs.iter_mut() {
-            seg.state.position += seg.valid;
-        }
         // Each row's logits in the one-token order, as a decode step computes them: a token's
         // logits then have the same bits whichever call and kernels produced its hidden state.
         let lm_head = |out: &mut [f32]| {
