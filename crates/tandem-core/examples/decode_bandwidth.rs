@@ -1,8 +1,9 @@
 //! Where a one-sequence decode step falls short of the read bandwidth: a plain read and the
 //! bench's four-stream read of 512 MB, the synthetic model's matrices each through the decode
 //! GEMV alone (GB/s against a plain read of as many bytes on the same pool; the small ones are
-//! then in cache, unlike in a step), then whole decode steps against the bytes they read, and
-//! their time by phase.
+//! then in cache, unlike in a step), every matrix once as a step reads them (and each call's
+//! time by shape, against an empty pool call), then whole decode steps against the bytes they
+//! read, and their time by phase.
 //! `cargo run --release --example decode_bandwidth -p tandem-core [THREADS] [bf16|int8] [MODEL]`.
 use std::cell::RefCell;
 use std::time::Instant;
@@ -130,19 +131,45 @@ fn main() {
     });
     let all = all.into_inner();
     let bytes: usize = all.iter().map(|m| m.bytes()).sum();
-    let times: Vec<f64> = (0..5)
+    let xs: Vec<Vec<f32>> = all.iter().map(|m| vec![0.01; m.cols]).collect();
+    let mut outs: Vec<Vec<f32>> = all.iter().map(|m| vec![0f32; m.rows]).collect();
+    // Each call's time too: within a stream of every matrix, a small matrix comes from memory as
+    // in a step, and its time against its bytes shows what a call costs beyond its reading.
+    let mut per_call: Vec<Vec<f64>> = vec![Vec::new(); all.len()];
+    let times: Vec<f64> = (0..7)
         .map(|_| {
             let t = Instant::now();
-            for m in &all {
-                let x: Vec<f32> = vec![0.01; m.cols];
-                let mut out = vec![0f32; m.rows];
-                decode_group(&pool, &x, 1, &mut [(m, &mut out)]);
+            for (i, m) in all.iter().enumerate() {
+                let c = Instant::now();
+                decode_group(&pool, &xs[i], 1, &mut [(m, &mut outs[i])]);
+                per_call[i].push(c.elapsed().as_secs_f64());
             }
             t.elapsed().as_secs_f64()
         })
         .collect();
     let t = median(times);
     println!("every matrix once, one GEMV each: {:.2} ms, {:.0} MB, {:.1} GB/s", t * 1e3, bytes as f64 / 1e6, bytes as f64 / t / 1e9);
+    let empty = median((0..7).map(|_| {
+        let t = Instant::now();
+        for _ in 0..100 {
+            pool.run(&|_| {});
+        }
+        t.elapsed().as_secs_f64() / 100.0
+    }).collect());
+    println!("an empty pool call: {:.2} µs", empty * 1e6);
+    println!("| matrix (in that stream) | MB | calls | µs per call (median) | GB/s |");
+    let mut shapes: Vec<(usize, usize)> = Vec::new();
+    for m in &all {
+        if !shapes.contains(&(m.rows, m.cols)) {
+            shapes.push((m.rows, m.cols));
+        }
+    }
+    for shape in shapes {
+        let of_shape: Vec<usize> = (0..all.len()).filter(|&i| (all[i].rows, all[i].cols) == shape).collect();
+        let call = median(of_shape.iter().flat_map(|&i| per_call[i].iter().copied()).collect());
+        let mb = all[of_shape[0]].bytes() as f64;
+        println!("| {}x{} | {:.2} | {} | {:.1} | {:.1} |", shape.0, shape.1, mb / 1e6, of_shape.len(), call * 1e6, mb / call / 1e9);
+    }
     let mut st = State::new(&net.config);
     net.forward(&pool, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], &mut st, tandem_core::model::Logits::Last).unwrap();
     let times: Vec<f64> = (0..24)
