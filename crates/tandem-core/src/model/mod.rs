@@ -1,9 +1,10 @@
 //! The model: its config (mirroring config.json), the checkpoint's tensors (safetensors,
-//! memory-mapped), weights in their stored dtype or int8, the Qwen3.5 decoder's weights and
+//! memory-mapped; GGUF files, `gguf`), weights in their stored dtype or int8, the Qwen3.5 decoder's weights and
 //! description, synthetic models of the published shapes, and loading any of them by name.
 
 pub mod checkpoint;
 pub mod config;
+pub mod gguf;
 pub mod load;
 pub mod quant;
 mod qwen35;

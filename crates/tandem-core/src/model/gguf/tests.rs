@@ -1,0 +1,332 @@
+use super::*;
+use crate::model::tensor::HeapStorage;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gguf").join(name)
+}
+
+fn parse_bytes(bytes: Vec<u8>) -> Result<GgufFile> {
+    GgufFile::parse(Path::new("test.gguf"), Arc::new(HeapStorage(bytes)))
+}
+
+/// A GGUF file built field by field, to make valid files and damage them on purpose.
+struct Writer {
+    kv: Vec<u8>,
+    kv_count: u64,
+    infos: Vec<u8>,
+    data: Vec<u8>,
+    tensor_count: u64,
+    alignment: usize,
+}
+
+impl Writer {
+    fn new() -> Writer {
+        Writer { kv: Vec::new(), kv_count: 0, infos: Vec::new(), data: Vec::new(), tensor_count: 0, alignment: 32 }
+    }
+
+    fn string(out: &mut Vec<u8>, s: &str) {
+        out.extend((s.len() as u64).to_le_bytes());
+        out.extend(s.as_bytes());
+    }
+
+    /// A metadata entry of type `kind` whose value is already encoded.
+    fn kv_raw(&mut self, key: &str, kind: u32, value: &[u8]) -> &mut Self {
+        Self::string(&mut self.kv, key);
+        self.kv.extend(kind.to_le_bytes());
+        self.kv.extend(value);
+        self.kv_count += 1;
+        self
+    }
+
+    fn kv_str(&mut self, key: &str, s: &str) -> &mut Self {
+        let mut v = Vec::new();
+        Self::string(&mut v, s);
+        self.kv_raw(key, 8, &v)
+    }
+
+    /// A tensor at the next aligned offset of the data section.
+    fn tensor(&mut self, name: &str, dims: &[u64], t: GgmlType, bytes: &[u8]) -> &mut Self {
+        let offset = self.data.len().next_multiple_of(self.alignment);
+        self.data.resize(offset, 0);
+        self.data.extend(bytes);
+        self.tensor_raw(name, dims, t.id(), offset as u64)
+    }
+
+    fn tensor_raw(&mut self, name: &str, dims: &[u64], type_id: u32, offset: u64) -> &mut Self {
+        Self::string(&mut self.infos, name);
+        self.infos.extend((dims.len() as u32).to_le_bytes());
+        dims.iter().for_each(|d| self.infos.extend(d.to_le_bytes()));
+        self.infos.extend(type_id.to_le_bytes());
+        self.infos.extend(offset.to_le_bytes());
+        self.tensor_count += 1;
+        self
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend(b"GGUF");
+        out.extend(3u32.to_le_bytes());
+        out.extend(self.tensor_count.to_le_bytes());
+        out.extend(self.kv_count.to_le_bytes());
+        out.extend(&self.kv);
+        out.extend(&self.infos);
+        out.resize(out.len().next_multiple_of(self.alignment), 0);
+        out.extend(&self.data);
+        out
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// A small valid file: two string entries, an f32 matrix and a Q8_0 matrix.
+fn small_file() -> Vec<u8> {
+    let mut w = Writer::new();
+    w.kv_str("general.architecture", "qwen35").kv_raw("qwen35.block_count", 4, &8u32.to_le_bytes());
+    let m: Vec<f32> = (0..6).map(|i| i as f32 * 0.5).collect();
+    w.tensor("a", &[3, 2], GgmlType::F32, &f32_bytes(&m));
+    let mut q8 = vec![0u8; 34 * 2];
+    for (b, block) in q8.chunks_exact_mut(34).enumerate() {
+        block[..2].copy_from_slice(&half::f16::from_f32(0.5 + b as f32).to_le_bytes());
+        for j in 0..32 {
+            block[2 + j] = (j as i8 - 16) as u8;
+        }
+    }
+    w.tensor("b", &[32, 2], GgmlType::Q8_0, &q8);
+    w.bytes()
+}
+
+#[test]
+fn a_small_file_reads_back() {
+    let g = parse_bytes(small_file()).unwrap();
+    assert_eq!(g.version, 3);
+    assert_eq!(g.str("general.architecture").unwrap(), "qwen35");
+    assert_eq!(g.usize("qwen35.block_count").unwrap(), 8);
+    assert_eq!(g.tensors().len(), 2);
+    let a = g.tensor_info("a").unwrap();
+    assert_eq!(a.rows_cols().unwrap(), (2, 3));
+    assert_eq!(g.tensor_f32("a").unwrap(), vec![0.0, 0.5, 1.0, 1.5, 2.0, 2.5]);
+    let b = g.tensor_f32("b").unwrap();
+    assert_eq!(b.len(), 64);
+    assert_eq!((b[0], b[31], b[32], b[63]), (-8.0, 7.5, -24.0, 22.5));
+    // Typed getters name the key and what it is.
+    let e = g.str("qwen35.block_count").unwrap_err().to_string();
+    assert!(e.contains("qwen35.block_count") && e.contains("uint32"), "{e}");
+    let e = g.u64("qwen35.missing").unwrap_err().to_string();
+    assert!(e.contains("test.gguf") && e.contains("qwen35.missing"), "{e}");
+}
+
+/// Every value type, as the `gguf` package wrote them (scripts/gguf_fixtures.py).
+#[test]
+fn metadata_of_every_type_reads_as_the_gguf_package_wrote_it() {
+    let g = GgufFile::open(&fixture("blocks.gguf")).unwrap();
+    let want = [
+        ("test.u8", Value::U8(200)),
+        ("test.i8", Value::I8(-100)),
+        ("test.u16", Value::U16(60000)),
+        ("test.i16", Value::I16(-30000)),
+        ("test.u32", Value::U32(4_000_000_000)),
+        ("test.i32", Value::I32(-2_000_000_000)),
+        ("test.u64", Value::U64((1u64 << 63) + 5)),
+        ("test.i64", Value::I64(-(1i64 << 62))),
+        ("test.f32", Value::F32(0.25)),
+        ("test.f64", Value::F64(-1.5e300)),
+        ("test.bool", Value::Bool(true)),
+        ("test.str", Value::Str("Grüße, GGUF".into())),
+        ("test.strs", Value::Array(vec![Value::Str("a".into()), Value::Str("".into()), Value::Str("ccc".into())])),
+    ];
+    for (key, value) in want {
+        assert_eq!(g.get(key), Some(&value), "{key}");
+    }
+    let ints: Vec<i64> = g.array("test.ints").unwrap().iter().map(|v| v.as_f64().unwrap() as i64).collect();
+    assert_eq!(ints, vec![1, -2, 3]);
+    assert_eq!(g.str("general.architecture").unwrap(), "tandem-test");
+}
+
+/// Each block type's plain dequantizer gives what the `gguf` package's gives on random blocks
+/// (both compute a scale times an integer, minus a minimum, in f32; they may round the scale
+/// products in another order, so agreement is to a few units in the last place).
+#[test]
+fn block_dequantizers_agree_with_the_gguf_package() {
+    let g = GgufFile::open(&fixture("blocks.gguf")).unwrap();
+    let types = [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K];
+    for t in types {
+        let info = g.tensor_info(t.name()).unwrap_or_else(|| panic!("no tensor {}", t.name()));
+        assert_eq!(info.ggml_type, t);
+        assert_eq!(info.rows_cols().unwrap(), (2, 512));
+        let got = g.tensor_f32(t.name()).unwrap();
+        let want = g.tensor_f32(&format!("{}.expected", t.name())).unwrap();
+        assert_eq!(got.len(), want.len());
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!(scale > 0.0, "{}: all zeros", t.name());
+        let mut exact = 0;
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!((a - b).abs() <= 4.0 * f32::EPSILON * scale, "{} value {i}: {a} against {b}", t.name());
+            exact += (a == b) as usize;
+        }
+        // Most values must be the same bits: a layout error moves whole runs of values.
+        assert!(exact * 10 >= got.len() * 9, "{}: only {exact} of {} values equal", t.name(), got.len());
+    }
+}
+
+fn error_of(bytes: Vec<u8>) -> String {
+    match parse_bytes(bytes) {
+        Ok(_) => panic!("the damaged file was accepted"),
+        Err(e) => format!("{e:#}"),
+    }
+}
+
+#[test]
+fn damaged_headers_are_errors_that_name_the_field() {
+    let good = small_file();
+    // Magic, version, endianness.
+    let mut b = good.clone();
+    b[0] = b'X';
+    assert!(error_of(b).contains("not a GGUF file"));
+    let mut b = good.clone();
+    b[4..8].copy_from_slice(&1u32.to_le_bytes());
+    assert!(error_of(b).contains("version 1"));
+    let mut b = good.clone();
+    b[4..8].copy_from_slice(&3u32.to_be_bytes());
+    assert!(error_of(b).contains("big-endian"));
+    // Counts larger than the file can hold: an error, not an allocation.
+    let mut b = good.clone();
+    b[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
+    let e = error_of(b);
+    assert!(e.contains("metadata count") && e.contains("damaged"), "{e}");
+    let mut b = good.clone();
+    b[8..16].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    assert!(error_of(b).contains("tensor count"));
+    // A string longer than the file.
+    let mut b = good.clone();
+    b[24..32].copy_from_slice(&(1u64 << 50).to_le_bytes());
+    assert!(error_of(b).contains("metadata entry 0's key"));
+
+    let check = |w: &Writer, want: &[&str]| {
+        let e = error_of(w.bytes());
+        for s in want {
+            assert!(e.contains(s), "{e:?} lacks {s:?}");
+        }
+    };
+    let mut w = Writer::new();
+    w.kv_raw("k", 13, &[]);
+    check(&w, &["\"k\"", "unknown value type 13"]);
+    let mut w = Writer::new();
+    w.kv_raw("k", 7, &[2]);
+    check(&w, &["bool of value 2"]);
+    let mut w = Writer::new();
+    w.kv_str("k", "x").kv_str("k", "y");
+    check(&w, &["\"k\"", "twice"]);
+    let mut w = Writer::new();
+    w.kv_raw("k", 8, &[3, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xfe, 0xfd]);
+    check(&w, &["\"k\"", "UTF-8"]);
+    // Arrays: an unknown item type, a count past the file, nesting.
+    let mut w = Writer::new();
+    w.kv_raw("k", 9, &[77, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]);
+    check(&w, &["unknown type 77"]);
+    let mut w = Writer::new();
+    let mut v = vec![4, 0, 0, 0];
+    v.extend(u64::MAX.to_le_bytes());
+    w.kv_raw("k", 9, &v);
+    check(&w, &["length of metadata \"k\""]);
+    let mut deep = Vec::new();
+    for _ in 0..5 {
+        deep.extend([9, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]);
+    }
+    let mut w = Writer::new();
+    w.kv_raw("k", 9, &deep);
+    check(&w, &["nests arrays"]);
+    let mut w = Writer::new();
+    w.kv_raw("general.alignment", 4, &24u32.to_le_bytes());
+    check(&w, &["general.alignment", "power of two"]);
+
+    // Tensor table entries.
+    let one = f32_bytes(&[1.0; 32]);
+    let mut w = Writer::new();
+    w.tensor("t", &[32, 1, 1, 1, 1], GgmlType::F32, &one);
+    check(&w, &["\"t\"", "5 dimensions"]);
+    let mut w = Writer::new();
+    w.tensor("t", &[32, 0], GgmlType::F32, &one);
+    check(&w, &["\"t\"", "size 0"]);
+    let mut w = Writer::new();
+    w.tensor_raw("t", &[32], 10, 0);
+    check(&w, &["\"t\"", "Q2_K", "not supported"]);
+    let mut w = Writer::new();
+    w.tensor_raw("t", &[32], 99, 0);
+    check(&w, &["\"t\"", "type 99"]);
+    let mut w = Writer::new();
+    w.tensor("t", &[33], GgmlType::Q8_0, &[0; 34]);
+    check(&w, &["\"t\"", "multiple of Q8_0's block of 32"]);
+    let mut w = Writer::new();
+    w.tensor("t", &[1 << 20, 1 << 20], GgmlType::F32, &one);
+    check(&w, &["\"t\"", "runs past the end"]);
+    let mut w = Writer::new();
+    w.tensor("t", &[u64::MAX / 2, 4], GgmlType::F32, &one);
+    check(&w, &["\"t\"", "overflows"]);
+    let mut w = Writer::new();
+    w.tensor("t", &[32], GgmlType::F32, &one).tensor_raw("u", &[32], 0, 8);
+    check(&w, &["\"u\"", "alignment"]);
+    let mut w = Writer::new();
+    w.tensor("t", &[32], GgmlType::F32, &one).tensor_raw("u", &[32], 0, u64::MAX - 31);
+    check(&w, &["\"u\"", "runs past the end"]);
+    let mut w = Writer::new();
+    w.tensor("t", &[32], GgmlType::F32, &one).tensor("t", &[32], GgmlType::F32, &one);
+    check(&w, &["\"t\"", "twice"]);
+}
+
+/// A file cut anywhere is an error (each cut loses part of a field or of the last tensor).
+#[test]
+fn a_file_cut_anywhere_is_an_error() {
+    let good = small_file();
+    for len in 0..good.len() {
+        let e = match parse_bytes(good[..len].to_vec()) {
+            Ok(_) => panic!("a file cut to {len} of {} bytes was accepted", good.len()),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains("test.gguf"), "cut at {len}: {e}");
+    }
+}
+
+/// Random damage never panics: each damaged file is refused, or read with every tensor inside
+/// the file.
+#[test]
+fn random_damage_is_refused_or_read_within_bounds() {
+    let good = small_file();
+    let fixture = std::fs::read(fixture("blocks.gguf")).unwrap();
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let (mut refused, mut read) = (0, 0);
+    for round in 0..3000 {
+        let mut b = if round % 3 == 0 { fixture.clone() } else { good.clone() };
+        // Damage the header and table mostly (that is where the structure is).
+        let span = if round % 3 == 0 { 2048.min(b.len()) } else { b.len() };
+        for _ in 0..1 + next() % 4 {
+            let at = (next() as usize) % span;
+            b[at] = match next() % 4 {
+                0 => 0xff,
+                1 => 0,
+                _ => next() as u8,
+            };
+        }
+        if next() % 8 == 0 {
+            b.truncate((next() as usize) % b.len());
+        }
+        match parse_bytes(b) {
+            Err(_) => refused += 1,
+            Ok(g) => {
+                read += 1;
+                for t in g.tensors() {
+                    assert!(t.start + t.bytes <= g.storage().bytes().len());
+                    let _ = g.tensor_f32(&t.name).unwrap();
+                }
+            }
+        }
+    }
+    assert!(refused > 0 && read > 0, "refused {refused}, read {read}");
+}
