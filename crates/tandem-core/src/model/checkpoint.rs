@@ -20,6 +20,8 @@ pub struct TensorSet {
     lazy: HashMap<String, (Vec<usize>, Box<dyn Fn() -> Tensor + Send + Sync>)>,
     /// Where the tensors came from, for error messages.
     pub source: String,
+    /// The RMSNorm weights hold `1 + w` already (a GGUF file's do), not the checkpoint's `w`.
+    pub norms_hold_one: bool,
 }
 
 /// Decoder prefixes, in the order they are tried (docs/qwen35.md §1.3).
@@ -27,13 +29,13 @@ const PREFIXES: [&str; 3] = ["model.language_model.", "language_model.model.", "
 
 impl TensorSet {
     pub fn new(tensors: HashMap<String, Tensor>, source: String) -> Self {
-        TensorSet { tensors, lazy: HashMap::new(), source }
+        TensorSet { tensors, lazy: HashMap::new(), source, norms_hold_one: false }
     }
 
     /// A set whose tensors are produced by `make` when taken.
     pub fn lazy(specs: Vec<(String, Vec<usize>, Box<dyn Fn() -> Tensor + Send + Sync>)>, source: String) -> Self {
         let lazy = specs.into_iter().map(|(n, shape, f)| (n, (shape, f))).collect();
-        TensorSet { tensors: HashMap::new(), lazy, source }
+        TensorSet { tensors: HashMap::new(), lazy, source, norms_hold_one: false }
     }
 
     /// Remove and return the tensor `name`, checked against the expected shape.

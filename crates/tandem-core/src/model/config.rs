@@ -131,7 +131,7 @@ impl Qwen35Config {
         Ok(cfg)
     }
 
-    fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         if self.layer_types.len() != self.num_hidden_layers {
             bail!("layer_types has {} entries but num_hidden_layers is {}", self.layer_types.len(), self.num_hidden_layers);
         }

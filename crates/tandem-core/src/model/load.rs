@@ -8,6 +8,7 @@ use anyhow::{bail, Context, Result};
 use crate::chat::ChatTemplate;
 use crate::model::checkpoint::TensorSet;
 use crate::model::config::Qwen35Config;
+use crate::model::gguf::{self, GgufFile};
 use crate::model::{synthetic, Qwen35};
 use crate::backend::cpu::pool::Pool;
 use crate::tokenizer::Tokenizer;
@@ -28,8 +29,8 @@ pub struct LoadedModel {
 }
 
 impl LoadedModel {
-    /// Load `spec`: `synthetic:qwen3.5-0.8b|2b|9b` or a Hugging Face checkpoint directory,
-    /// with the weights as stored.
+    /// Load `spec`: `synthetic:qwen3.5-0.8b|2b|9b`, a Hugging Face checkpoint directory or a
+    /// GGUF file, with the weights as stored.
     pub fn load(spec: &str) -> Result<Self> {
         Self::load_with(spec, None)
     }
@@ -58,7 +59,11 @@ impl LoadedModel {
                 name: spec.to_string(),
             });
         }
-        let dir = Path::new(spec);
+        let path = Path::new(spec);
+        if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+            return Self::load_gguf(spec, int8);
+        }
+        let dir = path;
         if !dir.is_dir() {
             bail!("model {spec:?} is neither a checkpoint directory nor synthetic:NAME (names: {})", synthetic::NAMES.join(", "));
         }
@@ -74,6 +79,26 @@ impl LoadedModel {
         let chat_template = ChatTemplate::from_checkpoint(dir)?.unwrap_or_else(ChatTemplate::chatml);
         let stop_ids = stop_ids(dir, tokenizer.as_ref())?;
         Ok(LoadedModel { net, tokenizer, chat_template, stop_ids, name: spec.to_string() })
+    }
+
+    /// A GGUF file as llama.cpp's converter writes Qwen3.5 (`model::gguf::qwen35`): its
+    /// config, weights, chat template and end-of-sequence id from the file.
+    fn load_gguf(spec: &str, int8: Option<&Pool>) -> Result<Self> {
+        let file = GgufFile::open(Path::new(spec))?;
+        let config = gguf::qwen35::config(&file)?;
+        let mut tensors = gguf::qwen35::tensors(&file, &config)?;
+        let net = Qwen35::load(config, &mut tensors, int8)?;
+        drop(tensors);
+        release_freed_memory();
+        let chat_template = match file.get("tokenizer.chat_template") {
+            Some(gguf::Value::Str(t)) => ChatTemplate::new(t.clone(), format!("{spec} (tokenizer.chat_template)"))?,
+            _ => ChatTemplate::chatml(),
+        };
+        let stop_ids = match file.get("tokenizer.ggml.eos_token_id").and_then(|v| v.as_u64()) {
+            Some(id) => vec![id as u32],
+            None => Vec::new(),
+        };
+        Ok(LoadedModel { net, tokenizer: None, chat_template, stop_ids, name: spec.to_string() })
     }
 
     /// Ids the sampler may choose: the tokenizer's vocabulary, or every logit row without one.

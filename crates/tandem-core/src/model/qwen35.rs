@@ -13,7 +13,7 @@ use crate::model::checkpoint::TensorSet;
 use crate::model::config::{LayerType, Qwen35Config};
 use crate::model::quant::quantize_int8_on;
 use crate::backend::cpu::CpuPrecision;
-use crate::model::tensor::{Matrix, Tensor};
+use crate::model::tensor::Matrix;
 
 #[derive(Clone)]
 pub struct Qwen35 {
@@ -99,7 +99,7 @@ impl Qwen35 {
             // Using the embeddings instead would run, and generate the wrong tokens.
             bail!("tensor lm_head.weight is missing: the config sets tie_word_embeddings to false, so the checkpoint must hold its own output projection (lm_head.weight)");
         };
-        let final_norm = zero_centred(ts.take("norm.weight", &[h])?)?;
+        let final_norm = zero_centred(ts, "norm.weight", &[h])?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for (i, lt) in c.layer_types.iter().enumerate() {
             let p = format!("layers.{i}.");
@@ -112,7 +112,13 @@ impl Qwen35 {
                         c.linear_conv_kernel_dim,
                     );
                     let la = format!("{p}linear_attn.");
-                    let a_log = small(ts, &format!("{la}A_log"), &[hv])?;
+                    // The decay -exp(A_log); a GGUF file holds it computed (`neg_a`).
+                    let neg_a_name = format!("{la}neg_a");
+                    let neg_a = if ts.contains(&neg_a_name) {
+                        small(ts, &neg_a_name, &[hv])?
+                    } else {
+                        small(ts, &format!("{la}A_log"), &[hv])?.iter().map(|a| -a.exp()).collect()
+                    };
                     Mixer::DeltaNet(GatedDeltaNet {
                         in_proj_qkv: matrix(ts, int8, &format!("{la}in_proj_qkv.weight"), &[cd, h])?,
                         in_proj_z: matrix(ts, int8, &format!("{la}in_proj_z.weight"), &[vd, h])?,
@@ -120,7 +126,7 @@ impl Qwen35 {
                         in_proj_a: matrix(ts, int8, &format!("{la}in_proj_a.weight"), &[hv, h])?,
                         conv_taps: transpose(&small(ts, &format!("{la}conv1d.weight"), &[cd, 1, kk])?, cd, kk),
                         dt_bias: small(ts, &format!("{la}dt_bias"), &[hv])?,
-                        neg_a: a_log.iter().map(|a| -a.exp()).collect(),
+                        neg_a,
                         norm: small(ts, &format!("{la}norm.weight"), &[c.linear_value_head_dim])?,
                         out_proj: matrix(ts, int8, &format!("{la}out_proj.weight"), &[h, vd])?,
                     })
@@ -133,15 +139,15 @@ impl Qwen35 {
                         k_proj: matrix(ts, int8, &format!("{sa}k_proj.weight"), &[hkv * d, h])?,
                         v_proj: matrix(ts, int8, &format!("{sa}v_proj.weight"), &[hkv * d, h])?,
                         o_proj: matrix(ts, int8, &format!("{sa}o_proj.weight"), &[h, hq * d])?,
-                        q_norm: zero_centred(ts.take(&format!("{sa}q_norm.weight"), &[d])?)?,
-                        k_norm: zero_centred(ts.take(&format!("{sa}k_norm.weight"), &[d])?)?,
+                        q_norm: zero_centred(ts, &format!("{sa}q_norm.weight"), &[d])?,
+                        k_norm: zero_centred(ts, &format!("{sa}k_norm.weight"), &[d])?,
                     })
                 }
             };
             let f = c.intermediate_size;
             layers.push(DecoderLayer {
-                input_norm: zero_centred(ts.take(&format!("{p}input_layernorm.weight"), &[h])?)?,
-                post_attention_norm: zero_centred(ts.take(&format!("{p}post_attention_layernorm.weight"), &[h])?)?,
+                input_norm: zero_centred(ts, &format!("{p}input_layernorm.weight"), &[h])?,
+                post_attention_norm: zero_centred(ts, &format!("{p}post_attention_layernorm.weight"), &[h])?,
                 mixer,
                 mlp: Mlp {
                     gate_proj: matrix(ts, int8, &format!("{p}mlp.gate_proj.weight"), &[f, h])?,
@@ -344,7 +350,9 @@ fn small(ts: &mut TensorSet, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
     t.to_f32_vec().with_context(|| format!("{}: tensor {}", ts.source, t.name))
 }
 
-/// `1 + w` of a zero-centred RMSNorm weight, computed in f32 like the reference.
-fn zero_centred(t: Tensor) -> Result<Vec<f32>> {
-    Ok(t.to_f32_vec()?.into_iter().map(|w| 1.0 + w).collect())
+/// `1 + w` of a zero-centred RMSNorm weight, computed in f32 like the reference (a GGUF
+/// file holds it so already: `TensorSet::norms_hold_one`).
+fn zero_centred(ts: &mut TensorSet, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+    let w = ts.take(name, shape)?.to_f32_vec()?;
+    Ok(if ts.norms_hold_one { w } else { w.into_iter().map(|w| 1.0 + w).collect() })
 }

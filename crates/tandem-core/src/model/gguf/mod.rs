@@ -10,6 +10,7 @@
 //! weight `[rows, cols]` is stored with `dims = [cols, rows]`.
 
 pub mod blocks;
+pub mod qwen35;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -330,3 +330,132 @@ fn random_damage_is_refused_or_read_within_bounds() {
     }
     assert!(refused > 0 && read > 0, "refused {refused}, read {read}");
 }
+
+mod qwen35_files {
+    use crate::backend::cpu::pool::Pool;
+    use crate::model::load::LoadedModel;
+    use crate::model::{Logits, Mixer};
+    use crate::state::State;
+
+    fn load(name: &str) -> LoadedModel {
+        let path = super::fixture(name);
+        LoadedModel::load(path.to_str().unwrap()).unwrap_or_else(|e| panic!("{name}: {e:#}"))
+    }
+
+    fn checkpoint() -> LoadedModel {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
+        LoadedModel::load(dir.to_str().unwrap()).unwrap()
+    }
+
+    /// Logits of every position of a prompt, and 12 greedy ids after it.
+    fn run(m: &LoadedModel) -> (Vec<f32>, Vec<u32>) {
+        let pool = Pool::new(2);
+        let prompt = [3u32, 141, 59, 26, 535, 897, 12, 1000, 7, 64, 300, 2];
+        let mut st = State::new(&m.net.config);
+        let logits = m.net.forward(&pool, &prompt, &mut st, Logits::All).unwrap();
+        let mut ids = Vec::new();
+        for _ in 0..12 {
+            let l = &st.last_logits;
+            let next = (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b]).then(b.cmp(&a))).unwrap() as u32;
+            ids.push(next);
+            m.net.decode_batch(&pool, &[next], &mut [&mut st]).unwrap();
+        }
+        (logits, ids)
+    }
+
+    /// The golden fixture written as llama.cpp's converter writes Qwen3.5 (its value heads
+    /// tiled, norms as 1 + w, A as -exp(A_log)) loads into the same model: the same config, the
+    /// same matrices bit for bit, the same norms, the decay within a few units in the last place
+    /// (the file's was computed by numpy's f32 exp, the checkpoint's by Rust's; the converter
+    /// uses PyTorch's), so the same greedy ids and logits within that rounding's effect.
+    #[test]
+    fn a_bf16_gguf_file_is_the_checkpoint_it_was_converted_from() {
+        let (a, b) = (checkpoint(), load("qwen35-tiny-bf16.gguf"));
+        assert_eq!(a.net.config, b.net.config);
+        assert_eq!(b.stop_ids, vec![7]);
+        assert!(b.chat_template.render(&[crate::chat::Message::new("user", "hi")], false, false).unwrap().contains("<|im_start|>user\nhi"));
+        let bytes = |m: &crate::model::tensor::Matrix| {
+            let mut v = vec![0f32; m.cols];
+            (0..m.rows).flat_map(|r| {
+                m.row_to_f32(r, &mut v);
+                v.clone()
+            }).collect::<Vec<f32>>()
+        };
+        assert!(bytes(&a.net.lm_head) == bytes(&b.net.lm_head));
+        assert_eq!(a.net.final_norm, b.net.final_norm);
+        for (i, (la, lb)) in a.net.layers.iter().zip(&b.net.layers).enumerate() {
+            assert_eq!(la.input_norm, lb.input_norm, "layer {i}");
+            assert_eq!(la.post_attention_norm, lb.post_attention_norm, "layer {i}");
+            assert!(bytes(&la.mlp.down_proj) == bytes(&lb.mlp.down_proj), "layer {i}");
+            match (&la.mixer, &lb.mixer) {
+                (Mixer::DeltaNet(x), Mixer::DeltaNet(y)) => {
+                    for (name, p, q) in [("in_proj_qkv", &x.in_proj_qkv, &y.in_proj_qkv), ("in_proj_z", &x.in_proj_z, &y.in_proj_z), ("in_proj_b", &x.in_proj_b, &y.in_proj_b), ("in_proj_a", &x.in_proj_a, &y.in_proj_a), ("out_proj", &x.out_proj, &y.out_proj)] {
+                        assert!(bytes(p) == bytes(q), "layer {i} {name}");
+                    }
+                    assert_eq!(x.conv_taps, y.conv_taps, "layer {i}");
+                    assert_eq!(x.dt_bias, y.dt_bias, "layer {i}");
+                    assert_eq!(x.norm, y.norm, "layer {i}");
+                    for (p, q) in x.neg_a.iter().zip(&y.neg_a) {
+                        assert!((p.to_bits() as i64 - q.to_bits() as i64).abs() <= 4, "layer {i} decay {p} against {q}");
+                    }
+                }
+                (Mixer::Attention(x), Mixer::Attention(y)) => {
+                    assert!(bytes(&x.q_proj) == bytes(&y.q_proj) && bytes(&x.o_proj) == bytes(&y.o_proj), "layer {i}");
+                    assert_eq!((&x.q_norm, &x.k_norm), (&y.q_norm, &y.k_norm), "layer {i}");
+                }
+                _ => panic!("layer {i} has another kind"),
+            }
+        }
+        let ((la, ia), (lb, ib)) = (run(&a), run(&b));
+        assert_eq!(ia, ib);
+        let scale = la.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = la.iter().zip(&lb).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(worst <= 1e-5 * scale, "largest logit difference {worst} (logits up to {scale})");
+    }
+
+    /// Q8_0 matrices (dequantized by the plain reference; each weight within half a step of
+    /// its block's 1/127) move the logits about as far as tandem's own int8 does (measured on
+    /// this prompt: 0.558 and 0.543 of logits up to 3.9; the tiny model's random weights
+    /// amplify any rounding), so within 1.25x of int8's.
+    #[test]
+    fn a_q8_0_gguf_file_is_no_further_from_its_checkpoint_than_int8() {
+        let (a, b) = (checkpoint(), load("qwen35-tiny-q8_0.gguf"));
+        assert_eq!(a.net.config, b.net.config);
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
+        let int8 = LoadedModel::load_int8(dir.to_str().unwrap(), &Pool::new(1)).unwrap();
+        let (la, _) = run(&a);
+        let worst = |m: &LoadedModel| run(m).0.iter().zip(&la).fold(0f32, |w, (x, y)| w.max((x - y).abs()));
+        let (q8_0, int8) = (worst(&b), worst(&int8));
+        let scale = la.iter().fold(0f32, |m, v| m.max(v.abs()));
+        eprintln!("largest logit difference from the checkpoint: Q8_0 {q8_0}, int8 {int8} (logits up to {scale})");
+        assert!(q8_0 > 0.0, "quantized logits equal the checkpoint's: the file was not read quantized");
+        assert!(q8_0 <= 1.25 * int8, "Q8_0 {q8_0} against int8 {int8}");
+    }
+
+    /// A file that is not Qwen3.5, or lacks or misnames a tensor, is refused with its name.
+    #[test]
+    fn a_wrong_gguf_model_is_an_error_naming_what_is_wrong() {
+        let good = std::fs::read(super::fixture("qwen35-tiny-bf16.gguf")).unwrap();
+        let dir = std::env::temp_dir().join(format!("tandem-gguf-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let with = |from: &str, to: &str| {
+            assert_eq!(from.len(), to.len());
+            let mut b = good.clone();
+            let at = b.windows(from.len()).position(|w| w == from.as_bytes()).unwrap_or_else(|| panic!("{from} not in the file"));
+            b[at..at + to.len()].copy_from_slice(to.as_bytes());
+            let path = dir.join(format!("{to}.gguf"));
+            std::fs::write(&path, b).unwrap();
+            match LoadedModel::load(path.to_str().unwrap()) {
+                Ok(_) => panic!("{from} -> {to} was accepted"),
+                Err(e) => format!("{e:#}"),
+            }
+        };
+        let e = with("qwen35", "llama7");
+        assert!(e.contains("general.architecture") && e.contains("llama7"), "{e}");
+        let e = with("blk.0.ssm_out.weight", "blk.0.ssm_oux.weight");
+        assert!(e.contains("blk.0.ssm_oux.weight"), "{e}");
+        let e = with("output_norm.weight", "outpux_norm.weight");
+        assert!(e.contains("norm.weight") && e.contains("missing"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
