@@ -32,6 +32,7 @@ USAGE:
 
 MODELS:
   a Hugging Face Qwen3.5 checkpoint directory (config.json + safetensors), or
+  a GGUF file as llama.cpp converts Qwen3.5 (architecture qwen35), or
   synthetic:qwen3.5-0.8b | synthetic:qwen3.5-2b | synthetic:qwen3.5-9b (real shapes, random weights)
   synthetic:tiny (the real vocabulary at small widths: tests and smoke runs)
 

@@ -40,6 +40,28 @@ fn verify_fast_reports_its_error_and_passes_against_its_arithmetic() {
     assert!(!o.status.success() && stderr(&o).contains("--precision fast is the CPU engine's"), "{}", stderr(&o));
 }
 
+/// A GGUF file of the fixture, as llama.cpp's converter writes Qwen3.5: `verify` passes on it
+/// and `generate` prints the checkpoint's ids, in one engine and across the hybrid bridge.
+#[test]
+fn a_gguf_file_verifies_and_generates_as_its_checkpoint() {
+    let gguf = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gguf/qwen35-tiny-bf16.gguf").to_string_lossy().into_owned();
+    let reference = format!("{}/reference.safetensors", tiny());
+    let o = tandem(&["verify", "--model", &gguf, "--reference", &reference]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && out.contains("95 of 95 checks within tolerance"), "{out}\n{}", stderr(&o));
+    let ids = |model: &str, extra: &[&str]| {
+        let mut args = vec!["generate", "--model", model, "--token-ids", "3,141,59,26,535", "--max-tokens", "12", "--ids-out"];
+        args.extend(extra);
+        let o = tandem(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or_default().to_string()
+    };
+    let want = ids(&tiny(), &[]);
+    assert_eq!(want.split(',').count(), 12, "{want}");
+    assert_eq!(ids(&gguf, &[]), want);
+    assert_eq!(ids(&gguf, &["--prefill", "cpu:cores=0", "--decode", "cpu:cores=0"]), want);
+}
+
 #[test]
 fn generate_from_token_ids_prints_ids_and_a_summary() {
     // The tiny checkpoint has no tokenizer: ids in, ids out. Greedy ids of fixture prompt p1.

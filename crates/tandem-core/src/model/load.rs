@@ -82,7 +82,7 @@ impl LoadedModel {
     }
 
     /// A GGUF file as llama.cpp's converter writes Qwen3.5 (`model::gguf::qwen35`): its
-    /// config, weights, chat template and end-of-sequence id from the file.
+    /// config, weights, tokenizer, chat template and end-of-sequence ids from the file.
     fn load_gguf(spec: &str, int8: Option<&Pool>) -> Result<Self> {
         let file = GgufFile::open(Path::new(spec))?;
         let config = gguf::qwen35::config(&file)?;
@@ -90,15 +90,20 @@ impl LoadedModel {
         let net = Qwen35::load(config, &mut tensors, int8)?;
         drop(tensors);
         release_freed_memory();
+        let tokenizer = gguf::tokenizer::tokenizer(&file)?;
+        release_freed_memory();
         let chat_template = match file.get("tokenizer.chat_template") {
             Some(gguf::Value::Str(t)) => ChatTemplate::new(t.clone(), format!("{spec} (tokenizer.chat_template)"))?,
             _ => ChatTemplate::chatml(),
         };
-        let stop_ids = match file.get("tokenizer.ggml.eos_token_id").and_then(|v| v.as_u64()) {
-            Some(id) => vec![id as u32],
-            None => Vec::new(),
-        };
-        Ok(LoadedModel { net, tokenizer: None, chat_template, stop_ids, name: spec.to_string() })
+        // The file's end-of-sequence and end-of-turn ids, and the chat format's own ends.
+        let mut stop_ids: Vec<u32> = ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"].iter().filter_map(|k| file.get(k).and_then(|v| v.as_u64())).map(|id| id as u32).collect();
+        if let Some(t) = &tokenizer {
+            stop_ids.extend(["<|im_end|>", "<|endoftext|>"].iter().filter_map(|s| t.token_id(s)));
+        }
+        stop_ids.sort_unstable();
+        stop_ids.dedup();
+        Ok(LoadedModel { net, tokenizer, chat_template, stop_ids, name: spec.to_string() })
     }
 
     /// Ids the sampler may choose: the tokenizer's vocabulary, or every logit row without one.

@@ -11,6 +11,7 @@
 
 pub mod blocks;
 pub mod qwen35;
+pub mod tokenizer;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -44,6 +44,22 @@ impl Writer {
         self.kv_raw(key, 8, &v)
     }
 
+    fn kv_array(&mut self, key: &str, item: u32, items: &[Vec<u8>]) -> &mut Self {
+        let mut v = item.to_le_bytes().to_vec();
+        v.extend((items.len() as u64).to_le_bytes());
+        items.iter().for_each(|i| v.extend(i));
+        self.kv_raw(key, 9, &v)
+    }
+
+    fn kv_strs(&mut self, key: &str, items: &[String]) -> &mut Self {
+        let items: Vec<Vec<u8>> = items.iter().map(|s| {
+            let mut v = Vec::new();
+            Self::string(&mut v, s);
+            v
+        }).collect();
+        self.kv_array(key, 8, &items)
+    }
+
     /// A tensor at the next aligned offset of the data section.
     fn tensor(&mut self, name: &str, dims: &[u64], t: GgmlType, bytes: &[u8]) -> &mut Self {
         let offset = self.data.len().next_multiple_of(self.alignment);
@@ -329,6 +345,48 @@ fn random_damage_is_refused_or_read_within_bounds() {
         }
     }
     assert!(refused > 0 && read > 0, "refused {refused}, read {read}");
+}
+
+/// The Qwen3.5 tokenizer stored as llama.cpp's converter stores it (tokens by id, their types,
+/// merges as "a b", the pre-tokenizer's name) encodes and decodes as the tokenizer.json it came
+/// from.
+#[test]
+fn a_tokenizer_stored_in_gguf_metadata_is_the_one_it_came_from() {
+    let asset = std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/qwen3.5/tokenizer.json")).unwrap();
+    let want = crate::tokenizer::Tokenizer::from_bytes(&asset).unwrap();
+    let json: serde_json::Value = serde_json::from_slice(&asset).unwrap();
+    let vocab = json["model"]["vocab"].as_object().unwrap();
+    let added = json["added_tokens"].as_array().unwrap();
+    let n = vocab.len() + added.len();
+    let (mut tokens, mut types) = (vec![String::new(); n], vec![0i32; n]);
+    for (t, id) in vocab {
+        let id = id.as_u64().unwrap() as usize;
+        (tokens[id], types[id]) = (t.clone(), 1);
+    }
+    for a in added {
+        let id = a["id"].as_u64().unwrap() as usize;
+        (tokens[id], types[id]) = (a["content"].as_str().unwrap().to_string(), if a["special"].as_bool().unwrap() { 3 } else { 4 });
+    }
+    let merges: Vec<String> = json["model"]["merges"].as_array().unwrap().iter().map(|m| format!("{} {}", m[0].as_str().unwrap(), m[1].as_str().unwrap())).collect();
+    let file = |pre: &str| {
+        let mut w = Writer::new();
+        w.kv_str("tokenizer.ggml.model", "gpt2").kv_str("tokenizer.ggml.pre", pre).kv_strs("tokenizer.ggml.tokens", &tokens).kv_strs("tokenizer.ggml.merges", &merges);
+        let types: Vec<Vec<u8>> = types.iter().map(|t| t.to_le_bytes().to_vec()).collect();
+        w.kv_array("tokenizer.ggml.token_type", 5, &types);
+        parse_bytes(w.bytes()).unwrap()
+    };
+    let got = tokenizer::tokenizer(&file("qwen35")).unwrap().expect("a tokenizer");
+    assert_eq!(got.vocab_size(), want.vocab_size());
+    for text in ["Hello, world!", "<|im_start|>user\nWie geht's? 12345 ...\n\n  indented\tcode()<|im_end|>", "数字 ١٢٣ and émojis 🎉🎉", "  leading spaces and a <think>\n</think> block", ""] {
+        let ids = want.encode(text).unwrap();
+        assert_eq!(got.encode(text).unwrap(), ids, "{text:?}");
+        assert_eq!(got.decode(&ids).unwrap(), want.decode(&ids).unwrap(), "{text:?}");
+    }
+    for id in [0u32, 248044, 248045, 248046] {
+        assert_eq!(got.is_special(id), want.is_special(id), "id {id}");
+    }
+    let e = tokenizer::tokenizer(&file("llama-bpe")).err().expect("an unknown pre-tokenizer was accepted").to_string();
+    assert!(e.contains("llama-bpe") && e.contains("tokenizer.ggml.pre"), "{e}");
 }
 
 mod qwen35_files {
