@@ -27,7 +27,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     let generation_params = sampling(&args)?;
     let spec = args.required("model")?;
     let model = crate::load_model(spec, &args)?;
-    let tok = model.tokenizer.as_ref().with_context(|| format!("{spec} has no tokenizer.json; chat needs one"))?;
+    let tok = model.tokenizer.as_ref().with_context(|| format!("{spec} has no {}; chat needs one", model.tokenizer_source()))?;
     let scaffold = Scaffold::from_template(&model.chat_template, args.str("system"), args.flag("enable-thinking"))?;
     let generation = RequestParams {
         max_tokens: args.get("max-tokens", 512)?,

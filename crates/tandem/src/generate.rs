@@ -111,7 +111,7 @@ fn prompts(args: &Args, model: &LoadedModel) -> Result<Vec<Vec<u32>>> {
         (true, Some(ids)) => return Ok(vec![crate::parse_ids(ids)?]),
         (false, None) => {}
     }
-    let tok = model.tokenizer.as_ref().with_context(|| format!("{} has no tokenizer.json: give --token-ids instead of text", model.name))?;
+    let tok = model.tokenizer.as_ref().with_context(|| format!("{} has no {}: give --token-ids instead of text", model.name, model.tokenizer_source()))?;
     texts
         .iter()
         .map(|text| {

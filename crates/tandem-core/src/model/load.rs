@@ -106,6 +106,15 @@ impl LoadedModel {
         Ok(LoadedModel { net, tokenizer, chat_template, stop_ids, name: spec.to_string() })
     }
 
+    /// What holds a tokenizer for this model, for errors when it has none.
+    pub fn tokenizer_source(&self) -> &'static str {
+        if self.name.to_ascii_lowercase().ends_with(".gguf") {
+            "tokenizer (tokenizer.ggml.* metadata)"
+        } else {
+            "tokenizer.json"
+        }
+    }
+
     /// Ids the sampler may choose: the tokenizer's vocabulary, or every logit row without one.
     pub fn sampleable_vocab(&self) -> usize {
         match &self.tokenizer {

@@ -285,7 +285,7 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
     crate::place_weights_for(&mut model, &[&config.prefill, &config.decode]);
     let vocab = model.sampleable_vocab();
     let Some(tokenizer) = model.tokenizer else {
-        bail!("{spec} has no tokenizer.json: the server takes and returns text, so it needs the checkpoint's tokenizer");
+        bail!("{spec} has no {}: the server takes and returns text, so it needs the model's tokenizer", model.tokenizer_source());
     };
     let model_context = model.net.config.max_position_embeddings;
     let max_context: usize = args.get("max-context", model_context)?;
