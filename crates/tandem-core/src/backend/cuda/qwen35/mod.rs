@@ -419,7 +419,10 @@ impl GpuQwen35 {
             let mut data = Vec::with_capacity(parts.len());
             for &(m, name) in parts {
                 let WeightData::Bf16(b) = &m.data else {
-                    bail!("{name}: the CUDA engine runs bf16 weights; this matrix is {:?} (drop --quant for a GPU engine)", m.dtype());
+                    bail!(
+                        "{name}: the CUDA engine runs bf16 weights; this matrix is {} (from --quant, or a GGUF file's quantized or F32 tensors): for a GPU engine drop --quant, or load a BF16 GGUF file or the safetensors checkpoint",
+                        m.dtype()
+                    );
                 };
                 if m.cols % 8 != 0 {
                     bail!("{name}: {} columns; the CUDA GEMV needs a multiple of 8", m.cols);
