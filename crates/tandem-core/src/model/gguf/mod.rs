@@ -31,6 +31,10 @@ const DEFAULT_ALIGNMENT: u64 = 32;
 const MAX_DIMS: u32 = 4;
 /// How deep arrays of arrays may nest (the format allows it; no model's metadata goes past 1).
 const MAX_ARRAY_DEPTH: usize = 3;
+/// The most items one metadata array may hold: a value takes 32 bytes in memory however few it
+/// takes in the file, so a count is held to what models need (the largest, a vocabulary's
+/// merges, is under a million) rather than to what the file's size allows.
+const MAX_ARRAY_ITEMS: u64 = 1 << 24;
 
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -396,6 +400,9 @@ impl<'a> Reader<'a> {
                     k => bail!("{}: {what} is an array of unknown type {k}", self.path.display()),
                 };
                 self.check_count(count, least, &format!("the length of {what}"))?;
+                if count > MAX_ARRAY_ITEMS {
+                    bail!("{}: {what} is an array of {count} items, more than the {MAX_ARRAY_ITEMS} tandem reads", self.path.display());
+                }
                 let mut items = Vec::with_capacity(count as usize);
                 for _ in 0..count {
                     items.push(self.value(item, what, depth + 1)?);

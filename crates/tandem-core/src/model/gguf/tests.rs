@@ -246,6 +246,13 @@ fn damaged_headers_are_errors_that_name_the_field() {
     v.extend(u64::MAX.to_le_bytes());
     w.kv_raw("k", 9, &v);
     check(&w, &["length of metadata \"k\""]);
+    // More items than any model's metadata has, each one byte in the file.
+    let mut w = Writer::new();
+    let mut v = vec![0, 0, 0, 0];
+    v.extend(((1u64 << 24) + 1).to_le_bytes());
+    v.resize(v.len() + (1 << 24) + 1, 7);
+    w.kv_raw("k", 9, &v);
+    check(&w, &["\"k\"", "16777217 items"]);
     let mut deep = Vec::new();
     for _ in 0..5 {
         deep.extend([9, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]);
