@@ -59,13 +59,12 @@ impl LoadedModel {
                 name: spec.to_string(),
             });
         }
-        let path = Path::new(spec);
-        if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        let dir = Path::new(spec);
+        if dir.is_file() && dir.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
             return Self::load_gguf(spec, int8);
         }
-        let dir = path;
         if !dir.is_dir() {
-            bail!("model {spec:?} is neither a checkpoint directory nor synthetic:NAME (names: {})", synthetic::NAMES.join(", "));
+            bail!("model {spec:?} is neither a checkpoint directory, a .gguf file nor synthetic:NAME (names: {})", synthetic::NAMES.join(", "));
         }
         let config_path = dir.join("config.json");
         let text = std::fs::read_to_string(&config_path).with_context(|| format!("reading {}", config_path.display()))?;

@@ -176,11 +176,7 @@ fn tensor_of(g: &GgufFile, info: &TensorInfo) -> Result<Tensor> {
     };
     Ok(match dtype {
         Some(dtype) => Tensor { name: info.name.clone(), dtype, shape, storage: g.storage().clone(), offset: info.start },
-        None => {
-            let mut values = vec![0f32; info.elements() as usize];
-            super::blocks::dequantize(info.ggml_type, g.tensor_bytes(info), &mut values);
-            Tensor { name: info.name.clone(), dtype: DType::F32, shape, storage: Arc::new(HeapStorage(values)), offset: 0 }
-        }
+        None => Tensor { name: info.name.clone(), dtype: DType::F32, shape, storage: Arc::new(HeapStorage(g.tensor_f32(&info.name)?)), offset: 0 },
     })
 }
 
