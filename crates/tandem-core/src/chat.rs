@@ -72,6 +72,8 @@ pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     /// Where the template came from (a file, "built-in Qwen3.5", "ChatML fallback").
     pub origin: String,
+    /// The template's Jinja text.
+    pub source: String,
 }
 
 /// ChatML, for checkpoints that ship no template.
@@ -97,8 +99,8 @@ impl ChatTemplate {
             let json = serde_json::to_value(&v).map_err(|e| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
             Ok(minijinja::Value::from_safe_string(python_json(&json)))
         });
-        env.add_template_owned("chat", source).with_context(|| format!("{origin}: the chat template does not parse"))?;
-        Ok(ChatTemplate { env, origin })
+        env.add_template_owned("chat", source.clone()).with_context(|| format!("{origin}: the chat template does not parse"))?;
+        Ok(ChatTemplate { env, origin, source })
     }
 
     pub fn chatml() -> Self {

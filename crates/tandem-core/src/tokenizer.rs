@@ -28,6 +28,11 @@ impl Tokenizer {
 
     /// Encode text as the model sees it: special tokens such as `<|im_start|>` written in the
     /// text are matched whole; nothing (no BOS) is added.
+    /// The tokenizer as a tokenizer.json (what `model::gguf::write` stores in a GGUF file).
+    pub fn to_json(&self) -> Result<String> {
+        self.inner.to_string(false).map_err(|e| anyhow!("writing the tokenizer as JSON: {e}"))
+    }
+
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self.inner.encode(text, false).map_err(|e| anyhow!("tokenizing failed: {e}"))?;
         Ok(enc.get_ids().to_vec())

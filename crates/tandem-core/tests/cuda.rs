@@ -134,6 +134,56 @@ fn gpu_prefill_and_decode_match_the_cpu_engine() {
 /// downstream): logits within `TC_LOGIT_REL_TOL` of the largest, the same picks except where
 /// the solo run's best two are closer than that. Both precisions: the same sequences decoded two
 /// or three at a time get what they get in the batch, within the same bounds.
+/// GGML block formats on the GPU (`--quant`: Q8_0 for the fixture's rows of 128, each k-quant
+/// for its down projections' rows of 256; the GEMVs and embedding read the blocks, a prefill's
+/// GEMMs their dequantized weights) against the CPU engine with the same weights: exact
+/// products, a prefill whole and in dispatches, then greedy steps through the CUDA graph
+/// against the CPU's prompt kernels (f32 products of the dequantized weights, as the GPU's),
+/// all within twice the verify tolerance; and an embedding table of blocks.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn block_format_weights_on_the_gpu_match_the_cpu_engine() {
+    use tandem_core::model::quant::Quant;
+    let (gpu0, _turn) = gpu_for("block-format weights on the GPU");
+    let mut gpu0 = Some(gpu0);
+    let tokens = prompt("p4");
+    let pool = Pool::new(2);
+    for name in ["q8_0", "q4_k", "q5_k", "q6_k"] {
+        let mut m = LoadedModel::load_quantized(common::tiny_dir().to_str().unwrap(), Quant::parse(name).unwrap(), &pool).unwrap();
+        if name == "q4_k" {
+            // The embedding table in blocks too (as a GGUF file may hold it).
+            m.net.quantize_embedding(Quant::parse("q8_0").unwrap(), &pool);
+        }
+        let mut cpu = State::new(&m.net.config);
+        let want = m.net.forward(&pool, &tokens, &mut cpu, Logits::All).unwrap();
+        let gpu = GpuQwen35::upload(gpu0.take().unwrap(), &m.net, Precision::Exact).unwrap();
+        for splits in [vec![300], vec![1, 7, 64, 100, 128]] {
+            let mut on_gpu = gpu.new_state().unwrap();
+            let mut got = Vec::new();
+            let mut at = 0;
+            for n in &splits {
+                got.extend(gpu.forward(&tokens[at..at + n], &mut on_gpu, Logits::All).unwrap());
+                at += n;
+            }
+            let err = max_abs_diff(&got, &want);
+            eprintln!("{name} ({}), dispatches {splits:?}: logits differ from the CPU engine's by up to {err:.2e}", m.net.matrix_formats());
+            assert!(err <= 2.0 * LOGIT_TOL, "{name}, dispatches {splits:?}: logits differ by up to {err:.2e}");
+            let err = state_error(&gpu.download_state(&on_gpu).unwrap(), &cpu);
+            assert!(err <= STATE_REL_TOL, "{name}, dispatches {splits:?}: states differ by up to {err:.2e} (relative)");
+            let mut cpu_dec = cpu.clone();
+            for step in 0..8 {
+                let id = argmax(&cpu_dec.last_logits);
+                assert_eq!(argmax(on_gpu.last_logits().unwrap()), id, "{name}, dispatches {splits:?}: decode step {step} picks another token");
+                let g = gpu.forward(&[id], &mut on_gpu, Logits::Last).unwrap();
+                let c = m.net.forward(&pool, &[id], &mut cpu_dec, Logits::Last).unwrap();
+                let err = max_abs_diff(&g, &c);
+                assert!(err <= 2.0 * LOGIT_TOL, "{name}, dispatches {splits:?}: decode step {step}: logits differ by up to {err:.2e}");
+            }
+        }
+        gpu0 = Some(gpu.into_gpu());
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn batched_decode_matches_each_sequence_alone() {
@@ -143,9 +193,16 @@ fn batched_decode_matches_each_sequence_alone() {
     /// step); 1.1e-2 when the GEMV multiplied f32 inputs and the GEMM their bf16 roundings.
     const TC_LOGIT_REL_TOL: f32 = 2e-2;
     let (gpu0, _turn) = gpu_for("the batched decode step");
-    let m = LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap();
     let tokens = prompt("p4");
-    let mut gpu = GpuQwen35::upload(gpu0, &m.net, Precision::Exact).unwrap();
+    let mut gpu0 = Some(gpu0);
+    // As stored (bf16), and in block formats (q4_k: Q8_0 and Q4_K; the tensor-core GEMM takes
+    // the weights dequantized and rounded to bf16, the GEMV exact: within the same bound).
+    for weights in ["bf16", "q4_k"] {
+    let m = match weights {
+        "bf16" => LoadedModel::load(common::tiny_dir().to_str().unwrap()).unwrap(),
+        q => LoadedModel::load_quantized(common::tiny_dir().to_str().unwrap(), tandem_core::model::quant::Quant::parse(q).unwrap(), &Pool::new(2)).unwrap(),
+    };
+    let mut gpu = GpuQwen35::upload(gpu0.take().unwrap(), &m.net, Precision::Exact).unwrap();
     let default_heads_from = gpu.step_heads_from();
     for (precision, gemm_from) in [(Precision::Exact, gpu.decode_gemm_from()), (Precision::TensorCores, 2)] {
         gpu.precision = precision;
@@ -183,7 +240,7 @@ fn batched_decode_matches_each_sequence_alone() {
                         from = to;
                     }
                     for i in 0..running {
-                        let what = format!("{precision:?} from {gemm_from}, graphs {graphs}, mixer per head from {heads_from} sequences, {running} sequences, step {step}: sequence {i} (prompt of {})", lengths[i]);
+                        let what = format!("{weights}, {precision:?} from {gemm_from}, graphs {graphs}, mixer per head from {heads_from} sequences, {running} sequences, step {step}: sequence {i} (prompt of {})", lengths[i]);
                         let want = alone[i].last_logits().unwrap().to_vec();
                         let tol = match precision {
                             Precision::Exact => 2.0 * LOGIT_TOL,
@@ -207,6 +264,8 @@ fn batched_decode_matches_each_sequence_alone() {
                 gpu.graphs = true;
             }
         }
+    }
+    gpu0 = Some(gpu.into_gpu());
     }
 }
 

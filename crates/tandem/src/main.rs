@@ -4,6 +4,7 @@
 mod args;
 mod bench;
 mod chat;
+mod convert;
 mod generate;
 mod http_client;
 mod quality;
@@ -27,8 +28,9 @@ USAGE:
   tandem generate --model M (--prompt TEXT... | --prompts-file FILE | --token-ids 1,2,3) [options]
   tandem chat     --model M [--system TEXT] [options]
   tandem verify   --model DIR --reference FILE [--device cpu|cuda:N] [--precision exact|tensor-cores|fast]
-  tandem bench    [--model M] [--quant bf16,int8] [--quick] ...   (tandem bench --help)
+  tandem bench    [--model M] [--quant bf16,int8,q4_k] [--quick] ...   (tandem bench --help)
   tandem serve    --model M [--port 8000] [engine options] ...    (tandem serve --help)
+  tandem convert  --model M --out FILE.gguf [--quant q4_k]        (tandem convert --help)
 
 MODELS:
   a Hugging Face Qwen3.5 checkpoint directory (config.json + safetensors), or
@@ -68,7 +70,10 @@ ENGINES (generate, chat):
   --threads N | --cores 0,1
                          without --prefill/--decode: one engine on N threads or these cores
                          (default: one engine on all cores)
-  --quant int8           weight-only int8 (per-row scales), quantized at load; default: as stored
+  --quant int8|q8_0|q4_k|q5_k|q6_k
+                         quantize the weights at load: int8 (per-row scales), or GGML's block
+                         formats as GGUF files hold them (q4_k and q5_k: the LM head in Q6_K;
+                         rows not a whole number of 256 in Q8_0); default: as stored
   --isa amx|avx512-dot|avx512|avx2|portable
                          cap the kernels' instruction set (default: the best this CPU has;
                          avx512-dot: with the BF16 and VNNI dot products; amx: and Intel's
@@ -127,6 +132,7 @@ fn main() -> ExitCode {
         }
         Some("serve") => serve::run(&argv[1..]),
         Some("bench") => bench::run(&argv[1..]),
+        Some("convert") => convert::run(&argv[1..]),
         // The receiving end of the cross-process bridge measurement (started by bench).
         Some("state-receive") => bench::pipeline::state_receive(&argv[1..]),
         Some("-h" | "--help" | "help") | None => {
@@ -189,13 +195,15 @@ pub(crate) fn apply_isa(args: &Args) -> Result<()> {
     Ok(())
 }
 
-/// Load a model and apply `--quant` (and `--isa`); int8 quantization runs on all cores.
+/// Load a model and apply `--quant` (and `--isa`); quantization runs on all cores.
 pub(crate) fn load_model(spec: &str, args: &Args) -> Result<LoadedModel> {
     apply_isa(args)?;
     match args.str("quant") {
         None | Some("none") | Some("bf16") => LoadedModel::load(spec),
-        Some("int8") => LoadedModel::load_int8(spec, &Pool::new(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))),
-        Some(other) => bail!("--quant {other:?}: supported are int8 and bf16 (as stored)"),
+        Some(name) => {
+            let quant = tandem_core::model::quant::Quant::parse(name)?;
+            LoadedModel::load_quantized(spec, quant, &Pool::new(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)))
+        }
     }
 }
 
@@ -295,12 +303,14 @@ fn cmd_verify(argv: &[String]) -> Result<ExitCode> {
         worst(false),
         worst(true)
     );
-    if args.str("quant") == Some("int8") && Path::new(args.required("model")?).is_dir() {
-        // What int8 changes, beside the checks: the same prompts through the stored weights.
-        println!("\nint8 against the stored weights on the reference's prompts:\n");
+    let quant = args.str("quant").filter(|q| !matches!(*q, "none" | "bf16"));
+    if let (Some(name), true) = (quant, Path::new(args.required("model")?).is_dir()) {
+        // What the quantization changes, beside the checks: the same prompts through the
+        // stored weights.
+        println!("\n{name} against the stored weights on the reference's prompts:\n");
         println!("| prompt | positions | top-1 agreement (prefill logits) | largest logit difference | greedy ids identical |");
         println!("|---|---|---|---|---|");
-        for row in quality::int8_vs_stored(&pool, args.required("model")?, reference)? {
+        for row in quality::quantized_vs_stored(&pool, args.required("model")?, tandem_core::model::quant::Quant::parse(name)?, reference)? {
             println!("{row}");
         }
     }

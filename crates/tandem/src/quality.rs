@@ -1,4 +1,4 @@
-//! How much `--quant int8` changes the model's outputs, measured against the same model with its
+//! How much `--quant` changes the model's outputs, measured against the same model with its
 //! stored weights on a reference file's prompts: top-1 agreement of the prefill logits at
 //! every position, the largest logit difference, and whether the greedy continuation (16
 //! tokens, fed back through the state) stays identical.
@@ -8,6 +8,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 
 use tandem_core::model::load::LoadedModel;
+use tandem_core::model::quant::Quant;
 use tandem_core::model::{Logits, Qwen35};
 use tandem_core::backend::cpu::pool::Pool;
 use tandem_core::sampling::argmax;
@@ -42,11 +43,11 @@ impl std::fmt::Display for QualityRow {
     }
 }
 
-/// Compare int8 with the stored weights on the prompts (`pK.input_ids`) of a reference file.
-pub fn int8_vs_stored(pool: &Pool, model_dir: &str, reference: &Path) -> Result<Vec<QualityRow>> {
+/// Compare `quant` with the stored weights on the prompts (`pK.input_ids`) of a reference file.
+pub fn quantized_vs_stored(pool: &Pool, model_dir: &str, quant: Quant, reference: &Path) -> Result<Vec<QualityRow>> {
     let model = LoadedModel::load(model_dir)?;
     let mut q = model.net.clone();
-    q.quantize_int8(pool);
+    q.quantize(quant, pool);
     let bytes = std::fs::read(reference).with_context(|| format!("reading {}", reference.display()))?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| anyhow::anyhow!("{}: {e}", reference.display()))?;
     let mut names: Vec<String> = st.names().iter().filter_map(|n| n.strip_suffix(".input_ids")).map(String::from).collect();

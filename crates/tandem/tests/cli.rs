@@ -358,3 +358,53 @@ fn the_prefix_cache_bench_measures_each_workload_on_and_off() {
     }
     assert!(out.contains("| questions alone | off | 1 |"), "{out}");
 }
+
+/// A model written by `tandem convert` (synthetic:tiny in Q8_0 blocks, its rows being too short
+/// for Q4_K's, with the real Qwen3.5 tokenizer and chat template in the file's metadata) runs
+/// from the GGUF file as from where it came: the same greedy ids from a text prompt through the
+/// chat template (the tokenizer and template read from the file), and `tandem serve` on the file
+/// answers a chat completion over HTTP with those ids.
+#[test]
+fn a_converted_gguf_file_chats_and_serves_as_its_source() {
+    use std::io::{Read, Write};
+    let dir = std::env::temp_dir().join(format!("tandem-convert-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let gguf = dir.join("tiny-q8_0.gguf").to_string_lossy().into_owned();
+    let o = tandem(&["convert", "--model", "synthetic:tiny", "--quant", "q8_0", "--out", &gguf, "--threads", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("q8_0"), "{}", stderr(&o));
+    let chat = |model: &str, quant: &[&str]| {
+        let mut args = vec!["generate", "--model", model, "--prompt", "Hello there", "--chat", "--max-tokens", "6", "--ids-out", "--threads", "2"];
+        args.extend(quant);
+        let o = tandem(&args);
+        assert!(o.status.success(), "{model}: {}", stderr(&o));
+        String::from_utf8_lossy(&o.stdout).trim().to_string()
+    };
+    let want = chat("synthetic:tiny", &["--quant", "q8_0"]);
+    assert_eq!(want.split(',').count(), 6, "{want}");
+    assert_eq!(chat(&gguf, &[]), want, "the GGUF file's model, tokenizer and template give other ids");
+    // The server on the file.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let mut server = Command::new(env!("CARGO_BIN_EXE_tandem")).args(["serve", "--model", &gguf, "--port", &port, "--threads", "2"]).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+    let request = |method: &str, path: &str, body: &str| -> Option<String> {
+        let mut s = std::net::TcpStream::connect(format!("127.0.0.1:{port}")).ok()?;
+        s.set_read_timeout(Some(std::time::Duration::from_secs(60))).ok()?;
+        write!(s, "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).ok()?;
+        Some(out)
+    };
+    let started = std::time::Instant::now();
+    while request("GET", "/health", "").is_none_or(|r| !r.starts_with("HTTP/1.1 200")) {
+        assert!(started.elapsed().as_secs() < 120, "the server on {gguf} did not come up");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let reply = request("POST", "/v1/chat/completions", r#"{"messages":[{"role":"user","content":"Hello there"}],"max_tokens":6,"temperature":0,"return_token_ids":true}"#).unwrap();
+    let _ = server.kill();
+    let _ = server.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    let body: serde_json::Value = serde_json::from_str(reply.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+    let ids: Vec<String> = body["choices"][0]["token_ids"].as_array().unwrap_or_else(|| panic!("no token_ids in {body}")).iter().map(|v| v.to_string()).collect();
+    assert_eq!(ids.join(","), want, "the server's reply: {body}");
+}

@@ -164,7 +164,7 @@ pub fn read_safetensors(path: &Path) -> Result<Vec<Tensor>> {
         };
         let (begin, end) = info.data_offsets;
         let numel: usize = info.shape.iter().product();
-        if end > data_len || end - begin != numel * dtype.size() {
+        if end > data_len || end - begin != dtype.bytes_of(numel) {
             bail!(
                 "{}: tensor {name} claims bytes {begin}..{end} but the data section has {data_len} bytes \
                  (shape {:?} {dtype}): the file is truncated or corrupt",

@@ -9,6 +9,7 @@ use crate::chat::ChatTemplate;
 use crate::model::checkpoint::TensorSet;
 use crate::model::config::Qwen35Config;
 use crate::model::gguf::{self, GgufFile};
+use crate::model::quant::Quant;
 use crate::model::{synthetic, Qwen35};
 use crate::backend::cpu::pool::Pool;
 use crate::tokenizer::Tokenizer;
@@ -37,10 +38,15 @@ impl LoadedModel {
 
     /// Load with `--quant int8` (quantized on `pool` while loading).
     pub fn load_int8(spec: &str, pool: &Pool) -> Result<Self> {
-        Self::load_with(spec, Some(pool))
+        Self::load_quantized(spec, Quant::Int8, pool)
     }
 
-    fn load_with(spec: &str, int8: Option<&Pool>) -> Result<Self> {
+    /// Load with `--quant` (quantized on `pool` while loading).
+    pub fn load_quantized(spec: &str, quant: Quant, pool: &Pool) -> Result<Self> {
+        Self::load_with(spec, Some((quant, pool)))
+    }
+
+    fn load_with(spec: &str, quant: Option<(Quant, &Pool)>) -> Result<Self> {
         if let Some(name) = spec.strip_prefix("synthetic:") {
             let config = synthetic::config(name)?;
             // The tokenizer first: parsing it peaks at a few hundred MB that are returned
@@ -49,7 +55,7 @@ impl LoadedModel {
             release_freed_memory();
             release_static(QWEN35_TOKENIZER_JSON);
             let mut tensors = synthetic::tensors(&config, name);
-            let net = Qwen35::load(config, &mut tensors, int8)?;
+            let net = Qwen35::load(config, &mut tensors, quant)?;
             release_freed_memory();
             return Ok(LoadedModel {
                 net,
@@ -61,7 +67,7 @@ impl LoadedModel {
         }
         let dir = Path::new(spec);
         if dir.is_file() && dir.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
-            return Self::load_gguf(spec, int8);
+            return Self::load_gguf(spec, quant);
         }
         if !dir.is_dir() {
             bail!("model {spec:?} is neither a checkpoint directory, a .gguf file nor synthetic:NAME (names: {})", synthetic::NAMES.join(", "));
@@ -73,7 +79,7 @@ impl LoadedModel {
         let tokenizer = if tok_path.exists() { Some(Tokenizer::from_file(&tok_path)?) } else { None };
         release_freed_memory();
         let mut tensors = TensorSet::open_dir(dir)?;
-        let net = Qwen35::load(config, &mut tensors, int8)?;
+        let net = Qwen35::load(config, &mut tensors, quant)?;
         release_freed_memory();
         let chat_template = ChatTemplate::from_checkpoint(dir)?.unwrap_or_else(ChatTemplate::chatml);
         let stop_ids = stop_ids(dir, tokenizer.as_ref())?;
@@ -82,11 +88,11 @@ impl LoadedModel {
 
     /// A GGUF file as llama.cpp's converter writes Qwen3.5 (`model::gguf::qwen35`): its
     /// config, weights, tokenizer, chat template and end-of-sequence ids from the file.
-    fn load_gguf(spec: &str, int8: Option<&Pool>) -> Result<Self> {
+    fn load_gguf(spec: &str, quant: Option<(Quant, &Pool)>) -> Result<Self> {
         let file = GgufFile::open(Path::new(spec))?;
         let config = gguf::qwen35::config(&file)?;
         let mut tensors = gguf::qwen35::tensors(&file, &config)?;
-        let net = Qwen35::load(config, &mut tensors, int8)?;
+        let net = Qwen35::load(config, &mut tensors, quant)?;
         drop(tensors);
         release_freed_memory();
         let tokenizer = gguf::tokenizer::tokenizer(&file)?;

@@ -1,7 +1,9 @@
 //! The model: its config (mirroring config.json), the checkpoint's tensors (safetensors,
-//! memory-mapped; GGUF files, `gguf`), weights in their stored dtype or int8, the Qwen3.5 decoder's weights and
-//! description, synthetic models of the published shapes, and loading any of them by name.
+//! memory-mapped; GGUF files, `gguf`), weights in their stored dtype, int8 or GGML's block
+//! formats (`blocks`, `quant`), the Qwen3.5 decoder's weights and description, synthetic
+//! models of the published shapes, and loading any of them by name.
 
+pub mod blocks;
 pub mod checkpoint;
 pub mod config;
 pub mod gguf;

@@ -11,7 +11,7 @@ use crate::backend::cpu::kernels::rope::{inv_freq, inv_freq_bf16};
 use crate::backend::cpu::pool::Pool;
 use crate::model::checkpoint::TensorSet;
 use crate::model::config::{LayerType, Qwen35Config};
-use crate::model::quant::quantize_int8_on;
+use crate::model::quant::{Quant, Role};
 use crate::backend::cpu::CpuPrecision;
 use crate::model::tensor::Matrix;
 
@@ -80,21 +80,21 @@ pub(crate) struct Mlp {
 
 impl Qwen35 {
     /// Build the model from checkpoint tensors, checking every shape against the config.
-    /// With `int8` (the pool to quantize on), every matrix a forward pass multiplies by is
+    /// With `quant` (and the pool to quantize on), every matrix a forward pass multiplies by is
     /// quantized as soon as it is read, and its stored bytes are released, so the whole model
     /// never sits in memory twice.
-    pub fn load(config: Qwen35Config, ts: &mut TensorSet, int8: Option<&Pool>) -> Result<Self> {
+    pub fn load(config: Qwen35Config, ts: &mut TensorSet, quant: Option<(Quant, &Pool)>) -> Result<Self> {
         let c = &config;
         let (h, v) = (c.hidden_size, c.vocab_size);
         // The embedding table is only looked up (one row per token): it stays as stored.
         let embed_tokens = matrix(ts, None, "embed_tokens.weight", &[v, h])?;
         let lm_head = if c.tie_word_embeddings {
-            match int8 {
-                Some(pool) => quantize_int8_on(pool, &embed_tokens),
+            match quant {
+                Some((q, pool)) => q.apply(pool, &embed_tokens, Role::LmHead),
                 None => embed_tokens.clone(),
             }
         } else if ts.contains("lm_head.weight") {
-            matrix(ts, int8, "lm_head.weight", &[v, h])?
+            matrix(ts, quant, "lm_head.weight", &[v, h])?
         } else {
             // Using the embeddings instead would run, and generate the wrong tokens.
             bail!("tensor lm_head.weight is missing: the config sets tie_word_embeddings to false, so the checkpoint must hold its own output projection (lm_head.weight)");
@@ -120,25 +120,25 @@ impl Qwen35 {
                         small(ts, &format!("{la}A_log"), &[hv])?.iter().map(|a| -a.exp()).collect()
                     };
                     Mixer::DeltaNet(GatedDeltaNet {
-                        in_proj_qkv: matrix(ts, int8, &format!("{la}in_proj_qkv.weight"), &[cd, h])?,
-                        in_proj_z: matrix(ts, int8, &format!("{la}in_proj_z.weight"), &[vd, h])?,
-                        in_proj_b: matrix(ts, int8, &format!("{la}in_proj_b.weight"), &[hv, h])?,
-                        in_proj_a: matrix(ts, int8, &format!("{la}in_proj_a.weight"), &[hv, h])?,
+                        in_proj_qkv: matrix(ts, quant, &format!("{la}in_proj_qkv.weight"), &[cd, h])?,
+                        in_proj_z: matrix(ts, quant, &format!("{la}in_proj_z.weight"), &[vd, h])?,
+                        in_proj_b: matrix(ts, quant, &format!("{la}in_proj_b.weight"), &[hv, h])?,
+                        in_proj_a: matrix(ts, quant, &format!("{la}in_proj_a.weight"), &[hv, h])?,
                         conv_taps: transpose(&small(ts, &format!("{la}conv1d.weight"), &[cd, 1, kk])?, cd, kk),
                         dt_bias: small(ts, &format!("{la}dt_bias"), &[hv])?,
                         neg_a,
                         norm: small(ts, &format!("{la}norm.weight"), &[c.linear_value_head_dim])?,
-                        out_proj: matrix(ts, int8, &format!("{la}out_proj.weight"), &[h, vd])?,
+                        out_proj: matrix(ts, quant, &format!("{la}out_proj.weight"), &[h, vd])?,
                     })
                 }
                 LayerType::FullAttention => {
                     let (hq, hkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
                     let sa = format!("{p}self_attn.");
                     Mixer::Attention(GatedAttention {
-                        q_proj: matrix(ts, int8, &format!("{sa}q_proj.weight"), &[hq * d * 2, h])?,
-                        k_proj: matrix(ts, int8, &format!("{sa}k_proj.weight"), &[hkv * d, h])?,
-                        v_proj: matrix(ts, int8, &format!("{sa}v_proj.weight"), &[hkv * d, h])?,
-                        o_proj: matrix(ts, int8, &format!("{sa}o_proj.weight"), &[h, hq * d])?,
+                        q_proj: matrix(ts, quant, &format!("{sa}q_proj.weight"), &[hq * d * 2, h])?,
+                        k_proj: matrix(ts, quant, &format!("{sa}k_proj.weight"), &[hkv * d, h])?,
+                        v_proj: matrix(ts, quant, &format!("{sa}v_proj.weight"), &[hkv * d, h])?,
+                        o_proj: matrix(ts, quant, &format!("{sa}o_proj.weight"), &[h, hq * d])?,
                         q_norm: zero_centred(ts, &format!("{sa}q_norm.weight"), &[d])?,
                         k_norm: zero_centred(ts, &format!("{sa}k_norm.weight"), &[d])?,
                     })
@@ -150,9 +150,9 @@ impl Qwen35 {
                 post_attention_norm: zero_centred(ts, &format!("{p}post_attention_layernorm.weight"), &[h])?,
                 mixer,
                 mlp: Mlp {
-                    gate_proj: matrix(ts, int8, &format!("{p}mlp.gate_proj.weight"), &[f, h])?,
-                    up_proj: matrix(ts, int8, &format!("{p}mlp.up_proj.weight"), &[f, h])?,
-                    down_proj: matrix(ts, int8, &format!("{p}mlp.down_proj.weight"), &[h, f])?,
+                    gate_proj: matrix(ts, quant, &format!("{p}mlp.gate_proj.weight"), &[f, h])?,
+                    up_proj: matrix(ts, quant, &format!("{p}mlp.up_proj.weight"), &[f, h])?,
+                    down_proj: matrix(ts, quant, &format!("{p}mlp.down_proj.weight"), &[h, f])?,
                 },
             });
         }
@@ -184,7 +184,24 @@ impl Qwen35 {
     /// `--quant int8`: replace every matrix a forward pass multiplies by (the LM head too) with
     /// its int8 quantization. The embedding table stays as stored (one row is read per token).
     pub fn quantize_int8(&mut self, pool: &Pool) {
-        self.map_matrices(|m| quantize_int8_on(pool, m));
+        self.quantize(Quant::Int8, pool);
+    }
+
+    /// `--quant`: replace every matrix a forward pass multiplies by (the LM head too) with its
+    /// quantization. The embedding table stays as stored (one row is read per token).
+    pub fn quantize(&mut self, quant: Quant, pool: &Pool) {
+        self.map_matrices_by_role(|m, role| quant.apply(pool, m, role));
+    }
+
+    /// Store the embedding table in `quant`'s format for the layers (as GGUF files of the local
+    /// runners often hold it: a row is dequantized per token looked up). A tied LM head stays
+    /// the same matrix.
+    pub fn quantize_embedding(&mut self, quant: Quant, pool: &Pool) {
+        let tied = std::ptr::eq(self.lm_head_data_ptr(), self.embed_data_ptr());
+        self.embed_tokens = quant.apply(pool, &self.embed_tokens, Role::Layer);
+        if tied {
+            self.lm_head = self.embed_tokens.clone();
+        }
     }
 
     /// For CPU engines, which read every weight in every decode step: copy the matrices that are
@@ -203,8 +220,13 @@ impl Qwen35 {
 
     /// Replace every matrix a forward pass multiplies by with `f(matrix)`.
     pub fn map_matrices(&mut self, f: impl Fn(&Matrix) -> Matrix) {
-        let q = |m: &mut Matrix| *m = f(m);
-        q(&mut self.lm_head);
+        self.map_matrices_by_role(|m, _| f(m));
+    }
+
+    /// Replace every matrix a forward pass multiplies by with `f(matrix, its role)`.
+    pub fn map_matrices_by_role(&mut self, f: impl Fn(&Matrix, Role) -> Matrix) {
+        self.lm_head = f(&self.lm_head, Role::LmHead);
+        let q = |m: &mut Matrix| *m = f(m, Role::Layer);
         for l in &mut self.layers {
             q(&mut l.mlp.gate_proj);
             q(&mut l.mlp.up_proj);
@@ -261,16 +283,18 @@ impl Qwen35 {
     }
 
     pub(crate) fn lm_head_data_ptr(&self) -> *const u8 {
-        data_ptr(&self.lm_head)
+        self.lm_head.data_ptr()
     }
     pub(crate) fn embed_data_ptr(&self) -> *const u8 {
-        data_ptr(&self.embed_tokens)
+        self.embed_tokens.data_ptr()
     }
 
     /// Floating-point operations (2 per multiply-add) of the layers' projections for one token:
     /// most of a prefill's, and all that runs on tensor cores or in a GEMM.
     pub fn projection_flops_per_token(&self) -> f64 {
-        2.0 * (self.weight_bytes_per_token() - self.lm_head.bytes()) as f64 / self.lm_head.dtype().size() as f64
+        let mut weights = 0;
+        self.for_each_layer_matrix(|m| weights += m.rows * m.cols);
+        2.0 * weights as f64
     }
 
     /// Floating-point operations (2 per multiply-add) of a prefill of `t` tokens from an empty
@@ -306,14 +330,35 @@ impl Qwen35 {
     /// (the embedding lookup reads one row).
     pub fn weight_bytes_per_token(&self) -> usize {
         let mut total = self.lm_head.bytes();
-        for l in &self.layers {
-            total += l.mlp.gate_proj.bytes() + l.mlp.up_proj.bytes() + l.mlp.down_proj.bytes();
-            total += match &l.mixer {
-                Mixer::DeltaNet(d) => d.in_proj_qkv.bytes() + d.in_proj_z.bytes() + d.in_proj_a.bytes() + d.in_proj_b.bytes() + d.out_proj.bytes(),
-                Mixer::Attention(a) => a.q_proj.bytes() + a.k_proj.bytes() + a.v_proj.bytes() + a.o_proj.bytes(),
-            };
-        }
+        self.for_each_layer_matrix(|m| total += m.bytes());
         total
+    }
+
+    /// What the matrices hold, for reports: `layers: 8 q4_k, 40 q8_0; LM head: q6_k`.
+    pub fn matrix_formats(&self) -> String {
+        let mut counts: Vec<(String, usize)> = Vec::new();
+        self.for_each_layer_matrix(|m| {
+            let name = m.dtype().to_string();
+            match counts.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, c)) => *c += 1,
+                None => counts.push((name, 1)),
+            }
+        });
+        let layers: Vec<String> = counts.iter().map(|(n, c)| format!("{c} {n}")).collect();
+        format!("layers: {}; LM head: {}", layers.join(", "), self.lm_head.dtype())
+    }
+
+    /// `f(matrix)` for every matrix of the layers (not the LM head or the embedding).
+    pub fn for_each_layer_matrix(&self, mut f: impl FnMut(&Matrix)) {
+        for l in &self.layers {
+            for m in [&l.mlp.gate_proj, &l.mlp.up_proj, &l.mlp.down_proj] {
+                f(m);
+            }
+            match &l.mixer {
+                Mixer::DeltaNet(d) => [&d.in_proj_qkv, &d.in_proj_z, &d.in_proj_a, &d.in_proj_b, &d.out_proj].into_iter().for_each(&mut f),
+                Mixer::Attention(a) => [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj].into_iter().for_each(&mut f),
+            }
+        }
     }
 }
 
@@ -327,21 +372,14 @@ fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     t
 }
 
-fn data_ptr(m: &Matrix) -> *const u8 {
-    match &m.data {
-        crate::model::tensor::WeightData::Bf16(b) | crate::model::tensor::WeightData::F16(b) => b.as_slice().as_ptr() as *const u8,
-        crate::model::tensor::WeightData::F32(b) => b.as_slice().as_ptr() as *const u8,
-        crate::model::tensor::WeightData::Int8 { q, .. } => q.as_slice().as_ptr() as *const u8,
-    }
-}
-
-/// Take a matrix out of the set; with `int8`, quantize it and release the stored bytes.
-fn matrix(ts: &mut TensorSet, int8: Option<&Pool>, name: &str, shape: &[usize]) -> Result<Matrix> {
+/// Take a matrix out of the set; with `quant`, quantize it (as the LM head for
+/// `lm_head.weight`) and release the stored bytes.
+fn matrix(ts: &mut TensorSet, quant: Option<(Quant, &Pool)>, name: &str, shape: &[usize]) -> Result<Matrix> {
     let t = ts.take(name, shape)?;
     let m = Matrix::from_tensor(&t).with_context(|| format!("{}: tensor {}", ts.source, t.name))?;
-    let Some(pool) = int8 else { return Ok(m) };
-    let q = quantize_int8_on(pool, &m);
-    t.storage.release(t.offset, t.numel() * t.dtype.size());
+    let Some((quant, pool)) = quant else { return Ok(m) };
+    let q = quant.apply(pool, &m, if name == "lm_head.weight" { Role::LmHead } else { Role::Layer });
+    t.storage.release(t.offset, t.dtype.bytes_of(t.numel()));
     Ok(q)
 }
 

@@ -1,11 +1,14 @@
 //! Weight storage: tensors stay in the dtype and the memory they were loaded into
-//! (a memory-mapped safetensors file, or a buffer of the synthetic generator).
-//! No f32 copy of a weight matrix is ever made: the kernels read bf16 / f16 / f32 directly.
+//! (a memory-mapped safetensors or GGUF file, or a buffer of the synthetic generator).
+//! No f32 copy of a weight matrix is ever made: the kernels read bf16 / f16 / f32, int8 and
+//! GGML's block formats directly.
 
 use std::fmt;
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
+
+use crate::model::blocks::{self, BlockFormat};
 
 /// Element type of a stored tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -15,14 +18,27 @@ pub enum DType {
     F32,
     /// Weight-only int8 with one f32 scale per output row (`--quant int8`).
     I8,
+    /// A GGML block format: each row a run of blocks (a GGUF file's quantized tensors, or
+    /// `--quant q4_k` and its siblings).
+    Blocks(BlockFormat),
 }
 
 impl DType {
-    pub fn size(self) -> usize {
+    /// Bytes of `elements` values (for a block format, a whole number of its blocks).
+    pub fn bytes_of(self, elements: usize) -> usize {
         match self {
-            DType::I8 => 1,
-            DType::BF16 | DType::F16 => 2,
-            DType::F32 => 4,
+            DType::I8 => elements,
+            DType::BF16 | DType::F16 => 2 * elements,
+            DType::F32 => 4 * elements,
+            DType::Blocks(f) => f.bytes_of(elements),
+        }
+    }
+
+    /// Bits a value takes (4.5 for Q4_K, its scales included).
+    pub fn bits_per_value(self) -> f64 {
+        match self {
+            DType::Blocks(f) => f.bits_per_value(),
+            other => 8.0 * other.bytes_of(1) as f64,
         }
     }
 }
@@ -34,6 +50,7 @@ impl fmt::Display for DType {
             DType::F16 => "f16",
             DType::F32 => "f32",
             DType::I8 => "int8",
+            DType::Blocks(b) => return write!(f, "{}", b.name().to_ascii_lowercase()),
         })
     }
 }
@@ -233,7 +250,25 @@ impl Tensor {
                 Buf::<u16>::new(self.storage.clone(), self.offset, n)?.as_slice().iter().map(|&b| f16_to_f32(b)).collect()
             }
             DType::I8 => bail!("tensor {} is int8; checkpoints hold bf16, f16 or f32", self.name),
+            DType::Blocks(f) => {
+                if !n.is_multiple_of(f.elements()) {
+                    bail!("tensor {} has {n} values, not a whole number of {f} blocks of {}", self.name, f.elements());
+                }
+                let bytes = self.block_bytes(f, n)?;
+                let mut out = vec![0f32; n];
+                blocks::dequantize(f, bytes, &mut out);
+                out
+            }
         })
+    }
+
+    /// The bytes of `n` values of block format `f` at the tensor's offset.
+    fn block_bytes(&self, f: BlockFormat, n: usize) -> Result<&[u8]> {
+        let (start, len) = (self.offset, f.bytes_of(n));
+        match self.storage.bytes().get(start..start.saturating_add(len)) {
+            Some(b) => Ok(b),
+            None => bail!("tensor {}: bytes {start}..{} lie past the end of the data ({} bytes): the file is truncated", self.name, start.saturating_add(len), self.storage.bytes().len()),
+        }
     }
 
     /// The index of its first value that is NaN or infinite (None: every value is finite).
@@ -245,6 +280,11 @@ impl Tensor {
             DType::BF16 => first_where(Buf::<u16>::new(self.storage.clone(), self.offset, n)?.as_slice(), |b| b & 0x7F80 == 0x7F80),
             DType::F16 => first_where(Buf::<u16>::new(self.storage.clone(), self.offset, n)?.as_slice(), |b| b & 0x7C00 == 0x7C00),
             DType::I8 => None,
+            // A block's values are finite where its f16 scales are.
+            DType::Blocks(f) => {
+                let bytes = self.block_bytes(f, n)?;
+                bytes.chunks_exact(f.bytes()).position(|b| blocks::scale_offsets(f).iter().any(|&at| u16::from_le_bytes([b[at], b[at + 1]]) & 0x7C00 == 0x7C00)).map(|b| b * f.elements())
+            }
         })
     }
 }
@@ -284,6 +324,8 @@ pub enum WeightData {
     F32(Buf<f32>),
     /// `value = q · scales[row]`; `sums[row] = Σ q` (the int8 GEMV's correction term).
     Int8 { q: Buf<i8>, scales: Buf<f32>, sums: Buf<i32> },
+    /// Rows of `cols / format.elements()` blocks each, one row after another.
+    Blocks { format: BlockFormat, data: Buf<u8> },
 }
 
 impl Matrix {
@@ -294,6 +336,7 @@ impl Matrix {
             WeightData::F16(b) => WeightData::F16(b.in_huge_pages()),
             WeightData::F32(b) => WeightData::F32(b.in_huge_pages()),
             WeightData::Int8 { q, scales, sums } => WeightData::Int8 { q: q.in_huge_pages(), scales: scales.clone(), sums: sums.clone() },
+            WeightData::Blocks { format, data } => WeightData::Blocks { format: *format, data: data.in_huge_pages() },
         };
         Matrix { rows: self.rows, cols: self.cols, data }
     }
@@ -309,6 +352,12 @@ impl Matrix {
             DType::F16 => WeightData::F16(Buf::new(t.storage.clone(), t.offset, n)?),
             DType::F32 => WeightData::F32(Buf::new(t.storage.clone(), t.offset, n)?),
             DType::I8 => bail!("tensor {} is int8; checkpoints hold bf16, f16 or f32", t.name),
+            DType::Blocks(format) => {
+                if !cols.is_multiple_of(format.elements()) {
+                    bail!("tensor {} has rows of {cols} values, not a whole number of {format} blocks of {}", t.name, format.elements());
+                }
+                WeightData::Blocks { format, data: Buf::new(t.storage.clone(), t.offset, format.bytes_of(n))? }
+            }
         };
         Ok(Matrix { rows, cols, data })
     }
@@ -319,13 +368,30 @@ impl Matrix {
             WeightData::F16(_) => DType::F16,
             WeightData::F32(_) => DType::F32,
             WeightData::Int8 { .. } => DType::I8,
+            WeightData::Blocks { format, .. } => DType::Blocks(format),
         }
     }
 
     /// Bytes this matrix occupies (what a GEMV over it must stream from memory).
     pub fn bytes(&self) -> usize {
         let per_row = if let WeightData::Int8 { .. } = self.data { 8 } else { 0 };
-        self.rows * self.cols * self.dtype().size() + self.rows * per_row
+        self.rows * self.row_bytes() + self.rows * per_row
+    }
+
+    /// Bytes of one row's weights (their scales included for a block format; without the
+    /// per-row scale and sum of int8).
+    pub fn row_bytes(&self) -> usize {
+        self.dtype().bytes_of(self.cols)
+    }
+
+    /// The first weight's address (which matrices share storage: a tied LM head).
+    pub fn data_ptr(&self) -> *const u8 {
+        match &self.data {
+            WeightData::Bf16(b) | WeightData::F16(b) => b.as_slice().as_ptr() as *const u8,
+            WeightData::F32(b) => b.as_slice().as_ptr() as *const u8,
+            WeightData::Int8 { q, .. } => q.as_slice().as_ptr() as *const u8,
+            WeightData::Blocks { data, .. } => data.as_slice().as_ptr(),
+        }
     }
 
     /// Row `r` converted to f32 into `out` (embedding lookup).
@@ -348,6 +414,10 @@ impl Matrix {
                 for (o, &v) in out.iter_mut().zip(&q.as_slice()[r * c..(r + 1) * c]) {
                     *o = v as f32 * s;
                 }
+            }
+            WeightData::Blocks { format, data } => {
+                let rb = format.bytes_of(c);
+                blocks::dequantize(*format, &data.as_slice()[r * rb..(r + 1) * rb], &mut out[..c]);
             }
         }
     }

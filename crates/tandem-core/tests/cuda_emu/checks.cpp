@@ -46,6 +46,7 @@ static std::vector<bf16_t> bf16_matrix(size_t n, std::vector<float>& wf) {
 
 // The references and checks of each kernel family, beside its kernels in src/backend/cuda/kernels/.
 #include "norm_reference.cpp"
+#include "blocks_reference.cpp"
 #include "gemv_reference.cpp"
 #include "gemm_reference.cpp"
 #include "deltanet_reference.cpp"
@@ -55,8 +56,10 @@ static std::vector<bf16_t> bf16_matrix(size_t n, std::vector<float>& wf) {
 int main() {
     check_attention_kernels();
     check_deltanet_kernels();
+    check_blocks_kernels();
     check_gemv_kernels();
     check_gemm();
+    check_gemm_f32();
     check_norms();
     check_sample_kernels();
     return failures != 0;

@@ -56,7 +56,10 @@ pub(super) fn memory_bandwidth(gpu: &Gpu, reps: usize) -> Result<f64> {
     Ok(2.0 * bytes as f64 / copy_s)
 }
 
-pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize, decode_steps: usize, reps: usize) -> Result<()> {
+/// Each model of `specs` in each weight format of `quants` (bf16: as stored; else `--quant`'s
+/// formats, quantized at load).
+#[allow(clippy::too_many_arguments)]
+pub fn run(report: &mut String, ordinal: usize, specs: &[String], quants: &[String], prompt: usize, decode_steps: usize, reps: usize) -> Result<()> {
     progress(&format!("opening cuda:{ordinal}"));
     let gpu = Gpu::open(ordinal)?;
     writeln!(report, "## CUDA engine (cuda:{ordinal}: {})\n", gpu.name)?;
@@ -97,9 +100,23 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], prompt: usize,
     let mut bridges = String::new();
     let mut energy = String::new();
     let mut model = Some(gpu);
-    for spec in specs {
+    let runs: Vec<(String, Option<tandem_core::model::quant::Quant>, &String)> = specs
+        .iter()
+        .flat_map(|spec| quants.iter().map(move |q| (spec, q)))
+        .map(|(spec, q)| -> Result<_> {
+            Ok(match q.as_str() {
+                "bf16" => (spec.clone(), None, spec),
+                q => (format!("{spec} ({q})"), Some(tandem_core::model::quant::Quant::parse(q)?), spec),
+            })
+        })
+        .collect::<Result<_>>()?;
+    for (spec, quant, model_spec) in &runs {
+        let spec = spec.as_str();
         progress(&format!("loading {spec}"));
-        let loaded = tandem_core::model::load::LoadedModel::load(spec)?;
+        let loaded = match quant {
+            None => tandem_core::model::load::LoadedModel::load(model_spec)?,
+            Some(q) => tandem_core::model::load::LoadedModel::load_quantized(model_spec, *q, &tandem_core::backend::cpu::pool::Pool::new(std::thread::available_parallelism().map_or(1, |n| n.get())))?,
+        };
         let net = &loaded.net;
         progress(&format!("uploading {spec} to the GPU"));
         let mut g = GpuQwen35::upload(model.take().expect("one GPU"), net, Precision::TensorCores)?;

@@ -44,6 +44,20 @@ mod step_heads;
 mod study;
 mod svg;
 
+/// The weight formats the kernels section compares: as stored, each `--quant`, and the CPU
+/// engine's fast precision on bf16 and int8 weights.
+const BENCH_FORMATS: [&str; 8] = ["bf16", "int8", "bf16-fast", "int8-fast", "q8_0", "q4_k", "q5_k", "q6_k"];
+const DEFAULT_FORMATS: &str = "bf16,int8,bf16-fast,int8-fast,q4_k";
+
+/// A benchmark format's `--quant` (None: as stored) and whether it runs precision=fast.
+fn format_quant(q: &str) -> Result<(Option<tandem_core::model::quant::Quant>, bool)> {
+    let (base, fast) = match q.strip_suffix("-fast") {
+        Some(base) => (base, true),
+        None => (q, false),
+    };
+    Ok((if base == "bf16" { None } else { Some(tandem_core::model::quant::Quant::parse(base)?) }, fast))
+}
+
 /// The report's sections, in order (the study's tables 1-7 after the engine kernels).
 const SECTIONS: [&str; 9] = ["kernels", "placement", "modes", "dispatch", "transfer", "multiturn", "concurrency", "crossover", "energy"];
 /// Sections run only when named, each on its own.
@@ -51,15 +65,17 @@ const OWN_SECTIONS: [&str; 5] = ["cuda", "serve", "prefix-cache", "disagg", "gra
 
 pub const USAGE: &str = "\
 tandem bench [--model M] [--prefill PLACEMENT] [--decode PLACEMENT]
-             [--quant bf16,int8,bf16-fast,int8-fast] [--sections kernels,modes,...] [--quick]
+             [--quant bf16,int8,bf16-fast,int8-fast,q4_k] [--sections kernels,modes,...] [--quick]
              [--out DIR] [--reps 3] [--threads N | --cores 0,1] [--prompts 13,74,410]
              [--decode-tokens 32] [--drift-tokens 2000] [--isa amx|avx512-dot|avx512|avx2|portable]
 
 Measures the machine (read bandwidth, f32 FMA peak, bf16 dot peak), then each section:
-  kernels      prefill and decode tok/s of each weight format (--quant) on all cores
-               (--threads/--cores), against the measured ceilings (bf16-fast and int8-fast:
-               a CPU engine's precision=fast, against the dot products' peaks); where a
-               prefill's and a decode step's time goes, phase by phase; int8 quality;
+  kernels      prefill and decode tok/s of each weight format (--quant: bf16 as stored,
+               int8, q8_0, q4_k, q5_k, q6_k; bf16-fast and int8-fast a CPU engine's
+               precision=fast) on all cores (--threads/--cores), against the measured
+               ceilings (the fast ones against the dot products' peaks); where a
+               prefill's and a decode step's time goes, phase by phase; the quality table
+               (each quantized format against bf16, on the model and on the golden fixture);
                each fast format against exact, with the states' drift over --drift-tokens
                tokens (2000; --quick 500); peak memory (the other sections run the first
                format of --quant)
@@ -229,7 +245,8 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         let steps: usize = args.get("decode-tokens", if quick { 16 } else { 64 })?;
         let reps: usize = args.get("reps", if quick { 2 } else { 5 })?;
         let mut report = String::from("# tandem bench (CUDA)\n\n");
-        let result = cuda::run(&mut report, ordinal, &specs, prompt, steps, reps.max(1));
+        let quants: Vec<String> = args.str("quant").unwrap_or("bf16").split(',').map(|s| s.trim().to_string()).collect();
+        let result = cuda::run(&mut report, ordinal, &specs, &quants, prompt, steps, reps.max(1));
         print!("{report}");
         return result.map(|()| ExitCode::SUCCESS);
     }
@@ -237,10 +254,10 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         bail!("--sections: run {} on their own", OWN_SECTIONS.join(" and "));
     }
     let spec = args.str("model").unwrap_or("synthetic:qwen3.5-0.8b").to_string();
-    let quants: Vec<String> = args.str("quant").unwrap_or("bf16,int8,bf16-fast,int8-fast").split(',').map(|s| s.trim().to_string()).collect();
+    let quants: Vec<String> = args.str("quant").unwrap_or(DEFAULT_FORMATS).split(',').map(|s| s.trim().to_string()).collect();
     for q in &quants {
-        if !["bf16", "int8", "bf16-fast", "int8-fast"].contains(&q.as_str()) {
-            bail!("--quant {q:?}: benchmark formats are bf16 (as stored), int8, and bf16-fast and int8-fast (with the CPU engine's precision=fast)");
+        if !BENCH_FORMATS.contains(&q.as_str()) {
+            bail!("--quant {q:?}: benchmark formats are {} (bf16 as stored; -fast: with the CPU engine's precision=fast)", BENCH_FORMATS.join(", "));
         }
     }
     let prompts: Vec<usize> = parse_list(args.str("prompts").unwrap_or(if quick { "13,74" } else { "13,74,410" }), "--prompts")?;
@@ -303,9 +320,9 @@ pub fn run(argv: &[String]) -> Result<ExitCode> {
         progress(&format!("section {}/{}: {section}", i + 1, chosen.len()));
         // The two-engine sections run the first format of --quant (the kernels section, which
         // compares them all, makes its own copies from the stored weights first).
-        if section != "kernels" && quants[0] == "int8" && !quantized {
-            progress("quantizing to int8 for the two-engine sections");
-            model.net.quantize_int8(&pool);
+        if let (false, false, (Some(quant), _)) = (section == "kernels", quantized, format_quant(&quants[0])?) {
+            progress(&format!("quantizing to {} for the two-engine sections", quant.name()));
+            model.net.quantize(quant, &pool);
             quantized = true;
         }
         result = match section {
@@ -442,12 +459,20 @@ fn kernels(
     let threads = pool.threads();
     let mut nets: Vec<(String, Qwen35)> = Vec::new();
     for q in quants {
-        let mut net = model.net.clone();
-        if q.starts_with("int8") {
-            progress("quantizing to int8");
-            net.quantize_int8(&pool);
-        }
-        if q.ends_with("-fast") {
+        let (quant, fast) = format_quant(q)?;
+        // A fast format shares the weights of its exact one where that came first.
+        let mut net = match nets.iter().find(|(n, _)| n.as_str() == q.trim_end_matches("-fast")) {
+            Some((_, exact)) => exact.clone(),
+            None => {
+                let mut net = model.net.clone();
+                if let Some(quant) = quant {
+                    progress(&format!("quantizing to {}", quant.name()));
+                    net.quantize(quant, pool);
+                }
+                net
+            }
+        };
+        if fast {
             net.set_cpu_precision(tandem_core::backend::cpu::CpuPrecision::Fast);
         }
         nets.push((q.clone(), net));
@@ -642,14 +667,7 @@ fn kernels(
             writeln!(rec.report, "\n{name} tile peak ({threads} threads, at the section's start): {:.1} {unit}; the fast rows run their products on the tiles here, so their fraction of it is shown beside the dot peak's.", p / 1e9)?;
         }
     }
-    if nets.len() > 1 && nets[1].0 == "int8" {
-        progress("int8 quality against the stored weights");
-        writeln!(rec.report, "\n## int8 against the stored weights ({spec}, a 133-token prompt, 16 greedy tokens)\n")?;
-        writeln!(rec.report, "| prompt | positions | top-1 agreement | largest logit difference | greedy ids identical |")?;
-        writeln!(rec.report, "|---|---|---|---|---|")?;
-        let row = crate::quality::compare(&pool, &nets[0].1, &nets[1].1, "random ids", &prompt_of(133), 16, vocab)?;
-        writeln!(rec.report, "{row}")?;
-    }
+    quality_tables(rec, pool, &nets, spec, &prompt_of(133), vocab)?;
 
     // Each fast format against the exact arithmetic on the same weights: on a short and the
     // longest prompt, and the states' drift over `drift_tokens` tokens.
@@ -687,8 +705,8 @@ fn kernels(
         let ids: Vec<String> = prompt_of(memory_prompt).iter().map(|i| i.to_string()).collect();
         let mut cmd = Command::new(std::env::current_exe()?);
         cmd.args(["generate", "--model", &spec, "--token-ids", &ids.join(","), "--max-tokens", "8", "--ids-out", "--threads", &threads.to_string()]);
-        if q == "int8" {
-            cmd.args(["--quant", "int8"]);
+        if let (Some(quant), _) = format_quant(q)? {
+            cmd.args(["--quant", &quant.name()]);
         }
         let out = cmd.output().context("running tandem generate for the memory measurement")?;
         let err = String::from_utf8_lossy(&out.stderr);
@@ -703,6 +721,52 @@ fn kernels(
         let (w, s) = (net.weight_bytes() as f64 / 1e9, st.bytes() as f64 / 1e9);
         writeln!(rec.report, "| {q} | {w:.2} GB | {:.0} MB | {peak_gb:.2} GB | {:.2} |", s * 1e3, peak_gb / (w + s))?;
         rec.run("memory", serde_json::json!({"weights": q, "prompt_tokens": memory_prompt, "generated": 8, "weight_gb": w, "state_gb": s, "peak_rss_gb": peak_gb}));
+    }
+    Ok(())
+}
+
+/// The quality table: each quantized exact format of `nets` against the stored weights (the
+/// bf16 row), on a 133-token prompt of the model; then every `--quant` format on the golden
+/// fixture's prompts (the checkpoint of tests/fixtures, where this tree has it), against its
+/// stored weights.
+fn quality_tables(rec: &mut Record, pool: &tandem_core::backend::cpu::pool::Pool, nets: &[(String, Qwen35)], spec: &str, prompt: &[u32], vocab: usize) -> Result<()> {
+    use tandem_core::model::quant::Quant;
+    let header = |rec: &mut Record| -> Result<()> {
+        writeln!(rec.report, "| weights | matrices | prompt | positions | top-1 agreement | largest logit difference | greedy ids identical |")?;
+        writeln!(rec.report, "|---|---|---|---|---|---|---|")?;
+        Ok(())
+    };
+    let quantized: Vec<&(String, Qwen35)> = nets.iter().filter(|(q, _)| q != "bf16" && !q.ends_with("-fast")).collect();
+    if let (Some((_, stored)), false) = (nets.iter().find(|(q, _)| q == "bf16"), quantized.is_empty()) {
+        progress("quality of each format against the stored weights");
+        writeln!(rec.report, "\n## Each format against the stored weights ({spec}, a {}-token prompt, 16 greedy tokens)\n", prompt.len())?;
+        header(rec)?;
+        for (q, net) in quantized {
+            let row = crate::quality::compare(pool, stored, net, "random ids", prompt, 16, vocab)?;
+            writeln!(rec.report, "| {q} | {} | {}", net.matrix_formats(), row.to_string().trim_start_matches('|').trim_start())?;
+            rec.run("quality", serde_json::json!({"model": spec, "weights": q, "tokens": row.positions, "top1_agree": row.top1_agree, "max_logit_diff": row.max_logit_diff, "greedy_identical": row.greedy_identical, "greedy_total": row.greedy_total}));
+        }
+    }
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
+    if !fixture.join("reference.safetensors").exists() {
+        return Ok(());
+    }
+    progress("quality of each format on the golden fixture");
+    writeln!(rec.report, "\n## Each format against the stored weights on the golden fixture (tests/fixtures/qwen35-tiny, its reference's prompts)\n")?;
+    writeln!(
+        rec.report,
+        "The fixture's rows are 128 and 256 values long: the k-quants take the matrices whose rows are whole 256-value blocks, Q8_0 the others (the matrices column says which).\n"
+    )?;
+    header(rec)?;
+    let dir = fixture.to_string_lossy().to_string();
+    for name in Quant::NAMES {
+        let quant = Quant::parse(name)?;
+        let mut net = tandem_core::model::load::LoadedModel::load(&dir)?.net;
+        net.quantize(quant, pool);
+        for row in crate::quality::quantized_vs_stored(pool, &dir, quant, &fixture.join("reference.safetensors"))? {
+            writeln!(rec.report, "| {name} | {} | {}", net.matrix_formats(), row.to_string().trim_start_matches('|').trim_start())?;
+            rec.run("quality", serde_json::json!({"model": "tests/fixtures/qwen35-tiny", "weights": name, "prompt": row.prompt, "tokens": row.positions, "top1_agree": row.top1_agree, "max_logit_diff": row.max_logit_diff, "greedy_identical": row.greedy_identical, "greedy_total": row.greedy_total}));
+        }
     }
     Ok(())
 }

@@ -818,6 +818,7 @@ mod tests {
                     crate::model::tensor::WeightData::Bf16(b) | crate::model::tensor::WeightData::F16(b) => b.is_file(),
                     crate::model::tensor::WeightData::F32(b) => b.is_file(),
                     crate::model::tensor::WeightData::Int8 { q, .. } => q.is_file(),
+                    crate::model::tensor::WeightData::Blocks { data, .. } => data.is_file(),
                 };
                 n.set(n.get() + file as usize);
                 w.clone()

@@ -71,6 +71,14 @@ impl Param for DevPtr<u16> {
     }
 }
 
+/// Bytes: rows of GGML blocks (kernels/blocks.cu).
+impl Param for DevPtr<u8> {
+    const C_TYPE: &'static str = "unsigned char*";
+    fn slot(self) -> u64 {
+        self.addr
+    }
+}
+
 impl Param for DevPtr<u32> {
     const C_TYPE: &'static str = "u32*";
     fn slot(self) -> u64 {

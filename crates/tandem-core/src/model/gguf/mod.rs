@@ -12,6 +12,7 @@
 pub mod blocks;
 pub mod qwen35;
 pub mod tokenizer;
+pub mod write;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -14,8 +14,12 @@
 //!   `in_proj_a`, `ssm_a`, `ssm_dt` and the conv's value channels, and the columns of
 //!   `out_proj`, are put back in the grouped order.
 //!
-//! F32, F16 and BF16 tensors are read in place from the mapped file where their order is kept;
-//! quantized ones are dequantized to f32 by the plain dequantizers.
+//! Tensors are read in place from the mapped file where their order is kept, quantized ones
+//! as their blocks (`model::blocks`), which the kernels multiply by directly. Where value heads
+//! must be put back in order along a quantized matrix's rows, whole rows of blocks move; along
+//! its columns, whole blocks, when a head's columns are a whole number of blocks; when they
+//! are not (the 9B's `out_proj` in a k-quant: heads of 128 columns, blocks of 256), that one
+//! matrix is dequantized to f32 and reordered, exactly, at four bytes a weight.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -142,6 +146,13 @@ pub fn tensors(g: &GgufFile, c: &Qwen35Config) -> Result<TensorSet> {
         if tiled {
             let group = hv / hk;
             let v_rows = |t: &Tensor, from: usize, unit: usize| regroup(t, from, hk, group, unit, Axis::Rows);
+            if short.ends_with("out_proj.weight") {
+                if let DType::Blocks(f) = t.dtype {
+                    if !dv.is_multiple_of(f.elements()) {
+                        t = as_f32(&t)?;
+                    }
+                }
+            }
             t = if short.ends_with("in_proj_qkv.weight") {
                 v_rows(&t, 2 * c.linear_key_dim(), dv)?
             } else if short.ends_with("in_proj_z.weight") {
@@ -164,20 +175,22 @@ pub fn tensors(g: &GgufFile, c: &Qwen35Config) -> Result<TensorSet> {
     Ok(set)
 }
 
-/// A tensor of the file with the checkpoint's shape: read in place for the float types,
-/// dequantized to f32 for the others.
+/// A tensor of the file with the checkpoint's shape, read in place: floats as themselves,
+/// quantized types as their blocks.
 fn tensor_of(g: &GgufFile, info: &TensorInfo) -> Result<Tensor> {
     let shape: Vec<usize> = info.dims.iter().rev().map(|&d| d as usize).collect();
     let dtype = match info.ggml_type {
-        GgmlType::F32 => Some(DType::F32),
-        GgmlType::F16 => Some(DType::F16),
-        GgmlType::BF16 => Some(DType::BF16),
-        _ => None,
+        GgmlType::F32 => DType::F32,
+        GgmlType::F16 => DType::F16,
+        GgmlType::BF16 => DType::BF16,
+        other => DType::Blocks(other.block_format().expect("every other type is a block format")),
     };
-    Ok(match dtype {
-        Some(dtype) => Tensor { name: info.name.clone(), dtype, shape, storage: g.storage().clone(), offset: info.start },
-        None => Tensor { name: info.name.clone(), dtype: DType::F32, shape, storage: Arc::new(HeapStorage(g.tensor_f32(&info.name)?)), offset: 0 },
-    })
+    Ok(Tensor { name: info.name.clone(), dtype, shape, storage: g.storage().clone(), offset: info.start })
+}
+
+/// `t` dequantized to f32.
+fn as_f32(t: &Tensor) -> Result<Tensor> {
+    Ok(Tensor { name: t.name.clone(), dtype: DType::F32, shape: t.shape.clone(), storage: Arc::new(HeapStorage(t.to_f32_vec()?)), offset: 0 })
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -188,7 +201,8 @@ enum Axis {
 
 /// Put tiled value heads back in grouped order along `axis`, from index `from` on: the
 /// tiled position of (key head k, value j of its group) is `j · key_heads + k`, the grouped
-/// one `k · group + j`, each `unit` rows (or columns) long.
+/// one `k · group + j`, each `unit` rows (or columns) long. A quantized tensor's rows move
+/// whole, and its columns by whole blocks (`from` and `unit` multiples of a block).
 fn regroup(t: &Tensor, from: usize, key_heads: usize, group: usize, unit: usize, axis: Axis) -> Result<Tensor> {
     let (rows, cols) = match t.shape[..] {
         [n] => (n, 1),
@@ -200,6 +214,15 @@ fn regroup(t: &Tensor, from: usize, key_heads: usize, group: usize, unit: usize,
     if from + key_heads * group * unit != along {
         bail!("tensor {} has {along} {} where its value heads need {}", t.name, if axis == Axis::Rows { "rows" } else { "columns" }, from + key_heads * group * unit);
     }
+    // Cells: values, or a block format's blocks (a row is `cols / elements` of them).
+    let per_cell = match t.dtype {
+        DType::Blocks(f) => f.elements(),
+        _ => 1,
+    };
+    if !cols.is_multiple_of(per_cell) || (axis == Axis::Columns && (!from.is_multiple_of(per_cell) || !unit.is_multiple_of(per_cell))) {
+        bail!("tensor {}: its value heads ({unit} columns from {from}) do not fall on whole {} blocks of {per_cell}", t.name, t.dtype);
+    }
+    let (cols, from, unit) = if axis == Axis::Columns { (cols / per_cell, from / per_cell, unit / per_cell) } else { (cols / per_cell, from, unit) };
     // Source index along the axis of each destination index.
     let source = |i: usize| -> usize {
         if i < from {
@@ -209,8 +232,8 @@ fn regroup(t: &Tensor, from: usize, key_heads: usize, group: usize, unit: usize,
         let (k, j) = (head / group, head % group);
         from + (j * key_heads + k) * unit + within
     };
-    let size = t.dtype.size();
-    let bytes = &t.storage.bytes()[t.offset..t.offset + t.numel() * size];
+    let size = t.dtype.bytes_of(per_cell);
+    let bytes = &t.storage.bytes()[t.offset..t.offset + t.dtype.bytes_of(t.numel())];
     let mut out = vec![0u8; bytes.len()];
     for r in 0..rows {
         for c in 0..cols {
@@ -222,7 +245,7 @@ fn regroup(t: &Tensor, from: usize, key_heads: usize, group: usize, unit: usize,
     let storage: Arc<dyn crate::model::tensor::Storage> = match t.dtype {
         DType::F32 => Arc::new(HeapStorage(out.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect::<Vec<f32>>())),
         DType::BF16 | DType::F16 => Arc::new(HeapStorage(out.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect::<Vec<u16>>())),
-        DType::I8 => Arc::new(HeapStorage(out.into_iter().map(|b| b as i8).collect::<Vec<i8>>())),
+        DType::I8 | DType::Blocks(_) => Arc::new(HeapStorage(out)),
     };
     Ok(Tensor { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone(), storage, offset: 0 })
 }

@@ -3,7 +3,12 @@
 // out[m, r] (+)= x[m, :] . W[r, :] for any t, in f32 (the exact path of a prefill): 64 x 64
 // output tiles, 16 x 16 threads of 4 x 4 outputs each, k in steps of 16; `accumulate` adds to
 // out (a residual connection).
-extern "C" __global__ void gemm_bf16_f32(const bf16_t* w, const float* x, float* out, int n, int k, int t, int accumulate) {
+// The weights as stored (bf16) or as dequantized from a block format (f32, gemm_f32_f32).
+__device__ __forceinline__ float weight_f32(bf16_t w) { return bf16_to_f32(w); }
+__device__ __forceinline__ float weight_f32(float w) { return w; }
+
+template <typename W>
+__device__ void gemm_f32_body(const W* w, const float* x, float* out, int n, int k, int t, int accumulate) {
     pdl_enter();
     __shared__ float ws[16][65];
     __shared__ float xs[16][65];
@@ -14,7 +19,7 @@ extern "C" __global__ void gemm_bf16_f32(const bf16_t* w, const float* x, float*
         for (int i = threadIdx.x; i < 64 * 16; i += 256) {
             int rr = i / 16, kk = i % 16;
             int gr = r0 + rr, gk = k0 + kk;
-            ws[kk][rr] = (gr < n && gk < k) ? bf16_to_f32(w[(size_t)gr * k + gk]) : 0.0f;
+            ws[kk][rr] = (gr < n && gk < k) ? weight_f32(w[(size_t)gr * k + gk]) : 0.0f;
             int gm = m0 + rr;
             xs[kk][rr] = (gm < t && gk < k) ? x[(size_t)gm * k + gk] : 0.0f;
         }
@@ -40,3 +45,5 @@ extern "C" __global__ void gemm_bf16_f32(const bf16_t* w, const float* x, float*
         }
     }
 }
+extern "C" __global__ void gemm_bf16_f32(const bf16_t* w, const float* x, float* out, int n, int k, int t, int accumulate) { gemm_f32_body(w, x, out, n, k, t, accumulate); }
+extern "C" __global__ void gemm_f32_f32(const float* w, const float* x, float* out, int n, int k, int t, int accumulate) { gemm_f32_body(w, x, out, n, k, t, accumulate); }

@@ -61,9 +61,50 @@ __device__ __forceinline__ void gemv_chunk(uint4 p, const float* x, const float*
     }
 }
 
-template <int T, int MODE, bool GLU>
-__device__ void gemv_body(const bf16_t* w0, float* o0, int n0, const bf16_t* w1, float* o1, int n1, const bf16_t* w2, float* o2, int n2,
-                          const bf16_t* w3, float* o3, int n3, const float* x, const float* x2, const float* rms_inv, int k, int t, int rb, int accumulate,
+// The weights a GEMV reads, chunk by chunk (a lane's share of a row at a time): bf16 rows,
+// 8 values a chunk (one 16-byte load), or rows of GGML blocks (blocks.cu), 32 values a chunk.
+// `PRE`: chunks a lane loads before the kernel waits for its input.
+struct Bf16Rows {
+    typedef bf16_t Elem;
+    typedef uint4 Raw;
+    static constexpr int VALUES = 8, PRE = 4;
+    __device__ static const Elem* row(const Elem* w, int r, int k) { return w + (size_t)r * k; }
+    __device__ static Raw load(const Elem* row, int k, int c) { return ((const uint4*)row)[c]; }
+    template <int T, int MODE>
+    __device__ static void dot(const Raw& p, const Elem*, int c, const float* x, const float* x2, const float* inv, int round_in, int k, int t, float* acc) {
+        gemv_chunk<T, MODE>(p, x, x2, inv, round_in, k, t, c, acc);
+    }
+};
+
+// Rows of blocks of format F: each chunk's 32 values dequantized in f32 (blocks.cu
+// BlockChunk), four consecutive at a time against a float4 of each token's input.
+template <int F>
+struct BlockRows {
+    typedef unsigned char Elem;
+    typedef ChunkRaw Raw;
+    static constexpr int VALUES = 32, PRE = 2;
+    __device__ static const Elem* row(const Elem* w, int r, int k) { return w + (size_t)r * block_row_bytes<F>(k); }
+    __device__ static Raw load(const Elem* row, int k, int c) { return BlockChunk<F>::load(row, k, c); }
+    template <int T, int MODE>
+    __device__ static void dot(const Raw& p, const Elem*, int c, const float* x, const float* x2, const float* inv, int round_in, int k, int t, float* acc) {
+        BlockChunk<F>::values4(p, c, [&](float4 w, int i) {
+            float4 s = make_float4(1, 1, 1, 1);
+            if (MODE == IN_NORM) s = *(const float4*)(x2 + i);
+#pragma unroll
+            for (int m = 0; m < T; m++) {
+                if (m < t) {
+                    float r = MODE == IN_NORM && round_in ? inv[m] : 1.0f;
+                    float4 a = gemv_input<MODE>(*(const float4*)(x + (size_t)m * k + i), s, r, round_in);
+                    acc[m] += w.x * a.x + w.y * a.y + w.z * a.z + w.w * a.w;
+                }
+            }
+        });
+    }
+};
+
+template <class W, int T, int MODE, bool GLU>
+__device__ void gemv_body(const typename W::Elem* w0, float* o0, int n0, const typename W::Elem* w1, float* o1, int n1, const typename W::Elem* w2, float* o2, int n2,
+                          const typename W::Elem* w3, float* o3, int n3, const float* x, const float* x2, const float* rms_inv, int k, int t, int rb, int accumulate,
                           float eps, int round_in) {
     __shared__ float parts[8][T], squares[T][8];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -72,7 +113,7 @@ __device__ void gemv_body(const bf16_t* w0, float* o0, int n0, const bf16_t* w1,
     // Which matrix this block's unit of rows belongs to (selects, not an indexed array:
     // registers).
     int block = blockIdx.x;
-    const bf16_t* w = w0;
+    const typename W::Elem* w = w0;
     float* out = o0;
     int n = n0;
     if (!GLU && block >= b0) { block -= b0; w = w1; out = o1; n = n1;
@@ -84,16 +125,17 @@ __device__ void gemv_body(const bf16_t* w0, float* o0, int n0, const bf16_t* w1,
         if (r & 1) w = w1;
         r >>= 1;
     }
-    const uint4* row = (const uint4*)(w + (size_t)(r < n ? r : 0) * k);
-    int kc = k / 8, step = wpr * 32;
+    const typename W::Elem* row = W::row(w, r < n ? r : 0, k);
+    int kc = k / W::VALUES, step = wpr * 32;
     int c = part * 32 + lane;
-    // The first PRE x 8 weights of each lane are loaded before waiting for the input (a row
+    // The first PRE chunks of each lane are loaded before waiting for the input (a bf16 row
     // of 1024 with one warp: all of them): the weight reads overlap the kernel before, and
     // are in flight together.
-    constexpr int PRE = 4;
-    uint4 pre[PRE];
+    constexpr int PRE = W::PRE;
+    typename W::Raw pre[PRE];
 #pragma unroll
-    for (int j = 0; j < PRE; j++) pre[j] = r < n && c + j * step < kc ? row[c + j * step] : make_uint4(0, 0, 0, 0);
+    for (int j = 0; j < PRE; j++)
+        if (r < n && c + j * step < kc) pre[j] = W::load(row, k, c + j * step);
     pdl_enter();
     if (MODE == IN_NORM && !rms_inv) {
         // Each row's sum of squares over the whole block (a few loads per thread), one
@@ -125,12 +167,12 @@ __device__ void gemv_body(const bf16_t* w0, float* o0, int n0, const bf16_t* w1,
     if (r < n) {
 #pragma unroll
         for (int j = 0; j < PRE; j++)
-            if (c + j * step < kc) gemv_chunk<T, MODE>(pre[j], x, x2, inv, round_in, k, t, c + j * step, acc);
+            if (c + j * step < kc) W::template dot<T, MODE>(pre[j], row, c + j * step, x, x2, inv, round_in, k, t, acc);
         // Past those, one load in flight per lane: four measured slower on an H100, with and
         // without programmatic launch (9B decode 133-135 against 133-141 tok/s, interleaved;
         // 98 against 113 before it).
 #pragma unroll 1
-        for (c += PRE * step; c < kc; c += step) gemv_chunk<T, MODE>(row[c], x, x2, inv, round_in, k, t, c, acc);
+        for (c += PRE * step; c < kc; c += step) W::template dot<T, MODE>(W::load(row, k, c), row, c, x, x2, inv, round_in, k, t, acc);
     }
 #pragma unroll
     for (int m = 0; m < T; m++) acc[m] = warp_sum(acc[m]);
@@ -186,7 +228,7 @@ __device__ void gemv_body(const bf16_t* w0, float* o0, int n0, const bf16_t* w1,
                                                            const bf16_t* w2, float* o2, int n2, const bf16_t* w3, float* o3, int n3,   \
                                                            const float* x, const float* x2, const float* rms_inv, int k, int t, int rb, int accumulate, float eps, \
                                                            int round_in) {                                                                  \
-        gemv_body<T, MODE, GLU>(w0, o0, n0, w1, o1, n1, w2, o2, n2, w3, o3, n3, x, x2, rms_inv, k, t, rb, accumulate, eps, round_in);  \
+        gemv_body<Bf16Rows, T, MODE, GLU>(w0, o0, n0, w1, o1, n1, w2, o2, n2, w3, o3, n3, x, x2, rms_inv, k, t, rb, accumulate, eps, round_in);  \
     }
 GEMV_KERNEL(gemv_t1_plain, 1, IN_PLAIN, false)
 GEMV_KERNEL(gemv_t1_norm, 1, IN_NORM, false)
@@ -203,6 +245,26 @@ GEMV_KERNEL(gemv_t4_glu, 4, IN_NORM, true)
 GEMV_KERNEL(gemv_t8_plain, 8, IN_PLAIN, false)
 GEMV_KERNEL(gemv_t8_norm, 8, IN_NORM, false)
 GEMV_KERNEL(gemv_t8_glu, 8, IN_NORM, true)
+
+// The same GEMVs of block-format weights (blocks.cu), one kernel per format, tokens (1, 2, 4 or
+// 8) and input mode: gemv_<format>_t<T>_<plain|norm|glu>.
+#define GEMV_BLOCKS_KERNEL(NAME, F, T, MODE, GLU)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const unsigned char* w0, float* o0, int n0, const unsigned char* w1, float* o1, int n1, \
+                                                           const unsigned char* w2, float* o2, int n2, const unsigned char* w3, float* o3, int n3,   \
+                                                           const float* x, const float* x2, const float* rms_inv, int k, int t, int rb, int accumulate, float eps, \
+                                                           int round_in) {                                                                         \
+        gemv_body<BlockRows<F>, T, MODE, GLU>(w0, o0, n0, w1, o1, n1, w2, o2, n2, w3, o3, n3, x, x2, rms_inv, k, t, rb, accumulate, eps, round_in); \
+    }
+#define GEMV_BLOCKS_T(SUFFIX, F, T)                                    \
+    GEMV_BLOCKS_KERNEL(gemv_##SUFFIX##_t##T##_plain, F, T, IN_PLAIN, false) \
+    GEMV_BLOCKS_KERNEL(gemv_##SUFFIX##_t##T##_norm, F, T, IN_NORM, false)   \
+    GEMV_BLOCKS_KERNEL(gemv_##SUFFIX##_t##T##_glu, F, T, IN_NORM, true)
+#define GEMV_BLOCKS(SUFFIX, F) GEMV_BLOCKS_T(SUFFIX, F, 1) GEMV_BLOCKS_T(SUFFIX, F, 2) GEMV_BLOCKS_T(SUFFIX, F, 4) GEMV_BLOCKS_T(SUFFIX, F, 8)
+GEMV_BLOCKS(q4_0, BLOCK_Q4_0)
+GEMV_BLOCKS(q8_0, BLOCK_Q8_0)
+GEMV_BLOCKS(q4_k, BLOCK_Q4_K)
+GEMV_BLOCKS(q5_k, BLOCK_Q5_K)
+GEMV_BLOCKS(q6_k, BLOCK_Q6_K)
 
 // The decode GEMV of one token over rows of 1024 (the 0.8B model's input projections and its
 // LM head) as a stream: warp g of the W in the grid (a grid the GPU runs at once) takes rows

@@ -132,7 +132,90 @@ static void check_gemv_stream(bool norm, bool glu, bool accumulate, std::vector<
         if (rows[j] > 0) compare(name + ": matrix " + std::to_string(j) + " (" + std::to_string(rows[j]) + " rows)", out[j], want[j], 1e-5);
 }
 
+// The GEMV kernel of block format f (gemv_<f>_t<T>_<mode>).
+typedef void (*BlockGemv)(const unsigned char*, float*, int, const unsigned char*, float*, int, const unsigned char*, float*, int, const unsigned char*, float*, int,
+                          const float*, const float*, const float*, int, int, int, int, float, int);
+static BlockGemv block_gemv(int f, int t, int mode) {
+#define BLOCK_GEMV_OF(S) { gemv_##S##_t1_plain, gemv_##S##_t1_norm, gemv_##S##_t1_glu, gemv_##S##_t2_plain, gemv_##S##_t2_norm, gemv_##S##_t2_glu, \
+                           gemv_##S##_t4_plain, gemv_##S##_t4_norm, gemv_##S##_t4_glu, gemv_##S##_t8_plain, gemv_##S##_t8_norm, gemv_##S##_t8_glu }
+    static const BlockGemv all[5][12] = {BLOCK_GEMV_OF(q4_0), BLOCK_GEMV_OF(q8_0), BLOCK_GEMV_OF(q4_k), BLOCK_GEMV_OF(q5_k), BLOCK_GEMV_OF(q6_k)};
+    int ti = t == 1 ? 0 : t == 2 ? 1 : t <= 4 ? 2 : 3;
+    return all[f][3 * ti + mode];
+}
+
+// The decode GEMVs of block-format weights, as check_gemv's (several matrices, rows per block,
+// norm in the block or given, adding, inputs rounded to bf16), against the double-precision
+// products of the plain dequantizer's values; and with `glu`, gate and up with the SwiGLU.
+static void check_gemv_blocks(const FormatInfo& f, int t, bool norm, bool given_inv, int rb, bool accumulate, std::vector<int> rows, bool round = false, bool glu = false) {
+    const int k = 512;
+    const float eps = 1e-6f;
+    auto x = random((size_t)t * k, -2, 2), scale = random(k, 0.5, 1.5);
+    rows.resize(4, 0);
+    if (glu) rows = {rows[0], rows[0], 0, 0};
+    std::vector<std::vector<float>> wf(4), out(4);
+    std::vector<std::vector<unsigned char>> w(4);
+    int units = glu ? (2 * rows[0] + rb - 1) / rb : 0;
+    for (int j = 0; j < 4; j++) {
+        auto raw = random_blocks(f, std::max(rows[j], 1), k, wf[j]);
+        w[j] = gpu_layout(f, std::max(rows[j], 1), k, raw);
+        out[j] = random((size_t)t * std::max(rows[j], 1), -1, 1);
+        if (!glu) units += (rows[j] + rb - 1) / rb;
+    }
+    std::vector<float> inv(t);
+    if (given_inv) launch(t, 1, 1, 256, [&] { rms_inv(x.data(), inv.data(), k, eps); });
+    std::vector<std::vector<double>> want(4);
+    for (int j = 0; j < 4; j++) want[j].assign(out[j].begin(), out[j].end());
+    for (int m = 0; m < t; m++) {
+        double ss = 0;
+        for (int c = 0; c < k; c++) ss += (double)x[m * k + c] * x[m * k + c];
+        double inv_m = norm ? (given_inv ? inv[m] : 1 / std::sqrt(ss / k + eps)) : 1;
+        auto in = [&](int c) -> double {
+            float v = x[m * k + c];
+            if (!round) return (double)v * (norm ? scale[c] : 1.0f);
+            return round_bf16(norm ? v * (float)inv_m * scale[c] : v);
+        };
+        auto product = [&](int j, int r) {
+            double acc = 0;
+            for (int c = 0; c < k; c++) acc += (double)wf[j][(size_t)r * k + c] * in(c);
+            return round ? acc : acc * inv_m;
+        };
+        for (int j = 0; j < 4; j++)
+            for (int r = 0; r < rows[j]; r++) {
+                double& o = want[j][(size_t)m * rows[j] + r];
+                if (glu && j == 0) {
+                    double g = product(0, r), u = product(1, r);
+                    if (round) { g = round_bf16((float)g); u = round_bf16((float)u); }
+                    o = g * sigmoid(g) * u;
+                } else if (!glu) {
+                    o = (accumulate ? o : 0) + product(j, r);
+                }
+            }
+    }
+    auto kernel = block_gemv(f.id, t, glu ? 2 : norm ? 1 : 0);
+    launch(units, 1, 1, 256, [&] {
+        kernel(w[0].data(), out[0].data(), rows[0], w[1].data(), out[1].data(), rows[1], w[2].data(), out[2].data(), rows[2], w[3].data(), out[3].data(), rows[3], x.data(),
+               scale.data(), given_inv ? inv.data() : nullptr, k, t, rb, glu ? 0 : accumulate, eps, round);
+    });
+    std::string name = std::string("gemv ") + f.name + " t" + gemv_t(t) + (glu ? " glu" : norm ? " norm" : " plain") + ", " + std::to_string(t) + (t == 1 ? " token, " : " tokens, ") + std::to_string(rb) +
+                       " rows per block" + (norm && !glu ? (given_inv ? ", 1/rms given" : ", 1/rms in the block") : "") + (accumulate && !glu ? ", adding" : "") + (round ? ", inputs rounded to bf16" : "");
+    // With rounding, gate and up are rounded to bf16 before the SwiGLU: a sum that lands on the
+    // other side of a rounding boundary than the double reference's moves the output by a bf16
+    // step (2^-8) of gate or up.
+    double bound = glu && round ? 8e-3 : 1e-5;
+    for (int j = 0; j < (glu ? 1 : 4); j++)
+        if (rows[j] > 0) compare(name + ": matrix " + std::to_string(j) + " (" + std::to_string(rows[j]) + " rows)", out[j], want[j], bound);
+}
+
 static void check_gemv_kernels() {
+    for (const auto& f : FORMATS) {
+        check_gemv_blocks(f, 1, true, false, 2, false, {40, 24, 3, 5});
+        check_gemv_blocks(f, 5, true, true, 8, false, {17, 9});
+        check_gemv_blocks(f, 3, false, false, 1, true, {11});
+        check_gemv_blocks(f, 2, true, false, 4, false, {33, 8}, true);
+        check_gemv_blocks(f, 8, false, false, 4, true, {13}, true);
+        check_gemv_blocks(f, 1, true, false, 8, false, {21}, false, true);
+        check_gemv_blocks(f, 4, true, false, 2, false, {9}, true, true);
+    }
     check_gemv(1, true, false, 2, false, {40, 24, 3, 5});
     check_gemv(5, true, true, 8, false, {17, 9});
     check_gemv(5, false, false, 1, true, {11});

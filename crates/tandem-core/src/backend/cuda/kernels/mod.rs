@@ -6,9 +6,10 @@ use super::launch::{DevPtr, Kernel, Params, StateValues};
 
 /// The kernel sources, in the order they are joined into one NVRTC program: each file may use
 /// what the files before it define. (tests/cuda_on_cpu.rs joins the same list.)
-pub const SOURCES: [(&str, &str); 7] = [
+pub const SOURCES: [(&str, &str); 8] = [
     ("common.cuh", include_str!("common.cuh")),
     ("norm.cu", include_str!("norm.cu")),
+    ("blocks.cu", include_str!("blocks.cu")),
     ("gemv.cu", include_str!("gemv.cu")),
     ("gemm.cu", include_str!("gemm.cu")),
     ("deltanet.cu", include_str!("deltanet.cu")),
@@ -24,6 +25,7 @@ pub fn source() -> String {
 type F32 = DevPtr<f32>;
 type Bf16 = DevPtr<u16>;
 type U32 = DevPtr<u32>;
+type U8 = DevPtr<u8>;
 /// A table of f32 arrays: a batched step's per-sequence states, or K/V block tables
 /// (kernels/attention.cu, the paged cache).
 type Table = DevPtr<DevPtr<f32>>;
@@ -34,6 +36,12 @@ type States = DevPtr<DevPtr<StateValues>>;
 /// gemv.cu gemv_t1_* / gemv_t2_* / gemv_t4_* / gemv_t8_*: up to four matrices `(w, out, rows)` of one input, then
 /// (x, x2, rms_inv, k, t, rows_per_block, accumulate, eps, round_in).
 pub type GemvParams = (Bf16, F32, i32, Bf16, F32, i32, Bf16, F32, i32, Bf16, F32, i32, F32, F32, F32, i32, i32, i32, i32, f32, i32);
+/// gemv.cu gemv_<format>_t*_*: as `GemvParams`, the matrices rows of blocks (blocks.cu).
+pub type GemvBlocksParams = (U8, F32, i32, U8, F32, i32, U8, F32, i32, U8, F32, i32, F32, F32, F32, i32, i32, i32, i32, f32, i32);
+/// blocks.cu dequantize_rows_*: (w, out, out_bf16, n, k): into f32, or bf16 where not null.
+pub type DequantizeRowsParams = (U8, F32, Bf16, i32, i32);
+/// blocks.cu embed_blocks_*: (table, ids, x, h).
+pub type EmbedBlocksParams = (U8, U32, F32, i32);
 /// gemv.cu gemv_stream_*: as `GemvParams` without t and rows_per_block.
 pub type GemvStreamParams = (Bf16, F32, i32, Bf16, F32, i32, Bf16, F32, i32, Bf16, F32, i32, F32, F32, F32, i32, i32, f32, i32);
 /// deltanet.cu conv_silu_rows_*: (conv, qkv, taps, out, t, cd, kk, qk_channels, dk, q_scale).
@@ -112,11 +120,83 @@ kernels! {
     GEMV_T8_PLAIN = "gemv_t8_plain" as GemvParams;
     GEMV_T8_NORM = "gemv_t8_norm" as GemvParams;
     GEMV_T8_GLU = "gemv_t8_glu" as GemvParams;
+    DEQUANTIZE_ROWS_Q4_0 = "dequantize_rows_q4_0" as DequantizeRowsParams;
+    EMBED_BLOCKS_Q4_0 = "embed_blocks_q4_0" as EmbedBlocksParams;
+    GEMV_Q4_0_T1_PLAIN = "gemv_q4_0_t1_plain" as GemvBlocksParams;
+    GEMV_Q4_0_T1_NORM = "gemv_q4_0_t1_norm" as GemvBlocksParams;
+    GEMV_Q4_0_T1_GLU = "gemv_q4_0_t1_glu" as GemvBlocksParams;
+    GEMV_Q4_0_T2_PLAIN = "gemv_q4_0_t2_plain" as GemvBlocksParams;
+    GEMV_Q4_0_T2_NORM = "gemv_q4_0_t2_norm" as GemvBlocksParams;
+    GEMV_Q4_0_T2_GLU = "gemv_q4_0_t2_glu" as GemvBlocksParams;
+    GEMV_Q4_0_T4_PLAIN = "gemv_q4_0_t4_plain" as GemvBlocksParams;
+    GEMV_Q4_0_T4_NORM = "gemv_q4_0_t4_norm" as GemvBlocksParams;
+    GEMV_Q4_0_T4_GLU = "gemv_q4_0_t4_glu" as GemvBlocksParams;
+    GEMV_Q4_0_T8_PLAIN = "gemv_q4_0_t8_plain" as GemvBlocksParams;
+    GEMV_Q4_0_T8_NORM = "gemv_q4_0_t8_norm" as GemvBlocksParams;
+    GEMV_Q4_0_T8_GLU = "gemv_q4_0_t8_glu" as GemvBlocksParams;
+    DEQUANTIZE_ROWS_Q8_0 = "dequantize_rows_q8_0" as DequantizeRowsParams;
+    EMBED_BLOCKS_Q8_0 = "embed_blocks_q8_0" as EmbedBlocksParams;
+    GEMV_Q8_0_T1_PLAIN = "gemv_q8_0_t1_plain" as GemvBlocksParams;
+    GEMV_Q8_0_T1_NORM = "gemv_q8_0_t1_norm" as GemvBlocksParams;
+    GEMV_Q8_0_T1_GLU = "gemv_q8_0_t1_glu" as GemvBlocksParams;
+    GEMV_Q8_0_T2_PLAIN = "gemv_q8_0_t2_plain" as GemvBlocksParams;
+    GEMV_Q8_0_T2_NORM = "gemv_q8_0_t2_norm" as GemvBlocksParams;
+    GEMV_Q8_0_T2_GLU = "gemv_q8_0_t2_glu" as GemvBlocksParams;
+    GEMV_Q8_0_T4_PLAIN = "gemv_q8_0_t4_plain" as GemvBlocksParams;
+    GEMV_Q8_0_T4_NORM = "gemv_q8_0_t4_norm" as GemvBlocksParams;
+    GEMV_Q8_0_T4_GLU = "gemv_q8_0_t4_glu" as GemvBlocksParams;
+    GEMV_Q8_0_T8_PLAIN = "gemv_q8_0_t8_plain" as GemvBlocksParams;
+    GEMV_Q8_0_T8_NORM = "gemv_q8_0_t8_norm" as GemvBlocksParams;
+    GEMV_Q8_0_T8_GLU = "gemv_q8_0_t8_glu" as GemvBlocksParams;
+    DEQUANTIZE_ROWS_Q4_K = "dequantize_rows_q4_k" as DequantizeRowsParams;
+    EMBED_BLOCKS_Q4_K = "embed_blocks_q4_k" as EmbedBlocksParams;
+    GEMV_Q4_K_T1_PLAIN = "gemv_q4_k_t1_plain" as GemvBlocksParams;
+    GEMV_Q4_K_T1_NORM = "gemv_q4_k_t1_norm" as GemvBlocksParams;
+    GEMV_Q4_K_T1_GLU = "gemv_q4_k_t1_glu" as GemvBlocksParams;
+    GEMV_Q4_K_T2_PLAIN = "gemv_q4_k_t2_plain" as GemvBlocksParams;
+    GEMV_Q4_K_T2_NORM = "gemv_q4_k_t2_norm" as GemvBlocksParams;
+    GEMV_Q4_K_T2_GLU = "gemv_q4_k_t2_glu" as GemvBlocksParams;
+    GEMV_Q4_K_T4_PLAIN = "gemv_q4_k_t4_plain" as GemvBlocksParams;
+    GEMV_Q4_K_T4_NORM = "gemv_q4_k_t4_norm" as GemvBlocksParams;
+    GEMV_Q4_K_T4_GLU = "gemv_q4_k_t4_glu" as GemvBlocksParams;
+    GEMV_Q4_K_T8_PLAIN = "gemv_q4_k_t8_plain" as GemvBlocksParams;
+    GEMV_Q4_K_T8_NORM = "gemv_q4_k_t8_norm" as GemvBlocksParams;
+    GEMV_Q4_K_T8_GLU = "gemv_q4_k_t8_glu" as GemvBlocksParams;
+    DEQUANTIZE_ROWS_Q5_K = "dequantize_rows_q5_k" as DequantizeRowsParams;
+    EMBED_BLOCKS_Q5_K = "embed_blocks_q5_k" as EmbedBlocksParams;
+    GEMV_Q5_K_T1_PLAIN = "gemv_q5_k_t1_plain" as GemvBlocksParams;
+    GEMV_Q5_K_T1_NORM = "gemv_q5_k_t1_norm" as GemvBlocksParams;
+    GEMV_Q5_K_T1_GLU = "gemv_q5_k_t1_glu" as GemvBlocksParams;
+    GEMV_Q5_K_T2_PLAIN = "gemv_q5_k_t2_plain" as GemvBlocksParams;
+    GEMV_Q5_K_T2_NORM = "gemv_q5_k_t2_norm" as GemvBlocksParams;
+    GEMV_Q5_K_T2_GLU = "gemv_q5_k_t2_glu" as GemvBlocksParams;
+    GEMV_Q5_K_T4_PLAIN = "gemv_q5_k_t4_plain" as GemvBlocksParams;
+    GEMV_Q5_K_T4_NORM = "gemv_q5_k_t4_norm" as GemvBlocksParams;
+    GEMV_Q5_K_T4_GLU = "gemv_q5_k_t4_glu" as GemvBlocksParams;
+    GEMV_Q5_K_T8_PLAIN = "gemv_q5_k_t8_plain" as GemvBlocksParams;
+    GEMV_Q5_K_T8_NORM = "gemv_q5_k_t8_norm" as GemvBlocksParams;
+    GEMV_Q5_K_T8_GLU = "gemv_q5_k_t8_glu" as GemvBlocksParams;
+    DEQUANTIZE_ROWS_Q6_K = "dequantize_rows_q6_k" as DequantizeRowsParams;
+    EMBED_BLOCKS_Q6_K = "embed_blocks_q6_k" as EmbedBlocksParams;
+    GEMV_Q6_K_T1_PLAIN = "gemv_q6_k_t1_plain" as GemvBlocksParams;
+    GEMV_Q6_K_T1_NORM = "gemv_q6_k_t1_norm" as GemvBlocksParams;
+    GEMV_Q6_K_T1_GLU = "gemv_q6_k_t1_glu" as GemvBlocksParams;
+    GEMV_Q6_K_T2_PLAIN = "gemv_q6_k_t2_plain" as GemvBlocksParams;
+    GEMV_Q6_K_T2_NORM = "gemv_q6_k_t2_norm" as GemvBlocksParams;
+    GEMV_Q6_K_T2_GLU = "gemv_q6_k_t2_glu" as GemvBlocksParams;
+    GEMV_Q6_K_T4_PLAIN = "gemv_q6_k_t4_plain" as GemvBlocksParams;
+    GEMV_Q6_K_T4_NORM = "gemv_q6_k_t4_norm" as GemvBlocksParams;
+    GEMV_Q6_K_T4_GLU = "gemv_q6_k_t4_glu" as GemvBlocksParams;
+    GEMV_Q6_K_T8_PLAIN = "gemv_q6_k_t8_plain" as GemvBlocksParams;
+    GEMV_Q6_K_T8_NORM = "gemv_q6_k_t8_norm" as GemvBlocksParams;
+    GEMV_Q6_K_T8_GLU = "gemv_q6_k_t8_glu" as GemvBlocksParams;
     GEMV_STREAM_PLAIN = "gemv_stream_plain" as GemvStreamParams;
     GEMV_STREAM_NORM = "gemv_stream_norm" as GemvStreamParams;
     GEMV_STREAM_GLU = "gemv_stream_glu" as GemvStreamParams;
     /// (w, x, out, n, k, t, accumulate): the exact prefill GEMM, f32 sums.
     GEMM_BF16_F32 = "gemm_bf16_f32" as (Bf16, F32, F32, i32, i32, i32, i32);
+    /// (w, x, out, n, k, t, accumulate): the same of f32 weights (a block format's, dequantized).
+    GEMM_F32_F32 = "gemm_f32_f32" as (F32, F32, F32, i32, i32, i32, i32);
     CONV_SILU_ROWS_4 = "conv_silu_rows_4" as ConvRowsParams;
     CONV_SILU_ROWS_8 = "conv_silu_rows_8" as ConvRowsParams;
     /// (conv, qkv, t, cd, kk): the conv window after a prefill.

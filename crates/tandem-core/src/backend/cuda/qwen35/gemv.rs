@@ -5,12 +5,43 @@ use super::*;
 
 impl GpuQwen35 {
     /// The decode GEMV (kernels/gemv.cu gemv_*): `out_j[t, n_j] (+)= input(x)[t, k] · W_jᵀ` for t <= 8
-    /// and up to four matrices `(weights, out, n_j)` of the same input, in one launch.
+    /// and up to four matrices `(W_j, out_j)` of the same input, in one launch where they are
+    /// of one format (bf16, or one block format), else one launch per format.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn gemv(&self, ws: &Workspace, input: GemvInput, mats: &[(DevPtr<u16>, DevPtr<f32>, usize)], x: DevPtr<f32>, k: usize, t: usize, output: GemvOut) -> Result<()> {
-        debug_assert!(t <= GEMV_MAX_T && !mats.is_empty() && mats.len() <= 4);
+    pub(super) fn gemv(&self, ws: &Workspace, input: GemvInput, mats: &[(MatrixRows, DevPtr<f32>)], x: DevPtr<f32>, k: usize, t: usize, output: GemvOut) -> Result<()> {
+        debug_assert!(!mats.is_empty() && mats.len() <= 4);
+        if t > GEMV_MAX_T {
+            // A decode batch of a model with block-format weights (`Workspace::batched`): in
+            // launches of GEMV_MAX_T tokens, each token's products as they are alone.
+            debug_assert!(mats.iter().any(|(m, _)| m.format.is_some()));
+            for c0 in (0..t).step_by(GEMV_MAX_T) {
+                let part: Vec<(MatrixRows, DevPtr<f32>)> = mats.iter().map(|&(m, out)| (m, out.offset(c0 * m.rows))).collect();
+                self.gemv(ws, input, &part, x.offset(c0 * k), k, (t - c0).min(GEMV_MAX_T), output)?;
+            }
+            return Ok(());
+        }
         let glu = output == GemvOut::SwiGlu;
-        debug_assert!(!glu || (mats.len() == 2 && mats[0].2 == mats[1].2 && matches!(input, GemvInput::Norm(_))));
+        debug_assert!(!glu || (mats.len() == 2 && mats[0].0.rows == mats[1].0.rows && matches!(input, GemvInput::Norm(_))));
+        let format = mats[0].0.format;
+        if mats.iter().any(|(m, _)| m.format != format) {
+            // Matrices of several formats (a GGUF file may store a layer's projections in
+            // different ones): a launch each; the SwiGLU after gate and up, as the GEMM path does.
+            let g = &self.gpu;
+            let each = if glu { GemvOut::Write } else { output };
+            for &(m, out) in mats {
+                self.gemv(ws, input, &[(m, out)], x, k, t, each)?;
+            }
+            if glu {
+                // (With the GLU, matrix 1's output is up's own buffer: mlp_gemv's ffn_up.)
+                let n = t * mats[0].0.rows;
+                g.launch(k::SWIGLU, Grid::x(n.div_ceil(1024), 256), (mats[0].1, mats[1].1, DevPtr::NULL, n as i32))?;
+            }
+            return Ok(());
+        }
+        if let Some(f) = format {
+            return self.gemv_blocks(ws, input, f, mats, x, k, t, output);
+        }
+        let mats: Vec<(DevPtr<u16>, DevPtr<f32>, usize)> = mats.iter().map(|&(m, out)| (m.w, out, m.rows)).collect();
         let g = &self.gpu;
         let mut inv = DevPtr::NULL;
         let x2 = match input {
@@ -70,6 +101,35 @@ impl GpuQwen35 {
         let rb = allowed.clone().find(|&rb| 2 * units(rb) >= resident).unwrap_or_else(|| allowed.last().unwrap_or(8));
         let args = (m0.0, m0.1, m0.2, m1.0, m1.1, m1.2, m2.0, m2.1, m2.2, m3.0, m3.1, m3.2, x, x2, inv, k as i32, t as i32, rb as i32, accumulate, eps, round_in);
         // A block per unit: the GPU's block scheduler evens out the last round.
+        g.launch(kernel, Grid::x(units(rb), 256), args)
+    }
+
+    /// `gemv` of matrices of block format `f` (gemv.cu gemv_<format>_*): the same inputs,
+    /// outputs and rows per block as the bf16 kernels, each lane's chunk 32 values.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_blocks(&self, ws: &Workspace, input: GemvInput, f: BlockFormat, mats: &[(MatrixRows, DevPtr<f32>)], x: DevPtr<f32>, k: usize, t: usize, output: GemvOut) -> Result<()> {
+        let g = &self.gpu;
+        let glu = output == GemvOut::SwiGlu;
+        let (mut inv, mut x2) = (DevPtr::NULL, DevPtr::NULL);
+        if let GemvInput::Norm(scale) = input {
+            if k > RMS_IN_GEMV_MAX_K {
+                inv = g.ptr(&ws.rms_inv);
+                g.launch(k::RMS_INV, Grid::x(t, 256), (x, inv, k as i32, self.config.rms_norm_eps))?;
+            }
+            x2 = scale;
+        }
+        let [glu_kernel, norm_kernel, plain_kernel] = blocks::gemv_kernels(f, t);
+        let kernel = if glu { glu_kernel } else if matches!(input, GemvInput::Norm(_)) { norm_kernel } else { plain_kernel };
+        let m = |j: usize| mats.get(j).map_or((DevPtr::NULL, DevPtr::NULL, 0), |&(w, out)| (w.w.reinterpret::<u8>(), out, w.rows as i32));
+        let (m0, m1, m2, m3) = (m(0), m(1), m(2), m(3));
+        let (accumulate, eps, round_in) = ((output == GemvOut::Add) as i32, self.config.rms_norm_eps, (self.precision == Precision::TensorCores) as i32);
+        // Rows per block as the bf16 GEMV chooses them, each warp's lanes taking 32 values a
+        // chunk (so a row of k has k / 32 chunks: more warps per row only while they have any).
+        let resident = g.resident_blocks(kernel)? as usize;
+        let units = |rb: usize| if glu { (2 * mats[0].0.rows).div_ceil(rb) } else { mats.iter().map(|m| m.0.rows.div_ceil(rb)).sum::<usize>() };
+        let allowed = [8usize, 4, 2, 1].into_iter().filter(|&rb| (rb == 8 || (8 / rb) * 32 * 32 <= k) && !(glu && rb == 1));
+        let rb = allowed.clone().find(|&rb| 2 * units(rb) >= resident).unwrap_or_else(|| allowed.last().unwrap_or(8));
+        let args = (m0.0, m0.1, m0.2, m1.0, m1.1, m1.2, m2.0, m2.1, m2.2, m3.0, m3.1, m3.2, x, x2, inv, k as i32, t as i32, rb as i32, accumulate, eps, round_in);
         g.launch(kernel, Grid::x(units(rb), 256), args)
     }
 
@@ -142,18 +202,16 @@ impl GpuQwen35 {
                 _ => GemvOut::Write,
             };
             let (rows, cols) = (mats.iter().map(|m| m.0.rows).sum::<usize>(), mats[0].0.cols);
-            time(what, rows, cols, rows * cols * 2, list.len(), &|| {
-                list.iter().try_for_each(|(norm, mats, input)| {
-                    let mats: Vec<(DevPtr<u16>, DevPtr<f32>, usize)> = mats.iter().map(|&(m, o)| (m.w, o, m.rows)).collect();
-                    match norm {
-                        Some(n) => self.gemv(ws, GemvInput::Norm(g.ptr(n)), &mats, *input, cols, 1, output),
-                        None => self.gemv(ws, GemvInput::Plain, &mats, *input, cols, 1, output),
-                    }
+            let bytes = mats.iter().map(|m| m.0.bytes()).sum::<usize>();
+            time(what, rows, cols, bytes, list.len(), &|| {
+                list.iter().try_for_each(|(norm, mats, input)| match norm {
+                    Some(n) => self.gemv(ws, GemvInput::Norm(g.ptr(n)), mats, *input, cols, 1, output),
+                    None => self.gemv(ws, GemvInput::Plain, mats, *input, cols, 1, output),
                 })
             })?;
         }
-        let (head, v) = (self.lm_head.as_ref().map_or(g.ptr(&self.embed), |m| g.ptr(&m.w)), self.config.vocab_size);
-        time("LM head", v, h, v * h * 2, 1, &|| self.gemv(ws, GemvInput::Norm(g.ptr(&self.final_norm)), &[(head, g.ptr(&ws.logits), v)], x, h, 1, GemvOut::Write))?;
+        let (head, v) = (self.lm_head_rows(), self.config.vocab_size);
+        time("LM head", v, h, head.bytes(), 1, &|| self.gemv(ws, GemvInput::Norm(g.ptr(&self.final_norm)), &[(head, g.ptr(&ws.logits))], x, h, 1, GemvOut::Write))?;
         let (gate, up) = (g.ptr(&ws.ffn_gate), g.ptr(&ws.ffn_up));
         time("SwiGLU of one row (what a launch costs)", 1, h, 0, 1, &|| g.launch(k::SWIGLU, Grid::x(h.div_ceil(1024), 256), (gate, up, DevPtr::NULL, h as i32)))?;
         Ok(out)

@@ -69,6 +69,8 @@ impl GpuQwen35 {
     pub fn time_step_replays(&self, state: &mut GpuState, steps: usize) -> Result<f64> {
         let g = &self.gpu;
         let token = crate::sampling::argmax(state.last_logits()?);
+        // (The step writes its K/V rows at the state's next position: a block must hold it.)
+        self.reserve_kv(state, state.position + 1)?;
         self.replay_step(token, state)?;
         let step = state.step.as_ref().context("no step graph was captured")?;
         let start = std::time::Instant::now();

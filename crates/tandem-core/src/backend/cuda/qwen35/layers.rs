@@ -43,13 +43,12 @@ impl GpuQwen35 {
     }
 
     /// `out[t, n] = x[t, k] · W[n, k]ᵀ`: the GEMV for decode-sized t, else a prefill GEMM.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn matmul(&self, ws: &Workspace, x: DevPtr<f32>, t: usize, w: DevPtr<u16>, n: usize, k: usize, out: DevPtr<f32>) -> Result<()> {
+    pub(super) fn matmul(&self, ws: &Workspace, x: DevPtr<f32>, t: usize, w: MatrixRows, out: DevPtr<f32>) -> Result<()> {
         if ws.takes_gemv(t) {
-            return self.gemv(ws, GemvInput::Plain, &[(w, out, n)], x, k, t, GemvOut::Write);
+            return self.gemv(ws, GemvInput::Plain, &[(w, out)], x, w.cols, t, GemvOut::Write);
         }
-        let input = self.gemm_input(ws, x, t, k)?;
-        self.gemm(input, t, w, n, k, out, false)
+        let input = self.gemm_input(ws, x, t, w.cols)?;
+        self.gemm(input, t, w, out, false)
     }
 
     /// The input of prefill GEMMs from `x[t, k]` (f32): as it is for the exact kernel; for
@@ -66,13 +65,30 @@ impl GpuQwen35 {
 
     /// `out[t, n] (+)= input[t, k] · W[n, k]ᵀ` for prefill: the exact f32 kernel or cuBLAS on
     /// tensor cores, as the input is.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn gemm(&self, input: GemmInput, t: usize, w: DevPtr<u16>, n: usize, k: usize, out: DevPtr<f32>, accumulate: bool) -> Result<()> {
+    pub(super) fn gemm(&self, input: GemmInput, t: usize, w: MatrixRows, out: DevPtr<f32>, accumulate: bool) -> Result<()> {
         let g = &self.gpu;
-        match input {
-            GemmInput::F32(x) => g.launch(k::GEMM_BF16_F32, Grid::new((n.div_ceil(64), t.div_ceil(64), 1), 256), (w, x, out, n as i32, k as i32, t as i32, accumulate as i32)),
-            GemmInput::Bf16(xb) => g.gemm_bf16(xb, t, w, n, k, if accumulate { GemmOut::F32Add(out) } else { GemmOut::F32(out) }),
+        let (n, k) = (w.rows, w.cols);
+        let grid = Grid::new((n.div_ceil(64), t.div_ceil(64), 1), 256);
+        match (input, self.dequantized_weights(w, &input)?) {
+            (GemmInput::F32(x), None) => g.launch(k::GEMM_BF16_F32, grid, (w.w, x, out, n as i32, k as i32, t as i32, accumulate as i32)),
+            (GemmInput::F32(x), Some(wf)) => g.launch(k::GEMM_F32_F32, grid, (wf, x, out, n as i32, k as i32, t as i32, accumulate as i32)),
+            (GemmInput::Bf16(xb), wf) => g.gemm_bf16(xb, t, wf.map_or(w.w, |p| p.reinterpret()), n, k, if accumulate { GemmOut::F32Add(out) } else { GemmOut::F32(out) }),
         }
+    }
+
+    /// A block-format matrix's weights dequantized for a GEMM (None: bf16, taken as it is):
+    /// in f32 for the exact kernel, rounded to bf16 for cuBLAS (the inputs are rounded the same
+    /// way), into the engine's `dequantized` buffer.
+    fn dequantized_weights(&self, w: MatrixRows, input: &GemmInput) -> Result<Option<DevPtr<f32>>> {
+        let Some(f) = w.format else { return Ok(None) };
+        let g = &self.gpu;
+        let out = g.ptr(&self.dequantized);
+        let (f32_out, bf16_out) = match input {
+            GemmInput::F32(_) => (out, DevPtr::NULL),
+            GemmInput::Bf16(_) => (DevPtr::NULL, out.reinterpret::<u16>()),
+        };
+        g.launch(blocks::dequantize_kernel(f), Grid::x(w.rows, 256), (w.w.reinterpret::<u8>(), f32_out, bf16_out, w.rows as i32, w.cols as i32))?;
+        Ok(Some(out))
     }
 
     /// Several products of the RMS-normalised input `rms_norm(x[t, k]) * norm`: for decode-sized
@@ -83,8 +99,7 @@ impl GpuQwen35 {
         let k = mats[0].0.cols;
         debug_assert!(mats.iter().all(|(m, _)| m.cols == k));
         if ws.takes_gemv(t) && mats.len() <= 4 {
-            let list: Vec<(DevPtr<u16>, DevPtr<f32>, usize)> = mats.iter().map(|&(m, out)| (m.w, out, m.rows)).collect();
-            return self.gemv(ws, GemvInput::Norm(g.ptr(norm)), &list, x, k, t, GemvOut::Write);
+            return self.gemv(ws, GemvInput::Norm(g.ptr(norm)), mats, x, k, t, GemvOut::Write);
         }
         let input = match self.precision {
             Precision::Exact => {
@@ -98,7 +113,7 @@ impl GpuQwen35 {
                 GemmInput::Bf16(xb)
             }
         };
-        mats.iter().try_for_each(|&(m, out)| self.gemm(input, t, m.w, m.rows, k, out, false))
+        mats.iter().try_for_each(|&(m, out)| self.gemm(input, t, m, out, false))
     }
 
     /// `x += input · Wᵀ`: a block's output added to the residual stream (by the GEMV or GEMM
@@ -107,14 +122,14 @@ impl GpuQwen35 {
         let g = &self.gpu;
         let x = g.ptr(&ws.x);
         let input = match input {
-            Input::Bf16Ready => return self.gemm(GemmInput::Bf16(g.ptr(&ws.xb)), t, g.ptr(&m.w), m.rows, m.cols, x, true),
+            Input::Bf16Ready => return self.gemm(GemmInput::Bf16(g.ptr(&ws.xb)), t, m.all(g), x, true),
             Input::F32(input) => input,
         };
         if ws.takes_gemv(t) {
-            return self.gemv(ws, GemvInput::Plain, &[(g.ptr(&m.w), x, m.rows)], input, m.cols, t, GemvOut::Add);
+            return self.gemv(ws, GemvInput::Plain, &[(m.all(g), x)], input, m.cols, t, GemvOut::Add);
         }
         let input = self.gemm_input(ws, input, t, m.cols)?;
-        self.gemm(input, t, g.ptr(&m.w), m.rows, m.cols, x, true)
+        self.gemm(input, t, m.all(g), x, true)
     }
 
     /// The DeltaNet block: the input projections for all rows, then per sequence the mixer on
@@ -499,7 +514,7 @@ impl GpuQwen35 {
     fn mlp_gemv(&self, l: &Layer, ws: &Workspace, t: usize) -> Result<()> {
         let g = &self.gpu;
         let [gate, up] = l.gate_up(g);
-        let mats = [(gate.w, g.ptr(&ws.ffn_gate), gate.rows), (up.w, g.ptr(&ws.ffn_up), up.rows)];
+        let mats = [(gate, g.ptr(&ws.ffn_gate)), (up, g.ptr(&ws.ffn_up))];
         self.gemv(ws, GemvInput::Norm(g.ptr(&l.post_attention_norm)), &mats, g.ptr(&ws.x), gate.cols, t, GemvOut::SwiGlu)?;
         self.project_residual(ws, Input::F32(g.ptr(&ws.ffn_gate)), t, &l.down_proj)
     }
@@ -515,10 +530,12 @@ impl GpuQwen35 {
         let gate_up = g.ptr(&ws.ffn_gate).reinterpret::<u16>();
         let (h, f) = (l.gate_up_proj.cols, l.gate_up_proj.rows / 2);
         self.rms_norm(x, g.ptr(&l.post_attention_norm), NormOut::Bf16(xb), t, h)?;
-        g.gemm_bf16(xb, t, g.ptr(&l.gate_up_proj.w), 2 * f, h, GemmOut::Bf16(gate_up))?;
+        let gate_up_rows = l.gate_up_proj.all(g);
+        let w = self.dequantized_weights(gate_up_rows, &GemmInput::Bf16(xb))?.map_or(gate_up_rows.w, |p| p.reinterpret());
+        g.gemm_bf16(xb, t, w, 2 * f, h, GemmOut::Bf16(gate_up))?;
         let n = t * f;
         g.launch(k::SWIGLU_BF16, Grid::x(n.div_ceil(1024), 256), (gate_up, gate_up.offset(f), xb, n as i32, f as i32, 2 * f as i32))?;
-        self.gemm(GemmInput::Bf16(xb), t, g.ptr(&l.down_proj.w), l.down_proj.rows, f, x, true)
+        self.gemm(GemmInput::Bf16(xb), t, l.down_proj.all(g), x, true)
     }
 
     /// Gate and up in f32 (the f32 GEMM), the SwiGLU in place in gate, then down.

@@ -31,6 +31,7 @@ use cudarc::driver::CudaSlice;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+mod blocks;
 pub mod device_pool;
 mod gemv;
 mod graph;
@@ -56,6 +57,7 @@ use crate::model::config::{LayerType, Qwen35Config};
 use crate::model::Mixer;
 use crate::model::{Logits, Qwen35};
 use crate::state::{HostSnapshot, LayerState, Lineage, State};
+use crate::model::blocks::BlockFormat;
 use crate::model::tensor::{Matrix, WeightData};
 use crate::sampling::{GpuDraw, MaskedPick};
 
@@ -153,11 +155,13 @@ enum GemvOut {
     SwiGlu,
 }
 
-/// A weight matrix on the device: bf16, `rows` x `cols`, row-major.
+/// A weight matrix on the device, `rows` x `cols`, row-major: bf16, or rows of GGML blocks of
+/// `format` (blocks.rs: their GPU layout, held in the same u16 buffer).
 struct GpuMatrix {
     w: CudaSlice<u16>,
     rows: usize,
     cols: usize,
+    format: Option<BlockFormat>,
 }
 
 /// Rows of a `GpuMatrix` (all of them, or a block of a stacked matrix): what the products take.
@@ -166,17 +170,32 @@ struct MatrixRows {
     w: DevPtr<u16>,
     rows: usize,
     cols: usize,
+    format: Option<BlockFormat>,
+}
+
+impl MatrixRows {
+    /// Bytes a GEMV over these rows reads.
+    fn bytes(&self) -> usize {
+        match self.format {
+            None => 2 * self.rows * self.cols,
+            Some(f) => self.rows * blocks::gpu_row_bytes(f, self.cols),
+        }
+    }
 }
 
 impl GpuMatrix {
     fn all(&self, g: &Gpu) -> MatrixRows {
-        MatrixRows { w: g.ptr(&self.w), rows: self.rows, cols: self.cols }
+        MatrixRows { w: g.ptr(&self.w), rows: self.rows, cols: self.cols, format: self.format }
     }
 
     /// Rows `first..first + rows`.
     fn rows(&self, g: &Gpu, first: usize, rows: usize) -> MatrixRows {
         debug_assert!(first + rows <= self.rows);
-        MatrixRows { w: g.ptr(&self.w).offset(first * self.cols), rows, cols: self.cols }
+        let per_row = match self.format {
+            None => self.cols,
+            Some(f) => blocks::gpu_row_bytes(f, self.cols) / 2,
+        };
+        MatrixRows { w: g.ptr(&self.w).offset(first * per_row), rows, cols: self.cols, format: self.format }
     }
 }
 
@@ -245,7 +264,13 @@ impl Layer {
 pub struct GpuQwen35 {
     pub gpu: Gpu,
     pub config: Qwen35Config,
-    embed: CudaSlice<u16>,
+    /// The embedding table (rows looked up by the embed kernels; the LM head where tied).
+    embed: GpuMatrix,
+    /// Where a GEMM over a block-format matrix takes its weights dequantized (f32 for exact
+    /// products, bf16 for tensor cores): as large as the largest such matrix, or empty.
+    dequantized: CudaSlice<f32>,
+    /// Whether any matrix is in a block format.
+    block_weights: bool,
     /// None when the LM head is the embedding table (tied).
     lm_head: Option<GpuMatrix>,
     final_norm: CudaSlice<f32>,
@@ -385,8 +410,9 @@ enum LogitRows {
 }
 
 impl GpuQwen35 {
-    /// Copy `net`'s weights to `gpu`. The GPU runs bf16 weights; another dtype (an int8
-    /// quantization, an f16 or f32 checkpoint) is refused by name.
+    /// Copy `net`'s weights to `gpu`. The GPU runs bf16 weights and GGML's Q4_0, Q8_0, Q4_K,
+    /// Q5_K and Q6_K blocks (a GGUF file's, or `--quant q4_k` and its siblings); another dtype
+    /// (an int8 quantization, an f16 or f32 checkpoint) is refused by name.
     pub fn upload(gpu: Gpu, net: &Qwen35, precision: Precision) -> Result<GpuQwen35> {
         let c = net.config.clone();
         if c.linear_key_head_dim != 32 && c.linear_key_head_dim != 64 && c.linear_key_head_dim != 128 {
@@ -413,34 +439,59 @@ impl GpuQwen35 {
             );
         }
         let weight_bytes = std::cell::Cell::new(0);
+        // The largest block-format matrix (the dequantized weights of its GEMMs).
+        let largest_blocks = std::cell::Cell::new(0usize);
         // Matrices of the same columns stacked into one, their rows in the order given (one
-        // matrix: itself).
+        // matrix: itself). Block formats in their GPU layout (blocks.rs), all parts of one.
         let stacked = |parts: &[(&Matrix, &str)]| -> Result<GpuMatrix> {
-            let mut data = Vec::with_capacity(parts.len());
+            let format = match &parts[0].0.data {
+                WeightData::Blocks { format, .. } => Some(*format),
+                _ => None,
+            };
+            let mut data: Vec<u16> = Vec::new();
             for &(m, name) in parts {
-                let WeightData::Bf16(b) = &m.data else {
-                    bail!(
-                        "{name}: the CUDA engine runs bf16 weights; this matrix is {} (from --quant, or a GGUF file's quantized or F32 tensors): for a GPU engine drop --quant, or load a BF16 GGUF file or the safetensors checkpoint",
-                        m.dtype()
-                    );
-                };
                 if m.cols % 8 != 0 {
                     bail!("{name}: {} columns; the CUDA GEMV needs a multiple of 8", m.cols);
                 }
                 if m.cols != parts[0].0.cols {
                     bail!("{name}: {} columns where {} has {}; they are stacked into one matrix", m.cols, parts[0].1, parts[0].0.cols);
                 }
+                match (&m.data, format) {
+                    (WeightData::Bf16(b), None) => data.extend_from_slice(b.as_slice()),
+                    (WeightData::Blocks { format: f, data: bytes }, Some(first)) if *f == first => {
+                        blocks::check(first, name)?;
+                        let laid = blocks::gpu_layout(first, m.cols, bytes.as_slice());
+                        data.extend(laid.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])));
+                    }
+                    (WeightData::Blocks { format: f, .. }, Some(first)) => {
+                        bail!("{name} is {f} where {} is {first}: the CUDA engine stacks them into one matrix of one format", parts[0].1)
+                    }
+                    _ => bail!(
+                        "{name}: the CUDA engine runs bf16 weights and Q4_0, Q8_0, Q4_K, Q5_K and Q6_K blocks; this matrix is {} (from --quant int8, or an f16 or F32 tensor): for a GPU engine use --quant q4_k (or another block format), or load a BF16 or block-quantized file",
+                        m.dtype()
+                    ),
+                }
                 weight_bytes.set(weight_bytes.get() + m.bytes());
-                data.push(b.as_slice());
             }
-            let w = if let [one] = data[..] { gpu.upload(one)? } else { gpu.upload(&data.concat())? };
-            Ok(GpuMatrix { w, rows: parts.iter().map(|p| p.0.rows).sum(), cols: parts[0].0.cols })
+            let rows = parts.iter().map(|p| p.0.rows).sum::<usize>();
+            Ok(GpuMatrix { w: gpu.upload(&data)?, rows, cols: parts[0].0.cols, format })
         };
-        let mat = |m: &Matrix, name: &str| stacked(&[(m, name)]);
+        // A layer's matrix: the largest in a block format sizes the GEMMs' dequantized weights.
+        // (The embedding is only looked up, and a block-format LM head always takes the GEMV:
+        // its dequantized weights would be gigabytes.)
+        let stacked_layer = |parts: &[(&Matrix, &str)]| -> Result<GpuMatrix> {
+            let m = stacked(parts)?;
+            if m.format.is_some() {
+                largest_blocks.set(largest_blocks.get().max(m.rows * m.cols));
+            }
+            Ok(m)
+        };
+        let mat = |m: &Matrix, name: &str| stacked_layer(&[(m, name)]);
         let tied = std::ptr::eq(net.lm_head_data_ptr(), net.embed_data_ptr());
-        let lm_head = if tied { None } else { Some(mat(&net.lm_head, "lm_head")?) };
-        let WeightData::Bf16(e) = &net.embed_tokens.data else { bail!("embed_tokens: the CUDA engine runs bf16 weights") };
-        let embed = gpu.upload(e.as_slice())?;
+        let lm_head = if tied { None } else { Some(stacked(&[(&net.lm_head, "lm_head")])?) };
+        let embed = stacked(&[(&net.embed_tokens, "embed_tokens")])?;
+        // (The table is counted with the LM head where tied, below.)
+        weight_bytes.set(weight_bytes.get() - net.embed_tokens.bytes());
         let mut layers = Vec::with_capacity(net.layers.len());
         // The attention layers' places in a K/V block (kv_cache.rs): keys then values of each.
         let mut koff = 0;
@@ -449,7 +500,7 @@ impl GpuQwen35 {
             let p = format!("layers.{i}");
             let mixer = match &l.mixer {
                 Mixer::DeltaNet(d) => GpuMixer::DeltaNet(DeltaNet {
-                    in_proj: stacked(&[
+                    in_proj: stacked_layer(&[
                         (&d.in_proj_qkv, &format!("{p}.in_proj_qkv")),
                         (&d.in_proj_z, &format!("{p}.in_proj_z")),
                         (&d.in_proj_b, &format!("{p}.in_proj_b")),
@@ -478,7 +529,7 @@ impl GpuQwen35 {
                 input_norm: gpu.upload(&l.input_norm)?,
                 post_attention_norm: gpu.upload(&l.post_attention_norm)?,
                 mixer,
-                gate_up_proj: stacked(&[(&l.mlp.gate_proj, &format!("{p}.gate_proj")), (&l.mlp.up_proj, &format!("{p}.up_proj"))])?,
+                gate_up_proj: stacked_layer(&[(&l.mlp.gate_proj, &format!("{p}.gate_proj")), (&l.mlp.up_proj, &format!("{p}.up_proj"))])?,
                 down_proj: mat(&l.mlp.down_proj, &format!("{p}.down_proj"))?,
             });
         }
@@ -486,6 +537,9 @@ impl GpuQwen35 {
             weight_bytes.set(weight_bytes.get() + net.embed_tokens.bytes());
         }
         let weight_bytes = weight_bytes.get();
+        // Exact products take the dequantized weights in f32, tensor cores in bf16 (half of it;
+        // the engine's precision may change after upload).
+        let dequantized = gpu.zeros::<f32>(largest_blocks.get().max(1))?;
         let final_norm = gpu.upload(&net.final_norm)?;
         let inv_freq = gpu.upload(&net.inv_freq)?;
         let staging = Arc::new(Mutex::new(Staging::default()));
@@ -494,7 +548,18 @@ impl GpuQwen35 {
         let kv = Arc::new(KvPool::new(gpu.stream.context(), &c)?);
         let slots = Arc::new(SlotPool::new(gpu.stream.context(), SlotLayout::new(&c, StateDtype::F32))?);
         let copy_out = Arc::new(CopyOut::new(gpu.stream.context())?);
-        Ok(GpuQwen35 { gpu, config: c, embed, lm_head, final_norm, layers, inv_freq, precision, graphs: true, decode_gemm_from, step_heads_from: STEP_HEADS_FROM, weight_bytes, staging, kv, slots, snapshot_slots: None, copy_out, batch_steps: Mutex::default() })
+        let block_weights = largest_blocks.get() > 0;
+        Ok(GpuQwen35 { gpu, config: c, embed, dequantized, block_weights, lm_head, final_norm, layers, inv_freq, precision, graphs: true, decode_gemm_from, step_heads_from: STEP_HEADS_FROM, weight_bytes, staging, kv, slots, snapshot_slots: None, copy_out, batch_steps: Mutex::default() })
+    }
+
+    /// Whether any matrix is in a block format (its GEMMs take dequantized weights).
+    fn has_block_weights(&self) -> bool {
+        self.block_weights
+    }
+
+    /// The LM head's rows (the embedding table's where tied).
+    fn lm_head_rows(&self) -> MatrixRows {
+        self.lm_head.as_ref().unwrap_or(&self.embed).all(&self.gpu)
     }
 
     /// Give the GPU back (to load another model on it).
@@ -811,7 +876,10 @@ impl GpuQwen35 {
         let _pdl = g.pdl_for(t <= GEMV_MAX_T);
         let x = g.ptr(&ws.x);
         let ids = ws.position_of(g, ws.sequences);
-        g.launch(k::EMBED, Grid::x(t, 256), (g.ptr(&self.embed), ids, x, h as i32))?;
+        match self.embed.format {
+            None => g.launch(k::EMBED, Grid::x(t, 256), (g.ptr(&self.embed.w), ids, x, h as i32))?,
+            Some(f) => g.launch(blocks::embed_kernel(f), Grid::x(t, 256), (g.ptr(&self.embed.w).reinterpret::<u8>(), ids, x, h as i32))?,
+        }
         for (li, layer) in self.layers.iter().enumerate() {
             // Each block normalises x on the way into its projections and adds its output to x
             // (the residual stream) itself.
@@ -831,13 +899,14 @@ impl GpuQwen35 {
                 (gathered, rows.len())
             }
         };
-        let (head, logits) = (self.lm_head.as_ref().map_or(g.ptr(&self.embed), |m| g.ptr(&m.w)), g.ptr(&ws.logits));
-        if ws.takes_gemv(n) {
-            return self.gemv(ws, GemvInput::Norm(g.ptr(&self.final_norm)), &[(head, logits, c.vocab_size)], last, h, n, GemvOut::Write);
+        let (head, logits) = (self.lm_head_rows(), g.ptr(&ws.logits));
+        // (A block-format LM head by the GEMV at any number of rows, in launches of 8.)
+        if ws.takes_gemv(n) || head.format.is_some() {
+            return self.gemv(ws, GemvInput::Norm(g.ptr(&self.final_norm)), &[(head, logits)], last, h, n, GemvOut::Write);
         }
         let normed = g.ptr(&ws.normed);
         self.rms_norm(last, g.ptr(&self.final_norm), NormOut::F32(normed), n, h)?;
-        self.matmul(ws, normed, n, head, c.vocab_size, h, logits)
+        self.matmul(ws, normed, n, head, logits)
     }
 
     /// Draws (`sampling::GpuDraw`, with the host's uniform) from the last logits of states

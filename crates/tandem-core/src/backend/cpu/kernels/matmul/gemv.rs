@@ -1,6 +1,7 @@
 //! The decode GEMV: any number of tokens (a decode step of a batch), each weight row read from
 //! memory once for all of them and each token's sums in the one-token order, in units that the
-//! pool's workers take from a queue; one token's int8 rows by VNNI.
+//! pool's workers take from a queue; one token's int8 rows by VNNI; rows of GGML blocks by
+//! blocks.rs.
 
 use super::*;
 
@@ -36,7 +37,7 @@ fn gemv_units(jobs: &[(&Matrix, OutPtr)], threads: usize) -> Vec<(usize, RowSet)
     let mut units = Vec::new();
     for (j, (w, _)) in jobs.iter().enumerate() {
         let stride = w.rows.div_ceil(4);
-        let least = (16384 / (w.cols * w.dtype().size()).max(1)).max(1);
+        let least = (16384 / w.row_bytes().max(1)).max(1);
         let mut start = 0;
         while start < stride {
             let len = (stride - start).div_ceil(2 * threads.max(1)).max(least).min(stride - start);
@@ -55,6 +56,8 @@ pub(super) fn gemv_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, Out
     // int8 weights are multiplied by each token's x rounded to int16, split into bytes for VNNI.
     let k = jobs[0].0.cols;
     let xq: Vec<QuantizedX> = if jobs.iter().any(|(w, _)| int8_vnni_applies(w)) { x.chunks_exact(k).map(QuantizedX::new).collect() } else { Vec::new() };
+    // Block formats by 16-bit integer x with the sums of its runs (blocks.rs).
+    let bx: Vec<blocks::BlockX> = if jobs.iter().any(|(w, _)| blocks::applies(w)) { x.chunks_exact(k).map(blocks::BlockX::new).collect() } else { Vec::new() };
     let queue = WorkQueue::new(units.len());
     pool.run(&|_| {
         while let Some(u) = queue.take() {
@@ -63,6 +66,11 @@ pub(super) fn gemv_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, Out
             let set = set.clone();
             #[cfg(target_arch = "x86_64")]
             prefetch_unit_start(w, &set);
+            if blocks::applies(w) {
+                // SAFETY: units are disjoint sets of rows inside every token's output row.
+                unsafe { blocks::gemv_rows(&bx, w, &set, out.0) };
+                continue;
+            }
             #[cfg(target_arch = "x86_64")]
             if int8_vnni_applies(w) {
                 // SAFETY: int8_vnni_applies checked the CPU features; units are disjoint sets
@@ -84,7 +92,7 @@ pub(super) fn gemv_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, Out
 
 /// How far ahead of where they read the GEMV kernels prefetch each stream (about 20 lines:
 /// enough in flight to cover the memory latency, measured best among 2, 4 and 8 KB).
-const PREFETCH_BYTES: usize = 4096;
+pub(super) const PREFETCH_BYTES: usize = 4096;
 
 /// Prefetch the line at `p` into the core's L2 (and the levels beyond), not into L1. On a
 /// 2-vCPU EPYC (Zen 5) the int8 GEMV read the LM head (256 MB) at 77-79% of a plain read of
@@ -94,7 +102,7 @@ const PREFETCH_BYTES: usize = 4096;
 /// (docs/results/2026-11-29-cpu-decode-prefetch-and-ceiling.md).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn prefetch_weights(p: *const i8) {
+pub(super) unsafe fn prefetch_weights(p: *const i8) {
     std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p);
 }
 
@@ -103,12 +111,8 @@ unsafe fn prefetch_weights(p: *const i8) {
 /// at a time on each stream.
 #[cfg(target_arch = "x86_64")]
 fn prefetch_unit_start(w: &Matrix, set: &RowSet) {
-    let base: *const u8 = match &w.data {
-        WeightData::Bf16(b) | WeightData::F16(b) => b.as_slice().as_ptr() as *const u8,
-        WeightData::F32(b) => b.as_slice().as_ptr() as *const u8,
-        WeightData::Int8 { q, .. } => q.as_slice().as_ptr() as *const u8,
-    };
-    let row_bytes = w.cols * w.dtype().size();
+    let base = w.data_ptr();
+    let row_bytes = w.row_bytes();
     for j in 0..4 {
         let first = j * set.stride + set.offsets.start;
         if first >= set.rows {
@@ -166,15 +170,21 @@ pub struct QuantizedX {
     pub scale: f32,
 }
 
+/// `x ≈ q · scale` with `q` in i16: `scale = max|x| / 32767`, each value rounded to nearest,
+/// ties to even (relative error below 2e-5).
+pub(super) fn round_to_i16(x: &[f32]) -> (Vec<i16>, f32) {
+    let max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let scale = if max > 0.0 { max / 32767.0 } else { 1.0 };
+    let inv = 1.0 / scale;
+    // Adding and subtracting 1.5 · 2^23 rounds to the nearest integer, ties to even, for
+    // |v| < 2^22 (here ≤ 32767), in two vectorisable adds instead of a call per element.
+    const ROUND: f32 = 12582912.0;
+    (x.iter().map(|v| ((v * inv + ROUND) - ROUND) as i16).collect(), scale)
+}
+
 impl QuantizedX {
     pub fn new(x: &[f32]) -> QuantizedX {
-        let max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let scale = if max > 0.0 { max / 32767.0 } else { 1.0 };
-        let inv = 1.0 / scale;
-        // Adding and subtracting 1.5 · 2^23 rounds to the nearest integer, ties to even, for
-        // |v| < 2^22 (here ≤ 32767), in two vectorisable adds instead of a call per element.
-        const ROUND: f32 = 12582912.0;
-        let q: Vec<i16> = x.iter().map(|v| ((v * inv + ROUND) - ROUND) as i16).collect();
+        let (q, scale) = round_to_i16(x);
         let lo = q.iter().map(|&v| (v as u16 & 0xff) as u8).collect();
         let hi = q.iter().map(|&v| ((v >> 8) + 128) as u8).collect();
         QuantizedX { lo, hi, scale }
@@ -222,6 +232,7 @@ macro_rules! by_weight_dtype {
                 let s = scales.as_slice();
                 $kernel!(q.as_slice().as_ptr(), i8, load_i8, |r: usize| s[r])
             }
+            WeightData::Blocks { .. } => unreachable!("block formats take blocks.rs"),
         }
     }};
 }
@@ -631,7 +642,8 @@ mod tests {
         let mut seed = 11;
         for &(t, n, k) in &[(1, 37, 64), (1, 9, 40), (2, 13, 1024), (3, 21, 48), (5, 8, 100), (8, 33, 256), (33, 18, 80), (4, 30, 2100), (2, 7, 12)] {
             let x: Vec<f32> = (0..t * k).map(|_| lcg(&mut seed)).collect();
-            for w in &test_matrices(n, k, &mut seed) {
+            // (Block formats take blocks.rs, tested there.)
+            for w in test_matrices(n, k, &mut seed).iter().filter(|w| !blocks::applies(w)) {
                 let stride = n.div_ceil(4);
                 // Two units, as gemv_group cuts a matrix (the second's last streams short).
                 let sets = [RowSet { offsets: 0..stride / 2, stride, rows: n }, RowSet { offsets: stride / 2..stride, stride, rows: n }];

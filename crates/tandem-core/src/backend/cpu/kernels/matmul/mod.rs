@@ -46,6 +46,14 @@ pub fn weight(w: &Matrix, r: usize, i: usize) -> f32 {
         WeightData::F16(b) => f16_to_f32(b.as_slice()[r * k + i]),
         WeightData::F32(b) => b.as_slice()[r * k + i],
         WeightData::Int8 { q, scales, .. } => q.as_slice()[r * k + i] as f32 * scales.as_slice()[r],
+        WeightData::Blocks { format, data } => {
+            // The whole block, then the one value (for references and tests).
+            let e = format.elements();
+            let at = r * format.bytes_of(k) + i / e * format.bytes();
+            let mut y = vec![0f32; e];
+            crate::model::blocks::dequantize_block(*format, &data.as_slice()[at..at + format.bytes()], &mut y);
+            y[i % e]
+        }
     }
 }
 
@@ -204,6 +212,7 @@ fn locate(units: &[usize], mut u: usize) -> (usize, usize) {
 
 mod amx_gemm;
 mod bf16_dot;
+pub mod blocks;
 mod gemv;
 pub mod int8_dot;
 pub mod gemm;
@@ -239,6 +248,11 @@ fn widen_row_range(w: &Matrix, r: usize, k0: usize, kc: usize, buf: &mut [f32]) 
                 *d = s as f32;
             }
             scales.as_slice()[r]
+        }
+        WeightData::Blocks { format, data } => {
+            let rb = format.bytes_of(w.cols);
+            blocks::dequantize_range(*format, &data.as_slice()[r * rb..(r + 1) * rb], k0, &mut buf[..kc]);
+            1.0
         }
     }
 }
@@ -279,14 +293,24 @@ pub(super) mod tests {
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
+    /// The same random matrix in every dtype: f32, bf16, f16, int8, and the block formats
+    /// whose blocks its rows hold whole (Q8_0 for multiples of 32; Q4_K and Q6_K of 256).
     pub fn test_matrices(n: usize, k: usize, seed: &mut u64) -> Vec<Matrix> {
         let wf: Vec<f32> = (0..n * k).map(|_| lcg(seed)).collect();
-        vec![
-            Matrix { rows: n, cols: k, data: WeightData::F32(Buf::from_vec(wf.clone())) },
+        let f32m = Matrix { rows: n, cols: k, data: WeightData::F32(Buf::from_vec(wf.clone())) };
+        let mut all = vec![
+            f32m.clone(),
             Matrix { rows: n, cols: k, data: WeightData::Bf16(Buf::from_vec(wf.iter().map(|&v| f32_to_bf16(v)).collect())) },
             Matrix { rows: n, cols: k, data: WeightData::F16(Buf::from_vec(wf.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect())) },
-            crate::model::quant::quantize_int8(&Matrix { rows: n, cols: k, data: WeightData::F32(Buf::from_vec(wf)) }),
-        ]
+            crate::model::quant::quantize_int8(&f32m),
+        ];
+        use crate::model::blocks::BlockFormat;
+        for f in [BlockFormat::Q8_0, BlockFormat::Q4_K, BlockFormat::Q6_K] {
+            if k.is_multiple_of(f.elements()) {
+                all.push(crate::model::quant::quantize_blocks_on(&Pool::new(1), &f32m, f));
+            }
+        }
+        all
     }
 
     /// The packed layout of x, AVX-512 transposes and plain copies alike, against its definition.
@@ -422,7 +446,8 @@ pub(super) mod tests {
                     // The int8 GEMV (VNNI) rounds each token's x to int16: at most half a
                     // step (max|x| / 65534) per input.
                     let x_max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-                    let int8 = w.dtype() == crate::model::tensor::DType::I8;
+                    // Block formats round x to 16 bits the same way (blocks.rs).
+                    let int8 = matches!(w.dtype(), crate::model::tensor::DType::I8 | crate::model::tensor::DType::Blocks(_));
                     let tol = |r: usize| f32_tol + if int8 { (0..k).map(|c| weight(w, r, c).abs()).sum::<f32>() * x_max / 65534.0 } else { 0.0 };
                     let mut step = vec![0f32; t * n];
                     decode_group(&pool, &x, t, &mut [(w, &mut step)]);
