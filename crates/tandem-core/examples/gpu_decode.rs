@@ -2,8 +2,9 @@
 //! copy bandwidth (a 1 GiB device-to-device copy), then per model and `--quant` format the
 //! prefill of 512 tokens (tensor cores), the decode step replayed from its CUDA graph (the
 //! GPU's time alone, and with the host picking each token), the weights it reads and their rate
-//! against the bandwidth, and each decode GEMV alone by kind. Every line is printed as soon as
-//! it is measured (a long run cut short keeps what it had). Medians of 5 (min - max).
+//! against the bandwidth, each decode GEMV alone by kind, and a step's largest kernels. Every
+//! line is printed as soon as it is measured (a long run cut short keeps what it had). Medians
+//! of 5 (min - max).
 //! `cargo run --release --example gpu_decode -p tandem-core MODEL[,MODEL] [bf16,q4_k,...]`
 use std::time::Instant;
 
@@ -100,6 +101,22 @@ fn main() -> anyhow::Result<()> {
                 let rate = t.bytes as f64 / (t.micros * 1e-6);
                 eprintln!("  {model} {format}: {} {}x{} {:.1} MB {:.2} us {:.0} GB/s {:.0}%", t.what, t.rows, t.cols, t.bytes as f64 / 1e6, t.micros, rate / 1e9, 100.0 * rate / bandwidth);
             }
+            // A decode step's kernels, each timed with events (launched one by one, so each
+            // also pays its launch): the largest ten, µs per step.
+            let mut gp = gp;
+            gp.graphs = false;
+            let mut st = gp.new_state()?;
+            gp.forward(&tokens[..13], &mut st, Logits::Last)?;
+            gp.gpu.start_profile();
+            for i in 0..8 {
+                gp.forward(&tokens[20 + i..21 + i], &mut st, Logits::Last)?;
+            }
+            let mut profile = gp.gpu.finish_profile()?;
+            profile.sort_by(|a, b| b.1.total_cmp(&a.1));
+            for (name, ms, count) in profile.iter().take(10) {
+                eprintln!("  {model} {format} kernel {name}: {:.1} us per step ({} launches)", 1e3 * ms / 8.0, count / 8);
+            }
+            gp.graphs = true;
             gpu = Some(gp.into_gpu());
         }
     }

@@ -137,12 +137,17 @@ fn gpu_prefill_and_decode_match_the_cpu_engine() {
 /// GGML block formats on the GPU (`--quant`: Q8_0 for the fixture's rows of 128, each k-quant
 /// for its down projections' rows of 256; the GEMVs and embedding read the blocks, a prefill's
 /// GEMMs their dequantized weights) against the CPU engine with the same weights: exact
-/// products, a prefill whole and in dispatches, then greedy steps through the CUDA graph
-/// against the CPU's prompt kernels (f32 products of the dequantized weights, as the GPU's),
-/// all within twice the verify tolerance; and an embedding table of blocks.
+/// products, a prefill whole and in dispatches (f32 products of the dequantized weights on
+/// both), then greedy steps through the CUDA graph against the CPU's decode step (both
+/// multiplying the blocks' integers by the inputs rounded to 16-bit integers): a whole prefill
+/// within twice the verify tolerance, pieces of at most 8 tokens (the GEMV) and decode steps
+/// within the bounds of that rounding measured on this fixture; and an embedding table of
+/// blocks.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn block_format_weights_on_the_gpu_match_the_cpu_engine() {
+    const GEMV_INPUT_LOGIT_TOL: f32 = 2e-2;
+    const GEMV_INPUT_STATE_TOL: f32 = 1e-2;
     use tandem_core::model::quant::Quant;
     let (gpu0, _turn) = gpu_for("block-format weights on the GPU");
     let mut gpu0 = Some(gpu0);
@@ -165,19 +170,27 @@ fn block_format_weights_on_the_gpu_match_the_cpu_engine() {
                 got.extend(gpu.forward(&tokens[at..at + n], &mut on_gpu, Logits::All).unwrap());
                 at += n;
             }
+            // Pieces of at most 8 tokens take the GEMV, which multiplies the inputs rounded to
+            // 16-bit integers (as the CPU's decode step does; its prompt kernels here multiply
+            // f32 inputs): this fixture's random weights magnify that rounding (relative 1.5e-5
+            // of a row's largest input) to 9.5e-3 of the logits for q8_0 on an H200.
+            let short_pieces = splits.iter().any(|&n| n <= 8);
+            let (logit_tol, state_tol) = if short_pieces { (GEMV_INPUT_LOGIT_TOL, GEMV_INPUT_STATE_TOL) } else { (2.0 * LOGIT_TOL, STATE_REL_TOL) };
             let err = max_abs_diff(&got, &want);
-            eprintln!("{name} ({}), dispatches {splits:?}: logits differ from the CPU engine's by up to {err:.2e}", m.net.matrix_formats());
-            assert!(err <= 2.0 * LOGIT_TOL, "{name}, dispatches {splits:?}: logits differ by up to {err:.2e}");
-            let err = state_error(&gpu.download_state(&on_gpu).unwrap(), &cpu);
-            assert!(err <= STATE_REL_TOL, "{name}, dispatches {splits:?}: states differ by up to {err:.2e} (relative)");
+            let state_err = state_error(&gpu.download_state(&on_gpu).unwrap(), &cpu);
+            eprintln!("{name} ({}), dispatches {splits:?}: logits differ from the CPU engine's by up to {err:.2e}, states by {state_err:.2e} (relative)", m.net.matrix_formats());
+            assert!(err <= logit_tol, "{name}, dispatches {splits:?}: logits differ by up to {err:.2e}");
+            assert!(state_err <= state_tol, "{name}, dispatches {splits:?}: states differ by up to {state_err:.2e} (relative)");
             let mut cpu_dec = cpu.clone();
             for step in 0..8 {
                 let id = argmax(&cpu_dec.last_logits);
                 assert_eq!(argmax(on_gpu.last_logits().unwrap()), id, "{name}, dispatches {splits:?}: decode step {step} picks another token");
                 let g = gpu.forward(&[id], &mut on_gpu, Logits::Last).unwrap();
-                let c = m.net.forward(&pool, &[id], &mut cpu_dec, Logits::Last).unwrap();
-                let err = max_abs_diff(&g, &c);
-                assert!(err <= 2.0 * LOGIT_TOL, "{name}, dispatches {splits:?}: decode step {step}: logits differ by up to {err:.2e}");
+                m.net.decode_batch(&pool, &[id], &mut [&mut cpu_dec]).unwrap();
+                let err = max_abs_diff(&g, &cpu_dec.last_logits);
+                // (Both round the inputs to integers, but from norms computed in another order:
+                // an integer here and there lands one apart. 2.2e-3 for q4_k on an H200.)
+                assert!(err <= GEMV_INPUT_LOGIT_TOL, "{name}, dispatches {splits:?}: decode step {step}: logits differ by up to {err:.2e}");
             }
         }
         gpu0 = Some(gpu.into_gpu());

@@ -20,6 +20,7 @@
 using std::min; using std::max;
 struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
+struct int2 { int x, y; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 struct uint2 { unsigned x, y; };
 inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
@@ -82,6 +83,10 @@ inline unsigned __byte_perm(unsigned a, unsigned b, unsigned s) {
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
+inline int __float2int_rn(float x) { return (int)std::nearbyint(x); }
+// Two 16-bit integers of a times bytes 0, 1 (lo) or 2, 3 (hi) of b, all signed, plus c.
+inline int __dp2a_lo(int a, int b, int c) { return c + (short)(a & 0xffff) * (signed char)(b & 0xff) + (short)(a >> 16) * (signed char)((b >> 8) & 0xff); }
+inline int __dp2a_hi(int a, int b, int c) { return c + (short)(a & 0xffff) * (signed char)((b >> 16) & 0xff) + (short)(a >> 16) * (signed char)(b >> 24); }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline void warp_sync() { g_block->warps[threadIdx.x >> 5]->arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int m) {

@@ -15,22 +15,14 @@ pub enum GgmlType {
     F32,
     F16,
     BF16,
-    /// 32 values: an f16 scale and 4-bit values, offset by 8.
+    // The block formats (what each holds: model/blocks BlockFormat).
     Q4_0,
-    /// 32 values: an f16 scale and minimum, 4-bit values.
     Q4_1,
-    /// 32 values: an f16 scale, 5-bit values (the fifth bits apart), offset by 16.
     Q5_0,
-    /// 32 values: an f16 scale and minimum, 5-bit values.
     Q5_1,
-    /// 32 values: an f16 scale and 8-bit values.
     Q8_0,
-    /// 256 values: an f16 scale and minimum for the block, 6-bit scales and minimums for its
-    /// eight runs of 32, 4-bit values.
     Q4_K,
-    /// As `Q4_K` with a fifth bit per value.
     Q5_K,
-    /// 256 values: 6-bit values, an 8-bit scale per run of 16, one f16 scale.
     Q6_K,
 }
 

@@ -76,29 +76,21 @@ struct Bf16Rows {
     }
 };
 
-// Rows of blocks of format F: each chunk's 32 values dequantized in f32 (blocks.cu
-// BlockChunk), four consecutive at a time against a float4 of each token's input.
+// Rows of blocks of format F: each chunk's 32 integers times the inputs as block_input
+// (blocks.cu) rounds them to integers: `x` holds those ([t, k] 16-bit), `x2` their sums of 8
+// and scales; the input modes are block_input's (IN_PLAIN here). A lane has PRE = 4 chunks in
+// flight before its first products: a whole row of 4096 with a warp per row.
 template <int F>
 struct BlockRows {
     typedef unsigned char Elem;
     typedef ChunkRaw Raw;
-    static constexpr int VALUES = 32, PRE = 2;
+    static constexpr int VALUES = 32, PRE = 4;
     __device__ static const Elem* row(const Elem* w, int r, int k) { return w + (size_t)r * block_row_bytes<F>(k); }
     __device__ static Raw load(const Elem* row, int k, int c) { return BlockChunk<F>::load(row, k, c); }
     template <int T, int MODE>
-    __device__ static void dot(const Raw& p, const Elem*, int c, const float* x, const float* x2, const float* inv, int round_in, int k, int t, float* acc) {
-        BlockChunk<F>::values4(p, c, [&](float4 w, int i) {
-            float4 s = make_float4(1, 1, 1, 1);
-            if (MODE == IN_NORM) s = *(const float4*)(x2 + i);
-#pragma unroll
-            for (int m = 0; m < T; m++) {
-                if (m < t) {
-                    float r = MODE == IN_NORM && round_in ? inv[m] : 1.0f;
-                    float4 a = gemv_input<MODE>(*(const float4*)(x + (size_t)m * k + i), s, r, round_in);
-                    acc[m] += w.x * a.x + w.y * a.y + w.z * a.z + w.w * a.w;
-                }
-            }
-        });
+    __device__ static void dot(const Raw& p, const Elem*, int c, const float* x, const float* x2, const float*, int, int k, int t, float* acc) {
+        const int* sums = (const int*)x2;
+        BlockChunk<F>::template dot<T>(p, c, (const short*)x, sums, (const float*)(sums + (size_t)t * (k / 8)), k, t, acc);
     }
 };
 
@@ -247,18 +239,18 @@ GEMV_KERNEL(gemv_t8_norm, 8, IN_NORM, false)
 GEMV_KERNEL(gemv_t8_glu, 8, IN_NORM, true)
 
 // The same GEMVs of block-format weights (blocks.cu), one kernel per format, tokens (1, 2, 4 or
-// 8) and input mode: gemv_<format>_t<T>_<plain|norm|glu>.
-#define GEMV_BLOCKS_KERNEL(NAME, F, T, MODE, GLU)                                                                                            \
+// 8) and output: gemv_<format>_t<T>_<plain|glu>, their inputs from block_input (which
+// normalises them where the bf16 GEMV's IN_NORM would).
+#define GEMV_BLOCKS_KERNEL(NAME, F, T, GLU)                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) NAME(const unsigned char* w0, float* o0, int n0, const unsigned char* w1, float* o1, int n1, \
                                                            const unsigned char* w2, float* o2, int n2, const unsigned char* w3, float* o3, int n3,   \
                                                            const float* x, const float* x2, const float* rms_inv, int k, int t, int rb, int accumulate, float eps, \
                                                            int round_in) {                                                                         \
-        gemv_body<BlockRows<F>, T, MODE, GLU>(w0, o0, n0, w1, o1, n1, w2, o2, n2, w3, o3, n3, x, x2, rms_inv, k, t, rb, accumulate, eps, round_in); \
+        gemv_body<BlockRows<F>, T, IN_PLAIN, GLU>(w0, o0, n0, w1, o1, n1, w2, o2, n2, w3, o3, n3, x, x2, rms_inv, k, t, rb, accumulate, eps, round_in); \
     }
 #define GEMV_BLOCKS_T(SUFFIX, F, T)                                    \
-    GEMV_BLOCKS_KERNEL(gemv_##SUFFIX##_t##T##_plain, F, T, IN_PLAIN, false) \
-    GEMV_BLOCKS_KERNEL(gemv_##SUFFIX##_t##T##_norm, F, T, IN_NORM, false)   \
-    GEMV_BLOCKS_KERNEL(gemv_##SUFFIX##_t##T##_glu, F, T, IN_NORM, true)
+    GEMV_BLOCKS_KERNEL(gemv_##SUFFIX##_t##T##_plain, F, T, false) \
+    GEMV_BLOCKS_KERNEL(gemv_##SUFFIX##_t##T##_glu, F, T, true)
 #define GEMV_BLOCKS(SUFFIX, F) GEMV_BLOCKS_T(SUFFIX, F, 1) GEMV_BLOCKS_T(SUFFIX, F, 2) GEMV_BLOCKS_T(SUFFIX, F, 4) GEMV_BLOCKS_T(SUFFIX, F, 8)
 GEMV_BLOCKS(q4_0, BLOCK_Q4_0)
 GEMV_BLOCKS(q8_0, BLOCK_Q8_0)

@@ -132,21 +132,23 @@ static void check_gemv_stream(bool norm, bool glu, bool accumulate, std::vector<
         if (rows[j] > 0) compare(name + ": matrix " + std::to_string(j) + " (" + std::to_string(rows[j]) + " rows)", out[j], want[j], 1e-5);
 }
 
-// The GEMV kernel of block format f (gemv_<f>_t<T>_<mode>).
+// The GEMV kernel of block format f (gemv_<f>_t<T>_<plain|glu>).
 typedef void (*BlockGemv)(const unsigned char*, float*, int, const unsigned char*, float*, int, const unsigned char*, float*, int, const unsigned char*, float*, int,
                           const float*, const float*, const float*, int, int, int, int, float, int);
-static BlockGemv block_gemv(int f, int t, int mode) {
-#define BLOCK_GEMV_OF(S) { gemv_##S##_t1_plain, gemv_##S##_t1_norm, gemv_##S##_t1_glu, gemv_##S##_t2_plain, gemv_##S##_t2_norm, gemv_##S##_t2_glu, \
-                           gemv_##S##_t4_plain, gemv_##S##_t4_norm, gemv_##S##_t4_glu, gemv_##S##_t8_plain, gemv_##S##_t8_norm, gemv_##S##_t8_glu }
-    static const BlockGemv all[5][12] = {BLOCK_GEMV_OF(q4_0), BLOCK_GEMV_OF(q8_0), BLOCK_GEMV_OF(q4_k), BLOCK_GEMV_OF(q5_k), BLOCK_GEMV_OF(q6_k)};
+static BlockGemv block_gemv(int f, int t, bool glu) {
+#define BLOCK_GEMV_OF(S) { gemv_##S##_t1_plain, gemv_##S##_t1_glu, gemv_##S##_t2_plain, gemv_##S##_t2_glu, gemv_##S##_t4_plain, gemv_##S##_t4_glu, gemv_##S##_t8_plain, gemv_##S##_t8_glu }
+    static const BlockGemv all[5][8] = {BLOCK_GEMV_OF(q4_0), BLOCK_GEMV_OF(q8_0), BLOCK_GEMV_OF(q4_k), BLOCK_GEMV_OF(q5_k), BLOCK_GEMV_OF(q6_k)};
     int ti = t == 1 ? 0 : t == 2 ? 1 : t <= 4 ? 2 : 3;
-    return all[f][3 * ti + mode];
+    return all[f][2 * ti + glu];
 }
 
-// The decode GEMVs of block-format weights, as check_gemv's (several matrices, rows per block,
-// norm in the block or given, adding, inputs rounded to bf16), against the double-precision
-// products of the plain dequantizer's values; and with `glu`, gate and up with the SwiGLU.
-static void check_gemv_blocks(const FormatInfo& f, int t, bool norm, bool given_inv, int rb, bool accumulate, std::vector<int> rows, bool round = false, bool glu = false) {
+// The decode GEMVs of block-format weights: block_input's integers (each the input over its
+// scale, rounded, their sums of 8 exact, the scale max |v| / 32767), then the GEMV as
+// check_gemv's (several matrices, rows per block, normalised inputs, adding, inputs rounded to
+// bf16) against the double-precision products of the plain dequantizer's values with those
+// integers times the scale (the rounding of the inputs is the CPU engine's too); and with
+// `glu`, gate and up with the SwiGLU.
+static void check_gemv_blocks(const FormatInfo& f, int t, bool norm, int rb, bool accumulate, std::vector<int> rows, bool round = false, bool glu = false) {
     const int k = 512;
     const float eps = 1e-6f;
     auto x = random((size_t)t * k, -2, 2), scale = random(k, 0.5, 1.5);
@@ -161,23 +163,44 @@ static void check_gemv_blocks(const FormatInfo& f, int t, bool norm, bool given_
         out[j] = random((size_t)t * std::max(rows[j], 1), -1, 1);
         if (!glu) units += (rows[j] + rb - 1) / rb;
     }
-    std::vector<float> inv(t);
-    if (given_inv) launch(t, 1, 1, 256, [&] { rms_inv(x.data(), inv.data(), k, eps); });
+    const int groups = k / 8;
+    std::vector<unsigned> q((size_t)t * k / 2), sums((size_t)t * groups + t);
+    launch(t * BLOCK_INPUT_PARTS, 1, 1, 256, [&] { block_input(x.data(), norm ? scale.data() : nullptr, k, eps, round, q.data(), sums.data()); });
+    const short* qi = (const short*)q.data();
+    std::vector<float> s(t);
+    bool ints = true;
+    for (int m = 0; m < t; m++) {
+        double ss = 0, most = 0;
+        for (int c = 0; c < k; c++) ss += (double)x[m * k + c] * x[m * k + c];
+        double inv = norm ? 1 / std::sqrt(ss / k + eps) : 1;
+        std::vector<double> v(k);
+        for (int c = 0; c < k; c++) {
+            v[c] = x[m * k + c] * inv * (norm ? scale[c] : 1.0f);
+            if (round) v[c] = round_bf16((float)v[c]);
+            most = std::max(most, std::fabs(v[c]));
+        }
+        memcpy(&s[m], &sums[(size_t)t * groups + m], 4);
+        ints = ints && std::fabs(s[m] - most / 32767) <= 1e-5 * most / 32767;
+        // (v / s is up to 32767, and the kernel's v and 1 / s are f32: a value near a half
+        // rounds either way.)
+        for (int c = 0; c < k; c++) ints = ints && std::fabs(qi[m * k + c] - v[c] / s[m]) <= 0.5 + 32767 * 4.0 / (1 << 24);
+        for (int g = 0; g < groups; g++) {
+            int sum = 0;
+            for (int c = 0; c < 8; c++) sum += qi[m * k + 8 * g + c];
+            ints = ints && (int)sums[m * groups + g] == sum;
+        }
+    }
+    std::string name = std::string("gemv ") + f.name + " t" + gemv_t(t) + (glu ? " glu" : norm ? " norm" : " plain") + ", " + std::to_string(t) + (t == 1 ? " token, " : " tokens, ") + std::to_string(rb) +
+                       " rows per block" + (accumulate && !glu ? ", adding" : "") + (round ? ", inputs rounded to bf16" : "");
+    failures += !ints;
+    printf("%s block_input for %s: integers v / s rounded, sums of 8 exact\n", ints ? "ok  " : "FAIL", name.c_str());
     std::vector<std::vector<double>> want(4);
     for (int j = 0; j < 4; j++) want[j].assign(out[j].begin(), out[j].end());
     for (int m = 0; m < t; m++) {
-        double ss = 0;
-        for (int c = 0; c < k; c++) ss += (double)x[m * k + c] * x[m * k + c];
-        double inv_m = norm ? (given_inv ? inv[m] : 1 / std::sqrt(ss / k + eps)) : 1;
-        auto in = [&](int c) -> double {
-            float v = x[m * k + c];
-            if (!round) return (double)v * (norm ? scale[c] : 1.0f);
-            return round_bf16(norm ? v * (float)inv_m * scale[c] : v);
-        };
         auto product = [&](int j, int r) {
             double acc = 0;
-            for (int c = 0; c < k; c++) acc += (double)wf[j][(size_t)r * k + c] * in(c);
-            return round ? acc : acc * inv_m;
+            for (int c = 0; c < k; c++) acc += (double)wf[j][(size_t)r * k + c] * qi[m * k + c];
+            return acc * s[m];
         };
         for (int j = 0; j < 4; j++)
             for (int r = 0; r < rows[j]; r++) {
@@ -191,13 +214,11 @@ static void check_gemv_blocks(const FormatInfo& f, int t, bool norm, bool given_
                 }
             }
     }
-    auto kernel = block_gemv(f.id, t, glu ? 2 : norm ? 1 : 0);
+    auto kernel = block_gemv(f.id, t, glu);
     launch(units, 1, 1, 256, [&] {
-        kernel(w[0].data(), out[0].data(), rows[0], w[1].data(), out[1].data(), rows[1], w[2].data(), out[2].data(), rows[2], w[3].data(), out[3].data(), rows[3], x.data(),
-               scale.data(), given_inv ? inv.data() : nullptr, k, t, rb, glu ? 0 : accumulate, eps, round);
+        kernel(w[0].data(), out[0].data(), rows[0], w[1].data(), out[1].data(), rows[1], w[2].data(), out[2].data(), rows[2], w[3].data(), out[3].data(), rows[3],
+               (const float*)q.data(), (const float*)sums.data(), nullptr, k, t, rb, glu ? 0 : accumulate, eps, round);
     });
-    std::string name = std::string("gemv ") + f.name + " t" + gemv_t(t) + (glu ? " glu" : norm ? " norm" : " plain") + ", " + std::to_string(t) + (t == 1 ? " token, " : " tokens, ") + std::to_string(rb) +
-                       " rows per block" + (norm && !glu ? (given_inv ? ", 1/rms given" : ", 1/rms in the block") : "") + (accumulate && !glu ? ", adding" : "") + (round ? ", inputs rounded to bf16" : "");
     // With rounding, gate and up are rounded to bf16 before the SwiGLU: a sum that lands on the
     // other side of a rounding boundary than the double reference's moves the output by a bf16
     // step (2^-8) of gate or up.
@@ -207,14 +228,18 @@ static void check_gemv_blocks(const FormatInfo& f, int t, bool norm, bool given_
 }
 
 static void check_gemv_kernels() {
+    // Every format in one token's shapes (four matrices; gate and up), the rest of the
+    // arguments on Q4_K and Q6_K (the formats with and without minimums).
     for (const auto& f : FORMATS) {
-        check_gemv_blocks(f, 1, true, false, 2, false, {40, 24, 3, 5});
-        check_gemv_blocks(f, 5, true, true, 8, false, {17, 9});
-        check_gemv_blocks(f, 3, false, false, 1, true, {11});
-        check_gemv_blocks(f, 2, true, false, 4, false, {33, 8}, true);
-        check_gemv_blocks(f, 8, false, false, 4, true, {13}, true);
-        check_gemv_blocks(f, 1, true, false, 8, false, {21}, false, true);
-        check_gemv_blocks(f, 4, true, false, 2, false, {9}, true, true);
+        check_gemv_blocks(f, 1, true, 2, false, {40, 24, 3, 5});
+        check_gemv_blocks(f, 4, true, 2, false, {9}, true, true);
+    }
+    for (const auto& f : {FORMATS[2], FORMATS[4]}) {
+        check_gemv_blocks(f, 5, true, 8, false, {17, 9});
+        check_gemv_blocks(f, 3, false, 1, true, {11});
+        check_gemv_blocks(f, 2, true, 4, false, {33, 8}, true);
+        check_gemv_blocks(f, 8, false, 4, true, {13}, true);
+        check_gemv_blocks(f, 1, true, 8, false, {21}, false, true);
     }
     check_gemv(1, true, false, 2, false, {40, 24, 3, 5});
     check_gemv(5, true, true, 8, false, {17, 9});

@@ -74,14 +74,17 @@ fn index(f: BlockFormat) -> usize {
     }
 }
 
-/// The decode GEMV of format `f` for `t` tokens (1, 2, 3-4, 5-8): [glu, norm, plain].
-pub fn gemv_kernels(f: BlockFormat, t: usize) -> [Kernel<GemvBlocksParams>; 3] {
-    const ALL: [[[Kernel<GemvBlocksParams>; 3]; 4]; 5] = [
-        [[k::GEMV_Q4_0_T1_GLU, k::GEMV_Q4_0_T1_NORM, k::GEMV_Q4_0_T1_PLAIN], [k::GEMV_Q4_0_T2_GLU, k::GEMV_Q4_0_T2_NORM, k::GEMV_Q4_0_T2_PLAIN], [k::GEMV_Q4_0_T4_GLU, k::GEMV_Q4_0_T4_NORM, k::GEMV_Q4_0_T4_PLAIN], [k::GEMV_Q4_0_T8_GLU, k::GEMV_Q4_0_T8_NORM, k::GEMV_Q4_0_T8_PLAIN]],
-        [[k::GEMV_Q8_0_T1_GLU, k::GEMV_Q8_0_T1_NORM, k::GEMV_Q8_0_T1_PLAIN], [k::GEMV_Q8_0_T2_GLU, k::GEMV_Q8_0_T2_NORM, k::GEMV_Q8_0_T2_PLAIN], [k::GEMV_Q8_0_T4_GLU, k::GEMV_Q8_0_T4_NORM, k::GEMV_Q8_0_T4_PLAIN], [k::GEMV_Q8_0_T8_GLU, k::GEMV_Q8_0_T8_NORM, k::GEMV_Q8_0_T8_PLAIN]],
-        [[k::GEMV_Q4_K_T1_GLU, k::GEMV_Q4_K_T1_NORM, k::GEMV_Q4_K_T1_PLAIN], [k::GEMV_Q4_K_T2_GLU, k::GEMV_Q4_K_T2_NORM, k::GEMV_Q4_K_T2_PLAIN], [k::GEMV_Q4_K_T4_GLU, k::GEMV_Q4_K_T4_NORM, k::GEMV_Q4_K_T4_PLAIN], [k::GEMV_Q4_K_T8_GLU, k::GEMV_Q4_K_T8_NORM, k::GEMV_Q4_K_T8_PLAIN]],
-        [[k::GEMV_Q5_K_T1_GLU, k::GEMV_Q5_K_T1_NORM, k::GEMV_Q5_K_T1_PLAIN], [k::GEMV_Q5_K_T2_GLU, k::GEMV_Q5_K_T2_NORM, k::GEMV_Q5_K_T2_PLAIN], [k::GEMV_Q5_K_T4_GLU, k::GEMV_Q5_K_T4_NORM, k::GEMV_Q5_K_T4_PLAIN], [k::GEMV_Q5_K_T8_GLU, k::GEMV_Q5_K_T8_NORM, k::GEMV_Q5_K_T8_PLAIN]],
-        [[k::GEMV_Q6_K_T1_GLU, k::GEMV_Q6_K_T1_NORM, k::GEMV_Q6_K_T1_PLAIN], [k::GEMV_Q6_K_T2_GLU, k::GEMV_Q6_K_T2_NORM, k::GEMV_Q6_K_T2_PLAIN], [k::GEMV_Q6_K_T4_GLU, k::GEMV_Q6_K_T4_NORM, k::GEMV_Q6_K_T4_PLAIN], [k::GEMV_Q6_K_T8_GLU, k::GEMV_Q6_K_T8_NORM, k::GEMV_Q6_K_T8_PLAIN]],
+/// Blocks of kernels/blocks.cu block_input per input row (its BLOCK_INPUT_PARTS).
+pub const BLOCK_INPUT_PARTS: usize = 8;
+
+/// The decode GEMV of format `f` for `t` tokens (1, 2, 3-4, 5-8): [glu, plain].
+pub fn gemv_kernels(f: BlockFormat, t: usize) -> [Kernel<GemvBlocksParams>; 2] {
+    const ALL: [[[Kernel<GemvBlocksParams>; 2]; 4]; 5] = [
+        [[k::GEMV_Q4_0_T1_GLU, k::GEMV_Q4_0_T1_PLAIN], [k::GEMV_Q4_0_T2_GLU, k::GEMV_Q4_0_T2_PLAIN], [k::GEMV_Q4_0_T4_GLU, k::GEMV_Q4_0_T4_PLAIN], [k::GEMV_Q4_0_T8_GLU, k::GEMV_Q4_0_T8_PLAIN]],
+        [[k::GEMV_Q8_0_T1_GLU, k::GEMV_Q8_0_T1_PLAIN], [k::GEMV_Q8_0_T2_GLU, k::GEMV_Q8_0_T2_PLAIN], [k::GEMV_Q8_0_T4_GLU, k::GEMV_Q8_0_T4_PLAIN], [k::GEMV_Q8_0_T8_GLU, k::GEMV_Q8_0_T8_PLAIN]],
+        [[k::GEMV_Q4_K_T1_GLU, k::GEMV_Q4_K_T1_PLAIN], [k::GEMV_Q4_K_T2_GLU, k::GEMV_Q4_K_T2_PLAIN], [k::GEMV_Q4_K_T4_GLU, k::GEMV_Q4_K_T4_PLAIN], [k::GEMV_Q4_K_T8_GLU, k::GEMV_Q4_K_T8_PLAIN]],
+        [[k::GEMV_Q5_K_T1_GLU, k::GEMV_Q5_K_T1_PLAIN], [k::GEMV_Q5_K_T2_GLU, k::GEMV_Q5_K_T2_PLAIN], [k::GEMV_Q5_K_T4_GLU, k::GEMV_Q5_K_T4_PLAIN], [k::GEMV_Q5_K_T8_GLU, k::GEMV_Q5_K_T8_PLAIN]],
+        [[k::GEMV_Q6_K_T1_GLU, k::GEMV_Q6_K_T1_PLAIN], [k::GEMV_Q6_K_T2_GLU, k::GEMV_Q6_K_T2_PLAIN], [k::GEMV_Q6_K_T4_GLU, k::GEMV_Q6_K_T4_PLAIN], [k::GEMV_Q6_K_T8_GLU, k::GEMV_Q6_K_T8_PLAIN]],
     ];
     let ti = match t {
         1 => 0,

@@ -23,6 +23,10 @@ pub(super) struct Workspace {
     pub(super) x: CudaSlice<f32>,
     /// 1 / rms of each row of a long GEMV input (gemv).
     pub(super) rms_inv: CudaSlice<f32>,
+    /// A block-format GEMV's inputs as 16-bit integers (two a word), then their sums of 8 and
+    /// each row's scale (kernels/blocks.cu block_input).
+    pub(super) block_q: CudaSlice<u32>,
+    pub(super) block_sums: CudaSlice<u32>,
     /// The normalised rows of an exact prefill's GEMM input.
     pub(super) xn: CudaSlice<f32>,
     // DeltaNet
@@ -144,6 +148,8 @@ impl Workspace {
             gemv_max,
             x: g.scratch(rows * h)?,
             rms_inv: g.scratch(rows.min(GEMV_MAX_T))?,
+            block_q: g.scratch(if net.block_weights { rows.min(GEMV_MAX_T) * widest / 2 } else { 0 })?,
+            block_sums: g.scratch(if net.block_weights { rows.min(GEMV_MAX_T) * (widest / 8 + 1) } else { 0 })?,
             xn: g.scratch(xn)?,
             in_proj: g.scratch(stacked * DeltaNet::in_proj_starts(c)[4])?,
             qkv: g.scratch(split * cd)?,
