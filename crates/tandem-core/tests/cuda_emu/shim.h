@@ -73,13 +73,6 @@ template <typename T> inline T __ldcg(const T* p) { return *(volatile const T*)p
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return reinterpret_cast<std::atomic<unsigned>*>(p)->fetch_add(v); }
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) { return reinterpret_cast<std::atomic<unsigned long long>*>(p)->fetch_add(v); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-// Bytes of (a, b) picked by the selector's four nibbles (the low three bits of each).
-inline unsigned __byte_perm(unsigned a, unsigned b, unsigned s) {
-    unsigned long long both = (unsigned long long)b << 32 | a;
-    unsigned r = 0;
-    for (int i = 0; i < 4; i++) r |= (unsigned)((both >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
-    return r;
-}
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
