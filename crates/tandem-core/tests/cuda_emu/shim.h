@@ -99,6 +99,7 @@ inline float __shfl_sync(unsigned, float v, int src) {
     return r;
 }
 inline unsigned __shfl_xor_sync(unsigned mask, unsigned v, int m) { return __float_as_uint(__shfl_xor_sync(mask, __uint_as_float(v), m)); }
+inline int __shfl_xor_sync(unsigned mask, int v, int m) { return (int)__shfl_xor_sync(mask, (unsigned)v, m); }
 // Whether any lane of the warp passes a true predicate (every lane calls it).
 inline bool __any_sync(unsigned, bool p) {
     int w = threadIdx.x >> 5, l = threadIdx.x & 31;

@@ -5,19 +5,18 @@
 // 208 bytes: 16-byte units), then the row's k / E scales, then zeros to a multiple of 16 bytes,
 // so that every load is aligned.
 //
-// A chunk is 32 of a row's values that one lane of a GEMV reads together: chunk c of a row is
-// in block c / (E / 32). `BlockChunk<F>` loads one (`load`, before the kernel waits for its
-// input) and multiplies it by a few tokens' inputs (`dot`). The decode GEMV does not dequantize:
-// it multiplies a chunk's integers (before their run's scale) by the token's inputs rounded to
+// A GEMV lane reads a row a unit at a time (`BlockChunk<F>`: 64 values for Q4_K and Q5_K, a pair
+// of runs that share their scales' bytes; 32 for the others) and does not dequantize: it
+// multiplies the unit's integers (before their run's scale) by the token's inputs rounded to
 // 16-bit integers (`block_input`: q = v / s rounded, s = max |v| / 32767, as the CPU engine's
 // block GEMV rounds them), two products an instruction (`__dp2a_lo`/`_hi`: two 16-bit inputs
 // times two bytes, added to a 32-bit sum), so that each run's sum is exact; then scales it by
 // the run's d · scale in f32 and adds its minimum times the sum of the run's inputs
-// (`block_input` writes the sum of each 8). That is about half an instruction a value, against
-// four for dequantizing into f32 (an integer made a float, the scale's fused multiply-add, the
-// product), which held an H200 to 10-15% of its bandwidth. The dequantize and embed kernels
-// compute each value as the CPU's plain dequantizer does (a product, then a difference), bit
-// for bit.
+// (`block_input` writes those sums, and lays the integers out in the order the lanes read
+// them). That is about half an instruction a value, against four for dequantizing into f32 (an
+// integer made a float, the scale's fused multiply-add, the product), which held an H200 to
+// 10-15% of its bandwidth. The dequantize and embed kernels compute each value as the CPU's
+// plain dequantizer does (a product, then a difference), bit for bit.
 
 #define BLOCK_Q4_0 0
 #define BLOCK_Q8_0 1
@@ -46,9 +45,9 @@ __device__ __forceinline__ float f16_bits_to_f32(u32 h) {
 __device__ __forceinline__ int dot4(u32 w, u32 x01, u32 x23, int acc) {
     return __dp2a_hi((int)x23, (int)w, __dp2a_lo((int)x01, (int)w, acc));
 }
-
-// Sums of 8 inputs `i` and `i + 1` (in units of 8 values).
-__device__ __forceinline__ int sums2(const int* s, int i) { return s[i] + s[i + 1]; }
+// The products of one word of weights' bytes with the two halves of a piece's 8 inputs.
+__device__ __forceinline__ int dot4_lo(u32 w, uint4 x, int acc) { return dot4(w, x.x, x.y, acc); }
+__device__ __forceinline__ int dot4_hi(u32 w, uint4 x, int acc) { return dot4(w, x.z, x.w, acc); }
 
 // Values per block and bytes of a block in the GPU layout (without `d` where split).
 template <int F> struct BlockShape;
@@ -91,62 +90,107 @@ __device__ __forceinline__ void scale_min_k4(int j, u32 q0, u32 q1, u32 q2, floa
     m = (float)mm;
 }
 
-// One chunk's bytes, as loaded.
-struct ChunkRaw {
-    uint4 a, b, c;
-    float d;
-};
+// The scales and minimums of runs 2 u and 2 u + 1 (u = 0..4) of a k-quant, as scale_min_k4 finds
+// them, two at a time: each 16 bits of S (scales) and M (minimums) hold the pair's two bytes.
+__device__ __forceinline__ void scale_min_k4_pair(int u, u32 q0, u32 q1, u32 q2, float& sc0, float& m0, float& sc1, float& m1) {
+    u32 h = 16 * (u & 1);
+    u32 s = u < 2 ? (q0 >> h) & 0x3f3fu : ((q2 >> h) & 0x0f0fu) | ((q0 >> (h + 2)) & 0x3030u);
+    u32 m = u < 2 ? (q1 >> h) & 0x3f3fu : ((q2 >> (h + 4)) & 0x0f0fu) | ((q1 >> (h + 2)) & 0x3030u);
+    sc0 = (float)(s & 0xffu);
+    sc1 = (float)(s >> 8);
+    m0 = (float)(m & 0xffu);
+    m1 = (float)(m >> 8);
+}
 
+// What a GEMV lane reads at a time: a unit of a row's values (U of them, in the block
+// `unit / (E / U)`), loaded by `load` (before the kernel waits for its input) and multiplied by
+// a few tokens' inputs by `dot`. A unit's inputs are P = U / 8 pieces of 8 (`piece_start`: the
+// first value of each), and `dot` takes NS sums of them (each over P / NS consecutive pieces).
+//
+// The inputs, as block_input writes them for the GEMV of one format, are in the order the lanes
+// read them: token m's piece p of unit u at q[m * (k / 8) + p * units + u] (8 16-bit integers,
+// 16 bytes), its sum s at sums[m * (k / 8) + s * units + u], so that the lanes of a warp, which
+// take consecutive units, read consecutive 16 bytes. (In the row's own order one lane's inputs
+// were 64 bytes from the next lane's, each load touching four times the cache lines; reading
+// them in the lanes' order took the 9B's Q4_K GEMVs on an H200, scripts/bench-block-gemv.sh,
+// from 24.7 to 18.7 µs for the DeltaNet input projection and from 44.4 to 30.4 µs for gate and
+// up; a lane's unit of two runs rather than one, their scales decoded once, then took them to
+// 15.4 and 24.9 µs.)
 template <int F> struct BlockChunk;
 
-// Q4_K / Q5_K chunk j (0..8) of a block: 16 bytes of the quants, the low nibbles values
-// 64 (j / 2) + 16 (j % 2) + i of run 2 (j / 2), the high ones 32 further of run 2 (j / 2) + 1;
-// Q5_K's fifth bits from 16 bytes of qh (bits 2 (j / 2) and + 1).
+// Q4_K / Q5_K unit u (0..4 of a block): runs 2 u and 2 u + 1, which share their scales' bytes
+// and 32 bytes of the quants (byte i: value i of the first run in its low nibble, of the second
+// in its high one); Q5_K's fifth bits from all 32 bytes of qh (bits 2 u and 2 u + 1).
 template <int F>
 struct KQuantChunk {
-    static constexpr int PER_BLOCK = 8;
-    __device__ static ChunkRaw load(const unsigned char* row, int k, int c) {
-        const unsigned char* blk = row + (size_t)(c / 8) * BlockShape<F>::BODY;
-        int j = c % 8;
-        ChunkRaw r;
-        r.a = *(const uint4*)blk;
-        r.b = *(const uint4*)(blk + (F == BLOCK_Q5_K ? 48 : 16) + 16 * j);
-        r.c = F == BLOCK_Q5_K ? *(const uint4*)(blk + 16 + 16 * (j % 2)) : make_uint4(0, 0, 0, 0);
-        r.d = 0.0f;
+    static constexpr int U = 64, NS = 2, PRE = 2;
+    struct Raw {
+        uint4 head, qa, qb, ha, hb;
+    };
+    __device__ static int piece_start(int u, int p) { return 64 * u + 8 * p; }
+    __device__ static Raw load(const unsigned char* row, int k, int u) {
+        const unsigned char* blk = row + (size_t)(u / 4) * BlockShape<F>::BODY;
+        const unsigned char* qs = blk + (F == BLOCK_Q5_K ? 48 : 16) + 32 * (u % 4);
+        Raw r;
+        r.head = *(const uint4*)blk;
+        r.qa = *(const uint4*)qs;
+        r.qb = *(const uint4*)(qs + 16);
+        if (F == BLOCK_Q5_K) {
+            r.ha = *(const uint4*)(blk + 16);
+            r.hb = *(const uint4*)(blk + 32);
+        }
         return r;
     }
-    // acc[m] += s_m · (the chunk's values · token m's inputs), from the integer inputs q
-    // ([t, k]), their sums of 8 (sums, [t, k / 8]) and scales s (qs) of block_input.
+    // acc[m] += the unit's values · token m's integer inputs q (block_input's, before their
+    // scale: BlockRows applies it to the row's sum), from the inputs' sums. Each run's products are summed in integers, exactly
+    // (Q4_K: 32 · 15 · 32767 < 2^24, so its conversion to f32 is exact too; Q5_K's values go
+    // to 31, so its runs are summed in halves of 16).
     template <int T>
-    __device__ static void dot(const ChunkRaw& r, int c, const short* q, const int* sums, const float* qs, int k, int t, float* acc) {
-        int b = c / 8, j = c % 8, run = j / 2;
-        float d = f16_bits_to_f32(r.a.x & 0xffffu), dmin = f16_bits_to_f32(r.a.x >> 16);
+    __device__ static void dot(const Raw& r, int u, const uint4* q, const int* sums, int k, int t, float* acc) {
+        int run = u % 4, units = k / U, stride = k / 8;
+        float d = f16_bits_to_f32(r.head.x & 0xffffu), dmin = f16_bits_to_f32(r.head.x >> 16);
         float sc0, m0, sc1, m1;
-        scale_min_k4(2 * run, r.a.y, r.a.z, r.a.w, sc0, m0);
-        scale_min_k4(2 * run + 1, r.a.y, r.a.z, r.a.w, sc1, m1);
+        scale_min_k4_pair(run, r.head.y, r.head.z, r.head.w, sc0, m0, sc1, m1);
         float dl = d * sc0, ml = -(dmin * m0), dh = d * sc1, mh = -(dmin * m1);
-        int base = 256 * b + 64 * run + 16 * (j % 2);
-        u32 qw[4] = {r.b.x, r.b.y, r.b.z, r.b.w}, h[4] = {r.c.x, r.c.y, r.c.z, r.c.w}, lo[4], hi[4];
+        // Words w of the unit's first and second 16 bytes: values 4 w .. 4 w + 3 and 16 + 4 w ..
+        // of the first run (low nibbles, pieces w / 2 and 2 + w / 2) and of the second (high
+        // nibbles, pieces 4 + w / 2 and 6 + w / 2).
+        u32 qa[4] = {r.qa.x, r.qa.y, r.qa.z, r.qa.w}, qb[4] = {r.qb.x, r.qb.y, r.qb.z, r.qb.w};
+        u32 ha[4] = {r.ha.x, r.ha.y, r.ha.z, r.ha.w}, hb[4] = {r.hb.x, r.hb.y, r.hb.z, r.hb.w};
+        u32 la[4], lb[4], ua[4], ub[4];
 #pragma unroll
         for (int w = 0; w < 4; w++) {
-            lo[w] = qw[w] & 0x0f0f0f0fu;
-            hi[w] = (qw[w] >> 4) & 0x0f0f0f0fu;
+            la[w] = qa[w] & 0x0f0f0f0fu;
+            lb[w] = qb[w] & 0x0f0f0f0fu;
+            ua[w] = (qa[w] >> 4) & 0x0f0f0f0fu;
+            ub[w] = (qb[w] >> 4) & 0x0f0f0f0fu;
             if (F == BLOCK_Q5_K) {
-                lo[w] |= ((h[w] >> (2 * run)) & 0x01010101u) << 4;
-                hi[w] |= ((h[w] >> (2 * run + 1)) & 0x01010101u) << 4;
+                la[w] |= ((ha[w] >> (2 * run)) & 0x01010101u) << 4;
+                lb[w] |= ((hb[w] >> (2 * run)) & 0x01010101u) << 4;
+                ua[w] |= ((ha[w] >> (2 * run + 1)) & 0x01010101u) << 4;
+                ub[w] |= ((hb[w] >> (2 * run + 1)) & 0x01010101u) << 4;
             }
         }
-        int groups = k / 8;
 #pragma unroll
         for (int m = 0; m < T; m++) {
             if (m < t) {
-                const uint4* xa = (const uint4*)(q + (size_t)m * k + base);
-                uint4 a0 = xa[0], a1 = xa[1], b0 = xa[4], b1 = xa[5];
-                int il = dot4(lo[3], a1.z, a1.w, dot4(lo[2], a1.x, a1.y, dot4(lo[1], a0.z, a0.w, dot4(lo[0], a0.x, a0.y, 0))));
-                int ih = dot4(hi[3], b1.z, b1.w, dot4(hi[2], b1.x, b1.y, dot4(hi[1], b0.z, b0.w, dot4(hi[0], b0.x, b0.y, 0))));
-                const int* s = sums + m * groups + base / 8;
-                float part = fmaf(dl, (float)il, fmaf(dh, (float)ih, fmaf(ml, (float)sums2(s, 0), mh * (float)sums2(s, 4))));
-                acc[m] = fmaf(qs[m], part, acc[m]);
+                const uint4* x = q + (size_t)m * stride + u;
+                uint4 p[8];
+#pragma unroll
+                for (int i = 0; i < 8; i++) p[i] = x[(size_t)i * units];
+                int la0 = 0, lb0 = 0, ua0 = 0, ub0 = 0;
+#pragma unroll
+                for (int w = 0; w < 4; w++) {
+                    la0 = w % 2 ? dot4_hi(la[w], p[w / 2], la0) : dot4_lo(la[w], p[w / 2], la0);
+                    lb0 = w % 2 ? dot4_hi(lb[w], p[2 + w / 2], lb0) : dot4_lo(lb[w], p[2 + w / 2], lb0);
+                    ua0 = w % 2 ? dot4_hi(ua[w], p[4 + w / 2], ua0) : dot4_lo(ua[w], p[4 + w / 2], ua0);
+                    ub0 = w % 2 ? dot4_hi(ub[w], p[6 + w / 2], ub0) : dot4_lo(ub[w], p[6 + w / 2], ub0);
+                }
+                const int* s = sums + (size_t)m * stride + u;
+                float lo = F == BLOCK_Q5_K ? (float)la0 + (float)lb0 : (float)(la0 + lb0);
+                float hi = F == BLOCK_Q5_K ? (float)ua0 + (float)ub0 : (float)(ua0 + ub0);
+                float part = fmaf(dl, lo, fmaf(dh, hi, fmaf(ml, (float)s[0], mh * (float)s[units])));
+                acc[m] += part;
             }
         }
     }
@@ -154,16 +198,22 @@ struct KQuantChunk {
 template <> struct BlockChunk<BLOCK_Q4_K> : KQuantChunk<BLOCK_Q4_K> {};
 template <> struct BlockChunk<BLOCK_Q5_K> : KQuantChunk<BLOCK_Q5_K> {};
 
-// Q6_K chunk j (0..8) of a block: half j / 4, the 8 columns l0 = 8 (j % 4) .. + 8 of each of
-// its four parts (values 128 half + 32 part + l; dequantize_block).
+// Q6_K unit c (0..8 of a block, 32 values): half c / 4 of the block, the 8 columns
+// l0 = 8 (c % 4) .. + 8 of each of its four parts (piece p: values 128 half + 32 p + l0 ..;
+// dequantize_block).
 template <>
 struct BlockChunk<BLOCK_Q6_K> {
-    static constexpr int PER_BLOCK = 8;
-    __device__ static ChunkRaw load(const unsigned char* row, int k, int c) {
+    static constexpr int U = 32, NS = 4, PRE = 4;
+    struct Raw {
+        uint4 a, b, c;
+        float d;
+    };
+    __device__ static int piece_start(int c, int p) { return 256 * (c / 8) + 128 * ((c % 8) / 4) + 32 * p + 8 * (c % 4); }
+    __device__ static Raw load(const unsigned char* row, int k, int c) {
         int b = c / 8, j = c % 8, half = j / 4, l0 = 8 * (j % 4);
         const unsigned char* blk = row + (size_t)b * 208;
         uint2 qa = *(const uint2*)(blk + 64 * half + l0), qb = *(const uint2*)(blk + 64 * half + 32 + l0), qh = *(const uint2*)(blk + 128 + 32 * half + l0);
-        ChunkRaw r;
+        Raw r;
         r.a = make_uint4(qa.x, qa.y, qb.x, qb.y);
         r.b = make_uint4(qh.x, qh.y, 0, 0);
         r.c = *(const uint4*)(blk + 192);
@@ -171,8 +221,8 @@ struct BlockChunk<BLOCK_Q6_K> {
         return r;
     }
     template <int T>
-    __device__ static void dot(const ChunkRaw& r, int c, const short* q, const int* sums, const float* qs, int k, int t, float* acc) {
-        int b = c / 8, j = c % 8, half = j / 4, l0 = 8 * (j % 4);
+    __device__ static void dot(const Raw& r, int c, const uint4* q, const int* sums, int k, int t, float* acc) {
+        int j = c % 8, half = j / 4, l0 = 8 * (j % 4), units = k / U, stride = k / 8;
         u32 sc[4] = {r.c.x, r.c.y, r.c.z, r.c.w};
         u32 qa[2] = {r.a.x, r.a.y}, qb[2] = {r.a.z, r.a.w}, qh[2] = {r.b.x, r.b.y};
         // Part p's 8 integers (0..63, the format's 32 not yet subtracted) and its scale.
@@ -185,83 +235,89 @@ struct BlockChunk<BLOCK_Q6_K> {
 #pragma unroll
             for (int w = 0; w < 2; w++) wq[p][w] = (((p % 2 == 0 ? qa[w] : qb[w]) >> (p < 2 ? 0 : 4)) & 0x0f0f0f0fu) | (((qh[w] >> (2 * p)) & 0x03030303u) << 4);
         }
-        int groups = k / 8;
 #pragma unroll
         for (int m = 0; m < T; m++) {
             if (m < t) {
                 float part = 0.0f;
 #pragma unroll
                 for (int p = 0; p < 4; p++) {
-                    int at = 256 * b + 128 * half + 32 * p + l0;
-                    uint4 x = *(const uint4*)(q + (size_t)m * k + at);
-                    int i = dot4(wq[p][1], x.z, x.w, dot4(wq[p][0], x.x, x.y, 0)) - 32 * sums[m * groups + at / 8];
+                    uint4 x = q[(size_t)m * stride + (size_t)p * units + c];
+                    int i = dot4_hi(wq[p][1], x, dot4_lo(wq[p][0], x, 0)) - 32 * sums[(size_t)m * stride + (size_t)p * units + c];
                     part = fmaf(ds[p], (float)i, part);
                 }
-                acc[m] = fmaf(qs[m], part, acc[m]);
+                acc[m] += part;
             }
         }
     }
 };
 
-// Q8_0 and Q4_0: a chunk is a block.
+// Q8_0 and Q4_0: a unit is a block (32 values; Q4_0's low nibbles the first 16, its high ones
+// the next 16).
 template <>
 struct BlockChunk<BLOCK_Q8_0> {
-    static constexpr int PER_BLOCK = 1;
-    __device__ static ChunkRaw load(const unsigned char* row, int k, int c) {
+    static constexpr int U = 32, NS = 0, PRE = 4;
+    struct Raw {
+        uint4 a, b;
+        float d;
+    };
+    __device__ static int piece_start(int c, int p) { return 32 * c + 8 * p; }
+    __device__ static Raw load(const unsigned char* row, int k, int c) {
         const uint4* q = (const uint4*)(row + (size_t)c * 32);
-        ChunkRaw r;
+        Raw r;
         r.a = q[0];
         r.b = q[1];
-        r.c = make_uint4(0, 0, 0, 0);
         r.d = block_d<BLOCK_Q8_0>(row, k, c);
         return r;
     }
     template <int T>
-    __device__ static void dot(const ChunkRaw& r, int c, const short* q, const int* sums, const float* qs, int k, int t, float* acc) {
+    __device__ static void dot(const Raw& r, int c, const uint4* q, const int*, int k, int t, float* acc) {
         u32 w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
+        int units = k / U, stride = k / 8;
 #pragma unroll
         for (int m = 0; m < T; m++) {
             if (m < t) {
-                const uint4* x = (const uint4*)(q + (size_t)m * k + 32 * c);
                 int i = 0;
 #pragma unroll
                 for (int v = 0; v < 4; v++) {
-                    uint4 xv = x[v];
-                    i = dot4(w[2 * v + 1], xv.z, xv.w, dot4(w[2 * v], xv.x, xv.y, i));
+                    uint4 xv = q[(size_t)m * stride + (size_t)v * units + c];
+                    i = dot4_hi(w[2 * v + 1], xv, dot4_lo(w[2 * v], xv, i));
                 }
-                acc[m] = fmaf(qs[m], r.d * (float)i, acc[m]);
+                acc[m] = fmaf(r.d, (float)i, acc[m]);
             }
         }
     }
 };
 template <>
 struct BlockChunk<BLOCK_Q4_0> {
-    static constexpr int PER_BLOCK = 1;
-    __device__ static ChunkRaw load(const unsigned char* row, int k, int c) {
-        ChunkRaw r;
+    static constexpr int U = 32, NS = 1, PRE = 4;
+    struct Raw {
+        uint4 a;
+        float d;
+    };
+    __device__ static int piece_start(int c, int p) { return 32 * c + 8 * p; }
+    __device__ static Raw load(const unsigned char* row, int k, int c) {
+        Raw r;
         r.a = *(const uint4*)(row + (size_t)c * 16);
-        r.b = r.c = make_uint4(0, 0, 0, 0);
         r.d = block_d<BLOCK_Q4_0>(row, k, c);
         return r;
     }
     template <int T>
-    __device__ static void dot(const ChunkRaw& r, int c, const short* q, const int* sums, const float* qs, int k, int t, float* acc) {
+    __device__ static void dot(const Raw& r, int c, const uint4* q, const int* sums, int k, int t, float* acc) {
         u32 qw[4] = {r.a.x, r.a.y, r.a.z, r.a.w}, lo[4], hi[4];
+        int units = k / U, stride = k / 8;
 #pragma unroll
         for (int w = 0; w < 4; w++) {
             lo[w] = qw[w] & 0x0f0f0f0fu;
             hi[w] = (qw[w] >> 4) & 0x0f0f0f0fu;
         }
-        int groups = k / 8;
 #pragma unroll
         for (int m = 0; m < T; m++) {
             if (m < t) {
-                const uint4* x = (const uint4*)(q + (size_t)m * k + 32 * c);
-                uint4 a0 = x[0], a1 = x[1], b0 = x[2], b1 = x[3];
-                int i = dot4(lo[3], a1.z, a1.w, dot4(lo[2], a1.x, a1.y, dot4(lo[1], a0.z, a0.w, dot4(lo[0], a0.x, a0.y, 0))));
-                i = dot4(hi[3], b1.z, b1.w, dot4(hi[2], b1.x, b1.y, dot4(hi[1], b0.z, b0.w, dot4(hi[0], b0.x, b0.y, i))));
-                const int* s = sums + m * groups + 4 * c;
-                acc[m] = fmaf(qs[m], r.d * (float)(i - 8 * (sums2(s, 0) + sums2(s, 2))), acc[m]);
+                const uint4* x = q + (size_t)m * stride + c;
+                uint4 a0 = x[0], a1 = x[units], b0 = x[2 * units], b1 = x[3 * units];
+                int i = dot4_hi(lo[3], a1, dot4_lo(lo[2], a1, dot4_hi(lo[1], a0, dot4_lo(lo[0], a0, 0))));
+                i = dot4_hi(hi[3], b1, dot4_lo(hi[2], b1, dot4_hi(hi[1], b0, dot4_lo(hi[0], b0, i))));
+                acc[m] = fmaf(r.d, (float)(i - 8 * sums[(size_t)m * stride + c]), acc[m]);
             }
         }
     }
@@ -321,18 +377,21 @@ __device__ void embed_blocks_body(const unsigned char* table, const u32* ids, fl
     for (int i = threadIdx.x; i < h; i += blockDim.x) x[(size_t)blockIdx.x * h + i] = block_value<F>(row, h, i);
 }
 
-// The inputs of a block GEMV (gemv.cu BlockRows): row m of x (t rows), normalised where
-// `scale` is not null (rms_norm(x) * scale, the 1/rms found as rms_inv finds it) and rounded to
-// bf16 with `round_in` (what the bf16 GEMV multiplies), as 16-bit integers q ≈ v / s,
-// s = max |v| / 32767 (rounded to nearest, ties to even: the CPU engine's round_to_i16), into
-// q[m * k ..]; the sum of each 8 of them into sums[m * (k / 8) ..] and s (as a float's bits)
-// into sums[t * (k / 8) + m]. k a multiple of 8. BLOCK_INPUT_PARTS blocks per row (grid
-// t * BLOCK_INPUT_PARTS), each finding the row's 1/rms and largest value and writing its part
-// of the integers: a decode step's GEMV waits on this, so it is spread over SMs (on an H200 a
-// 9B decode step ran 4% faster than with one block per row holding its values in registers).
+// The inputs of a block GEMV of format `format` (gemv.cu BlockRows): row m of x (t rows),
+// normalised where `scale` is not null (rms_norm(x) * scale, the 1/rms found as rms_inv finds
+// it) and rounded to bf16 with `round_in` (what the bf16 GEMV multiplies), as 16-bit integers
+// q ≈ v / s, s = max |v| / 32767 (rounded to nearest, ties to even: the CPU engine's
+// round_to_i16), in the order the format's GEMV lanes read them (BlockChunk), with the sums its
+// units need; s (as a float's bits) into sums[t * (k / 8) + m]. k a multiple of the format's
+// unit. BLOCK_INPUT_PARTS blocks per row (grid t * BLOCK_INPUT_PARTS), each finding the row's
+// 1/rms and largest value and writing its share of the units: a decode step's GEMV waits on
+// this, so it is spread over SMs (on an H200 a 9B decode step ran 4% faster than with one
+// block per row holding its values in registers).
 #define BLOCK_INPUT_PARTS 8
-extern "C" __global__ void __launch_bounds__(256) block_input(const float* x, const float* scale, int k, float eps, int round_in, unsigned* q, unsigned* sums) {
-    pdl_enter();
+template <int F>
+__device__ void block_input_body(const float* x, const float* scale, int k, float eps, int round_in, unsigned* q, unsigned* sums) {
+    typedef BlockChunk<F> C;
+    constexpr int P = C::U / 8;
     __shared__ float squares[8];
     int m = blockIdx.x / BLOCK_INPUT_PARTS, part = blockIdx.x % BLOCK_INPUT_PARTS, t = gridDim.x / BLOCK_INPUT_PARTS;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -352,20 +411,42 @@ extern "C" __global__ void __launch_bounds__(256) block_input(const float* x, co
     for (int i = threadIdx.x; i < k; i += 256) most = fmaxf(most, fabsf(value(i)));
     most = block_reduce(most, 0.0f, Max());
     float s = most > 0.0f ? most / 32767.0f : 1.0f, r = 1.0f / s;
-    int groups = k / 8, per = (groups + BLOCK_INPUT_PARTS - 1) / BLOCK_INPUT_PARTS, end = min(groups, (part + 1) * per);
-    for (int g = part * per + threadIdx.x; g < end; g += 256) {
-        int sum = 0;
-        u32 packed[4];
+    // A thread per piece, the P pieces of a unit in consecutive lanes (256 a multiple of P),
+    // each sum over G of them added across their lanes.
+    constexpr int G = C::NS > 0 ? P / C::NS : 1;
+    int units = k / C::U, stride = k / 8, per = (units + BLOCK_INPUT_PARTS - 1) / BLOCK_INPUT_PARTS;
+    int first = part * per * P, end = min(units, (part + 1) * per) * P;
+    uint4* qm = (uint4*)q + (size_t)m * stride;
+    unsigned* sm = sums + (size_t)m * stride;
+    for (int base = first; base < end; base += 256) {
+        int g = base + threadIdx.x, u = g / P, p = g % P, sum = 0;
+        bool live = g < end;
+        if (live) {
+            int at = C::piece_start(u, p);
+            u32 packed[4];
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            int a = __float2int_rn(value(8 * g + 2 * j) * r), b = __float2int_rn(value(8 * g + 2 * j + 1) * r);
-            sum += a + b;
-            packed[j] = ((u32)a & 0xffffu) | ((u32)b << 16);
+            for (int j = 0; j < 4; j++) {
+                int a = __float2int_rn(value(at + 2 * j) * r), b = __float2int_rn(value(at + 2 * j + 1) * r);
+                sum += a + b;
+                packed[j] = ((u32)a & 0xffffu) | ((u32)b << 16);
+            }
+            qm[(size_t)p * units + u] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
         }
-        ((uint4*)(q + (size_t)m * k / 2))[g] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-        sums[(size_t)m * groups + g] = (u32)sum;
+#pragma unroll
+        for (int o = 1; o < G; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (C::NS > 0 && live && p % G == 0) sm[(size_t)(p / G) * units + u] = (u32)sum;
     }
-    if (part == 0 && threadIdx.x == 0) sums[(size_t)t * groups + m] = __float_as_uint(s);
+    if (part == 0 && threadIdx.x == 0) sums[(size_t)t * stride + m] = __float_as_uint(s);
+}
+extern "C" __global__ void __launch_bounds__(256) block_input(const float* x, const float* scale, int k, float eps, int round_in, int format, unsigned* q, unsigned* sums) {
+    pdl_enter();
+    switch (format) {
+    case BLOCK_Q4_0: block_input_body<BLOCK_Q4_0>(x, scale, k, eps, round_in, q, sums); break;
+    case BLOCK_Q8_0: block_input_body<BLOCK_Q8_0>(x, scale, k, eps, round_in, q, sums); break;
+    case BLOCK_Q4_K: block_input_body<BLOCK_Q4_K>(x, scale, k, eps, round_in, q, sums); break;
+    case BLOCK_Q5_K: block_input_body<BLOCK_Q5_K>(x, scale, k, eps, round_in, q, sums); break;
+    default: block_input_body<BLOCK_Q6_K>(x, scale, k, eps, round_in, q, sums); break;
+    }
 }
 
 #define BLOCK_KERNELS(SUFFIX, F)                                                                                                \

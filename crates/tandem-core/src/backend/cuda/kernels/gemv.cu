@@ -74,23 +74,33 @@ struct Bf16Rows {
     __device__ static void dot(const Raw& p, const Elem*, int c, const float* x, const float* x2, const float* inv, int round_in, int k, int t, float* acc) {
         gemv_chunk<T, MODE>(p, x, x2, inv, round_in, k, t, c, acc);
     }
+    template <int T>
+    __device__ static void finish(const float*, int, int, float*) {}
 };
 
-// Rows of blocks of format F: each chunk's 32 integers times the inputs as block_input
-// (blocks.cu) rounds them to integers: `x` holds those ([t, k] 16-bit), `x2` their sums of 8
-// and scales; the input modes are block_input's (IN_PLAIN here). A lane has PRE = 4 chunks in
-// flight before its first products: a whole row of 4096 with a warp per row.
+// Rows of blocks of format F: each unit's integers (BlockChunk<F>, a unit of 32 or 64 values a
+// lane) times the inputs as block_input (blocks.cu) rounds them to integers: `x` holds those,
+// `x2` the sums the format needs and the scales; the input modes are block_input's (IN_PLAIN
+// here). A lane has PRE units in flight before its first products (Q4_K: 2, a row of 4096 with
+// a warp per row; more measured slower on an H200).
 template <int F>
 struct BlockRows {
     typedef unsigned char Elem;
-    typedef ChunkRaw Raw;
-    static constexpr int VALUES = 32, PRE = 4;
+    typedef typename BlockChunk<F>::Raw Raw;
+    static constexpr int VALUES = BlockChunk<F>::U, PRE = BlockChunk<F>::PRE;
     __device__ static const Elem* row(const Elem* w, int r, int k) { return w + (size_t)r * block_row_bytes<F>(k); }
     __device__ static Raw load(const Elem* row, int k, int c) { return BlockChunk<F>::load(row, k, c); }
     template <int T, int MODE>
     __device__ static void dot(const Raw& p, const Elem*, int c, const float* x, const float* x2, const float*, int, int k, int t, float* acc) {
-        const int* sums = (const int*)x2;
-        BlockChunk<F>::template dot<T>(p, c, (const short*)x, sums, (const float*)(sums + (size_t)t * (k / 8)), k, t, acc);
+        BlockChunk<F>::template dot<T>(p, c, (const uint4*)x, (const int*)x2, k, t, acc);
+    }
+    // A lane's sums times the inputs' scales (after the sums of blocks' scales times integers).
+    template <int T>
+    __device__ static void finish(const float* x2, int k, int t, float* acc) {
+        const float* scales = x2 + (size_t)t * (k / 8);
+#pragma unroll
+        for (int m = 0; m < T; m++)
+            if (m < t) acc[m] *= scales[m];
     }
 };
 
@@ -165,6 +175,7 @@ __device__ void gemv_body(const typename W::Elem* w0, float* o0, int n0, const t
         // 98 against 113 before it).
 #pragma unroll 1
         for (c += PRE * step; c < kc; c += step) W::template dot<T, MODE>(W::load(row, k, c), row, c, x, x2, inv, round_in, k, t, acc);
+        W::template finish<T>(x2, k, t, acc);
     }
 #pragma unroll
     for (int m = 0; m < T; m++) acc[m] = warp_sum(acc[m]);

@@ -142,12 +142,34 @@ static BlockGemv block_gemv(int f, int t, bool glu) {
     return all[f][2 * ti + glu];
 }
 
-// The decode GEMVs of block-format weights: block_input's integers (each the input over its
-// scale, rounded, their sums of 8 exact, the scale max |v| / 32767), then the GEMV as
-// check_gemv's (several matrices, rows per block, normalised inputs, adding, inputs rounded to
-// bf16) against the double-precision products of the plain dequantizer's values with those
-// integers times the scale (the rounding of the inputs is the CPU engine's too); and with
-// `glu`, gate and up with the SwiGLU.
+// block_input's output for format F in the rows' own order: token m's integer of value c at
+// natural[m * k + c] (each value written once, else `ok` is cleared), and whether each of a
+// unit's sums is that of its pieces' integers (NS sums, each over U / 8 / NS pieces in turn).
+template <int F>
+static std::vector<short> block_input_natural(const std::vector<unsigned>& q, const std::vector<unsigned>& sums, int t, int k, bool& ok) {
+    typedef BlockChunk<F> C;
+    const int units = k / C::U, stride = k / 8;
+    const short* qi = (const short*)q.data();
+    std::vector<short> natural((size_t)t * k);
+    std::vector<int> seen((size_t)t * k, 0);
+    for (int m = 0; m < t; m++)
+        for (int u = 0; u < units; u++) {
+            int total[4] = {0, 0, 0, 0}, per_sum = C::NS > 0 ? C::U / 8 / C::NS : 1;
+            for (int p = 0; p < C::U / 8; p++) {
+                int at = C::piece_start(u, p);
+                for (int i = 0; i < 8; i++) {
+                    short v = qi[8 * ((size_t)m * stride + (size_t)p * units + u) + i];
+                    natural[(size_t)m * k + at + i] = v;
+                    seen[(size_t)m * k + at + i]++;
+                    total[p / per_sum % 4] += v;
+                }
+            }
+            for (int s = 0; s < C::NS; s++) ok = ok && (int)sums[(size_t)m * stride + (size_t)s * units + u] == total[s];
+        }
+    for (int n : seen) ok = ok && n == 1;
+    return natural;
+}
+
 static void check_gemv_blocks(const FormatInfo& f, int t, bool norm, int rb, bool accumulate, std::vector<int> rows, bool round = false, bool glu = false) {
     const int k = 512;
     const float eps = 1e-6f;
@@ -165,10 +187,15 @@ static void check_gemv_blocks(const FormatInfo& f, int t, bool norm, int rb, boo
     }
     const int groups = k / 8;
     std::vector<unsigned> q((size_t)t * k / 2), sums((size_t)t * groups + t);
-    launch(t * BLOCK_INPUT_PARTS, 1, 1, 256, [&] { block_input(x.data(), norm ? scale.data() : nullptr, k, eps, round, q.data(), sums.data()); });
-    const short* qi = (const short*)q.data();
-    std::vector<float> s(t);
+    launch(t * BLOCK_INPUT_PARTS, 1, 1, 256, [&] { block_input(x.data(), norm ? scale.data() : nullptr, k, eps, round, f.id, q.data(), sums.data()); });
     bool ints = true;
+    std::vector<short> natural = f.id == BLOCK_Q4_0 ? block_input_natural<BLOCK_Q4_0>(q, sums, t, k, ints)
+                               : f.id == BLOCK_Q8_0 ? block_input_natural<BLOCK_Q8_0>(q, sums, t, k, ints)
+                               : f.id == BLOCK_Q4_K ? block_input_natural<BLOCK_Q4_K>(q, sums, t, k, ints)
+                               : f.id == BLOCK_Q5_K ? block_input_natural<BLOCK_Q5_K>(q, sums, t, k, ints)
+                                                    : block_input_natural<BLOCK_Q6_K>(q, sums, t, k, ints);
+    const short* qi = natural.data();
+    std::vector<float> s(t);
     for (int m = 0; m < t; m++) {
         double ss = 0, most = 0;
         for (int c = 0; c < k; c++) ss += (double)x[m * k + c] * x[m * k + c];
@@ -184,16 +211,11 @@ static void check_gemv_blocks(const FormatInfo& f, int t, bool norm, int rb, boo
         // (v / s is up to 32767, and the kernel's v and 1 / s are f32: a value near a half
         // rounds either way.)
         for (int c = 0; c < k; c++) ints = ints && std::fabs(qi[m * k + c] - v[c] / s[m]) <= 0.5 + 32767 * 4.0 / (1 << 24);
-        for (int g = 0; g < groups; g++) {
-            int sum = 0;
-            for (int c = 0; c < 8; c++) sum += qi[m * k + 8 * g + c];
-            ints = ints && (int)sums[m * groups + g] == sum;
-        }
     }
     std::string name = std::string("gemv ") + f.name + " t" + gemv_t(t) + (glu ? " glu" : norm ? " norm" : " plain") + ", " + std::to_string(t) + (t == 1 ? " token, " : " tokens, ") + std::to_string(rb) +
                        " rows per block" + (accumulate && !glu ? ", adding" : "") + (round ? ", inputs rounded to bf16" : "");
     failures += !ints;
-    printf("%s block_input for %s: integers v / s rounded, sums of 8 exact\n", ints ? "ok  " : "FAIL", name.c_str());
+    printf("%s block_input for %s: integers v / s rounded, in the lanes' order, their units' sums exact\n", ints ? "ok  " : "FAIL", name.c_str());
     std::vector<std::vector<double>> want(4);
     for (int j = 0; j < 4; j++) want[j].assign(out[j].begin(), out[j].end());
     for (int m = 0; m < t; m++) {

@@ -122,7 +122,7 @@ kernels! {
     GEMV_T8_GLU = "gemv_t8_glu" as GemvParams;
     /// (x, scale, k, eps, round_in, q, sums): a block GEMV's inputs as 16-bit integers, their
     /// sums of 8 and scale (blocks.cu); normalised where scale is not null.
-    BLOCK_INPUT = "block_input" as (F32, F32, i32, f32, i32, U32, U32);
+    BLOCK_INPUT = "block_input" as (F32, F32, i32, f32, i32, i32, U32, U32);
     DEQUANTIZE_ROWS_Q4_0 = "dequantize_rows_q4_0" as DequantizeRowsParams;
     EMBED_BLOCKS_Q4_0 = "embed_blocks_q4_0" as EmbedBlocksParams;
     GEMV_Q4_0_T1_PLAIN = "gemv_q4_0_t1_plain" as GemvBlocksParams;

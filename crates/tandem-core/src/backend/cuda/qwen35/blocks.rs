@@ -62,8 +62,8 @@ pub fn gpu_layout(f: BlockFormat, k: usize, rows: &[u8]) -> Vec<u8> {
     out
 }
 
-/// The index of format `f` in the kernel tables (blocks.cu BLOCK_*).
-fn index(f: BlockFormat) -> usize {
+/// The index of format `f` in the kernel tables (blocks.cu BLOCK_*, block_input's `format`).
+pub fn index(f: BlockFormat) -> usize {
     match f {
         BlockFormat::Q4_0 => 0,
         BlockFormat::Q8_0 => 1,
@@ -71,6 +71,15 @@ fn index(f: BlockFormat) -> usize {
         BlockFormat::Q5_K => 3,
         BlockFormat::Q6_K => 4,
         other => unreachable!("{other} was refused at upload (check)"),
+    }
+}
+
+/// Values a GEMV lane reads at a time (blocks.cu BlockChunk<F>::U): Q4_K's and Q5_K's pairs of
+/// runs, the others' 32.
+pub fn unit_values(f: BlockFormat) -> usize {
+    match f {
+        BlockFormat::Q4_K | BlockFormat::Q5_K => 64,
+        _ => 32,
     }
 }
 

@@ -117,17 +117,18 @@ impl GpuQwen35 {
             GemvInput::Plain => DevPtr::NULL,
         };
         let (q, sums) = (g.ptr(&ws.block_q), g.ptr(&ws.block_sums));
-        g.launch(k::BLOCK_INPUT, Grid::x(t * blocks::BLOCK_INPUT_PARTS, 256), (x, scale, k as i32, eps, round_in, q, sums))?;
+        g.launch(k::BLOCK_INPUT, Grid::x(t * blocks::BLOCK_INPUT_PARTS, 256), (x, scale, k as i32, eps, round_in, blocks::index(f) as i32, q, sums))?;
         let [glu_kernel, plain_kernel] = blocks::gemv_kernels(f, t);
         let kernel = if glu { glu_kernel } else { plain_kernel };
         let m = |j: usize| mats.get(j).map_or((DevPtr::NULL, DevPtr::NULL, 0), |&(w, out)| (w.w.reinterpret::<u8>(), out, w.rows as i32));
         let (m0, m1, m2, m3) = (m(0), m(1), m(2), m(3));
         let accumulate = (output == GemvOut::Add) as i32;
-        // Rows per block as the bf16 GEMV chooses them, each warp's lanes taking 32 values a
-        // chunk (so a row of k has k / 32 chunks: more warps per row only while they have any).
+        // Rows per block as the bf16 GEMV chooses them, each warp's lanes taking a unit of the
+        // format's values at a time (more warps per row only while each lane has one).
         let resident = g.resident_blocks(kernel)? as usize;
         let units = |rb: usize| if glu { (2 * mats[0].0.rows).div_ceil(rb) } else { mats.iter().map(|m| m.0.rows.div_ceil(rb)).sum::<usize>() };
-        let allowed = [8usize, 4, 2, 1].into_iter().filter(|&rb| (rb == 8 || (8 / rb) * 32 * 32 <= k) && !(glu && rb == 1));
+        let unit = blocks::unit_values(f);
+        let allowed = [8usize, 4, 2, 1].into_iter().filter(|&rb| (rb == 8 || (8 / rb) * 32 * unit <= k) && !(glu && rb == 1));
         let rb = allowed.clone().find(|&rb| 2 * units(rb) >= resident).unwrap_or_else(|| allowed.last().unwrap_or(8));
         let (xq, x2) = (q.reinterpret::<f32>(), sums.reinterpret::<f32>());
         let args = (m0.0, m0.1, m0.2, m1.0, m1.1, m1.2, m2.0, m2.1, m2.2, m3.0, m3.1, m3.2, xq, x2, DevPtr::NULL, k as i32, t as i32, rb as i32, accumulate, eps, round_in);

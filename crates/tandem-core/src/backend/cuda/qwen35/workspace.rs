@@ -23,8 +23,9 @@ pub(super) struct Workspace {
     pub(super) x: CudaSlice<f32>,
     /// 1 / rms of each row of a long GEMV input (gemv).
     pub(super) rms_inv: CudaSlice<f32>,
-    /// A block-format GEMV's inputs as 16-bit integers (two a word), then their sums of 8 and
-    /// each row's scale (kernels/blocks.cu block_input).
+    /// A block-format GEMV's inputs as 16-bit integers (two a word) in the order its lanes read
+    /// them, then the sums its format needs and each row's scale (kernels/blocks.cu
+    /// block_input).
     pub(super) block_q: CudaSlice<u32>,
     pub(super) block_sums: CudaSlice<u32>,
     /// The normalised rows of an exact prefill's GEMM input.
