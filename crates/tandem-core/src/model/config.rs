@@ -13,6 +13,9 @@ pub enum LayerType {
     FullAttention,
 }
 
+/// The published checkpoints' `mrope_section` (every Qwen3.5 size), for a config without one.
+pub const PUBLISHED_MROPE_SECTION: [usize; 3] = [11, 11, 10];
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Qwen35Config {
     pub hidden_size: usize,
@@ -29,6 +32,11 @@ pub struct Qwen35Config {
     pub head_dim: usize,
     pub rope_theta: f64,
     pub partial_rotary_factor: f64,
+    /// The rotary pairs of each position axis of the multimodal RoPE (time, height, width:
+    /// `mrope_section`). A text token holds the same position on every axis, which makes this
+    /// the plain RoPE the forward pass computes; it is kept for the GGUF files tandem writes,
+    /// whose `rope.dimension_sections` llama.cpp requires.
+    pub mrope_section: [usize; 3],
     // gated DeltaNet
     pub linear_num_key_heads: usize,
     pub linear_num_value_heads: usize,
@@ -103,6 +111,13 @@ impl Qwen35Config {
             }
             Ok(default)
         };
+        let mrope_section = match rope.and_then(|r| r.get("mrope_section")).or_else(|| text_cfg.get("rope_scaling").and_then(|r| r.get("mrope_section"))) {
+            None => PUBLISHED_MROPE_SECTION,
+            Some(v) => match v.as_array().map(|a| a.iter().map(|x| x.as_u64().map(|n| n as usize)).collect::<Option<Vec<_>>>()) {
+                Some(Some(s)) if s.len() == 3 => [s[0], s[1], s[2]],
+                _ => bail!("{source}: mrope_section = {v} is not a list of three counts"),
+            },
+        };
         let tie = match text_cfg.get("tie_word_embeddings").or_else(|| root.get("tie_word_embeddings")) {
             Some(v) => v.as_bool().with_context(|| format!("{source}: tie_word_embeddings = {v} is not a boolean"))?,
             None => false,
@@ -121,6 +136,7 @@ impl Qwen35Config {
             head_dim: f.usize("head_dim")?,
             rope_theta: rope_f("rope_theta", 1e7)?,
             partial_rotary_factor: rope_f("partial_rotary_factor", 0.25)?,
+            mrope_section,
             linear_num_key_heads: f.usize("linear_num_key_heads")?,
             linear_num_value_heads: f.usize("linear_num_value_heads")?,
             linear_key_head_dim: f.usize("linear_key_head_dim")?,
@@ -215,6 +231,7 @@ impl Qwen35Config {
             head_dim: 256,
             rope_theta: 1e7,
             partial_rotary_factor: 0.25,
+            mrope_section: PUBLISHED_MROPE_SECTION,
             linear_num_key_heads: 16,
             linear_num_value_heads: lin_v_heads,
             linear_key_head_dim: 128,
@@ -246,6 +263,7 @@ impl Qwen35Config {
             head_dim: 32,
             rope_theta: 1e7,
             partial_rotary_factor: 0.25,
+            mrope_section: PUBLISHED_MROPE_SECTION,
             linear_num_key_heads: 2,
             linear_num_value_heads: 2,
             linear_key_head_dim: 32,
@@ -299,6 +317,21 @@ mod tests {
         assert_eq!(c.rotary_dim(), 8);
         assert_eq!(c.rope_theta, 10000.0);
         assert!(!c.tie_word_embeddings);
+    }
+
+    /// `mrope_section` from `rope_parameters` (transformers 5) or `rope_scaling`, the published
+    /// one where neither has it, and an error naming it where it is not three counts.
+    #[test]
+    fn mrope_section_is_read_or_defaults_to_the_published_one() {
+        let base = r#""model_type":"qwen3_5_text","hidden_size":64,"num_hidden_layers":4,"intermediate_size":128,"vocab_size":100,
+            "num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"linear_num_key_heads":2,"linear_num_value_heads":4,
+            "linear_key_head_dim":16,"linear_value_head_dim":16"#;
+        let parse = |extra: &str| Qwen35Config::from_json_str(&format!("{{{base}{extra}}}"), "c.json");
+        assert_eq!(parse("").unwrap().mrope_section, PUBLISHED_MROPE_SECTION);
+        assert_eq!(parse(r#","rope_parameters":{"mrope_section":[2,3,3],"rope_theta":1e4}"#).unwrap().mrope_section, [2, 3, 3]);
+        assert_eq!(parse(r#","rope_scaling":{"mrope_section":[4,2,2]}"#).unwrap().mrope_section, [4, 2, 2]);
+        let err = parse(r#","rope_parameters":{"mrope_section":[11,11]}"#).unwrap_err().to_string();
+        assert!(err.contains("c.json") && err.contains("mrope_section"), "{err}");
     }
 
     #[test]

@@ -28,7 +28,7 @@ use anyhow::{bail, Context, Result};
 
 use super::{GgmlType, GgufFile, TensorInfo};
 use crate::model::checkpoint::TensorSet;
-use crate::model::config::{LayerType, Qwen35Config};
+use crate::model::config::{LayerType, Qwen35Config, PUBLISHED_MROPE_SECTION};
 use crate::model::tensor::{DType, HeapStorage, Tensor};
 
 /// The architecture name the converter writes for Qwen3.5's dense models.
@@ -83,6 +83,18 @@ pub fn config(g: &GgufFile) -> Result<Qwen35Config> {
     if value_heads == 0 || inner % value_heads != 0 {
         bail!("{}: {} = {inner} is not a multiple of {} = {value_heads}", g.path().display(), key("ssm.inner_size"), key("ssm.time_step_rank"));
     }
+    // (llama.cpp's converter pads the three sections with a zero.)
+    let sections = match g.get(&key("rope.dimension_sections")) {
+        None => PUBLISHED_MROPE_SECTION,
+        Some(_) => {
+            let a = g.array(&key("rope.dimension_sections"))?;
+            let n: Option<Vec<usize>> = a.iter().map(|v| v.as_u64().map(|n| n as usize)).collect();
+            match n.as_deref() {
+                Some([t, h, w, rest @ ..]) if rest.iter().all(|&x| x == 0) => [*t, *h, *w],
+                _ => bail!("{}: {} = {a:?} is not three counts (and zeros)", g.path().display(), key("rope.dimension_sections")),
+            }
+        }
+    };
     let cfg = Qwen35Config {
         hidden_size,
         num_hidden_layers,
@@ -97,6 +109,7 @@ pub fn config(g: &GgufFile) -> Result<Qwen35Config> {
         head_dim,
         rope_theta: g.f64(&key("rope.freq_base"))?,
         partial_rotary_factor: rotary as f64 / head_dim.max(1) as f64,
+        mrope_section: sections,
         linear_num_key_heads: g.usize(&key("ssm.group_count"))?,
         linear_num_value_heads: value_heads,
         linear_key_head_dim: g.usize(&key("ssm.state_size"))?,

@@ -155,6 +155,7 @@ pub fn qwen35(net: &Qwen35, extras: &Extras) -> Result<GgufWriter> {
         .meta(&a("attention.layer_norm_rms_epsilon"), Value::F32(c.rms_norm_eps))
         .meta(&a("rope.freq_base"), Value::F32(c.rope_theta as f32))
         .meta(&a("rope.dimension_count"), u(c.rotary_dim()))
+        .meta(&a("rope.dimension_sections"), Value::Array(c.mrope_section.iter().chain(&[0]).map(|&s| Value::I32(s as i32)).collect()))
         .meta(&a("ssm.conv_kernel"), u(c.linear_conv_kernel_dim))
         .meta(&a("ssm.state_size"), u(c.linear_key_head_dim))
         .meta(&a("ssm.group_count"), u(c.linear_num_key_heads))
@@ -369,6 +370,26 @@ mod tests {
     use crate::backend::cpu::pool::Pool;
     use crate::model::load::LoadedModel;
     use crate::model::quant::Quant;
+
+    /// Every `qwen35.*` key of the golden GGUF fixture, which the `gguf` package wrote as
+    /// llama.cpp's converter lays Qwen3.5 out (llama.cpp's loader requires them, the rope's
+    /// dimension sections among them), is in the file tandem writes of the same checkpoint,
+    /// with the same value and type.
+    #[test]
+    fn a_written_gguf_file_has_the_converters_metadata() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+        let m = LoadedModel::load(root.join("qwen35-tiny").to_str().unwrap()).unwrap();
+        let path = std::env::temp_dir().join(format!("tandem-write-metadata-{}.gguf", std::process::id()));
+        qwen35(&m.net, &Extras { tokenizer_json: None, chat_template: None, eos_token_id: None }).unwrap().write(&path).unwrap();
+        let written = super::super::GgufFile::open(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let fixture = super::super::GgufFile::open(&root.join("gguf/qwen35-tiny-bf16.gguf")).unwrap();
+        let keys: Vec<&str> = fixture.metadata().map(|(k, _)| k).filter(|k| k.starts_with("qwen35.") || *k == "general.architecture").collect();
+        assert!(keys.len() >= 19, "the fixture holds {} of the architecture's keys", keys.len());
+        for key in keys {
+            assert_eq!(written.get(key), fixture.get(key), "{key}");
+        }
+    }
 
     /// The golden fixture (value heads tiled: 4 of them over 2 key heads), as stored and in
     /// Q8_0 blocks, written and read back: the same config and the same weights bit for bit
