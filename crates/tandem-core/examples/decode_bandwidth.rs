@@ -4,10 +4,11 @@
 //! then in cache, unlike in a step), every matrix once as a step reads them (and each call's
 //! time by shape, against an empty pool call), then whole decode steps against the bytes they
 //! read, and their time by phase.
-//! `cargo run --release --example decode_bandwidth -p tandem-core [THREADS] [bf16|int8|q4_k|...] [MODEL]`.
+//! `cargo run --release --example decode_bandwidth -p tandem-core [THREADS] [bf16|int8|q4_k|...][-fast] [MODEL]`
+//! (`-fast`: the CPU engine's precision=fast).
 use std::cell::RefCell;
 use std::time::Instant;
-use tandem_core::backend::cpu::kernels::matmul::decode_group;
+use tandem_core::backend::cpu::kernels::matmul::{decode_group, decode_group_fast};
 use tandem_core::backend::cpu::pool::Pool;
 use tandem_core::backend::cpu::profile;
 use tandem_core::model::load::LoadedModel;
@@ -85,13 +86,19 @@ fn read4(pool: &Pool, buf: &[f32], prefetch: bool) -> f64 {
 
 fn main() {
     let threads: usize = std::env::args().nth(1).map_or(2, |a| a.parse().unwrap());
-    let quant = std::env::args().nth(2).filter(|q| q != "bf16").map(|q| tandem_core::model::quant::Quant::parse(&q).unwrap());
+    let format = std::env::args().nth(2).unwrap_or("bf16".into());
+    let fast = format.ends_with("-fast");
+    let quant = Some(format.trim_end_matches("-fast")).filter(|q| *q != "bf16").map(|q| tandem_core::model::quant::Quant::parse(q).unwrap());
+    let gemv = |pool: &Pool, x: &[f32], jobs: &mut [(&Matrix, &mut [f32])]| if fast { decode_group_fast(pool, x, 1, jobs) } else { decode_group(pool, x, 1, jobs) };
     let spec = std::env::args().nth(3).unwrap_or("synthetic:qwen3.5-0.8b".into());
     let pool = Pool::new(threads);
-    let model = match quant {
+    let mut model = match quant {
         Some(q) => LoadedModel::load_quantized(&spec, q, &pool).unwrap(),
         None => LoadedModel::load(&spec).unwrap(),
     };
+    if fast {
+        model.net.set_cpu_precision(tandem_core::backend::cpu::CpuPrecision::Fast);
+    }
     let net = &model.net;
     // One of each shape of matrix, as the forward pass multiplies by them.
     let seen = RefCell::new(Vec::<Matrix>::new());
@@ -121,7 +128,7 @@ fn main() {
         let times: Vec<f64> = (0..15)
             .map(|_| {
                 let t = Instant::now();
-                decode_group(&pool, &x, 1, &mut [(m, &mut out)]);
+                gemv(&pool, &x, &mut [(m, &mut out)]);
                 t.elapsed().as_secs_f64()
             })
             .collect();
@@ -148,7 +155,7 @@ fn main() {
             let t = Instant::now();
             for (i, m) in all.iter().enumerate() {
                 let c = Instant::now();
-                decode_group(&pool, &xs[i], 1, &mut [(m, &mut outs[i])]);
+                gemv(&pool, &xs[i], &mut [(m, &mut outs[i])]);
                 per_call[i].push(c.elapsed().as_secs_f64());
             }
             t.elapsed().as_secs_f64()

@@ -263,7 +263,7 @@ fn cmd_verify(argv: &[String]) -> Result<ExitCode> {
             for (name, against, checks) in &v.costs {
                 println!("{}", cost_row(name, against, checks));
             }
-            println!("\nprecision=fast against its arithmetic by plain kernels (bf16 weights: the exact kernels on bf16-rounded inputs, the tensor-core emulation of --precision tensor-cores, the order of f32 sums apart; int8 weights: the W8A8 scalar reference, bit for bit):\n");
+            println!("\nprecision=fast against its arithmetic by plain kernels (bf16 weights: the exact kernels on bf16-rounded inputs, the tensor-core emulation of --precision tensor-cores, the order of f32 sums apart; int8 weights: the W8A8 scalar reference, bit for bit; k-quant blocks: the W4A8 decode reference, bit for bit):\n");
             v.checks
         }
         None | Some("cpu") => {

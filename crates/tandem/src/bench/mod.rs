@@ -46,8 +46,8 @@ mod svg;
 
 /// The weight formats the kernels section compares: as stored, each `--quant`, and the CPU
 /// engine's fast precision on bf16 and int8 weights.
-const BENCH_FORMATS: [&str; 8] = ["bf16", "int8", "bf16-fast", "int8-fast", "q8_0", "q4_k", "q5_k", "q6_k"];
-const DEFAULT_FORMATS: &str = "bf16,int8,bf16-fast,int8-fast,q4_k";
+const BENCH_FORMATS: [&str; 11] = ["bf16", "int8", "bf16-fast", "int8-fast", "q8_0", "q4_k", "q5_k", "q6_k", "q4_k-fast", "q5_k-fast", "q6_k-fast"];
+const DEFAULT_FORMATS: &str = "bf16,int8,bf16-fast,int8-fast,q4_k,q4_k-fast";
 
 /// A benchmark format's `--quant` (None: as stored) and whether it runs precision=fast.
 fn format_quant(q: &str) -> Result<(Option<tandem_core::model::quant::Quant>, bool)> {
@@ -65,14 +65,14 @@ const OWN_SECTIONS: [&str; 5] = ["cuda", "serve", "prefix-cache", "disagg", "gra
 
 pub const USAGE: &str = "\
 tandem bench [--model M] [--prefill PLACEMENT] [--decode PLACEMENT]
-             [--quant bf16,int8,bf16-fast,int8-fast,q4_k] [--sections kernels,modes,...] [--quick]
+             [--quant bf16,int8,bf16-fast,int8-fast,q4_k,q4_k-fast] [--sections kernels,modes,...] [--quick]
              [--out DIR] [--reps 3] [--threads N | --cores 0,1] [--prompts 13,74,410]
              [--decode-tokens 32] [--drift-tokens 2000] [--isa amx|avx512-dot|avx512|avx2|portable]
 
 Measures the machine (read bandwidth, f32 FMA peak, bf16 dot peak), then each section:
   kernels      prefill and decode tok/s of each weight format (--quant: bf16 as stored,
-               int8, q8_0, q4_k, q5_k, q6_k; bf16-fast and int8-fast a CPU engine's
-               precision=fast) on all cores (--threads/--cores), against the measured
+               int8, q8_0, q4_k, q5_k, q6_k; bf16-fast, int8-fast, q4_k-fast, q5_k-fast and
+               q6_k-fast a CPU engine's precision=fast) on all cores (--threads/--cores), against the measured
                ceilings (the fast ones against the dot products' peaks); where a
                prefill's and a decode step's time goes, phase by phase; the quality table
                (each quantized format against bf16, on the model and on the golden fixture);
@@ -671,8 +671,9 @@ fn kernels(
 
     // Each fast format against the exact arithmetic on the same weights: on a short and the
     // longest prompt, and the states' drift over `drift_tokens` tokens.
-    for (fast_q, exact_q) in [("bf16-fast", "bf16"), ("int8-fast", "int8")] {
-        let (Some((_, exact)), Some((_, fast))) = (nets.iter().find(|(q, _)| q == exact_q), nets.iter().find(|(q, _)| q == fast_q)) else { continue };
+    for (fast_q, fast) in nets.iter().filter(|(q, _)| q.ends_with("-fast")) {
+        let exact_q = fast_q.trim_end_matches("-fast");
+        let Some((_, exact)) = nets.iter().find(|(q, _)| q == exact_q) else { continue };
         progress(&format!("{fast_q} quality against the exact arithmetic"));
         writeln!(rec.report, "\n## {fast_q} against {exact_q}'s exact arithmetic ({spec}, 16 greedy tokens after each prompt)\n")?;
         writeln!(rec.report, "| prompt | positions | top-1 agreement | largest logit difference | greedy ids identical |")?;
@@ -725,7 +726,7 @@ fn kernels(
     Ok(())
 }
 
-/// The quality table: each quantized exact format of `nets` against the stored weights (the
+/// The quality table: each quantized format of `nets` against the stored weights (the
 /// bf16 row), on a 133-token prompt of the model; then every `--quant` format on the golden
 /// fixture's prompts (the checkpoint of tests/fixtures, where this tree has it), against its
 /// stored weights.
@@ -736,7 +737,8 @@ fn quality_tables(rec: &mut Record, pool: &tandem_core::backend::cpu::pool::Pool
         writeln!(rec.report, "|---|---|---|---|---|---|---|")?;
         Ok(())
     };
-    let quantized: Vec<&(String, Qwen35)> = nets.iter().filter(|(q, _)| q != "bf16" && !q.ends_with("-fast")).collect();
+    // The k-quants' fast rows too: their decode takes int8 inputs (W4A8), a quantization of its own.
+    let quantized: Vec<&(String, Qwen35)> = nets.iter().filter(|(q, _)| q != "bf16" && (!q.ends_with("-fast") || q.starts_with('q'))).collect();
     if let (Some((_, stored)), false) = (nets.iter().find(|(q, _)| q == "bf16"), quantized.is_empty()) {
         progress("quality of each format against the stored weights");
         writeln!(rec.report, "\n## Each format against the stored weights ({spec}, a {}-token prompt, 16 greedy tokens)\n", prompt.len())?;

@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 
 use crate::backend::cpu::kernels::attention::attention_head;
 use crate::backend::cpu::kernels::deltanet;
-use crate::backend::cpu::kernels::matmul::{decode_group, decode_group_fast, matmul_group, matmul_group_fast, matmul_group_fast_reference};
+use crate::backend::cpu::kernels::matmul::{decode_group, decode_group_fast, decode_group_fast_reference, matmul_group, matmul_group_fast, matmul_group_fast_reference};
 use crate::backend::cpu::CpuPrecision;
 use crate::backend::cpu::kernels::norm::{gated_rms_norm_inplace, l2_normalize, rms_norm, rms_norm_inplace, sigmoid, silu, softplus, swiglu_inplace};
 use crate::backend::cpu::kernels::rope::{apply_rope, cos_sin};
@@ -565,7 +565,8 @@ impl<'p> Pass<'p> {
             (Kernels::Prompt, CpuPrecision::Fast) => matmul_group_fast(self.pool, x, t, jobs),
             (Kernels::Prompt, CpuPrecision::FastReference) => matmul_group_fast_reference(self.pool, x, t, jobs),
             // The fast decode products are the exact kernels on rounded inputs already.
-            (Kernels::Decode, CpuPrecision::Fast | CpuPrecision::FastReference) => decode_group_fast(self.pool, x, t, jobs),
+            (Kernels::Decode, CpuPrecision::Fast) => decode_group_fast(self.pool, x, t, jobs),
+            (Kernels::Decode, CpuPrecision::FastReference) => decode_group_fast_reference(self.pool, x, t, jobs),
             (Kernels::Prompt, _) => matmul_group(self.pool, x, t, jobs),
             (Kernels::Decode, _) => decode_group(self.pool, x, t, jobs),
         }
@@ -853,6 +854,48 @@ mod tests {
         m
     }
 
+    /// The tiny model quantized to Q4_K (its matrices of whole 256-value blocks; Q8_0 the
+    /// others), with the fast precision (W4A8 decode on AVX2 and AVX-512).
+    fn tiny_q4_k_fast(pool: &Pool) -> crate::model::load::LoadedModel {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
+        let mut m = crate::model::load::LoadedModel::load_quantized(dir.to_str().unwrap(), crate::model::quant::Quant::parse("q4_k").unwrap(), pool).unwrap();
+        m.net.set_cpu_precision(CpuPrecision::Fast);
+        m
+    }
+
+    /// With k-quant weights, the fast precision's decode steps are its plain reference's bits
+    /// (what `verify --precision fast` holds them to) on every instruction set, and where the
+    /// CPU has the W4A8 kernels they differ from the exact precision's (the inputs are
+    /// quantized to int8).
+    #[test]
+    fn the_fast_decode_of_k_quants_is_its_reference() {
+        crate::backend::cpu::kernels::for_each_isa(fast_decode_of_k_quants_is_its_reference);
+    }
+
+    fn fast_decode_of_k_quants_is_its_reference(isa: crate::backend::cpu::kernels::Isa) {
+        let pool = Pool::new(2);
+        let prompt: Vec<u32> = (0..13u32).map(|i| (i * 211 + 7) % 1024).collect();
+        let run = |p: CpuPrecision| {
+            let mut m = tiny_q4_k_fast(&pool);
+            m.net.set_cpu_precision(p);
+            let mut st = State::new(&m.net.config);
+            m.net.forward(&pool, &prompt, &mut st, Logits::Last).unwrap();
+            let mut logits = Vec::new();
+            for t in 0..6u32 {
+                m.net.decode_batch(&pool, &[(t * 97 + 3) % 1024], &mut [&mut st]).unwrap();
+                logits.extend_from_slice(&st.last_logits);
+            }
+            logits
+        };
+        let (exact, fast, reference) = (run(CpuPrecision::Exact), run(CpuPrecision::Fast), run(CpuPrecision::FastReference));
+        assert!(fast.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?}: the fast decode is not its reference's bits");
+        if isa >= crate::backend::cpu::kernels::Isa::Avx2 {
+            let worst = exact.iter().zip(&fast).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(worst > 0.0, "{isa:?}: the W4A8 kernel changed nothing");
+            assert!(worst < 0.5, "{isa:?}: W4A8 moved a logit by {worst}");
+        }
+    }
+
     /// The fast precision computes other logits than the exact one (its products take bf16
     /// inputs): the tensor-core emulation's (the same arithmetic summed in another order) up to
     /// summation-order differences, which are much smaller than bf16's own.
@@ -906,13 +949,13 @@ mod tests {
 
     /// One batched decode step over sequences at different positions equals stepping each
     /// alone, bit for bit, for batches of up to 8 rows and past them, with the weights as
-    /// stored and quantized to int8, and with the fast precision on both.
+    /// stored and quantized to int8, and with the fast precision on both and on Q4_K weights.
     #[test]
     fn a_batched_decode_step_equals_one_sequence_at_a_time() {
         let pool = Pool::new(2);
         let _same_kernels = crate::backend::cpu::kernels::hold_isa();
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
-        for m in [tiny(), crate::model::load::LoadedModel::load_int8(dir.to_str().unwrap(), &pool).unwrap(), tiny_fast(), tiny_int8_fast(&pool)] {
+        for m in [tiny(), crate::model::load::LoadedModel::load_int8(dir.to_str().unwrap(), &pool).unwrap(), tiny_fast(), tiny_int8_fast(&pool), tiny_q4_k_fast(&pool)] {
             for lengths in [&[3usize, 70, 130][..], &[1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144]] {
                 let tokens: Vec<u32> = (0..lengths.len() as u32).map(|i| (i * 397 + 5) % 1024).collect();
                 batched_step_equals_steps_alone(&m, &pool, lengths, &tokens);

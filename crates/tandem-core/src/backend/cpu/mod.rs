@@ -21,11 +21,13 @@ pub enum CpuPrecision {
     /// has AVX512-BF16 (the tensor-core arithmetic, in other summation orders); a prompt's
     /// products with int8 weights take its inputs quantized to int8 in blocks of 64, each
     /// block's products summed exactly in i32 by AMX tiles or by `vpdpbusd` (AVX512-VNNI), the
-    /// same bits either way (W8A8); other products as `Exact`.
+    /// same bits either way (W8A8); a decode step's products with Q4_K, Q5_K and Q6_K blocks
+    /// take its inputs quantized to int8 in blocks of 256 on AVX2 and AVX-512 (W4A8 / W6A8,
+    /// blocks_a8.rs); other products as `Exact`.
     Fast,
     /// `Fast`'s arithmetic by plain kernels, what `verify --precision fast` holds it to: a bf16
     /// weight's products by the exact kernels on bf16-rounded inputs (`Fast` up to the order of
     /// f32 sums; with bf16 weights this is `Bf16Inputs`), a prompt's W8A8 products by the
-    /// kernel's scalar reference (`Fast`'s bits).
+    /// kernel's scalar reference (`Fast`'s bits), the W4A8 decode products by theirs.
     FastReference,
 }

@@ -200,10 +200,10 @@ fn dequantize_blocks_body(f: BlockFormat, bytes: &[u8], out: &mut [f32]) {
 /// What the x86 kernels share: the formats they are built for, and a block's scalar parts
 /// and integers as bytes.
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use std::arch::x86_64::*;
 
-    use super::BlockFormat;
+    use super::{BlockFormat, RowSet};
     use crate::backend::cpu::kernels::matmul::gemv::{prefetch_weights, PREFETCH_BYTES};
 
     /// The formats with kernels of their own (the others take `dot_ref`), each a constant that
@@ -247,14 +247,14 @@ mod x86 {
     }
 
     #[inline(always)]
-    unsafe fn f16_at(p: *const u8) -> f32 {
+    pub unsafe fn f16_at(p: *const u8) -> f32 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const u16) as i32)))
     }
 
     /// A k-quant's eight 6-bit scales and minimums from its 12 bytes (`blocks::scale_min_k4`,
     /// four at a time in 32-bit words).
     #[inline(always)]
-    unsafe fn scales_k4(p: *const u8) -> ([u8; 8], [u8; 8]) {
+    pub unsafe fn scales_k4(p: *const u8) -> ([u8; 8], [u8; 8]) {
         let w = |i: usize| std::ptr::read_unaligned(p.add(4 * i) as *const u32);
         let (a, b, c) = (w(0), w(1), w(2));
         let sc_lo = a & 0x3f3f_3f3f;
@@ -403,6 +403,42 @@ mod x86 {
         _mm_cvtss_f32(_mm_add_ss(v2, _mm_movehdup_ps(v2)))
     }
 
+    /// A kernel's tile: `R` rows of blocks (at `p`) × `G` tokens, `done(j, m, Σ)` for row j and
+    /// token m; the rows prefetched on the `first` pass over them.
+    pub trait Tile {
+        type X;
+        unsafe fn tile<const R: usize, const G: usize>(p: [*const u8; 4], k: usize, xs: &[Self::X], first: bool, done: impl FnMut(usize, usize, f32));
+    }
+
+    /// Rows `rows` of the GEMV of every token of `xs` by `T`'s tiles: four rows (one per
+    /// stream) × up to two tokens at a time, a set's rows one at a time where its last streams
+    /// run short.
+    #[inline(always)]
+    pub unsafe fn walk<T: Tile>(xs: &[T::X], data: &[u8], rb: usize, n: usize, k: usize, rows: &RowSet, out: *mut f32) {
+        let base = data.as_ptr();
+        for o in rows.offsets.clone() {
+            let quad = [o, rows.stride + o, 2 * rows.stride + o, 3 * rows.stride + o];
+            let mut m0 = 0;
+            while m0 < xs.len() {
+                let g = (xs.len() - m0).min(2);
+                let x = &xs[m0..m0 + g];
+                let first = m0 == 0;
+                if quad[3] < rows.rows {
+                    let p = [base.add(quad[0] * rb), base.add(quad[1] * rb), base.add(quad[2] * rb), base.add(quad[3] * rb)];
+                    let done = |j: usize, m: usize, v: f32| *out.add((m0 + m) * n + quad[j]) = v;
+                    if g == 2 { T::tile::<4, 2>(p, k, x, first, done) } else { T::tile::<4, 1>(p, k, x, first, done) }
+                } else {
+                    for &r in quad.iter().filter(|&&r| r < rows.rows) {
+                        let done = |_: usize, m: usize, v: f32| *out.add((m0 + m) * n + r) = v;
+                        let p = [base.add(r * rb); 4];
+                        if g == 2 { T::tile::<1, 2>(p, k, x, first, done) } else { T::tile::<1, 1>(p, k, x, first, done) }
+                    }
+                }
+                m0 += g;
+            }
+        }
+    }
+
     /// How many runs of 32 a group sums in integers (`super::runs_per_group`).
     #[inline(always)]
     pub fn group<const F: u8>() -> usize {
@@ -433,28 +469,16 @@ mod avx512 {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
     unsafe fn gemv_rows_of<const F: u8>(xs: &[BlockX], data: &[u8], n: usize, k: usize, rows: &RowSet, out: *mut f32) {
-        let rb = format::<F>().bytes_of(k);
-        let base = data.as_ptr();
-        for o in rows.offsets.clone() {
-            let quad = [o, rows.stride + o, 2 * rows.stride + o, 3 * rows.stride + o];
-            let mut m0 = 0;
-            while m0 < xs.len() {
-                let g = (xs.len() - m0).min(2);
-                let x = &xs[m0..m0 + g];
-                let first = m0 == 0;
-                if quad[3] < rows.rows {
-                    let p = [base.add(quad[0] * rb), base.add(quad[1] * rb), base.add(quad[2] * rb), base.add(quad[3] * rb)];
-                    let done = |j: usize, m: usize, v: f32| *out.add((m0 + m) * n + quad[j]) = v;
-                    if g == 2 { tile::<F, 4, 2>(p, k, x, first, done) } else { tile::<F, 4, 1>(p, k, x, first, done) }
-                } else {
-                    for &r in quad.iter().filter(|&&r| r < rows.rows) {
-                        let done = |_: usize, m: usize, v: f32| *out.add((m0 + m) * n + r) = v;
-                        let p = [base.add(r * rb); 4];
-                        if g == 2 { tile::<F, 1, 2>(p, k, x, first, done) } else { tile::<F, 1, 1>(p, k, x, first, done) }
-                    }
-                }
-                m0 += g;
-            }
+        walk::<Kernel<F>>(xs, data, format::<F>().bytes_of(k), n, k, rows, out)
+    }
+
+    struct Kernel<const F: u8>;
+
+    impl<const F: u8> Tile for Kernel<F> {
+        type X = BlockX;
+        #[inline(always)]
+        unsafe fn tile<const R: usize, const G: usize>(p: [*const u8; 4], k: usize, xs: &[BlockX], first: bool, done: impl FnMut(usize, usize, f32)) {
+            tile::<F, R, G>(p, k, xs, first, done)
         }
     }
 
@@ -602,7 +626,7 @@ mod avx2 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::backend::cpu::kernels::matmul::tests::lcg;
     use crate::backend::cpu::kernels::matmul::{decode_group, matmul_ref, weight};

@@ -50,14 +50,17 @@ fn gemv_units(jobs: &[(&Matrix, OutPtr)], threads: usize) -> Vec<(usize, RowSet)
     units
 }
 
-/// The GEMV of `t` tokens, `x` and the outputs row-major.
-pub(super) fn gemv_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, OutPtr)]) {
+/// The GEMV of `t` tokens, `x` and the outputs row-major; k-quant blocks by int8 inputs
+/// (blocks_a8.rs) where `w4a8` and the CPU has the kernel.
+pub(super) fn gemv_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, OutPtr)], w4a8: bool) {
     let units = gemv_units(jobs, pool.threads());
     // int8 weights are multiplied by each token's x rounded to int16, split into bytes for VNNI.
     let k = jobs[0].0.cols;
     let xq: Vec<QuantizedX> = if jobs.iter().any(|(w, _)| int8_vnni_applies(w)) { x.chunks_exact(k).map(QuantizedX::new).collect() } else { Vec::new() };
     // Block formats by 16-bit integer x with the sums of its runs (blocks.rs).
-    let bx: Vec<blocks::BlockX> = if jobs.iter().any(|(w, _)| blocks::applies(w)) { x.chunks_exact(k).map(blocks::BlockX::new).collect() } else { Vec::new() };
+    let a8 = |w: &Matrix| w4a8 && blocks_a8::applies(w);
+    let bx: Vec<blocks::BlockX> = if jobs.iter().any(|(w, _)| blocks::applies(w) && !a8(w)) { x.chunks_exact(k).map(blocks::BlockX::new).collect() } else { Vec::new() };
+    let bx8: Vec<blocks_a8::BlockX8> = if jobs.iter().any(|(w, _)| a8(w)) { x.chunks_exact(k).map(blocks_a8::BlockX8::new).collect() } else { Vec::new() };
     let queue = WorkQueue::new(units.len());
     pool.run(&|_| {
         while let Some(u) = queue.take() {
@@ -66,6 +69,12 @@ pub(super) fn gemv_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, Out
             let set = set.clone();
             #[cfg(target_arch = "x86_64")]
             prefetch_unit_start(w, &set);
+            if a8(w) {
+                // SAFETY: applies() checked the CPU features; units are disjoint sets of rows
+                // inside every token's output row.
+                unsafe { blocks_a8::gemv_rows(&bx8, w, &set, out.0) };
+                continue;
+            }
             if blocks::applies(w) {
                 // SAFETY: units are disjoint sets of rows inside every token's output row.
                 unsafe { blocks::gemv_rows(&bx, w, &set, out.0) };

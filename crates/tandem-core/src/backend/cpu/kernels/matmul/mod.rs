@@ -150,17 +150,37 @@ fn fast_group(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [
 }
 
 /// The fast precision's decode products: for bf16 weights the GEMV of the bf16-rounded inputs
-/// (each token's outputs the one-token product's bits, as `decode_group`); other weights as
-/// `decode_group`.
+/// (each token's outputs the one-token product's bits, as `decode_group`); for k-quant blocks
+/// on AVX2 and AVX-512 each token's inputs quantized to int8 in blocks of 256 (W4A8 / W6A8,
+/// blocks_a8.rs); other weights as `decode_group`.
 pub fn decode_group_fast(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])]) {
+    decode_fast(pool, x, t, products, FastKernels::DotProducts);
+}
+
+/// `decode_group_fast`'s arithmetic by plain kernels: the W4A8 products by their scalar
+/// reference `blocks_a8::dot_ref` (the kernel's bits), the others as there.
+pub fn decode_group_fast_reference(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])]) {
+    decode_fast(pool, x, t, products, FastKernels::Plain);
+}
+
+fn decode_fast(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])], kernels: FastKernels) {
     let jobs = checked_jobs(x, t, products);
     let (bf16, other): (Vec<_>, Vec<_>) = jobs.into_iter().partition(|(w, _)| matches!(w.data, WeightData::Bf16(_)));
     if !bf16.is_empty() {
         let x: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
-        gemv_group(pool, &x, t, &bf16);
+        gemv_group(pool, &x, t, &bf16, false);
+    }
+    let (w4a8, other): (Vec<_>, Vec<_>) = other.into_iter().partition(|(w, _)| kernels == FastKernels::Plain && blocks_a8::applies(w));
+    for (w, out) in w4a8 {
+        let xs: Vec<blocks_a8::BlockX8> = x.chunks_exact(w.cols).map(blocks_a8::BlockX8::new).collect();
+        pool.for_ranges(w.rows, 1, &|rows| {
+            let out: OutPtr = out;
+            // SAFETY: the ranges of rows are disjoint, so are the outputs written.
+            unsafe { blocks_a8::gemv_rows_ref(&xs, w, rows, out.0) };
+        });
     }
     if !other.is_empty() {
-        gemv_group(pool, x, t, &other);
+        gemv_group(pool, x, t, &other, kernels == FastKernels::DotProducts);
     }
 }
 
@@ -178,7 +198,7 @@ fn prompt_group(pool: &Pool, x: &[f32], t: usize, jobs: &[(&Matrix, OutPtr)]) {
 /// once for all tokens).
 pub fn decode_group(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut [f32])]) {
     let jobs = checked_jobs(x, t, products);
-    gemv_group(pool, x, t, &jobs);
+    gemv_group(pool, x, t, &jobs, false);
 }
 
 /// `out_i = x · W_iᵀ` by the packed GEMM whatever `t` (for tests and measurements: the
@@ -213,6 +233,7 @@ fn locate(units: &[usize], mut u: usize) -> (usize, usize) {
 mod amx_gemm;
 mod bf16_dot;
 pub mod blocks;
+pub mod blocks_a8;
 mod gemv;
 pub mod int8_dot;
 pub mod gemm;
