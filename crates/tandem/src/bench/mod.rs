@@ -71,9 +71,10 @@ tandem bench [--model M] [--prefill PLACEMENT] [--decode PLACEMENT]
 
 Measures the machine (read bandwidth, f32 FMA peak, bf16 dot peak), then each section:
   kernels      prefill and decode tok/s of each weight format (--quant: bf16 as stored,
-               int8, q8_0, q4_k, q5_k, q6_k; bf16-fast, int8-fast, q4_k-fast, q5_k-fast and
-               q6_k-fast a CPU engine's precision=fast) on all cores (--threads/--cores), against the measured
-               ceilings (the fast ones against the dot products' peaks); where a
+               int8, q8_0, q4_k, q5_k, q6_k; bf16-fast, int8-fast, q4_k-fast, q5_k-fast
+               and q6_k-fast a CPU engine's precision=fast) on all cores (--threads/
+               --cores), against the measured ceilings (the fast ones against the dot
+               products' peaks); where a
                prefill's and a decode step's time goes, phase by phase; the quality table
                (each quantized format against bf16, on the model and on the golden fixture);
                each fast format against exact, with the states' drift over --drift-tokens

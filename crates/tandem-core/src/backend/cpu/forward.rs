@@ -564,7 +564,7 @@ impl<'p> Pass<'p> {
         match (self.kernels, self.precision) {
             (Kernels::Prompt, CpuPrecision::Fast) => matmul_group_fast(self.pool, x, t, jobs),
             (Kernels::Prompt, CpuPrecision::FastReference) => matmul_group_fast_reference(self.pool, x, t, jobs),
-            // The fast decode products are the exact kernels on rounded inputs already.
+            // The fast decode products: bf16 weights on rounded inputs, k-quants on int8 inputs.
             (Kernels::Decode, CpuPrecision::Fast) => decode_group_fast(self.pool, x, t, jobs),
             (Kernels::Decode, CpuPrecision::FastReference) => decode_group_fast_reference(self.pool, x, t, jobs),
             (Kernels::Prompt, _) => matmul_group(self.pool, x, t, jobs),

@@ -328,7 +328,6 @@ pub(super) mod x86 {
     /// signed bytes, in order.
     #[inline(always)]
     pub unsafe fn run_bytes<const F: u8>(p: *const u8, v: usize) -> __m256i {
-        let low4 = _mm256_set1_epi8(0x0f);
         match F {
             Q8_0 => _mm256_loadu_si256(p.add(2) as *const __m256i),
             Q4_0 => {
@@ -337,6 +336,18 @@ pub(super) mod x86 {
                 let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), _mm_set1_epi8(0x0f));
                 _mm256_sub_epi8(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi), _mm256_set1_epi8(8))
             }
+            Q4_K | Q5_K => k_quant_run::<F>(p, v),
+            // Q6_K's integers are stored 32 above their values.
+            _ => _mm256_sub_epi8(k_quant_run::<F>(p, v), _mm256_set1_epi8(32)),
+        }
+    }
+
+    /// A k-quant's run `v` as its stored unsigned integers (Q4_K 0..16, Q5_K 0..32, Q6_K 0..64:
+    /// 32 above the signed value).
+    #[inline(always)]
+    pub unsafe fn k_quant_run<const F: u8>(p: *const u8, v: usize) -> __m256i {
+        let low4 = _mm256_set1_epi8(0x0f);
+        match F {
             Q4_K | Q5_K => {
                 let qs = if F == Q5_K { p.add(48) } else { p.add(16) };
                 let q = _mm256_loadu_si256(qs.add(32 * (v / 2)) as *const __m256i);
@@ -359,7 +370,7 @@ pub(super) mod x86 {
                 let qh = _mm256_loadu_si256(p.add(128 + 32 * half) as *const __m256i);
                 let low = if part < 2 { _mm256_and_si256(ql, low4) } else { _mm256_and_si256(_mm256_srli_epi16::<4>(ql), low4) };
                 let high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * part as i32)), _mm256_set1_epi8(3));
-                _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16::<4>(high)), _mm256_set1_epi8(32))
+                _mm256_or_si256(low, _mm256_slli_epi16::<4>(high))
             }
         }
     }

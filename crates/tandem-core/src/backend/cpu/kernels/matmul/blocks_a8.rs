@@ -5,7 +5,7 @@
 //! A token's inputs are quantized in blocks of `XBLOCK` (one weight block), the block's largest
 //! |x| at ±127 (`int8_dot::quantize_block`), with the sums of each 16 of those integers kept
 //! beside them. A weight block of 256 values is taken as four registers of 64 values, each the
-//! two runs of 32 that its bytes hold together (`PAIRS`); `vpmaddubsw` multiplies a register's
+//! two runs of 32 that its bytes hold together (`pairs`); `vpmaddubsw` multiplies a register's
 //! unsigned weights by the signed inputs, pairs summed into 16 bits (at most 2 · 63 · 127), and
 //! `vpmaddwd` multiplies those by the integer scales of their 16 values and sums pairs into
 //! 32-bit lane `l` (values `4l..4l + 4` of the register's first run for `l < 8`, of its second
@@ -13,15 +13,16 @@
 //! lane, so also exact in f32), and then scaled into 16 f32 sums by one FMA with `d · s_x`.
 //! The term that the unsigned integers leave out (Q4_K/Q5_K: the minimums `-dmin · m_r`;
 //! Q6_K: the offset `-32 · d · sc`) is the scale's integers times the input sums, 8 lanes by
-//! one `vpmaddwd`, scaled by one more FMA. At the end the 16 lanes and the 8 are each added
-//! pairwise and the two sums added. `dot_ref` is that arithmetic written plainly; the kernel
-//! gives its bits, whatever tokens share a step.
+//! one `vpmaddwd`, added to sums 0..8 by one more FMA. At the end the 16 sums are added
+//! pairwise. `dot_ref` is that arithmetic written plainly; the kernels give its bits, whatever
+//! tokens share a step.
 //!
 //! The kernels are AVX-512 (BW; with VNNI `vpdpwssd` fuses the scales' multiply and add) and
 //! AVX2 (a register's two runs in two halves); on a CPU with neither, the fast precision's
 //! products with these weights are the exact precision's (blocks.rs).
 
 use super::gemv::RowSet;
+use super::int8_dot::quantize_blocks;
 use crate::model::blocks::{self, BlockFormat};
 use crate::model::tensor::{Matrix, WeightData};
 
@@ -42,43 +43,9 @@ impl BlockX8 {
         assert!(x.len().is_multiple_of(XBLOCK), "{} inputs are not whole blocks of {XBLOCK}", x.len());
         let mut q = vec![0i8; x.len()];
         let mut scales = vec![0f32; x.len() / XBLOCK];
-        let mut sums = vec![0i16; x.len() / 16];
-        quantize_inputs(x, &mut q, &mut scales, &mut sums);
+        quantize_blocks(x, XBLOCK, &mut q, &mut scales);
+        let sums = q.chunks_exact(16).map(|c| c.iter().map(|&v| v as i16).sum()).collect();
         BlockX8 { q, scales, sums }
-    }
-}
-
-crate::backend::cpu::kernels::multiversion! {
-    /// Each block of `x` as `int8_dot::quantize_block` quantizes it (its bits), in loops the
-    /// compiler vectorises: a decode step quantizes its inputs once per group of products, on
-    /// one thread while the others wait.
-    fn quantize_inputs(x: &[f32], q: &mut [i8], scales: &mut [f32], sums: &mut [i16]) => quantize_inputs_body
-}
-
-#[inline(always)]
-fn quantize_inputs_body(x: &[f32], q: &mut [i8], scales: &mut [f32], sums: &mut [i16]) {
-    for ((x, q), scale) in x.chunks_exact(XBLOCK).zip(q.chunks_exact_mut(XBLOCK)).zip(scales.iter_mut()) {
-        // The largest |x| (exact in any order) and whether any is NaN, 16 lanes at a time.
-        let (mut max, mut nan) = ([0f32; 16], [false; 16]);
-        for c in x.chunks_exact(16) {
-            for j in 0..16 {
-                max[j] = max[j].max(c[j].abs());
-                nan[j] |= c[j].is_nan();
-            }
-        }
-        let max = max.iter().fold(0f32, |m, &v| m.max(v));
-        if max == 0.0 || !max.is_finite() || nan.contains(&true) {
-            q.fill(0);
-            *scale = if max == 0.0 && !nan.contains(&true) { 0.0 } else { f32::NAN };
-            continue;
-        }
-        *scale = max / 127.0;
-        for (d, &v) in q.iter_mut().zip(x) {
-            *d = (v / *scale).round_ties_even().clamp(-127.0, 127.0) as i8;
-        }
-    }
-    for (sum, c) in sums.iter_mut().zip(q.chunks_exact(16)) {
-        *sum = c.iter().map(|&v| v as i16).sum();
     }
 }
 
@@ -186,12 +153,41 @@ pub(super) unsafe fn gemv_rows_ref(xs: &[BlockX8], w: &Matrix, rows: std::ops::R
     }
 }
 
+/// How a Q4_K/Q5_K header's 16 bytes (d and dmin as f16, then the 12 bytes of 6-bit scales
+/// and minimums, `blocks::scale_min_k4`) unpack into the eight scales (bytes 0..8) and eight
+/// minimums (8..16): the byte shuffle of each one's low bits and of its top two bits, then the
+/// masks of the low bits taken from low nibbles and from high nibbles.
+#[cfg(target_arch = "x86_64")]
+const K4_UNPACK: [[i8; 16]; 4] = [
+    [4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15],
+    [-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11],
+    [63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0],
+    [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15],
+];
+
+/// The byte shuffle that makes, from the unpacked header in both 128-bit lanes, the minimums'
+/// words for the input sums of each 16 (minimum `r` twice, zero-extended).
+#[cfg(target_arch = "x86_64")]
+const MINS_CONTROL: [i8; 32] = [8, -1, 8, -1, 9, -1, 9, -1, 10, -1, 10, -1, 11, -1, 11, -1, 12, -1, 12, -1, 13, -1, 13, -1, 14, -1, 14, -1, 15, -1, 15, -1];
+
+/// One Q4_K/Q5_K header unpacked (see `K4_UNPACK`).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn unpack_k4(h: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m128i {
+    use std::arch::x86_64::*;
+    // Not `K4_UNPACK.map`: a closure in `map` is left as a call in the kernels.
+    let c = |i: usize| _mm_loadu_si128(K4_UNPACK[i].as_ptr() as *const __m128i);
+    let (low, top) = (_mm_shuffle_epi8(h, c(0)), _mm_shuffle_epi8(h, c(1)));
+    let low = _mm_or_si128(_mm_and_si128(low, c(2)), _mm_and_si128(_mm_srli_epi16::<4>(low), c(3)));
+    _mm_or_si128(low, _mm_srli_epi16::<2>(_mm_and_si128(top, _mm_set1_epi8(-64))))
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
 
     use super::super::blocks::x86::{f16_at, format, prefetch_rows, reduce8, walk, Tile, Q4_K, Q5_K, Q6_K};
-    use super::{pairs, BlockFormat, BlockX8, RowSet, XBLOCK};
+    use super::{pairs, unpack_k4, BlockFormat, BlockX8, RowSet, K4_UNPACK, MINS_CONTROL, XBLOCK};
 
     pub unsafe fn gemv_rows(xs: &[BlockX8], f: BlockFormat, data: &[u8], n: usize, k: usize, rows: &RowSet, out: *mut f32) {
         use crate::backend::cpu::kernels::{isa, Isa};
@@ -240,12 +236,9 @@ mod avx512 {
         // dmin's sign bit, in the first 32-bit word of each header.
         let negate = lanes(_mm_setr_epi32(0x8000_0000u32 as i32, 0, 0, 0));
         let unpack = |h: __m512i| {
-            let low = _mm512_shuffle_epi8(h, lanes(_mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)));
-            let top = _mm512_shuffle_epi8(h, lanes(_mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11)));
-            let low = _mm512_or_si512(
-                _mm512_and_si512(low, lanes(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0))),
-                _mm512_and_si512(_mm512_srli_epi16::<4>(low), lanes(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15))),
-            );
+            let c = |i: usize| lanes(_mm_loadu_si128(K4_UNPACK[i].as_ptr() as *const __m128i));
+            let (low, top) = (_mm512_shuffle_epi8(h, c(0)), _mm512_shuffle_epi8(h, c(1)));
+            let low = _mm512_or_si512(_mm512_and_si512(low, c(2)), _mm512_and_si512(_mm512_srli_epi16::<4>(low), c(3)));
             _mm512_or_si512(low, _mm512_srli_epi16::<2>(_mm512_and_si512(top, _mm512_set1_epi8(-64))))
         };
         let mut out = [(_mm512_setzero_si512(), _mm_setzero_ps()); R];
@@ -263,7 +256,7 @@ mod avx512 {
         } else {
             for (j, o) in out.iter_mut().enumerate() {
                 let h = header(j);
-                *o = (unpack(lanes(h)), _mm_cvtph_ps(_mm_xor_si128(h, _mm512_castsi512_si128(negate))));
+                *o = (lanes(unpack_k4(h)), _mm_cvtph_ps(_mm_xor_si128(h, _mm512_castsi512_si128(negate))));
             }
         }
         out
@@ -286,9 +279,7 @@ mod avx512 {
                 let (all, factors) = header;
                 let control = |j: usize| _mm512_shuffle_epi8(all, load(&SCALE_CONTROL[j]));
                 let scales = [control(0), control(1), control(2), control(3)];
-                let mins = _mm256_shuffle_epi8(_mm512_castsi512_si256(all), _mm256_setr_epi8(
-                    8, -1, 8, -1, 9, -1, 9, -1, 10, -1, 10, -1, 11, -1, 11, -1, 12, -1, 12, -1, 13, -1, 13, -1, 14, -1, 14, -1, 15, -1, 15, -1,
-                ));
+                let mins = _mm256_shuffle_epi8(_mm512_castsi512_si256(all), _mm256_loadu_si256(MINS_CONTROL.as_ptr() as *const __m256i));
                 let qs = if F == Q5_K { p.add(48) } else { p.add(16) };
                 let (a0, a1) = nibbles(_mm512_loadu_si512(qs as *const _));
                 let (b0, b1) = nibbles(_mm512_loadu_si512(qs.add(64) as *const _));
@@ -419,8 +410,8 @@ mod avx512 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::super::blocks::x86::{f16_at, format, prefetch_rows, reduce8, walk, Tile, Q4_K, Q5_K, Q6_K};
-    use super::{pairs, BlockFormat, BlockX8, RowSet, XBLOCK};
+    use super::super::blocks::x86::{f16_at, format, k_quant_run, prefetch_rows, reduce8, walk, Tile, Q4_K, Q5_K, Q6_K};
+    use super::{pairs, unpack_k4, BlockFormat, BlockX8, RowSet, MINS_CONTROL, XBLOCK};
 
     pub unsafe fn gemv_rows(xs: &[BlockX8], f: BlockFormat, data: &[u8], n: usize, k: usize, rows: &RowSet, out: *mut f32) {
         match f {
@@ -443,40 +434,6 @@ mod avx2 {
         #[inline(always)]
         unsafe fn tile<const R: usize, const G: usize>(p: [*const u8; 4], k: usize, xs: &[BlockX8], first: bool, done: impl FnMut(usize, usize, f32)) {
             tile::<F, R, G>(p, k, xs, first, done)
-        }
-    }
-
-    /// Run `r`'s 32 unsigned integers of a block as bytes.
-    #[inline(always)]
-    unsafe fn run<const F: u8>(p: *const u8, r: usize) -> __m256i {
-        let low4 = _mm256_set1_epi8(0x0f);
-        let nibble = |q: __m256i, high: bool| if high { _mm256_and_si256(_mm256_srli_epi16::<4>(q), low4) } else { _mm256_and_si256(q, low4) };
-        match F {
-            Q4_K | Q5_K => {
-                let qs = if F == Q5_K { p.add(48) } else { p.add(16) };
-                let q = nibble(_mm256_loadu_si256(qs.add(32 * (r / 2)) as *const __m256i), r % 2 == 1);
-                if F == Q5_K {
-                    // The fifth bits: bit r of each of qh's 32 bytes.
-                    let bit = _mm256_set1_epi8((1u8 << r) as i8);
-                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256(p.add(16) as *const __m256i), bit), bit);
-                    _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)))
-                } else {
-                    q
-                }
-            }
-            _ => {
-                // Q6_K run r: half r / 4, part r % 4: four bits of ql, two of qh (at bit 2·part).
-                let (half, part) = (r / 4, r % 4);
-                let ql = nibble(_mm256_loadu_si256(p.add(64 * half + 32 * (part % 2)) as *const __m256i), part >= 2);
-                let qh = _mm256_loadu_si256(p.add(128 + 32 * half) as *const __m256i);
-                let high = match part {
-                    0 => _mm256_slli_epi16::<4>(qh),
-                    1 => _mm256_slli_epi16::<2>(qh),
-                    2 => qh,
-                    _ => _mm256_srli_epi16::<2>(qh),
-                };
-                _mm256_or_si256(ql, _mm256_and_si256(high, _mm256_set1_epi8(0x30)))
-            }
         }
     }
 
@@ -503,19 +460,9 @@ mod avx2 {
             let d = f16_at(p.add(208));
             (_mm256_broadcastsi128_si256(scales), _mm256_cvtepi8_epi16(scales), _mm_setr_ps(d, d * -32.0, 0.0, 0.0))
         } else {
-            // d and dmin, then the 12 bytes of 6-bit scales and minimums, unpacked as the
-            // AVX-512 kernel unpacks them.
             let h = _mm_loadu_si128(p as *const __m128i);
-            let low = _mm_shuffle_epi8(h, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
-            let top = _mm_shuffle_epi8(h, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
-            let low = _mm_or_si128(
-                _mm_and_si128(low, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
-                _mm_and_si128(_mm_srli_epi16::<4>(low), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)),
-            );
-            let bytes = _mm256_broadcastsi128_si256(_mm_or_si128(low, _mm_srli_epi16::<2>(_mm_and_si128(top, _mm_set1_epi8(-64)))));
-            let mins = _mm256_shuffle_epi8(bytes, _mm256_setr_epi8(
-                8, -1, 8, -1, 9, -1, 9, -1, 10, -1, 10, -1, 11, -1, 11, -1, 12, -1, 12, -1, 13, -1, 13, -1, 14, -1, 14, -1, 15, -1, 15, -1,
-            ));
+            let bytes = _mm256_broadcastsi128_si256(unpack_k4(h));
+            let mins = _mm256_shuffle_epi8(bytes, _mm256_loadu_si256(MINS_CONTROL.as_ptr() as *const __m256i));
             let factors = _mm_cvtph_ps(_mm_xor_si128(h, _mm_setr_epi32(0x8000_0000u32 as i32, 0, 0, 0)));
             (bytes, mins, factors)
         }
@@ -543,7 +490,7 @@ mod avx2 {
                     for (r0, r1) in order {
                         for (half, r) in [r0, r1].into_iter().enumerate() {
                             let x = _mm256_loadu_si256(q.add(32 * r) as *const __m256i);
-                            let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(run::<F>(blk, r), x), scale_words::<F>(bytes, r));
+                            let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(k_quant_run::<F>(blk, r), x), scale_words::<F>(bytes, r));
                             lanes[half] = _mm256_add_epi32(lanes[half], sums);
                         }
                     }

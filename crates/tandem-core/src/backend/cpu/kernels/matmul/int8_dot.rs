@@ -135,51 +135,46 @@ pub fn pack_x(pool: &Pool, x: &[f32], t: usize, k: usize) -> PackedX {
 /// A row of x quantized block by block: `q`, each block's scale (`quantize_block`'s bits) and
 /// `Σ q` into `scales` and `sums`.
 pub(super) fn quantize_row(x: &[f32], q: &mut [i8], scales: &mut [f32], sums: &mut [i32]) {
-    for (b, (s, sum)) in scales.iter_mut().zip(sums.iter_mut()).enumerate() {
-        let (x, q) = (&x[b * BLOCK..(b + 1) * BLOCK], &mut q[b * BLOCK..(b + 1) * BLOCK]);
-        #[cfg(target_arch = "x86_64")]
-        if crate::backend::cpu::kernels::isa() >= crate::backend::cpu::kernels::Isa::Avx512 {
-            // SAFETY: feature checked; both blocks hold BLOCK values.
-            if let Some(found) = unsafe { quantize_block_avx512(x, q) } {
-                (*s, *sum) = found;
-                continue;
-            }
-        }
-        *s = quantize_block(x, q);
+    quantize_blocks(x, BLOCK, q, scales);
+    for (sum, q) in sums.iter_mut().zip(q.chunks_exact(BLOCK)) {
         *sum = q.iter().map(|&v| v as i32).sum();
     }
 }
 
-/// `quantize_block` of one block of finite values, not all zero, 16 at a time: the same
-/// division and rounding (to nearest, ties to even) in each lane, so the same bits; `None` for
-/// the blocks it leaves to the plain code (a zero, infinite or NaN largest |x|). Returns the
-/// scale and `Σ q`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn quantize_block_avx512(x: &[f32], q: &mut [i8]) -> Option<(f32, i32)> {
-    use std::arch::x86_64::*;
-    const V: usize = BLOCK / 16;
-    let v: [__m512; V] = std::array::from_fn(|i| _mm512_loadu_ps(x.as_ptr().add(16 * i)));
-    let mut max = _mm512_setzero_ps();
-    let mut nan = 0u16;
-    for &vi in &v {
-        nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(vi, vi);
-        max = _mm512_max_ps(max, _mm512_abs_ps(vi));
+crate::backend::cpu::kernels::multiversion! {
+    /// Each `len` values of `x` (a multiple of `len` long) as `quantize_block` quantizes them
+    /// (its bits), their scales into `scales`, in loops the compiler vectorises. The prompt's
+    /// W8A8 products and the decode's W4A8 products (blocks_a8.rs) quantize their inputs here.
+    pub fn quantize_blocks(x: &[f32], len: usize, q: &mut [i8], scales: &mut [f32]) => quantize_blocks_body
+}
+
+#[inline(always)]
+fn quantize_blocks_body(x: &[f32], len: usize, q: &mut [i8], scales: &mut [f32]) {
+    for ((x, q), scale) in x.chunks_exact(len).zip(q.chunks_exact_mut(len)).zip(scales.iter_mut()) {
+        // The largest |x| (exact in any order) and whether any is NaN, 16 lanes at a time.
+        let (mut max, mut nan) = ([0f32; 16], [false; 16]);
+        let chunks = x.chunks_exact(16);
+        for (j, &v) in chunks.remainder().iter().enumerate() {
+            max[j] = v.abs();
+            nan[j] = v.is_nan();
+        }
+        for c in chunks {
+            for j in 0..16 {
+                max[j] = max[j].max(c[j].abs());
+                nan[j] |= c[j].is_nan();
+            }
+        }
+        let (max, nan) = (max.iter().fold(0f32, |m, &v| m.max(v)), nan.contains(&true));
+        if max == 0.0 || !max.is_finite() || nan {
+            q.fill(0);
+            *scale = if max == 0.0 && !nan { 0.0 } else { f32::NAN };
+            continue;
+        }
+        *scale = max / 127.0;
+        for (d, &v) in q.iter_mut().zip(x) {
+            *d = (v / *scale).round_ties_even().clamp(-127.0, 127.0) as i8;
+        }
     }
-    let max = _mm512_reduce_max_ps(max);
-    if nan != 0 || max == 0.0 || !max.is_finite() {
-        return None;
-    }
-    let scale = max / 127.0;
-    let (sv, lo, hi) = (_mm512_set1_ps(scale), _mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
-    let mut sum = _mm512_setzero_si512();
-    for (i, &vi) in v.iter().enumerate() {
-        let r = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_div_ps(vi, sv));
-        let qi = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
-        sum = _mm512_add_epi32(sum, qi);
-        _mm_storeu_si128(q.as_mut_ptr().add(16 * i) as *mut __m128i, _mm512_cvtepi32_epi8(qi));
-    }
-    Some((scale, _mm512_reduce_add_epi32(sum)))
 }
 
 /// Token blocks `blocks` × columns `cols` (at most `UNIT_COLS`) of `out[t, w.rows]`.

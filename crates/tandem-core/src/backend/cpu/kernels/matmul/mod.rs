@@ -171,8 +171,12 @@ fn decode_fast(pool: &Pool, x: &[f32], t: usize, products: &mut [(&Matrix, &mut 
         gemv_group(pool, &x, t, &bf16, false);
     }
     let (w4a8, other): (Vec<_>, Vec<_>) = other.into_iter().partition(|(w, _)| kernels == FastKernels::Plain && blocks_a8::applies(w));
+    // The group's products share x (and its length): quantized once.
+    let xs: Vec<blocks_a8::BlockX8> = match w4a8.first() {
+        Some((w, _)) => x.chunks_exact(w.cols).map(blocks_a8::BlockX8::new).collect(),
+        None => Vec::new(),
+    };
     for (w, out) in w4a8 {
-        let xs: Vec<blocks_a8::BlockX8> = x.chunks_exact(w.cols).map(blocks_a8::BlockX8::new).collect();
         pool.for_ranges(w.rows, 1, &|rows| {
             let out: OutPtr = out;
             // SAFETY: the ranges of rows are disjoint, so are the outputs written.
