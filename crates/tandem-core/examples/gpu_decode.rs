@@ -4,8 +4,10 @@
 //! GPU's time alone, and with the host picking each token), the weights it reads and their rate
 //! against the bandwidth, each decode GEMV alone by kind, and a step's largest kernels. Every
 //! line is printed as soon as it is measured (a long run cut short keeps what it had). Medians
-//! of 5 (min - max).
-//! `cargo run --release --example gpu_decode -p tandem-core MODEL[,MODEL] [bf16,q4_k,...]`
+//! of 5 (min - max). A format with `-fast` (`q4_k-fast`) runs GPU precision=fast (int8 inputs to
+//! the k-quant decode GEMVs), the others tensor-cores; consecutive formats of the same weights
+//! (`q4_k,q4_k-fast,q4_k`) share one load and upload.
+//! `cargo run --release --example gpu_decode -p tandem-core MODEL[,MODEL] [bf16,q4_k,q4_k-fast,...]`
 use std::time::Instant;
 
 use tandem_core::backend::cpu::pool::Pool;
@@ -41,16 +43,31 @@ fn main() -> anyhow::Result<()> {
     println!("| model | weights | MB read per step | prefill 512 tok/s | decode tok/s (GPU alone) | decode tok/s (host picks) | GB/s | of bandwidth |");
     println!("|---|---|---|---|---|---|---|---|");
     let pool = Pool::new(std::thread::available_parallelism().map_or(1, |n| n.get()));
+    // The weights on the GPU now: (model, format without -fast) and the engine.
+    let mut uploaded: Option<((String, String), GpuQwen35)> = None;
     for model in models.split(',') {
         for format in formats.split(',') {
-            let t = Instant::now();
-            let loaded = match format {
-                "bf16" => LoadedModel::load(model)?,
-                q => LoadedModel::load_quantized(model, Quant::parse(q)?, &pool)?,
+            let (weights, precision) = match format.strip_suffix("-fast") {
+                Some(w) => (w, Precision::Fast),
+                None => (format, Precision::TensorCores),
             };
-            eprintln!("{model} {format}: loaded in {:.1} s ({})", t.elapsed().as_secs_f64(), loaded.net.matrix_formats());
-            let gp = GpuQwen35::upload(gpu.take().expect("one GPU"), &loaded.net, Precision::TensorCores)?;
-            drop(loaded);
+            let key = (model.to_string(), weights.to_string());
+            let mut gp = match uploaded.take() {
+                Some((k, gp)) if k == key => gp,
+                other => {
+                    if let Some((_, gp)) = other {
+                        gpu = Some(gp.into_gpu());
+                    }
+                    let t = Instant::now();
+                    let loaded = match weights {
+                        "bf16" => LoadedModel::load(model)?,
+                        q => LoadedModel::load_quantized(model, Quant::parse(q)?, &pool)?,
+                    };
+                    eprintln!("{model} {weights}: loaded in {:.1} s ({})", t.elapsed().as_secs_f64(), loaded.net.matrix_formats());
+                    GpuQwen35::upload(gpu.take().expect("one GPU"), &loaded.net, precision)?
+                }
+            };
+            gp.precision = precision;
             let vocab = gp.config.vocab_size.min(248044) as u32;
             let tokens: Vec<u32> = (0..512u32).map(|i| (i * 7919 + 13) % vocab).collect();
             let mut prefill = Vec::new();
@@ -103,7 +120,6 @@ fn main() -> anyhow::Result<()> {
             }
             // A decode step's kernels, each timed with events (launched one by one, so each
             // also pays its launch): the largest ten, µs per step.
-            let mut gp = gp;
             gp.graphs = false;
             let mut st = gp.new_state()?;
             gp.forward(&tokens[..13], &mut st, Logits::Last)?;
@@ -117,7 +133,7 @@ fn main() -> anyhow::Result<()> {
                 eprintln!("  {model} {format} kernel {name}: {:.1} us per step ({} launches)", 1e3 * ms / 8.0, count / 8);
             }
             gp.graphs = true;
-            gpu = Some(gp.into_gpu());
+            uploaded = Some((key, gp));
         }
     }
     Ok(())

@@ -94,7 +94,7 @@ impl std::fmt::Display for Dispatch {
 
 /// An engine to start, parsed from its placement: where it runs and how it dispatches,
 /// `cpu[:cores=0-3|threads=N][,precision=exact|fast][,dispatch=MODE]`
-/// or `cuda[:N][,precision=exact|tensor-cores][,state=f32|bf16][,dispatch=MODE]`.
+/// or `cuda[:N][,precision=exact|tensor-cores|fast][,state=f32|bf16][,dispatch=MODE]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineSpec {
     pub device: Device,
@@ -177,7 +177,8 @@ impl EngineSpec {
                     p.precision = match v.as_str() {
                         "exact" => Precision::Exact,
                         "tensor-cores" => Precision::TensorCores,
-                        _ => bail!("placement {spec:?}: precision={v:?}: choose exact or tensor-cores"),
+                        "fast" => Precision::Fast,
+                        _ => bail!("placement {spec:?}: precision={v:?}: choose exact, tensor-cores or fast"),
                     }
                 }
                 ("graphs", Device::Cuda(_)) => {
@@ -222,6 +223,7 @@ impl std::fmt::Display for EngineSpec {
             let precision = match self.precision {
                 Precision::Exact => "exact",
                 Precision::TensorCores => "tensor-cores",
+                Precision::Fast => "fast",
             };
             let graphs = if self.graphs { "" } else { ",graphs=off" };
             let priority = match self.high_priority {
@@ -673,6 +675,9 @@ mod tests {
         assert!(EngineSpec::parse("cpu:precision=tensor-cores").is_err());
         let p = EngineSpec::parse("cuda:1,precision=exact,dispatch=batched:32").unwrap();
         assert_eq!((p.device, p.precision, p.dispatch.clone()), (Device::Cuda(1), Precision::Exact, Dispatch::Batched(32)));
+        let fast = EngineSpec::parse("cuda:0,precision=fast").unwrap();
+        assert_eq!(fast.precision, Precision::Fast);
+        assert_eq!(EngineSpec::parse(&fast.to_string()).unwrap(), fast);
         assert_eq!(p.to_string(), "cuda:1,precision=exact,dispatch=batched:32");
         assert_eq!(EngineSpec::parse("cuda").unwrap().device, Device::Cuda(0));
         let p = EngineSpec::parse("cuda:0,priority=high").unwrap();
@@ -696,7 +701,7 @@ mod tests {
             ("cpu:state=bf16", "keys: cores, threads, precision, dispatch"),
             ("cuda:0,priority=urgent", "choose high or normal"),
             ("cuda:0,graphs=maybe", "choose on or off"),
-            ("cuda:0,precision=fp8", "choose exact or tensor-cores"),
+            ("cuda:0,precision=fp8", "choose exact, tensor-cores or fast"),
             ("cpu:precision=tensor-cores", "precision=\"tensor-cores\": choose exact or fast"),
         ] {
             let e = format!("{:#}", EngineSpec::parse(bad).unwrap_err());

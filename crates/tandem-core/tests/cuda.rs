@@ -197,6 +197,61 @@ fn block_format_weights_on_the_gpu_match_the_cpu_engine() {
     }
 }
 
+/// GPU precision=fast (k-quant decode GEMVs against int8 inputs, kernels/blocks.cu
+/// BlockChunk8) against the CPU engine's precision=fast (blocks_a8.rs, the same int8 inputs):
+/// both decode greedily from the same state (a prompt prefilled on the CPU, its state uploaded),
+/// the same picks and logits within the bound of one input landing one int8 step apart (norms
+/// and sums in another order), and nearer the CPU's fast than the GPU's own 16-bit inputs.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
+fn fast_k_quant_decode_on_the_gpu_matches_the_cpu_engines_fast() {
+    // Of the logits' span (largest less smallest). On an H200 the fixture's q4_k came within
+    // 4.9e-3 (step 0) to 1.3e-2 (step 7) of it, the int8 rounding itself moving the logits by
+    // 1.2e-2 to 7.7e-2: its random weights magnify an input that lands one int8 step apart.
+    const FAST_LOGIT_TOL: f32 = 2.5e-2;
+    use tandem_core::backend::cpu::CpuPrecision;
+    use tandem_core::model::quant::Quant;
+    let (gpu0, _turn) = gpu_for("fast k-quant decode on the GPU");
+    let mut gpu0 = Some(gpu0);
+    let tokens = prompt("p4");
+    let pool = Pool::new(std::thread::available_parallelism().map_or(2, |n| n.get()));
+    // The fixture's rows of 128 are Q8_0 in every format but its MLP down projection (rows of
+    // 256); the synthetic 0.8B (rows of 1024 and 3584) is all k-quant: its SwiGLU GEMVs and its
+    // Q6_K LM head.
+    let tiny = common::tiny_dir().to_str().unwrap().to_string();
+    for (model, name) in [(tiny.as_str(), "q4_k"), (tiny.as_str(), "q5_k"), (tiny.as_str(), "q6_k"), ("synthetic:qwen3.5-0.8b", "q4_k")] {
+        let mut m = LoadedModel::load_quantized(model, Quant::parse(name).unwrap(), &pool).unwrap();
+        let mut cpu = State::new(&m.net.config);
+        m.net.forward(&pool, &tokens[..40], &mut cpu, Logits::Last).unwrap();
+        m.net.set_cpu_precision(CpuPrecision::Fast);
+        let mut gpu = GpuQwen35::upload(gpu0.take().unwrap(), &m.net, Precision::Fast).unwrap();
+        for graphs in [true, false] {
+            gpu.graphs = graphs;
+            let (mut fast, mut plain) = (gpu.upload_state(&cpu).unwrap(), gpu.upload_state(&cpu).unwrap());
+            let mut cpu_dec = cpu.clone();
+            for step in 0..8 {
+                let id = argmax(&cpu_dec.last_logits);
+                gpu.precision = Precision::Fast;
+                let g = gpu.forward(&[id], &mut fast, Logits::Last).unwrap();
+                gpu.precision = Precision::TensorCores;
+                let p = gpu.forward(&[id], &mut plain, Logits::Last).unwrap();
+                m.net.decode_batch(&pool, &[id], &mut [&mut cpu_dec]).unwrap();
+                let err = max_abs_diff(&g, &cpu_dec.last_logits);
+                let (lo, hi) = cpu_dec.last_logits.iter().fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+                let (tol, rounding) = (FAST_LOGIT_TOL * (hi - lo), max_abs_diff(&g, &p));
+                eprintln!("{model} {name}, graphs {graphs}, step {step}: GPU fast against the CPU's fast {err:.2e}, against the GPU's 16-bit inputs {rounding:.2e} (logits span {:.2})", hi - lo);
+                assert!(err <= tol, "{model} {name}, graphs {graphs}, step {step}: GPU fast and CPU fast logits differ by up to {err:.2e} (bound {tol:.2e})");
+                // Nearer the CPU's int8 products than its own 16-bit ones: the same arithmetic.
+                assert!(err < rounding, "{model} {name}, graphs {graphs}, step {step}: GPU fast is {err:.2e} from the CPU's fast, {rounding:.2e} from the GPU's 16-bit inputs");
+                let (pick, best) = (argmax(&g), argmax(&cpu_dec.last_logits));
+                let tie = cpu_dec.last_logits[best as usize] - cpu_dec.last_logits[pick as usize] <= tol;
+                assert!(pick == best || tie, "{model} {name}, graphs {graphs}, step {step}: the GPU picks {pick}, the CPU {best}");
+            }
+        }
+        gpu0 = Some(gpu.into_gpu());
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on a GPU machine"]
 fn batched_decode_matches_each_sequence_alone() {
@@ -217,7 +272,9 @@ fn batched_decode_matches_each_sequence_alone() {
     };
     let mut gpu = GpuQwen35::upload(gpu0.take().unwrap(), &m.net, Precision::Exact).unwrap();
     let default_heads_from = gpu.step_heads_from();
-    for (precision, gemm_from) in [(Precision::Exact, gpu.decode_gemm_from()), (Precision::TensorCores, 2)] {
+    // (Fast: the k-quants' GEMVs against int8 inputs; bf16 weights as TensorCores.)
+    let precisions = if weights == "q4_k" { vec![(Precision::Exact, gpu.decode_gemm_from()), (Precision::TensorCores, 2), (Precision::Fast, 2)] } else { vec![(Precision::Exact, gpu.decode_gemm_from()), (Precision::TensorCores, 2)] };
+    for (precision, gemm_from) in precisions {
         gpu.precision = precision;
         gpu.set_decode_gemm_from(gemm_from);
         // Replayed and launched kernel by kernel; and the DeltaNet mixer with a block per 32
@@ -257,11 +314,11 @@ fn batched_decode_matches_each_sequence_alone() {
                         let want = alone[i].last_logits().unwrap().to_vec();
                         let tol = match precision {
                             Precision::Exact => 2.0 * LOGIT_TOL,
-                            Precision::TensorCores => TC_LOGIT_REL_TOL * want.iter().fold(0.0f32, |m, v| m.max(v.abs())),
+                            Precision::TensorCores | Precision::Fast => TC_LOGIT_REL_TOL * want.iter().fold(0.0f32, |m, v| m.max(v.abs())),
                         };
                         let pick = gpu_picks[i].unwrap_or_else(|| panic!("{what}: no pick from the GPU"));
                         let best = argmax(&want);
-                        let tie = precision == Precision::TensorCores && want[best as usize] - want[pick as usize] <= tol;
+                        let tie = precision.tensor_cores() && want[best as usize] - want[pick as usize] <= tol;
                         assert!(pick == best || tie, "{what} picks {pick}, alone {best} (logits {} and {})", want[pick as usize], want[best as usize]);
                         assert_eq!(batch[i].position, alone[i].position);
                         let got = &batched[i];

@@ -45,7 +45,7 @@ ENGINES (generate, chat):
                          dispatch modes:
                          sequential | batched:N (fixed N-token dispatches, last one padded and
                          masked) | buckets:64,256,512 | dynamic (default); or
-                         cuda[:N][,precision=exact|tensor-cores][,state=f32|bf16][,graphs=on|off]
+                         cuda[:N][,precision=exact|tensor-cores|fast][,state=f32|bf16][,graphs=on|off]
                          [,priority=high|normal][,dispatch=MODE] (README: Engines)
   --mode hybrid|prefill-engine|decode-engine
                          hybrid: prefill on one engine, the state crosses the bridge, decode on the
@@ -250,8 +250,8 @@ fn cmd_verify(argv: &[String]) -> Result<ExitCode> {
     let (precision, fast) = match args.str("precision").unwrap_or("exact") {
         "exact" => (Precision::Exact, false),
         "tensor-cores" => (Precision::TensorCores, false),
-        "fast" => (Precision::Exact, true),
-        other => bail!("--precision {other:?}: exact (f32 products, the default), tensor-cores (products take bf16-rounded inputs) or fast (the CPU engine's precision=fast)"),
+        "fast" => (Precision::Fast, true),
+        other => bail!("--precision {other:?}: exact (f32 products, the default), tensor-cores (products take bf16-rounded inputs) or fast (int8 inputs where the weights allow: the CPU engine's precision=fast, on a GPU tensor-cores with int8 inputs to the Q4_K/Q5_K/Q6_K decode products)"),
     };
     let checks = match args.str("device") {
         None | Some("cpu") if fast => {
@@ -274,7 +274,6 @@ fn cmd_verify(argv: &[String]) -> Result<ExitCode> {
             }
             tandem_core::verify::verify(&pool, &mut model.net, reference)?
         }
-        Some(_) if fast => bail!("--precision fast is the CPU engine's; a GPU's products with bf16-rounded inputs are --precision tensor-cores"),
         Some(device) => {
             let ordinal = parse_cuda_device(device)?;
             let gpu = tandem_core::backend::cuda::Gpu::open(ordinal)?;

@@ -36,8 +36,8 @@ fn verify_fast_reports_its_error_and_passes_against_its_arithmetic() {
         assert!(out.contains(row), "no row {row:?}: {out}");
     }
     assert!(out.contains("95 of 95 checks within tolerance") && out.trim_end().ends_with("PASS"), "{out}");
-    let o = tandem(&["verify", "--model", &tiny(), "--reference", &reference, "--precision", "fast", "--device", "cuda:0"]);
-    assert!(!o.status.success() && stderr(&o).contains("--precision fast is the CPU engine's"), "{}", stderr(&o));
+    let o = tandem(&["verify", "--model", &tiny(), "--reference", &reference, "--precision", "fp8"]);
+    assert!(!o.status.success() && stderr(&o).contains("\"fp8\": exact") && stderr(&o).contains("or fast"), "{}", stderr(&o));
 }
 
 /// A GGUF file of the fixture, as llama.cpp's converter writes Qwen3.5: `verify` passes on it

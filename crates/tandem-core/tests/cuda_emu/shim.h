@@ -80,6 +80,11 @@ inline int __float2int_rn(float x) { return (int)std::nearbyint(x); }
 // Two 16-bit integers of a times bytes 0, 1 (lo) or 2, 3 (hi) of b, all signed, plus c.
 inline int __dp2a_lo(int a, int b, int c) { return c + (short)(a & 0xffff) * (signed char)(b & 0xff) + (short)(a >> 16) * (signed char)((b >> 8) & 0xff); }
 inline int __dp2a_hi(int a, int b, int c) { return c + (short)(a & 0xffff) * (signed char)((b >> 16) & 0xff) + (short)(a >> 16) * (signed char)(b >> 24); }
+// Four signed bytes of a times four of b, plus c.
+inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; i++) c += (signed char)((a >> (8 * i)) & 0xff) * (signed char)((b >> (8 * i)) & 0xff);
+    return c;
+}
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline void warp_sync() { g_block->warps[threadIdx.x >> 5]->arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int m) {

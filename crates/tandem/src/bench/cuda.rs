@@ -100,17 +100,23 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], quants: &[Stri
     let mut bridges = String::new();
     let mut energy = String::new();
     let mut model = Some(gpu);
-    let runs: Vec<(String, Option<tandem_core::model::quant::Quant>, &String)> = specs
+    // (A format with -fast runs precision=fast: int8 inputs to the k-quant decode GEMVs.)
+    let runs: Vec<(String, Option<tandem_core::model::quant::Quant>, &String, Precision)> = specs
         .iter()
         .flat_map(|spec| quants.iter().map(move |q| (spec, q)))
         .map(|(spec, q)| -> Result<_> {
-            Ok(match q.as_str() {
-                "bf16" => (spec.clone(), None, spec),
-                q => (format!("{spec} ({q})"), Some(tandem_core::model::quant::Quant::parse(q)?), spec),
+            let (weights, precision) = match q.strip_suffix("-fast") {
+                Some(w) => (w, Precision::Fast),
+                None => (q.as_str(), Precision::TensorCores),
+            };
+            Ok(match weights {
+                "bf16" => (if q == "bf16" { spec.clone() } else { format!("{spec} ({q})") }, None, spec, precision),
+                w => (format!("{spec} ({q})"), Some(tandem_core::model::quant::Quant::parse(w)?), spec, precision),
             })
         })
         .collect::<Result<_>>()?;
-    for (spec, quant, model_spec) in &runs {
+    for (spec, quant, model_spec, precision) in &runs {
+        let precision = *precision;
         let spec = spec.as_str();
         progress(&format!("loading {spec}"));
         let loaded = match quant {
@@ -119,7 +125,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], quants: &[Stri
         };
         let net = &loaded.net;
         progress(&format!("uploading {spec} to the GPU"));
-        let mut g = GpuQwen35::upload(model.take().expect("one GPU"), net, Precision::TensorCores)?;
+        let mut g = GpuQwen35::upload(model.take().expect("one GPU"), net, precision)?;
         let vocab = net.config.vocab_size.min(248044);
         let tokens: Vec<u32> = (0..prompt.max(2048) as u32).map(|i| (i * 7919 + 13) % vocab as u32).collect();
         let prompt_tokens = &tokens[..prompt];
@@ -137,7 +143,7 @@ pub fn run(report: &mut String, ordinal: usize, specs: &[String], quants: &[Stri
             exact_logits = g.forward(prompt_tokens, &mut st, Logits::Last)?;
             Ok(())
         })?;
-        g.precision = Precision::TensorCores;
+        g.precision = precision;
         let diff = tc_logits.iter().zip(&exact_logits).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         let same_top = argmax(&tc_logits) == argmax(&exact_logits);
 

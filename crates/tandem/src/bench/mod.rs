@@ -99,9 +99,10 @@ Default model: synthetic:qwen3.5-0.8b. --quick: a run of a minute or two (fewer 
 repetitions and tokens). The Markdown report goes to stdout and, with a JSON file of every raw
 run and SVG plots, to --out (default ./tandem-bench).
 
---sections cuda [--device cuda:N] [--model M1,M2] [--prompts 2048] [--decode-tokens 64]:
+--sections cuda [--device cuda:N] [--model M1,M2] [--quant bf16,q4_k,q4_k-fast] [--prompts 2048] [--decode-tokens 64]:
 the CUDA engine on GPU N against the GPU's measured tensor-core peak and memory bandwidth
-(default models synthetic:qwen3.5-0.8b and synthetic:qwen3.5-9b).
+(default models synthetic:qwen3.5-0.8b and synthetic:qwen3.5-9b, weights bf16; -fast: GPU
+precision=fast, the k-quant decode products against int8 inputs).
 
 --sections serve [--model M] [engine options as for tandem serve] [--max-concurrent N]
                  [--input-len 512] [--output-len 128] [--concurrency 1,8,32,64,128,256]

@@ -141,23 +141,20 @@ struct KQuantChunk {
         }
         return r;
     }
-    // acc[m] += the unit's values · token m's integer inputs q (block_input's, before their
-    // scale: BlockRows applies it to the row's sum), from the inputs' sums. Each run's products are summed in integers, exactly
-    // (Q4_K: 32 · 15 · 32767 < 2^24, so its conversion to f32 is exact too; Q5_K's values go
-    // to 31, so its runs are summed in halves of 16).
-    template <int T>
-    __device__ static void dot(const Raw& r, int u, const uint4* q, const int* sums, int k, int t, float* acc) {
-        int run = u % 4, units = k / U, stride = k / 8;
+    // The unit's two runs' scales times d (dl, dh) and minimums times -dmin (ml, mh).
+    __device__ static void scales(const Raw& r, int run, float& dl, float& ml, float& dh, float& mh) {
         float d = f16_bits_to_f32(r.head.x & 0xffffu), dmin = f16_bits_to_f32(r.head.x >> 16);
         float sc0, m0, sc1, m1;
         scale_min_k4_pair(run, r.head.y, r.head.z, r.head.w, sc0, m0, sc1, m1);
-        float dl = d * sc0, ml = -(dmin * m0), dh = d * sc1, mh = -(dmin * m1);
-        // Words w of the unit's first and second 16 bytes: values 4 w .. 4 w + 3 and 16 + 4 w ..
-        // of the first run (low nibbles, pieces w / 2 and 2 + w / 2) and of the second (high
-        // nibbles, pieces 4 + w / 2 and 6 + w / 2).
+        dl = d * sc0; ml = -(dmin * m0); dh = d * sc1; mh = -(dmin * m1);
+    }
+    // The unit's integers, four bytes a word: word w of la holds values 4 w .. 4 w + 3 of the
+    // first run, of lb values 16 + 4 w .. 16 + 4 w + 3 (the low nibbles of the unit's first and
+    // second 16 bytes); ua and ub the same of the second run (the high nibbles); Q5_K's fifth
+    // bits added.
+    __device__ static void integers(const Raw& r, int run, u32* la, u32* lb, u32* ua, u32* ub) {
         u32 qa[4] = {r.qa.x, r.qa.y, r.qa.z, r.qa.w}, qb[4] = {r.qb.x, r.qb.y, r.qb.z, r.qb.w};
         u32 ha[4] = {r.ha.x, r.ha.y, r.ha.z, r.ha.w}, hb[4] = {r.hb.x, r.hb.y, r.hb.z, r.hb.w};
-        u32 la[4], lb[4], ua[4], ub[4];
 #pragma unroll
         for (int w = 0; w < 4; w++) {
             la[w] = qa[w] & 0x0f0f0f0fu;
@@ -171,6 +168,18 @@ struct KQuantChunk {
                 ub[w] |= ((hb[w] >> (2 * run + 1)) & 0x01010101u) << 4;
             }
         }
+    }
+    // acc[m] += the unit's values · token m's integer inputs q (block_input's, before their
+    // scale: BlockRows applies it to the row's sum), from the inputs' sums. Each run's products are summed in integers, exactly
+    // (Q4_K: 32 · 15 · 32767 < 2^24, so its conversion to f32 is exact too; Q5_K's values go
+    // to 31, so its runs are summed in halves of 16).
+    template <int T>
+    __device__ static void dot(const Raw& r, int u, const uint4* q, const int* sums, int k, int t, float* acc) {
+        int run = u % 4, units = k / U, stride = k / 8;
+        float dl, ml, dh, mh;
+        scales(r, run, dl, ml, dh, mh);
+        u32 la[4], lb[4], ua[4], ub[4];
+        integers(r, run, la, lb, ua, ub);
 #pragma unroll
         for (int m = 0; m < T; m++) {
             if (m < t) {
@@ -220,14 +229,12 @@ struct BlockChunk<BLOCK_Q6_K> {
         r.d = block_d<BLOCK_Q6_K>(row, k, b);
         return r;
     }
-    template <int T>
-    __device__ static void dot(const Raw& r, int c, const uint4* q, const int* sums, int k, int t, float* acc) {
-        int j = c % 8, half = j / 4, l0 = 8 * (j % 4), units = k / U, stride = k / 8;
+    // Part p's 8 integers (0..63, the format's 32 not yet subtracted), two words of four bytes,
+    // and its scale times d.
+    __device__ static void integers(const Raw& r, int c, u32 (*wq)[2], float* ds) {
+        int j = c % 8, half = j / 4, l0 = 8 * (j % 4);
         u32 sc[4] = {r.c.x, r.c.y, r.c.z, r.c.w};
         u32 qa[2] = {r.a.x, r.a.y}, qb[2] = {r.a.z, r.a.w}, qh[2] = {r.b.x, r.b.y};
-        // Part p's 8 integers (0..63, the format's 32 not yet subtracted) and its scale.
-        u32 wq[4][2];
-        float ds[4];
 #pragma unroll
         for (int p = 0; p < 4; p++) {
             int s = 8 * half + 2 * p + l0 / 16;
@@ -235,6 +242,13 @@ struct BlockChunk<BLOCK_Q6_K> {
 #pragma unroll
             for (int w = 0; w < 2; w++) wq[p][w] = (((p % 2 == 0 ? qa[w] : qb[w]) >> (p < 2 ? 0 : 4)) & 0x0f0f0f0fu) | (((qh[w] >> (2 * p)) & 0x03030303u) << 4);
         }
+    }
+    template <int T>
+    __device__ static void dot(const Raw& r, int c, const uint4* q, const int* sums, int k, int t, float* acc) {
+        int units = k / U, stride = k / 8;
+        u32 wq[4][2];
+        float ds[4];
+        integers(r, c, wq, ds);
 #pragma unroll
         for (int m = 0; m < T; m++) {
             if (m < t) {
@@ -323,6 +337,123 @@ struct BlockChunk<BLOCK_Q4_0> {
     }
 };
 
+// The k-quants against int8 inputs (GPU precision=fast, as the CPU engine's precision=fast
+// multiplies them: backend/cpu/kernels/matmul/blocks_a8.rs). The token's inputs are quantized
+// per 256 values as int8_dot.rs quantize_block does it (s = max |v| / 127, q = v / s rounded to
+// nearest, ties to even; a block holding a NaN or an infinity: s = NaN, q = 0; all zeros: s = 0):
+// block_input8 writes them in the order the lanes read them, with the sums of the integers the
+// format needs (a Q4_K / Q5_K run's 32, a Q6_K piece's 8) and each 256 values' s. A unit's
+// products are four an instruction (__dp4a: four bytes of weights times four int8 inputs, added
+// to a 32-bit sum), half the instructions and half the input bytes of the 16-bit inputs above;
+// every run's sum is an exact integer (32 · 31 · 127 < 2^24), scaled in f32 by the run's
+// d · scale and the block's s.
+//
+// Token m's inputs: piece p (PB = U / 4 bytes) of unit u at byte m · k + (p · units + u) · PB;
+// its sum j at sums[m · (k / 8) + j · units + u]; the s of its 256 values b at
+// scales[m · (k / 256) + b], scales = sums + t · (k / 8) as floats.
+template <int F> struct BlockChunk8;
+
+template <int F>
+struct KQuantChunk8 {
+    // R: rows a GEMV warp takes at once, sharing its lanes' inputs (bench-block-gemv.sh: one was
+    // fastest for Q4_K, two for Q6_K, whose units read more inputs per byte of weights).
+    static constexpr int U = 64, NS = 2, PB = 16, PRE = 2, R = 1;
+    typedef typename KQuantChunk<F>::Raw Raw;
+    // A unit's inputs for one token: its four pieces of 16 (pieces 0, 1 the first run, 2, 3 the
+    // second), the two runs' sums and the block's s.
+    struct In {
+        uint4 p[4];
+        int s0, s1;
+        float s;
+    };
+    __device__ static int piece_start(int u, int p) { return 64 * u + 16 * p; }
+    __device__ static Raw load(const unsigned char* row, int k, int u) { return KQuantChunk<F>::load(row, k, u); }
+    __device__ static In inputs(const unsigned char* q, const int* sums, const float* scales, int u, int k, int m) {
+        int units = k / U;
+        const uint4* x = (const uint4*)(q + (size_t)m * k) + u;
+        const int* s = sums + (size_t)m * (k / 8) + u;
+        In in;
+#pragma unroll
+        for (int p = 0; p < 4; p++) in.p[p] = x[(size_t)p * units];
+        in.s0 = s[0];
+        in.s1 = s[units];
+        in.s = scales[(size_t)m * (k / 256) + u / 4];
+        return in;
+    }
+    // A unit's weights as the products take them (decoded once for all of a step's tokens).
+    struct Dec {
+        float dl, ml, dh, mh;
+        u32 la[4], lb[4], ua[4], ub[4];
+    };
+    __device__ static Dec decode(const Raw& r, int u) {
+        Dec w;
+        KQuantChunk<F>::scales(r, u % 4, w.dl, w.ml, w.dh, w.mh);
+        KQuantChunk<F>::integers(r, u % 4, w.la, w.lb, w.ua, w.ub);
+        return w;
+    }
+    // The unit's values · one token's inputs.
+    __device__ static float dot(const Dec& w, const In& in) {
+        u32 x0[4] = {in.p[0].x, in.p[0].y, in.p[0].z, in.p[0].w}, x1[4] = {in.p[1].x, in.p[1].y, in.p[1].z, in.p[1].w};
+        u32 x2[4] = {in.p[2].x, in.p[2].y, in.p[2].z, in.p[2].w}, x3[4] = {in.p[3].x, in.p[3].y, in.p[3].z, in.p[3].w};
+        int lo = 0, hi = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            lo = __dp4a((int)w.la[i], (int)x0[i], __dp4a((int)w.lb[i], (int)x1[i], lo));
+            hi = __dp4a((int)w.ua[i], (int)x2[i], __dp4a((int)w.ub[i], (int)x3[i], hi));
+        }
+        return in.s * fmaf(w.dl, (float)lo, fmaf(w.dh, (float)hi, fmaf(w.ml, (float)in.s0, w.mh * (float)in.s1)));
+    }
+};
+template <> struct BlockChunk8<BLOCK_Q4_K> : KQuantChunk8<BLOCK_Q4_K> {};
+template <> struct BlockChunk8<BLOCK_Q5_K> : KQuantChunk8<BLOCK_Q5_K> {};
+
+template <>
+struct BlockChunk8<BLOCK_Q6_K> {
+    typedef BlockChunk<BLOCK_Q6_K> C16;
+    static constexpr int U = 32, NS = 4, PB = 8, PRE = 4, R = 2;
+    typedef C16::Raw Raw;
+    // A unit's inputs for one token: its four pieces of 8 (one per part), their sums, the
+    // block's s.
+    struct In {
+        uint2 p[4];
+        int s[4];
+        float s256;
+    };
+    __device__ static int piece_start(int c, int p) { return C16::piece_start(c, p); }
+    __device__ static Raw load(const unsigned char* row, int k, int c) { return C16::load(row, k, c); }
+    __device__ static In inputs(const unsigned char* q, const int* sums, const float* scales, int c, int k, int m) {
+        int units = k / U;
+        const uint2* x = (const uint2*)(q + (size_t)m * k) + c;
+        const int* s = sums + (size_t)m * (k / 8) + c;
+        In in;
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            in.p[p] = x[(size_t)p * units];
+            in.s[p] = s[(size_t)p * units];
+        }
+        in.s256 = scales[(size_t)m * (k / 256) + c / 8];
+        return in;
+    }
+    struct Dec {
+        u32 wq[4][2];
+        float ds[4];
+    };
+    __device__ static Dec decode(const Raw& r, int c) {
+        Dec w;
+        C16::integers(r, c, w.wq, w.ds);
+        return w;
+    }
+    __device__ static float dot(const Dec& w, const In& in) {
+        float part = 0.0f;
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            int i = __dp4a((int)w.wq[p][1], (int)in.p[p].y, __dp4a((int)w.wq[p][0], (int)in.p[p].x, 0)) - 32 * in.s[p];
+            part = fmaf(w.ds[p], (float)i, part);
+        }
+        return in.s256 * part;
+    }
+};
+
 // Value i of a row as the CPU's plain dequantizer computes it (model/blocks dequantize_block:
 // a scale times an integer, then less the minimum, each rounded).
 template <int F>
@@ -388,25 +519,31 @@ __device__ void embed_blocks_body(const unsigned char* table, const u32* ids, fl
 // this, so it is spread over SMs (on an H200 a 9B decode step ran 4% faster than with one
 // block per row holding its values in registers).
 #define BLOCK_INPUT_PARTS 8
+// The 1/rms of row xm (k values; 1 where scale is null: the inputs are not normalised), found
+// by the whole block.
+__device__ float block_input_inv_rms(const float* xm, const float* scale, int k, float eps) {
+    __shared__ float squares[8];
+    if (!scale) return 1.0f;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float ss = warp_sum(thread_squares(xm, k));
+    if (lane == 0) squares[warp] = ss;
+    __syncthreads();
+    return inv_rms_of(squares, k, eps);
+}
+// Input value i as the products take it: normalised where scale is not null, rounded to bf16
+// with round_in.
+__device__ __forceinline__ float block_input_value(const float* xm, const float* scale, float inv, int round_in, int i) {
+    float v = scale ? xm[i] * inv * scale[i] : xm[i];
+    return round_in ? round_bf16(v) : v;
+}
 template <int F>
 __device__ void block_input_body(const float* x, const float* scale, int k, float eps, int round_in, unsigned* q, unsigned* sums) {
     typedef BlockChunk<F> C;
     constexpr int P = C::U / 8;
-    __shared__ float squares[8];
     int m = blockIdx.x / BLOCK_INPUT_PARTS, part = blockIdx.x % BLOCK_INPUT_PARTS, t = gridDim.x / BLOCK_INPUT_PARTS;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const float* xm = x + (size_t)m * k;
-    float inv = 1.0f;
-    if (scale) {
-        float ss = warp_sum(thread_squares(xm, k));
-        if (lane == 0) squares[warp] = ss;
-        __syncthreads();
-        inv = inv_rms_of(squares, k, eps);
-    }
-    auto value = [&](int i) {
-        float v = scale ? xm[i] * inv * scale[i] : xm[i];
-        return round_in ? round_bf16(v) : v;
-    };
+    float inv = block_input_inv_rms(xm, scale, k, eps);
+    auto value = [&](int i) { return block_input_value(xm, scale, inv, round_in, i); };
     float most = 0.0f;
     for (int i = threadIdx.x; i < k; i += 256) most = fmaxf(most, fabsf(value(i)));
     most = block_reduce(most, 0.0f, Max());
@@ -446,6 +583,78 @@ extern "C" __global__ void __launch_bounds__(256) block_input(const float* x, co
     case BLOCK_Q4_K: block_input_body<BLOCK_Q4_K>(x, scale, k, eps, round_in, q, sums); break;
     case BLOCK_Q5_K: block_input_body<BLOCK_Q5_K>(x, scale, k, eps, round_in, q, sums); break;
     default: block_input_body<BLOCK_Q6_K>(x, scale, k, eps, round_in, q, sums); break;
+    }
+}
+
+// The int8 inputs of a k-quant GEMV (BlockChunk8): row m of x normalised and rounded as
+// block_input does it, quantized per 256 values (the CPU's quantize_block), in the lanes'
+// order, with the sums and scales BlockChunk8 reads. A thread per piece, the pieces of 256
+// values in consecutive lanes (16 or 32: their largest |v| found across them); each of the
+// BLOCK_INPUT_PARTS blocks of a row takes its share of the 256s.
+template <int F>
+__device__ void block_input8_body(const float* x, const float* scale, int k, float eps, int round_in, unsigned char* q, unsigned* sums) {
+    typedef BlockChunk8<F> C;
+    constexpr int P = 4, PB = C::PB, G = 256 / PB, SG = P / C::NS;
+    int m = blockIdx.x / BLOCK_INPUT_PARTS, part = blockIdx.x % BLOCK_INPUT_PARTS, t = gridDim.x / BLOCK_INPUT_PARTS;
+    const float* xm = x + (size_t)m * k;
+    float inv = block_input_inv_rms(xm, scale, k, eps);
+    int nb = k / 256, units = k / C::U, stride = k / 8, per = (nb + BLOCK_INPUT_PARTS - 1) / BLOCK_INPUT_PARTS;
+    int first = part * per * G, end = min(nb, (part + 1) * per) * G;
+    unsigned char* qm = q + (size_t)m * k;
+    unsigned* sm = sums + (size_t)m * stride;
+    float* scales = (float*)sums + (size_t)t * stride + (size_t)m * nb;
+    for (int base = first; base < end; base += 256) {
+        int g = base + threadIdx.x, u = g / P, p = g % P;
+        bool live = g < end;
+        float v[PB], most = 0.0f;
+        bool bad = false;
+        if (live) {
+            int at = C::piece_start(u, p);
+#pragma unroll
+            for (int j = 0; j < PB; j++) {
+                v[j] = block_input_value(xm, scale, inv, round_in, at + j);
+                most = fmaxf(most, fabsf(v[j]));
+                bad |= v[j] != v[j];
+            }
+        }
+        // The 256 values' largest |v| and whether one is NaN, across their G lanes.
+#pragma unroll
+        for (int o = 1; o < G; o <<= 1) {
+            most = fmaxf(most, __shfl_xor_sync(0xffffffffu, most, o));
+            bad |= __shfl_xor_sync(0xffffffffu, (int)bad, o) != 0;
+        }
+        bad |= most - most != 0.0f;  // an infinity
+        float s = bad ? __int_as_float(0x7fc00000) : most / 127.0f;
+        int sum = 0;
+        if (live) {
+            u32 packed[PB / 4];
+#pragma unroll
+            for (int w = 0; w < PB / 4; w++) {
+                u32 word = 0;
+#pragma unroll
+                for (int b = 0; b < 4; b++) {
+                    int i = bad || most == 0.0f ? 0 : max(-127, min(127, __float2int_rn(__fdiv_rn(v[4 * w + b], s))));
+                    sum += i;
+                    word |= ((u32)i & 0xffu) << (8 * b);
+                }
+                packed[w] = word;
+            }
+            unsigned char* dst = qm + ((size_t)p * units + u) * PB;
+            if (PB == 16) *(uint4*)dst = make_uint4(packed[0], packed[1], packed[2], packed[3 % (PB / 4)]);
+            else *(uint2*)dst = make_uint2(packed[0], packed[1 % (PB / 4)]);
+        }
+#pragma unroll
+        for (int o = 1; o < SG; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (live && p % SG == 0) sm[(size_t)(p / SG) * units + u] = (u32)sum;
+        if (live && g % G == 0) scales[g / G] = s;
+    }
+}
+extern "C" __global__ void __launch_bounds__(256) block_input8(const float* x, const float* scale, int k, float eps, int round_in, int format, unsigned char* q, unsigned* sums) {
+    pdl_enter();
+    switch (format) {
+    case BLOCK_Q4_K: block_input8_body<BLOCK_Q4_K>(x, scale, k, eps, round_in, q, sums); break;
+    case BLOCK_Q5_K: block_input8_body<BLOCK_Q5_K>(x, scale, k, eps, round_in, q, sums); break;
+    default: block_input8_body<BLOCK_Q6_K>(x, scale, k, eps, round_in, q, sums); break;
     }
 }
 

@@ -252,22 +252,141 @@ GEMV_KERNEL(gemv_t8_glu, 8, IN_NORM, true)
 // The same GEMVs of block-format weights (blocks.cu), one kernel per format, tokens (1, 2, 4 or
 // 8) and output: gemv_<format>_t<T>_<plain|glu>, their inputs from block_input (which
 // normalises them where the bf16 GEMV's IN_NORM would).
-#define GEMV_BLOCKS_KERNEL(NAME, F, T, GLU)                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) NAME(const unsigned char* w0, float* o0, int n0, const unsigned char* w1, float* o1, int n1, \
-                                                           const unsigned char* w2, float* o2, int n2, const unsigned char* w3, float* o3, int n3,   \
-                                                           const float* x, const float* x2, const float* rms_inv, int k, int t, int rb, int accumulate, float eps, \
-                                                           int round_in) {                                                                         \
+// (The parameters of every block GEMV kernel, 16-bit or int8 inputs: backend/cuda/kernels/mod.rs
+// GemvBlocksParams.)
+#define GEMV_BLOCKS_PARAMS                                                                                                     \
+    const unsigned char *w0, float *o0, int n0, const unsigned char *w1, float *o1, int n1, const unsigned char *w2, float *o2, \
+        int n2, const unsigned char *w3, float *o3, int n3, const float *x, const float *x2, const float *rms_inv, int k, int t,  \
+        int rb, int accumulate, float eps, int round_in
+#define GEMV_BLOCKS_KERNEL(NAME, F, T, GLU)                                        \
+    extern "C" __global__ void __launch_bounds__(256) NAME(GEMV_BLOCKS_PARAMS) { \
         gemv_body<BlockRows<F>, T, IN_PLAIN, GLU>(w0, o0, n0, w1, o1, n1, w2, o2, n2, w3, o3, n3, x, x2, rms_inv, k, t, rb, accumulate, eps, round_in); \
     }
-#define GEMV_BLOCKS_T(SUFFIX, F, T)                                    \
-    GEMV_BLOCKS_KERNEL(gemv_##SUFFIX##_t##T##_plain, F, T, false) \
-    GEMV_BLOCKS_KERNEL(gemv_##SUFFIX##_t##T##_glu, F, T, true)
-#define GEMV_BLOCKS(SUFFIX, F) GEMV_BLOCKS_T(SUFFIX, F, 1) GEMV_BLOCKS_T(SUFFIX, F, 2) GEMV_BLOCKS_T(SUFFIX, F, 4) GEMV_BLOCKS_T(SUFFIX, F, 8)
-GEMV_BLOCKS(q4_0, BLOCK_Q4_0)
-GEMV_BLOCKS(q8_0, BLOCK_Q8_0)
-GEMV_BLOCKS(q4_k, BLOCK_Q4_K)
-GEMV_BLOCKS(q5_k, BLOCK_Q5_K)
-GEMV_BLOCKS(q6_k, BLOCK_Q6_K)
+// KERNEL(NAME_t<T>_<plain|glu>, F, T, GLU) for T = 1, 2, 4, 8.
+#define GEMV_BLOCKS_T(KERNEL, NAME, F, T) KERNEL(NAME##_t##T##_plain, F, T, false) KERNEL(NAME##_t##T##_glu, F, T, true)
+#define GEMV_BLOCKS(KERNEL, NAME, F) GEMV_BLOCKS_T(KERNEL, NAME, F, 1) GEMV_BLOCKS_T(KERNEL, NAME, F, 2) GEMV_BLOCKS_T(KERNEL, NAME, F, 4) GEMV_BLOCKS_T(KERNEL, NAME, F, 8)
+GEMV_BLOCKS(GEMV_BLOCKS_KERNEL, gemv_q4_0, BLOCK_Q4_0)
+GEMV_BLOCKS(GEMV_BLOCKS_KERNEL, gemv_q8_0, BLOCK_Q8_0)
+GEMV_BLOCKS(GEMV_BLOCKS_KERNEL, gemv_q4_k, BLOCK_Q4_K)
+GEMV_BLOCKS(GEMV_BLOCKS_KERNEL, gemv_q5_k, BLOCK_Q5_K)
+GEMV_BLOCKS(GEMV_BLOCKS_KERNEL, gemv_q6_k, BLOCK_Q6_K)
+
+// The k-quant GEMVs against int8 inputs (block_input8's; precision=fast): the matrices,
+// tokens, SwiGLU and `accumulate` of gemv_body, but each warp takes BlockChunk8<F>::R rows
+// whole, loading each unit's inputs once for all of them, and a block 8 R rows of one matrix
+// (with GLU, 8 R rows of gate and up in turn: 4 R outputs). Its lanes take a unit at a time
+// (a lane per 64 or 32 values), the first PRE loaded before the kernel waits for its input.
+// (The same products through gemv_body, its warps per row chosen at run time, ran 8-28% slower
+// on an H200 than this shape: scripts/bench-block-gemv.sh.) `rms_inv`, `rb` and `eps` are
+// gemv_body's and unused: block_input8 normalised the inputs.
+template <int F, int T, bool GLU>
+__device__ void gemv_a8_body(const unsigned char* w0, float* o0, int n0, const unsigned char* w1, float* o1, int n1, const unsigned char* w2, float* o2, int n2,
+                             const unsigned char* w3, float* o3, int n3, const float* x, const float* x2, int k, int t, int accumulate, int round_in) {
+    typedef BlockChunk8<F> C;
+    constexpr int R = C::R, PRE = C::PRE, ROWS = 8 * R;
+    __shared__ float vals[GLU ? ROWS : 1][T];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, block = blockIdx.x;
+    // This block's matrix (selects, not an indexed array: registers) and its rows: with GLU the
+    // list of gate and up rows in turn.
+    const unsigned char* w = w0;
+    float* out = o0;
+    int n = GLU ? 2 * n0 : n0;
+    if (!GLU) {
+        int b0 = (n0 + ROWS - 1) / ROWS, b1 = (n1 + ROWS - 1) / ROWS, b2 = (n2 + ROWS - 1) / ROWS;
+        if (block >= b0) { block -= b0; w = w1; out = o1; n = n1;
+            if (block >= b1) { block -= b1; w = w2; out = o2; n = n2;
+                if (block >= b2) { block -= b2; w = w3; out = o3; n = n3; } } }
+    }
+    int first = block * ROWS + warp * R, kc = k / C::U;
+    size_t row_bytes = block_row_bytes<F>(k);
+    const unsigned char* rows[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        int li = min(first + i, n - 1);
+        rows[i] = GLU ? ((li & 1) ? w1 : w0) + (size_t)(li >> 1) * row_bytes : w + (size_t)li * row_bytes;
+    }
+    typename C::Raw pre[PRE][R];
+#pragma unroll
+    for (int j = 0; j < PRE; j++)
+        if (lane + 32 * j < kc)
+#pragma unroll
+            for (int i = 0; i < R; i++) pre[j][i] = C::load(rows[i], k, lane + 32 * j);
+    pdl_enter();
+    const unsigned char* q = (const unsigned char*)x;
+    const int* sums = (const int*)x2;
+    const float* scales = x2 + (size_t)t * (k / 8);
+    float acc[R][T];
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int m = 0; m < T; m++) acc[i][m] = 0.0f;
+    // Unit c of the warp's rows: each row's weights decoded once, each token's inputs loaded
+    // once. Token 0's (t >= 1) are loaded before the decoding, so that their loads overlap it
+    // (loaded after it, behind the `m < t` test, the 9B's Q4_K GEMVs ran 5-11% slower on an
+    // H200: bench-block-gemv.sh's "1 row a warp" against the engine's).
+    auto unit = [&](const typename C::Raw* raw, int c) {
+        typename C::In in = C::inputs(q, sums, scales, c, k, 0);
+        typename C::Dec d[R];
+#pragma unroll
+        for (int i = 0; i < R; i++) d[i] = C::decode(raw[i], c);
+#pragma unroll
+        for (int m = 0; m < T; m++) {
+            if (m < t) {
+                if (m > 0) in = C::inputs(q, sums, scales, c, k, m);
+#pragma unroll
+                for (int i = 0; i < R; i++) acc[i][m] += C::dot(d[i], in);
+            }
+        }
+    };
+#pragma unroll
+    for (int j = 0; j < PRE; j++)
+        if (lane + 32 * j < kc) unit(pre[j], lane + 32 * j);
+    // Past those, one unit in flight per lane.
+#pragma unroll 1
+    for (int c = lane + 32 * PRE; c < kc; c += 32) {
+        typename C::Raw raw[R];
+#pragma unroll
+        for (int i = 0; i < R; i++) raw[i] = C::load(rows[i], k, c);
+        unit(raw, c);
+    }
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int m = 0; m < T; m++) acc[i][m] = warp_sum(acc[i][m]);
+    if (!GLU) {
+        if (lane == 0)
+#pragma unroll
+            for (int i = 0; i < R; i++)
+                if (first + i < n)
+#pragma unroll
+                    for (int m = 0; m < T; m++)
+                        if (m < t) {
+                            size_t at = (size_t)m * n + first + i;
+                            out[at] = (accumulate ? out[at] : 0.0f) + acc[i][m];
+                        }
+        return;
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int i = 0; i < R; i++)
+#pragma unroll
+            for (int m = 0; m < T; m++) vals[warp * R + i][m] = acc[i][m];
+    __syncthreads();
+    // Thread p * T + m: output row p of this block's 4 R, token m.
+    int p = threadIdx.x / T, m = threadIdx.x % T, row = block * (ROWS / 2) + p;
+    if (p < ROWS / 2 && m < t && row < n0) {
+        float g = vals[2 * p][m], u = vals[2 * p + 1][m];
+        if (round_in) { g = round_bf16(g); u = round_bf16(u); }
+        o0[(size_t)m * n0 + row] = siluf_(g) * u;
+    }
+}
+#define GEMV_BLOCKS8_KERNEL(NAME, F, T, GLU)                                       \
+    extern "C" __global__ void __launch_bounds__(256) NAME(GEMV_BLOCKS_PARAMS) { \
+        gemv_a8_body<F, T, GLU>(w0, o0, n0, w1, o1, n1, w2, o2, n2, w3, o3, n3, x, x2, k, t, accumulate, round_in); \
+    }
+GEMV_BLOCKS(GEMV_BLOCKS8_KERNEL, gemv_q4_k_a8, BLOCK_Q4_K)
+GEMV_BLOCKS(GEMV_BLOCKS8_KERNEL, gemv_q5_k_a8, BLOCK_Q5_K)
+GEMV_BLOCKS(GEMV_BLOCKS8_KERNEL, gemv_q6_k_a8, BLOCK_Q6_K)
 
 // The decode GEMV of one token over rows of 1024 (the 0.8B model's input projections and its
 // LM head) as a stream: warp g of the W in the grid (a grid the GPU runs at once) takes rows

@@ -141,6 +141,40 @@ static BlockGemv block_gemv(int f, int t, bool glu) {
     int ti = t == 1 ? 0 : t == 2 ? 1 : t <= 4 ? 2 : 3;
     return all[f][2 * ti + glu];
 }
+// The k-quant GEMV of format f against int8 inputs (gemv_<f>_a8_t<T>_<plain|glu>).
+static BlockGemv block_gemv8(int f, int t, bool glu) {
+#define BLOCK_GEMV8_OF(S) { gemv_##S##_a8_t1_plain, gemv_##S##_a8_t1_glu, gemv_##S##_a8_t2_plain, gemv_##S##_a8_t2_glu, gemv_##S##_a8_t4_plain, gemv_##S##_a8_t4_glu, gemv_##S##_a8_t8_plain, gemv_##S##_a8_t8_glu }
+    static const BlockGemv all[3][8] = {BLOCK_GEMV8_OF(q4_k), BLOCK_GEMV8_OF(q5_k), BLOCK_GEMV8_OF(q6_k)};
+    int ti = t == 1 ? 0 : t == 2 ? 1 : t <= 4 ? 2 : 3;
+    return all[f - BLOCK_Q4_K][2 * ti + glu];
+}
+
+// block_input8's output for k-quant F in the rows' own order (as block_input_natural): token
+// m's int8 of value c at natural[m * k + c], and whether each unit's sums are its pieces'.
+template <int F>
+static std::vector<short> block_input8_natural(const std::vector<unsigned>& q, const std::vector<unsigned>& sums, int t, int k, bool& ok) {
+    typedef BlockChunk8<F> C;
+    const int units = k / C::U, stride = k / 8, per_sum = 4 / C::NS;
+    const signed char* qi = (const signed char*)q.data();
+    std::vector<short> natural((size_t)t * k);
+    std::vector<int> seen((size_t)t * k, 0);
+    for (int m = 0; m < t; m++)
+        for (int u = 0; u < units; u++) {
+            int total[4] = {0, 0, 0, 0};
+            for (int p = 0; p < 4; p++) {
+                int at = C::piece_start(u, p);
+                for (int i = 0; i < C::PB; i++) {
+                    short v = qi[(size_t)m * k + ((size_t)p * units + u) * C::PB + i];
+                    natural[(size_t)m * k + at + i] = v;
+                    seen[(size_t)m * k + at + i]++;
+                    total[p / per_sum] += v;
+                }
+            }
+            for (int j = 0; j < C::NS; j++) ok = ok && (int)sums[(size_t)m * stride + (size_t)j * units + u] == total[j];
+        }
+    for (int n : seen) ok = ok && n == 1;
+    return natural;
+}
 
 // block_input's output for format F in the rows' own order: token m's integer of value c at
 // natural[m * k + c] (each value written once, else `ok` is cleared), and whether each of a
@@ -170,10 +204,17 @@ static std::vector<short> block_input_natural(const std::vector<unsigned>& q, co
     return natural;
 }
 
-static void check_gemv_blocks(const FormatInfo& f, int t, bool norm, int rb, bool accumulate, std::vector<int> rows, bool round = false, bool glu = false) {
+// With `a8` (k-quants only) the inputs are block_input8's int8 per 256 values and the GEMV
+// gemv_<f>_a8_*; else block_input's 16-bit integers per row.
+static void check_gemv_blocks(const FormatInfo& f, int t, bool norm, int rb, bool accumulate, std::vector<int> rows, bool round = false, bool glu = false, bool a8 = false) {
     const int k = 512;
     const float eps = 1e-6f;
     auto x = random((size_t)t * k, -2, 2), scale = random(k, 0.5, 1.5);
+    if (a8) {
+        // A 256 with one large value (the others round to few levels) and one of zeros.
+        x[7] = 40.0f;
+        for (int c = 256; c < 512 && t > 1; c++) x[k + c] = 0.0f;
+    }
     rows.resize(4, 0);
     if (glu) rows = {rows[0], rows[0], 0, 0};
     std::vector<std::vector<float>> wf(4), out(4);
@@ -185,44 +226,67 @@ static void check_gemv_blocks(const FormatInfo& f, int t, bool norm, int rb, boo
         out[j] = random((size_t)t * std::max(rows[j], 1), -1, 1);
         if (!glu) units += (rows[j] + rb - 1) / rb;
     }
-    const int groups = k / 8;
-    std::vector<unsigned> q((size_t)t * k / 2), sums((size_t)t * groups + t);
-    launch(t * BLOCK_INPUT_PARTS, 1, 1, 256, [&] { block_input(x.data(), norm ? scale.data() : nullptr, k, eps, round, f.id, q.data(), sums.data()); });
+    const int groups = k / 8, nb = k / 256, span = a8 ? 256 : k;
+    std::vector<unsigned> q((size_t)t * k / 2), sums((size_t)t * groups + t * nb + t);
     bool ints = true;
-    std::vector<short> natural = f.id == BLOCK_Q4_0 ? block_input_natural<BLOCK_Q4_0>(q, sums, t, k, ints)
-                               : f.id == BLOCK_Q8_0 ? block_input_natural<BLOCK_Q8_0>(q, sums, t, k, ints)
-                               : f.id == BLOCK_Q4_K ? block_input_natural<BLOCK_Q4_K>(q, sums, t, k, ints)
-                               : f.id == BLOCK_Q5_K ? block_input_natural<BLOCK_Q5_K>(q, sums, t, k, ints)
-                                                    : block_input_natural<BLOCK_Q6_K>(q, sums, t, k, ints);
+    std::vector<short> natural;
+    if (a8) {
+        launch(t * BLOCK_INPUT_PARTS, 1, 1, 256, [&] { block_input8(x.data(), norm ? scale.data() : nullptr, k, eps, round, f.id, (unsigned char*)q.data(), sums.data()); });
+        natural = f.id == BLOCK_Q4_K ? block_input8_natural<BLOCK_Q4_K>(q, sums, t, k, ints)
+                : f.id == BLOCK_Q5_K ? block_input8_natural<BLOCK_Q5_K>(q, sums, t, k, ints)
+                                     : block_input8_natural<BLOCK_Q6_K>(q, sums, t, k, ints);
+    } else {
+        launch(t * BLOCK_INPUT_PARTS, 1, 1, 256, [&] { block_input(x.data(), norm ? scale.data() : nullptr, k, eps, round, f.id, q.data(), sums.data()); });
+        natural = f.id == BLOCK_Q4_0 ? block_input_natural<BLOCK_Q4_0>(q, sums, t, k, ints)
+                : f.id == BLOCK_Q8_0 ? block_input_natural<BLOCK_Q8_0>(q, sums, t, k, ints)
+                : f.id == BLOCK_Q4_K ? block_input_natural<BLOCK_Q4_K>(q, sums, t, k, ints)
+                : f.id == BLOCK_Q5_K ? block_input_natural<BLOCK_Q5_K>(q, sums, t, k, ints)
+                                     : block_input_natural<BLOCK_Q6_K>(q, sums, t, k, ints);
+    }
     const short* qi = natural.data();
-    std::vector<float> s(t);
+    // The inputs' scale of each span (a row, or with a8 each 256 values) of each token.
+    const int spans = k / span, top = a8 ? 127 : 32767;
+    std::vector<float> s((size_t)t * spans);
     for (int m = 0; m < t; m++) {
-        double ss = 0, most = 0;
+        double ss = 0;
         for (int c = 0; c < k; c++) ss += (double)x[m * k + c] * x[m * k + c];
         double inv = norm ? 1 / std::sqrt(ss / k + eps) : 1;
         std::vector<double> v(k);
         for (int c = 0; c < k; c++) {
             v[c] = x[m * k + c] * inv * (norm ? scale[c] : 1.0f);
             if (round) v[c] = round_bf16((float)v[c]);
-            most = std::max(most, std::fabs(v[c]));
         }
-        memcpy(&s[m], &sums[(size_t)t * groups + m], 4);
-        ints = ints && std::fabs(s[m] - most / 32767) <= 1e-5 * most / 32767;
-        // (v / s is up to 32767, and the kernel's v and 1 / s are f32: a value near a half
-        // rounds either way.)
-        for (int c = 0; c < k; c++) ints = ints && std::fabs(qi[m * k + c] - v[c] / s[m]) <= 0.5 + 32767 * 4.0 / (1 << 24);
+        for (int b = 0; b < spans; b++) {
+            double most = 0;
+            for (int c = b * span; c < (b + 1) * span; c++) most = std::max(most, std::fabs(v[c]));
+            float& sb = s[(size_t)m * spans + b];
+            memcpy(&sb, a8 ? &sums[(size_t)t * groups + (size_t)m * nb + b] : &sums[(size_t)t * groups + m], 4);
+            if (most == 0) {
+                ints = ints && sb == 0.0f;
+                for (int c = b * span; c < (b + 1) * span; c++) ints = ints && qi[m * k + c] == 0;
+                continue;
+            }
+            ints = ints && std::fabs(sb - most / top) <= 1e-5 * most / top;
+            // (v / s is up to `top`, and the kernel's v and s are f32: a value near a half
+            // rounds either way.)
+            for (int c = b * span; c < (b + 1) * span; c++) ints = ints && std::abs(qi[m * k + c]) <= top && std::fabs(qi[m * k + c] - v[c] / sb) <= 0.5 + top * 4.0 / (1 << 24);
+        }
     }
-    std::string name = std::string("gemv ") + f.name + " t" + gemv_t(t) + (glu ? " glu" : norm ? " norm" : " plain") + ", " + std::to_string(t) + (t == 1 ? " token, " : " tokens, ") + std::to_string(rb) +
-                       " rows per block" + (accumulate && !glu ? ", adding" : "") + (round ? ", inputs rounded to bf16" : "");
+    std::string name = std::string("gemv ") + f.name + (a8 ? " a8" : "") + " t" + gemv_t(t) + (glu ? " glu" : norm ? " norm" : " plain") + ", " + std::to_string(t) + (t == 1 ? " token, " : " tokens, ") + std::to_string(rb) +
+                       (a8 ? " rows per block (unused: 8 R rows a block)" : " rows per block") + (accumulate && !glu ? ", adding" : "") + (round ? ", inputs rounded to bf16" : "");
     failures += !ints;
-    printf("%s block_input for %s: integers v / s rounded, in the lanes' order, their units' sums exact\n", ints ? "ok  " : "FAIL", name.c_str());
+    printf("%s %s for %s: integers v / s rounded, in the lanes' order, their units' sums exact\n", ints ? "ok  " : "FAIL", a8 ? "block_input8" : "block_input", name.c_str());
     std::vector<std::vector<double>> want(4);
     for (int j = 0; j < 4; j++) want[j].assign(out[j].begin(), out[j].end());
     for (int m = 0; m < t; m++) {
         auto product = [&](int j, int r) {
             double acc = 0;
-            for (int c = 0; c < k; c++) acc += (double)wf[j][(size_t)r * k + c] * qi[m * k + c];
-            return acc * s[m];
+            for (int b = 0; b < spans; b++) {
+                double part = 0;
+                for (int c = b * span; c < (b + 1) * span; c++) part += (double)wf[j][(size_t)r * k + c] * qi[m * k + c];
+                acc += part * s[(size_t)m * spans + b];
+            }
+            return acc;
         };
         for (int j = 0; j < 4; j++)
             for (int r = 0; r < rows[j]; r++) {
@@ -236,7 +300,13 @@ static void check_gemv_blocks(const FormatInfo& f, int t, bool norm, int rb, boo
                 }
             }
     }
-    auto kernel = block_gemv(f.id, t, glu);
+    auto kernel = a8 ? block_gemv8(f.id, t, glu) : block_gemv(f.id, t, glu);
+    if (a8) {
+        // A block per 8 R rows of one matrix (gate and up rows in turn with GLU); rb unused.
+        int rows_per = 8 * (f.id == BLOCK_Q6_K ? BlockChunk8<BLOCK_Q6_K>::R : BlockChunk8<BLOCK_Q4_K>::R);
+        units = glu ? (2 * rows[0] + rows_per - 1) / rows_per : 0;
+        for (int j = 0; j < 4 && !glu; j++) units += (rows[j] + rows_per - 1) / rows_per;
+    }
     launch(units, 1, 1, 256, [&] {
         kernel(w[0].data(), out[0].data(), rows[0], w[1].data(), out[1].data(), rows[1], w[2].data(), out[2].data(), rows[2], w[3].data(), out[3].data(), rows[3],
                (const float*)q.data(), (const float*)sums.data(), nullptr, k, t, rb, glu ? 0 : accumulate, eps, round);
@@ -262,6 +332,18 @@ static void check_gemv_kernels() {
         check_gemv_blocks(f, 2, true, 4, false, {33, 8}, true);
         check_gemv_blocks(f, 8, false, 4, true, {13}, true);
         check_gemv_blocks(f, 1, true, 8, false, {21}, false, true);
+    }
+    // The k-quants against int8 inputs: every shape above for Q4_K and Q6_K, one token and
+    // gate and up for Q5_K.
+    for (const auto& f : {FORMATS[2], FORMATS[3], FORMATS[4]}) {
+        check_gemv_blocks(f, 1, true, 2, false, {40, 24, 3, 5}, false, false, true);
+        check_gemv_blocks(f, 4, true, 2, false, {9}, true, true, true);
+    }
+    for (const auto& f : {FORMATS[2], FORMATS[4]}) {
+        check_gemv_blocks(f, 5, true, 8, false, {17, 9}, false, false, true);
+        check_gemv_blocks(f, 3, false, 1, true, {11}, false, false, true);
+        check_gemv_blocks(f, 8, false, 4, true, {13}, true, false, true);
+        check_gemv_blocks(f, 1, true, 8, false, {21}, false, true, true);
     }
     check_gemv(1, true, false, 2, false, {40, 24, 3, 5});
     check_gemv(5, true, true, 8, false, {17, 9});

@@ -104,6 +104,31 @@ pub fn gemv_kernels(f: BlockFormat, t: usize) -> [Kernel<GemvBlocksParams>; 2] {
     ALL[index(f)][ti]
 }
 
+/// The decode GEMV of k-quant `f` against int8 inputs (`Precision::Fast`) for `t` tokens,
+/// [glu, plain], and the rows a block of it takes (blocks.cu BlockChunk8: 8 warps of R rows);
+/// None for the formats that keep their 16-bit inputs under fast (Q4_0, Q8_0, as the CPU
+/// engine's precision=fast keeps them exact).
+pub fn gemv_a8_kernels(f: BlockFormat, t: usize) -> Option<([Kernel<GemvBlocksParams>; 2], usize)> {
+    const ALL: [[[Kernel<GemvBlocksParams>; 2]; 4]; 3] = [
+        [[k::GEMV_Q4_K_A8_T1_GLU, k::GEMV_Q4_K_A8_T1_PLAIN], [k::GEMV_Q4_K_A8_T2_GLU, k::GEMV_Q4_K_A8_T2_PLAIN], [k::GEMV_Q4_K_A8_T4_GLU, k::GEMV_Q4_K_A8_T4_PLAIN], [k::GEMV_Q4_K_A8_T8_GLU, k::GEMV_Q4_K_A8_T8_PLAIN]],
+        [[k::GEMV_Q5_K_A8_T1_GLU, k::GEMV_Q5_K_A8_T1_PLAIN], [k::GEMV_Q5_K_A8_T2_GLU, k::GEMV_Q5_K_A8_T2_PLAIN], [k::GEMV_Q5_K_A8_T4_GLU, k::GEMV_Q5_K_A8_T4_PLAIN], [k::GEMV_Q5_K_A8_T8_GLU, k::GEMV_Q5_K_A8_T8_PLAIN]],
+        [[k::GEMV_Q6_K_A8_T1_GLU, k::GEMV_Q6_K_A8_T1_PLAIN], [k::GEMV_Q6_K_A8_T2_GLU, k::GEMV_Q6_K_A8_T2_PLAIN], [k::GEMV_Q6_K_A8_T4_GLU, k::GEMV_Q6_K_A8_T4_PLAIN], [k::GEMV_Q6_K_A8_T8_GLU, k::GEMV_Q6_K_A8_T8_PLAIN]],
+    ];
+    let (fi, rows_per_warp) = match f {
+        BlockFormat::Q4_K => (0, 1),
+        BlockFormat::Q5_K => (1, 1),
+        BlockFormat::Q6_K => (2, 2),
+        _ => return None,
+    };
+    let ti = match t {
+        1 => 0,
+        2 => 1,
+        3 | 4 => 2,
+        _ => 3,
+    };
+    Some((ALL[fi][ti], 8 * rows_per_warp))
+}
+
 /// The kernel that dequantizes a matrix of format `f` (for a GEMM's weights).
 pub fn dequantize_kernel(f: BlockFormat) -> Kernel<DequantizeRowsParams> {
     [k::DEQUANTIZE_ROWS_Q4_0, k::DEQUANTIZE_ROWS_Q8_0, k::DEQUANTIZE_ROWS_Q4_K, k::DEQUANTIZE_ROWS_Q5_K, k::DEQUANTIZE_ROWS_Q6_K][index(f)]

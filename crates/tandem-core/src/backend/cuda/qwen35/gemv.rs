@@ -64,7 +64,7 @@ impl GpuQwen35 {
         let (accumulate, eps) = ((output == GemvOut::Add) as i32, self.config.rms_norm_eps);
         // With tensor-core precision the GEMV multiplies the bf16-rounded inputs, as the GEMM
         // does (kernels/gemv.cu): a sequence's products do not depend on which one its step takes.
-        let round_in = (self.precision == Precision::TensorCores) as i32;
+        let round_in = self.precision.tensor_cores() as i32;
         if t == 1 && k == GEMV_STREAM_K {
             // One token, rows of 1024: every warp streams through rows (as many blocks as run
             // at once, fewer where the rows run out first). On an H200 (bench's GEMV table) the
@@ -111,18 +111,29 @@ impl GpuQwen35 {
     fn gemv_blocks(&self, ws: &Workspace, input: GemvInput, f: BlockFormat, mats: &[(MatrixRows, DevPtr<f32>)], x: DevPtr<f32>, k: usize, t: usize, output: GemvOut) -> Result<()> {
         let g = &self.gpu;
         let glu = output == GemvOut::SwiGlu;
+        // (Fast keeps Q4_0's and Q8_0's inputs f32, as the CPU engine's fast keeps those exact.)
         let (eps, round_in) = (self.config.rms_norm_eps, (self.precision == Precision::TensorCores) as i32);
         let scale = match input {
             GemvInput::Norm(scale) => scale,
             GemvInput::Plain => DevPtr::NULL,
         };
         let (q, sums) = (g.ptr(&ws.block_q), g.ptr(&ws.block_sums));
-        g.launch(k::BLOCK_INPUT, Grid::x(t * blocks::BLOCK_INPUT_PARTS, 256), (x, scale, k as i32, eps, round_in, blocks::index(f) as i32, q, sums))?;
-        let [glu_kernel, plain_kernel] = blocks::gemv_kernels(f, t);
-        let kernel = if glu { glu_kernel } else { plain_kernel };
         let m = |j: usize| mats.get(j).map_or((DevPtr::NULL, DevPtr::NULL, 0), |&(w, out)| (w.w.reinterpret::<u8>(), out, w.rows as i32));
         let (m0, m1, m2, m3) = (m(0), m(1), m(2), m(3));
         let accumulate = (output == GemvOut::Add) as i32;
+        let (xq, x2) = (q.reinterpret::<f32>(), sums.reinterpret::<f32>());
+        if let Some(([glu_kernel, plain_kernel], rows_per_block)) = (self.precision == Precision::Fast).then(|| blocks::gemv_a8_kernels(f, t)).flatten() {
+            // Int8 inputs (the CPU engine's precision=fast for these blocks, which does not
+            // round them to bf16 first): a block per `rows_per_block` rows of one matrix (of gate
+            // and up rows in turn with the SwiGLU).
+            g.launch(k::BLOCK_INPUT8, Grid::x(t * blocks::BLOCK_INPUT_PARTS, 256), (x, scale, k as i32, eps, 0, blocks::index(f) as i32, q.reinterpret::<u8>(), sums))?;
+            let grid = if glu { (2 * mats[0].0.rows).div_ceil(rows_per_block) } else { mats.iter().map(|m| m.0.rows.div_ceil(rows_per_block)).sum() };
+            let args = (m0.0, m0.1, m0.2, m1.0, m1.1, m1.2, m2.0, m2.1, m2.2, m3.0, m3.1, m3.2, xq, x2, DevPtr::NULL, k as i32, t as i32, rows_per_block as i32, accumulate, eps, 0);
+            return g.launch(if glu { glu_kernel } else { plain_kernel }, Grid::x(grid, 256), args);
+        }
+        g.launch(k::BLOCK_INPUT, Grid::x(t * blocks::BLOCK_INPUT_PARTS, 256), (x, scale, k as i32, eps, round_in, blocks::index(f) as i32, q, sums))?;
+        let [glu_kernel, plain_kernel] = blocks::gemv_kernels(f, t);
+        let kernel = if glu { glu_kernel } else { plain_kernel };
         // Rows per block as the bf16 GEMV chooses them, each warp's lanes taking a unit of the
         // format's values at a time (more warps per row only while each lane has one).
         let resident = g.resident_blocks(kernel)? as usize;
@@ -130,7 +141,6 @@ impl GpuQwen35 {
         let unit = blocks::unit_values(f);
         let allowed = [8usize, 4, 2, 1].into_iter().filter(|&rb| (rb == 8 || (8 / rb) * 32 * unit <= k) && !(glu && rb == 1));
         let rb = allowed.clone().find(|&rb| 2 * units(rb) >= resident).unwrap_or_else(|| allowed.last().unwrap_or(8));
-        let (xq, x2) = (q.reinterpret::<f32>(), sums.reinterpret::<f32>());
         let args = (m0.0, m0.1, m0.2, m1.0, m1.1, m1.2, m2.0, m2.1, m2.2, m3.0, m3.1, m3.2, xq, x2, DevPtr::NULL, k as i32, t as i32, rb as i32, accumulate, eps, round_in);
         g.launch(kernel, Grid::x(units(rb), 256), args)
     }

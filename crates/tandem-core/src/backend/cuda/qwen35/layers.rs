@@ -107,7 +107,7 @@ impl GpuQwen35 {
                 self.rms_norm(x, g.ptr(norm), NormOut::F32(xn), t, k)?;
                 GemmInput::F32(xn)
             }
-            Precision::TensorCores => {
+            Precision::TensorCores | Precision::Fast => {
                 let xb = g.ptr(&ws.xb);
                 self.rms_norm(x, g.ptr(norm), NormOut::Bf16(xb), t, k)?;
                 GemmInput::Bf16(xb)
@@ -149,7 +149,7 @@ impl GpuQwen35 {
         self.project(ws, x, norm, t, &[(qkv, g.ptr(&ws.qkv)), (z, g.ptr(&ws.z)), (b, g.ptr(&ws.beta)), (a, g.ptr(&ws.alpha))])?;
         // Where every sequence takes the prefill path and the out projection is a tensor-core
         // GEMM, the gated norm writes that GEMM's bf16 operand itself.
-        let norm_to_bf16 = t > GEMV_MAX_T && self.precision == Precision::TensorCores && rows.iter().all(|r| r.count > GEMV_MAX_T);
+        let norm_to_bf16 = t > GEMV_MAX_T && self.precision.tensor_cores() && rows.iter().all(|r| r.count > GEMV_MAX_T);
         if ws.packed {
             self.deltanet_chunked_packed(m, ws, li, rows, norm_to_bf16)?;
             let input = if norm_to_bf16 { Input::Bf16Ready } else { Input::F32(g.ptr(&ws.core)) };
@@ -505,7 +505,7 @@ impl GpuQwen35 {
             return self.mlp_gemv(l, ws, t);
         }
         match self.precision {
-            Precision::TensorCores => self.mlp_tensor_cores(l, ws, t),
+            Precision::TensorCores | Precision::Fast => self.mlp_tensor_cores(l, ws, t),
             Precision::Exact => self.mlp_exact(l, ws, t),
         }
     }

@@ -70,6 +70,17 @@ pub enum Precision {
     /// prefills and large decode batches, the GEMV on the same rounded inputs for the rest,
     /// so that a sequence's products are the same whichever kernel its step takes.
     TensorCores,
+    /// `TensorCores`, and the decode GEMVs of Q4_K, Q5_K and Q6_K blocks against the inputs
+    /// quantized to int8 per 256 values (kernels/blocks.cu block_input8): the CPU engine's
+    /// precision=fast for those blocks (W4A8 / W6A8), four products an instruction.
+    Fast,
+}
+
+impl Precision {
+    /// Whether prefills and large decode batches take the tensor cores on bf16-rounded inputs.
+    pub fn tensor_cores(self) -> bool {
+        matches!(self, Precision::TensorCores | Precision::Fast)
+    }
 }
 
 /// The most positions one decode row can see: the decode attention splits them into at most
@@ -611,7 +622,7 @@ impl GpuQwen35 {
     /// Whether a prefill's products, state walk and attention run on tensor cores (bf16
     /// operands): the precision asks for them and the GPU has bf16 mma.
     fn prefills_on_tensor_cores(&self) -> bool {
-        self.precision == Precision::TensorCores && self.gpu.bf16_mma
+        self.precision.tensor_cores() && self.gpu.bf16_mma
     }
 
     /// The dtype of the recurrent states this engine makes.

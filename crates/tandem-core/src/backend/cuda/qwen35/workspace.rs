@@ -23,9 +23,9 @@ pub(super) struct Workspace {
     pub(super) x: CudaSlice<f32>,
     /// 1 / rms of each row of a long GEMV input (gemv).
     pub(super) rms_inv: CudaSlice<f32>,
-    /// A block-format GEMV's inputs as 16-bit integers (two a word) in the order its lanes read
-    /// them, then the sums its format needs and each row's scale (kernels/blocks.cu
-    /// block_input).
+    /// A block-format GEMV's inputs as 16-bit integers (two a word), or with `Precision::Fast`
+    /// a k-quant's as int8, in the order its lanes read them, then the sums its format needs
+    /// and the scales (kernels/blocks.cu block_input, block_input8).
     pub(super) block_q: CudaSlice<u32>,
     pub(super) block_sums: CudaSlice<u32>,
     /// The normalised rows of an exact prefill's GEMM input.
@@ -117,7 +117,7 @@ impl Workspace {
     pub(super) fn batched(net: &GpuQwen35, n: usize) -> Result<Workspace> {
         let gemv_max = match net.precision {
             _ if net.has_block_weights() => usize::MAX,
-            Precision::TensorCores => (net.decode_gemm_from - 1).clamp(1, GEMV_MAX_T),
+            Precision::TensorCores | Precision::Fast => (net.decode_gemm_from - 1).clamp(1, GEMV_MAX_T),
             Precision::Exact => GEMV_MAX_T,
         };
         Workspace::with(net, n, n, n, gemv_max, true)
@@ -136,7 +136,7 @@ impl Workspace {
         let (h, cd, vd, hv, f) = (c.hidden_size, c.linear_conv_dim(), c.linear_value_dim(), c.linear_num_value_heads, c.intermediate_size);
         let (qd, kvd) = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
         let widest = h.max(vd).max(qd).max(f);
-        let xb = if rows > gemv_max && net.precision == Precision::TensorCores { rows * widest } else { 1 };
+        let xb = if rows > gemv_max && net.precision.tensor_cores() { rows * widest } else { 1 };
         let xn = if rows > gemv_max && net.precision == Precision::Exact { rows * h } else { 1 };
         let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
         let chunked = if rows > GEMV_MAX_T && !batched { rows } else { 0 };
@@ -150,7 +150,7 @@ impl Workspace {
             x: g.scratch(rows * h)?,
             rms_inv: g.scratch(rows.min(GEMV_MAX_T))?,
             block_q: g.scratch(if net.block_weights { rows.min(GEMV_MAX_T) * widest / 2 } else { 0 })?,
-            block_sums: g.scratch(if net.block_weights { rows.min(GEMV_MAX_T) * (widest / 8 + 1) } else { 0 })?,
+            block_sums: g.scratch(if net.block_weights { rows.min(GEMV_MAX_T) * (widest / 8 + widest / 256 + 1) } else { 0 })?,
             xn: g.scratch(xn)?,
             in_proj: g.scratch(stacked * DeltaNet::in_proj_starts(c)[4])?,
             qkv: g.scratch(split * cd)?,
