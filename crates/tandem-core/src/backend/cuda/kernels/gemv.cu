@@ -276,8 +276,9 @@ GEMV_BLOCKS(GEMV_BLOCKS_KERNEL, gemv_q6_k, BLOCK_Q6_K)
 // whole, loading each unit's inputs once for all of them, and a block 8 R rows of one matrix
 // (with GLU, 8 R rows of gate and up in turn: 4 R outputs). Its lanes take a unit at a time
 // (a lane per 64 or 32 values), the first PRE loaded before the kernel waits for its input.
-// (The same products through gemv_body, its warps per row chosen at run time, ran 8-28% slower
-// on an H200 than this shape: scripts/bench-block-gemv.sh.) `rms_inv`, `rb` and `eps` are
+// (The same products through gemv_body, its warps per row chosen at run time, ran 9-10% slower
+// on an H200 than a row a warp for three of the 9B's Q4_K shapes, 3% faster for MLP down, and
+// 37% slower than two rows a warp for the Q6_K LM head: scripts/bench-block-gemv.sh.) `rms_inv`, `rb` and `eps` are
 // gemv_body's and unused: block_input8 normalised the inputs.
 template <int F, int T, bool GLU>
 __device__ void gemv_a8_body(const unsigned char* w0, float* o0, int n0, const unsigned char* w1, float* o1, int n1, const unsigned char* w2, float* o2, int n2,

@@ -95,13 +95,17 @@ pub fn gemv_kernels(f: BlockFormat, t: usize) -> [Kernel<GemvBlocksParams>; 2] {
         [[k::GEMV_Q5_K_T1_GLU, k::GEMV_Q5_K_T1_PLAIN], [k::GEMV_Q5_K_T2_GLU, k::GEMV_Q5_K_T2_PLAIN], [k::GEMV_Q5_K_T4_GLU, k::GEMV_Q5_K_T4_PLAIN], [k::GEMV_Q5_K_T8_GLU, k::GEMV_Q5_K_T8_PLAIN]],
         [[k::GEMV_Q6_K_T1_GLU, k::GEMV_Q6_K_T1_PLAIN], [k::GEMV_Q6_K_T2_GLU, k::GEMV_Q6_K_T2_PLAIN], [k::GEMV_Q6_K_T4_GLU, k::GEMV_Q6_K_T4_PLAIN], [k::GEMV_Q6_K_T8_GLU, k::GEMV_Q6_K_T8_PLAIN]],
     ];
-    let ti = match t {
+    ALL[index(f)][token_kernel(t)]
+}
+
+/// Which of a format's GEMV kernels (for 1, 2, 4 or 8 tokens) takes a launch of `t` tokens.
+fn token_kernel(t: usize) -> usize {
+    match t {
         1 => 0,
         2 => 1,
         3 | 4 => 2,
         _ => 3,
-    };
-    ALL[index(f)][ti]
+    }
 }
 
 /// The decode GEMV of k-quant `f` against int8 inputs (`Precision::Fast`) for `t` tokens,
@@ -120,13 +124,7 @@ pub fn gemv_a8_kernels(f: BlockFormat, t: usize) -> Option<([Kernel<GemvBlocksPa
         BlockFormat::Q6_K => (2, 2),
         _ => return None,
     };
-    let ti = match t {
-        1 => 0,
-        2 => 1,
-        3 | 4 => 2,
-        _ => 3,
-    };
-    Some((ALL[fi][ti], 8 * rows_per_warp))
+    Some((ALL[fi][token_kernel(t)], 8 * rows_per_warp))
 }
 
 /// The kernel that dequantizes a matrix of format `f` (for a GEMM's weights).
